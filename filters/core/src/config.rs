@@ -1,0 +1,118 @@
+//! Configuration parsing shared by every filter: JSON through serde with
+//! unknown fields refused, and errors that name the field path and the bad
+//! value, so one log line tells an operator what to fix.
+
+use serde::de::DeserializeOwned;
+
+/// A configuration error: the dotted field path (`rules[2].when.path.matches`)
+/// and what is wrong with the value found there.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{path}: {message}")]
+pub struct ConfigError {
+    path: String,
+    message: String,
+}
+
+impl ConfigError {
+    /// Creates an error for the field at `path`.
+    pub fn new(path: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+
+    /// The dotted path of the offending field (`configuration` for the whole document).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// What is wrong with the value at [`ConfigError::path`].
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+/// Name used in errors about the configuration document as a whole.
+pub const ROOT: &str = "configuration";
+
+/// Parses a JSON configuration document into `T`, refusing unknown fields
+/// (when `T` says so) and reporting the path of the first bad field.
+pub fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ConfigError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(ConfigError::new(
+            ROOT,
+            "empty; expected a JSON object (use {} for the defaults)",
+        ));
+    }
+    // serde also accepts structs written as arrays; a configuration is an object.
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(ConfigError::new(ROOT, "expected a JSON object"));
+    }
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value: T = serde_path_to_error::deserialize(&mut de).map_err(|err| {
+        let path = err.path().to_string();
+        let path = if path == "." { ROOT.to_string() } else { path };
+        ConfigError::new(path, err.into_inner().to_string())
+    })?;
+    de.end()
+        .map_err(|err| ConfigError::new(ROOT, err.to_string()))?;
+    Ok(value)
+}
+
+/// Quotes a value for an error message the way JSON would, so empty strings
+/// and whitespace stay visible.
+pub fn quoted(value: &str) -> String {
+    serde_json::to_string(value).unwrap_or_else(|_| format!("{value:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Outer {
+        #[allow(dead_code)]
+        items: Vec<Inner>,
+    }
+
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Inner {
+        #[allow(dead_code)]
+        size: u8,
+    }
+
+    #[test]
+    fn errors_name_the_field_path() {
+        let cases: &[(&str, &str)] = &[
+            (
+                r#"{"items":[{"size":1},{"size":300}]}"#,
+                "items[1].size: invalid value: integer `300`, expected u8 at line 1 column 32",
+            ),
+            (
+                r#"{"items":[{"sise":1}]}"#,
+                "items[0].sise: unknown field `sise`, expected `size` at line 1 column 17",
+            ),
+            (
+                r#"{"items":[], "extra": true}"#,
+                "extra: unknown field `extra`, expected `items` at line 1 column 20",
+            ),
+            (
+                "",
+                "configuration: empty; expected a JSON object (use {} for the defaults)",
+            ),
+            ("[1]", "configuration: expected a JSON object"),
+            (
+                r#"{"items":[]} trailing"#,
+                "configuration: trailing characters at line 1 column 14",
+            ),
+        ];
+        for (input, expected) in cases {
+            let err = from_json::<Outer>(input.as_bytes()).unwrap_err();
+            assert_eq!(err.to_string(), *expected, "input: {input}");
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! Names zerolayer's filters use between themselves. One place, so every
+//! filter strips, writes and reads exactly the same ones.
+//!
+//! Filters hand results to later filters of the same request through a
+//! *property* whose path is a single segment starting with `wasmx.`:
+//! - Envoy stores it as per-stream filter state (`wasm.wasmx.…`), readable by
+//!   later Wasm filters, by `%FILTER_STATE(…)%` in access logs and by route
+//!   header formatters; it never becomes a header, so it cannot leak upstream.
+//! - Kong (ngx_wasm_module) joins path segments with dots and keeps
+//!   `wasmx.*` host properties per request, shared by the filter chain.
+//! - host-sim implements both behaviours.
+//!
+//! A two-segment path (`["wasmx", "x"]`) does not round-trip in Envoy, which is
+//! why the dot is inside the one segment.
+
+/// Property holding the activation decision as a comma list of observer names.
+pub const OBSERVERS_PROPERTY: &str = "wasmx.zerolayer_observers";
+
+/// Envoy filter-state key of [`OBSERVERS_PROPERTY`] (for access logs).
+pub const OBSERVERS_FILTER_STATE: &str = "wasm.wasmx.zerolayer_observers";
+
+/// Response header carrying the decision when the operator enables debugging.
+pub const DEBUG_RESPONSE_HEADER: &str = "x-zerolayer-debug";
+
+/// Prefix of every header name zerolayer reserves. A client-sent request
+/// header with it is removed by the first zerolayer filter, so no client can
+/// impersonate a decision, whatever name a later version adds.
+pub const INTERNAL_HEADER_PREFIX: &str = "x-zerolayer-";
+
+/// Whether `name` is one of zerolayer's reserved header names (any case).
+pub fn is_internal_header(name: &str) -> bool {
+    name.len() >= INTERNAL_HEADER_PREFIX.len()
+        && name.as_bytes()[..INTERNAL_HEADER_PREFIX.len()]
+            .eq_ignore_ascii_case(INTERNAL_HEADER_PREFIX.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn internal_header_names() {
+        assert!(is_internal_header("x-zerolayer-observers"));
+        assert!(is_internal_header("X-ZeroLayer-Anything"));
+        assert!(is_internal_header(DEBUG_RESPONSE_HEADER));
+        assert!(!is_internal_header("x-zerolayer"));
+        assert!(!is_internal_header("x-request-id"));
+        assert!(!is_internal_header("é"));
+    }
+}

@@ -1,0 +1,17 @@
+//! Pure logic shared by the zerolayer filters, with no Proxy-Wasm dependency so
+//! it builds and tests natively: configuration parsing, the activation rule
+//! engine, request-id sampling and the internal names filters agree on.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+pub mod activation;
+pub mod config;
+pub mod internal;
+pub mod metrics;
+pub mod observers;
+pub mod sampling;
+
+pub use config::ConfigError;
+pub use observers::{ObserverId, ObserverNames, ObserverSet};

@@ -1,0 +1,21 @@
+# Thin recipes over `cargo xtask` (which needs nothing but cargo and python3).
+
+# Run the demo: the filters inside real Envoy, per-request decisions printed.
+demo *args:
+    cargo xtask demo {{args}}
+
+# Run every test, as CI does.
+test:
+    cargo xtask test
+
+# Install the wasm target and the pinned Envoy into .venv.
+setup:
+    cargo xtask setup
+
+# Build every filter as .wasm.
+build-wasm:
+    cargo xtask build-wasm
+
+# Criterion benchmarks.
+bench:
+    cargo xtask bench

@@ -1,0 +1,107 @@
+//! A small blocking HTTP client for tests and the demo (loopback only, no
+//! proxies from the environment, statuses returned rather than raised).
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+/// A response reduced to what tests look at.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    /// HTTP status.
+    pub status: u16,
+    /// Headers, names lower-case, in order.
+    pub headers: Vec<(String, String)>,
+    /// Body as text.
+    pub body: String,
+}
+
+impl Reply {
+    /// The first value of header `name`.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Sends requests; cheap to clone.
+#[derive(Clone)]
+pub struct Client {
+    agent: ureq::Agent,
+}
+
+impl Default for Client {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Client {
+    /// A client with a 30 s overall timeout.
+    pub fn new() -> Self {
+        let config = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .proxy(None)
+            .timeout_global(Some(Duration::from_secs(30)))
+            .build();
+        Client {
+            agent: config.into(),
+        }
+    }
+
+    /// `GET url` with extra headers.
+    pub fn get(&self, url: &str, headers: &[(&str, &str)]) -> Result<Reply> {
+        let mut request = self.agent.get(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        reply(request.call().with_context(|| format!("GET {url}"))?)
+    }
+
+    /// `method url` with extra headers and a body.
+    pub fn send(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Result<Reply> {
+        let mut request = ureq::http::Request::builder().method(method).uri(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request
+            .body(body.to_string())
+            .context("building the request")?;
+        reply(
+            self.agent
+                .run(request)
+                .with_context(|| format!("{method} {url}"))?,
+        )
+    }
+}
+
+fn reply(mut response: ureq::http::Response<ureq::Body>) -> Result<Reply> {
+    let status = response.status().as_u16();
+    let headers = response
+        .headers()
+        .iter()
+        .map(|(n, v)| {
+            (
+                n.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect();
+    let body = response
+        .body_mut()
+        .read_to_string()
+        .context("reading the body")?;
+    Ok(Reply {
+        status,
+        headers,
+        body,
+    })
+}

@@ -1,0 +1,464 @@
+//! Real Envoy, started from the project's own configuration files.
+//!
+//! [`EnvoyConfig`] loads a shipped config from `envoy/` and adapts only what a
+//! test run needs (ports, the upstream address, absolute `.wasm` paths, a
+//! test's filter configuration); [`Envoy`] runs it on free loopback ports and
+//! stops it by PID when dropped.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail};
+use serde_yaml::Value;
+
+use crate::client::Client;
+use crate::paths;
+
+/// An Envoy bootstrap document being prepared for a run.
+#[derive(Debug, Clone)]
+pub struct EnvoyConfig {
+    doc: Value,
+    name: String,
+}
+
+impl EnvoyConfig {
+    /// Loads a YAML bootstrap.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let doc =
+            serde_yaml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "envoy".into());
+        Ok(EnvoyConfig { doc, name })
+    }
+
+    /// Loads `envoy/<name>`.
+    pub fn shipped(name: &str) -> Result<Self> {
+        Self::load(&paths::envoy_config(name))
+    }
+
+    /// Prepares the config for a loopback run: admin and listeners on port 0,
+    /// every static cluster pointed at `upstream`, `.wasm` paths absolute.
+    pub fn for_run(mut self, upstream: SocketAddr) -> Result<Self> {
+        set_path(
+            &mut self.doc,
+            &["admin", "address", "socket_address", "port_value"],
+            Value::from(0),
+        )?;
+        for listener in seq_mut(&mut self.doc, &["static_resources", "listeners"])? {
+            set_path(
+                listener,
+                &["address", "socket_address", "port_value"],
+                Value::from(0),
+            )?;
+        }
+        for cluster in seq_mut(&mut self.doc, &["static_resources", "clusters"])? {
+            let Some(endpoints) = lookup_mut(cluster, &["load_assignment", "endpoints"]) else {
+                continue;
+            };
+            for group in endpoints.as_sequence_mut().into_iter().flatten() {
+                for ep in group
+                    .get_mut("lb_endpoints")
+                    .and_then(Value::as_sequence_mut)
+                    .into_iter()
+                    .flatten()
+                {
+                    let addr = ["endpoint", "address", "socket_address"];
+                    set_path(
+                        ep,
+                        &[&addr[..], &["address"]].concat(),
+                        Value::from(upstream.ip().to_string()),
+                    )?;
+                    set_path(
+                        ep,
+                        &[&addr[..], &["port_value"]].concat(),
+                        Value::from(upstream.port()),
+                    )?;
+                }
+            }
+        }
+        let root = paths::root();
+        let filename = [
+            "typed_config",
+            "config",
+            "vm_config",
+            "code",
+            "local",
+            "filename",
+        ];
+        for filter in self.wasm_filters_mut()? {
+            if let Some(file) = lookup_mut(filter, &filename)
+                && let Some(rel) = file.as_str()
+            {
+                let abs = root.join(rel);
+                *file = Value::from(abs.to_string_lossy().into_owned());
+            }
+        }
+        Ok(self)
+    }
+
+    /// The JSON configuration of the Wasm filter named `filter`.
+    pub fn wasm_filter_config(&self, filter: &str) -> Result<String> {
+        let mut copy = self.clone();
+        let value = copy.wasm_config_value(filter)?;
+        value
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| anyhow!("filter {filter}: configuration.value is not a string"))
+    }
+
+    /// Replaces the JSON configuration of the Wasm filter named `filter`.
+    pub fn set_wasm_filter_config(&mut self, filter: &str, json: &str) -> Result<()> {
+        *self.wasm_config_value(filter)? = Value::from(json);
+        Ok(())
+    }
+
+    /// Adds a request header to every route (Envoy's formatter syntax allowed,
+    /// e.g. `%FILTER_STATE(…)%`): how a test shows what later filters saw.
+    pub fn add_route_request_header(&mut self, key: &str, value: &str) -> Result<()> {
+        let header: Value = serde_yaml::from_str(&format!(
+            "{{header: {{key: {key}, value: {}}}, append_action: OVERWRITE_IF_EXISTS_OR_ADD}}",
+            serde_json::to_string(value)?
+        ))?;
+        let mut routes = 0;
+        for vhost in self.virtual_hosts_mut()? {
+            for route in vhost
+                .get_mut("routes")
+                .and_then(Value::as_sequence_mut)
+                .into_iter()
+                .flatten()
+            {
+                let map = route
+                    .as_mapping_mut()
+                    .ok_or_else(|| anyhow!("route is not a map"))?;
+                let list = map
+                    .entry(Value::from("request_headers_to_add"))
+                    .or_insert_with(|| Value::Sequence(vec![]));
+                list.as_sequence_mut()
+                    .ok_or_else(|| anyhow!("request_headers_to_add is not a list"))?
+                    .push(header.clone());
+                routes += 1;
+            }
+        }
+        if routes == 0 {
+            bail!("no routes in {}", self.name);
+        }
+        Ok(())
+    }
+
+    /// Writes the document into `dir` and returns its path.
+    pub fn write(&self, dir: &Path) -> Result<PathBuf> {
+        let path = dir.join(format!("{}.yaml", self.name));
+        std::fs::write(&path, serde_yaml::to_string(&self.doc)?)?;
+        Ok(path)
+    }
+
+    fn http_connection_managers_mut(&mut self) -> Result<Vec<&mut Value>> {
+        let mut out = vec![];
+        for listener in seq_mut(&mut self.doc, &["static_resources", "listeners"])? {
+            for chain in listener
+                .get_mut("filter_chains")
+                .and_then(Value::as_sequence_mut)
+                .into_iter()
+                .flatten()
+            {
+                for filter in chain
+                    .get_mut("filters")
+                    .and_then(Value::as_sequence_mut)
+                    .into_iter()
+                    .flatten()
+                {
+                    if let Some(hcm) = filter.get_mut("typed_config") {
+                        out.push(hcm);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn virtual_hosts_mut(&mut self) -> Result<Vec<&mut Value>> {
+        let mut out = vec![];
+        for hcm in self.http_connection_managers_mut()? {
+            if let Some(vhosts) =
+                lookup_mut(hcm, &["route_config", "virtual_hosts"]).and_then(Value::as_sequence_mut)
+            {
+                out.extend(vhosts.iter_mut());
+            }
+        }
+        Ok(out)
+    }
+
+    fn wasm_filters_mut(&mut self) -> Result<Vec<&mut Value>> {
+        let mut out = vec![];
+        for hcm in self.http_connection_managers_mut()? {
+            for filter in hcm
+                .get_mut("http_filters")
+                .and_then(Value::as_sequence_mut)
+                .into_iter()
+                .flatten()
+            {
+                let is_wasm = filter
+                    .get("typed_config")
+                    .and_then(|t| t.get("@type"))
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| t.ends_with("envoy.extensions.filters.http.wasm.v3.Wasm"));
+                if is_wasm {
+                    out.push(filter);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn wasm_config_value(&mut self, filter: &str) -> Result<&mut Value> {
+        let name = self.name.clone();
+        self.wasm_filters_mut()?
+            .into_iter()
+            .find(|f| f.get("name").and_then(Value::as_str) == Some(filter))
+            .and_then(|f| lookup_mut(f, &["typed_config", "config", "configuration", "value"]))
+            .ok_or_else(|| {
+                anyhow!("{name}: no Wasm filter named {filter} with a configuration value")
+            })
+    }
+}
+
+fn lookup_mut<'a>(mut value: &'a mut Value, path: &[&str]) -> Option<&'a mut Value> {
+    for key in path {
+        value = value.get_mut(*key)?;
+    }
+    Some(value)
+}
+
+fn set_path(value: &mut Value, path: &[&str], new: Value) -> Result<()> {
+    let target =
+        lookup_mut(value, path).ok_or_else(|| anyhow!("no {} in the config", path.join(".")))?;
+    *target = new;
+    Ok(())
+}
+
+fn seq_mut<'a>(value: &'a mut Value, path: &[&str]) -> Result<std::slice::IterMut<'a, Value>> {
+    Ok(lookup_mut(value, path)
+        .and_then(Value::as_sequence_mut)
+        .ok_or_else(|| anyhow!("no list at {}", path.join(".")))?
+        .iter_mut())
+}
+
+/// The outcome of `envoy --mode validate`.
+#[derive(Debug)]
+pub struct Validation {
+    /// Whether Envoy accepted the config.
+    pub ok: bool,
+    /// Everything Envoy printed.
+    pub output: String,
+}
+
+/// A running Envoy; killed when dropped.
+pub struct Envoy {
+    child: Child,
+    admin: SocketAddr,
+    listener: SocketAddr,
+    dir: tempfile::TempDir,
+    client: Client,
+}
+
+/// How long Envoy may take to become ready (V8 compiles each `.wasm` once).
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Envoy {
+    /// Runs `envoy --mode validate` on `config` (which really loads the Wasm
+    /// and runs its configuration callbacks).
+    pub fn validate(config: &EnvoyConfig) -> Result<Validation> {
+        let dir = tempfile::tempdir()?;
+        let path = config.write(dir.path())?;
+        Self::validate_file(&path)
+    }
+
+    /// Runs `envoy --mode validate` on a file as it is.
+    pub fn validate_file(path: &Path) -> Result<Validation> {
+        let output = Command::new(paths::envoy_binary()?)
+            .args([
+                "--mode",
+                "validate",
+                "--disable-hot-restart",
+                "-l",
+                "info",
+                "-c",
+            ])
+            .arg(path)
+            .current_dir(paths::root())
+            .output()
+            .context("running envoy --mode validate")?;
+        Ok(Validation {
+            ok: output.status.success(),
+            output: format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            ),
+        })
+    }
+
+    /// Starts Envoy with `config` (see [`EnvoyConfig::for_run`]) and waits
+    /// until its admin `/ready` answers 200.
+    pub fn start(config: &EnvoyConfig) -> Result<Envoy> {
+        let dir = tempfile::Builder::new()
+            .prefix("zerolayer-envoy-")
+            .tempdir()?;
+        let path = config.write(dir.path())?;
+        let admin_file = dir.path().join("admin-address");
+        let stdout = std::fs::File::create(dir.path().join("access.log"))?;
+        let child = Command::new(paths::envoy_binary()?)
+            .arg("-c")
+            .arg(&path)
+            .args(["--disable-hot-restart", "--concurrency", "1", "-l", "info"])
+            // Access logs reach the file within 200 ms instead of 10 s.
+            .args(["--file-flush-interval-msec", "200"])
+            .arg("--admin-address-path")
+            .arg(&admin_file)
+            .arg("--log-path")
+            .arg(dir.path().join("envoy.log"))
+            .current_dir(paths::root())
+            .stdout(Stdio::from(stdout))
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting envoy")?;
+        let mut envoy = Envoy {
+            child,
+            admin: SocketAddr::from(([127, 0, 0, 1], 0)),
+            listener: SocketAddr::from(([127, 0, 0, 1], 0)),
+            dir,
+            client: Client::new(),
+        };
+        envoy.wait_ready(&admin_file).map_err(|err| {
+            anyhow!(
+                "Envoy did not become ready: {err:#}\n--- envoy.log (tail) ---\n{}",
+                envoy.log_tail(40)
+            )
+        })?;
+        Ok(envoy)
+    }
+
+    fn wait_ready(&mut self, admin_file: &Path) -> Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("envoy exited with {status}");
+            }
+            if Instant::now() > deadline {
+                bail!("timed out after {READY_TIMEOUT:?}");
+            }
+            if self.admin.port() == 0 {
+                if let Ok(text) = std::fs::read_to_string(admin_file)
+                    && let Ok(addr) = text.trim().parse()
+                {
+                    self.admin = addr;
+                }
+            } else if let Ok(reply) = self.client.get(&self.admin_url("/ready"), &[])
+                && reply.status == 200
+            {
+                self.listener = self.first_listener()?;
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn first_listener(&self) -> Result<SocketAddr> {
+        let reply = self
+            .client
+            .get(&self.admin_url("/listeners?format=json"), &[])?;
+        let doc: serde_json::Value = serde_json::from_str(&reply.body)?;
+        let addr = &doc["listener_statuses"][0]["local_address"]["socket_address"];
+        let ip = addr["address"]
+            .as_str()
+            .ok_or_else(|| anyhow!("no listener address in {}", reply.body))?;
+        let port = addr["port_value"]
+            .as_u64()
+            .ok_or_else(|| anyhow!("no listener port in {}", reply.body))?;
+        Ok(SocketAddr::new(ip.parse()?, u16::try_from(port)?))
+    }
+
+    /// URL of `path` on the listener.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.listener, path)
+    }
+
+    /// URL of `path` on the admin interface.
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+
+    /// The listener's address.
+    pub fn listener(&self) -> SocketAddr {
+        self.listener
+    }
+
+    /// `GET /stats/prometheus`.
+    pub fn prometheus(&self) -> Result<String> {
+        Ok(self
+            .client
+            .get(&self.admin_url("/stats/prometheus"), &[])?
+            .body)
+    }
+
+    /// The value of Prometheus sample `series` (e.g. `name{rule="x"}`), if
+    /// present. Envoy prints unlabelled samples as `name{}`; `name` finds them.
+    pub fn metric(&self, series: &str) -> Result<Option<f64>> {
+        let text = self.prometheus()?;
+        let bare = format!("{series}{{}}");
+        Ok(text.lines().find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == series || name == bare)
+                .then(|| value.parse().ok())
+                .flatten()
+        }))
+    }
+
+    /// Polls until `series` reaches at least `want` (counters are flushed on
+    /// the filters' tick) and returns its value; fails after 10 s.
+    pub fn wait_metric(&self, series: &str, want: f64) -> Result<f64> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let value = self.metric(series)?;
+            if value.is_some_and(|v| v >= want) {
+                return Ok(value.unwrap_or_default());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{series} is {value:?}, wanted {want}; prometheus:\n{}",
+                    self.prometheus()?
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Envoy's own log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
+    }
+
+    /// The access log so far (the shipped configs log to stdout).
+    pub fn access_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("access.log")).unwrap_or_default()
+    }
+
+    fn log_tail(&self, lines: usize) -> String {
+        let log = self.log();
+        let all: Vec<&str> = log.lines().collect();
+        all[all.len().saturating_sub(lines)..].join("\n")
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,14 @@
+//! End-to-end harness shared by the tests and the demo: real Envoy started
+//! from the project's own configs, loopback upstreams, an HTTP client.
+//!
+//! Everything binds to 127.0.0.1 on ports the kernel picks, so tests run in
+//! parallel; every process started here is stopped by PID when dropped.
+
+pub mod client;
+pub mod envoy;
+pub mod paths;
+pub mod upstream;
+
+pub use client::{Client, Reply};
+pub use envoy::{Envoy, EnvoyConfig};
+pub use upstream::{EchoUpstream, SeenRequest};

@@ -1,0 +1,47 @@
+//! Where the project's artifacts live. The test command (`cargo xtask test`)
+//! builds and installs them first; a test that finds one missing fails with
+//! a message saying how to get it, never skips.
+
+use std::path::PathBuf;
+
+use anyhow::{Result, bail};
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.parent().map(PathBuf::from).unwrap_or(here)
+}
+
+/// The built `.wasm` of filter `name` (`activation` → `zerolayer_activation.wasm`).
+pub fn wasm(name: &str) -> Result<PathBuf> {
+    let path = root()
+        .join("target/wasm32-wasip1/wasm")
+        .join(format!("zerolayer_{}.wasm", name.replace('-', "_")));
+    if !path.is_file() {
+        bail!(
+            "{} is missing: build the filters with `cargo xtask build-wasm` (the test command does)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// The project-local Envoy (installed by `cargo xtask setup` into `.venv`),
+/// or `$ZEROLAYER_ENVOY`.
+pub fn envoy_binary() -> Result<PathBuf> {
+    let path = std::env::var_os("ZEROLAYER_ENVOY")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".venv/bin/envoy"));
+    if !path.is_file() {
+        bail!(
+            "Envoy not found at {}: install it with `cargo xtask setup` (the test command does)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// A file under `envoy/`.
+pub fn envoy_config(name: &str) -> PathBuf {
+    root().join("envoy").join(name)
+}

