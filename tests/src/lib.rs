@@ -6,9 +6,11 @@
 
 pub mod client;
 pub mod envoy;
+pub mod model;
 pub mod paths;
 pub mod upstream;
 
 pub use client::{Client, Reply};
 pub use envoy::{Envoy, EnvoyConfig};
+pub use model::ModelServer;
 pub use upstream::{EchoUpstream, SeenRequest};

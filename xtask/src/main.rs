@@ -21,7 +21,7 @@ usage: cargo xtask <command>
 ";
 
 /// Filter crates built as `.wasm`.
-pub const FILTERS: &[&str] = &["zerolayer-activation"];
+pub const FILTERS: &[&str] = &["zerolayer-activation", "zerolayer-probe"];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

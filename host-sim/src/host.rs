@@ -1,0 +1,1120 @@
+//! The host: plugins placed in VMs (worker VMs per chain, singleton service
+//! VMs), streams driven through filter chains with Envoy's iteration rules,
+//! deferred events (queue notifications, resumes, local responses),
+//! callouts completed by handlers, real loopback HTTP or the test itself,
+//! and a clock that tests advance.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use wasmtime::{Config, Engine, Module};
+
+use crate::abi::{Action, Headers};
+use crate::vm::{HttpCallback, RootInfo, Vm};
+use crate::world::{
+    CallResponse, Callout, Clock, Event, LocalResponse, LogLine, Profile, StreamData, StreamId,
+    StreamInfo, VmIndex, World,
+};
+
+/// A plugin: one `.wasm` with its configuration, as in an Envoy
+/// `envoy.filters.http.wasm` (or `envoy.bootstrap.wasm`) entry.
+#[derive(Debug, Clone)]
+pub struct PluginSpec {
+    /// Plugin name (Envoy `config.name`).
+    pub name: String,
+    /// Root id (Envoy `config.root_id`); defaults to the name.
+    pub root_id: String,
+    /// VM id: plugins with the same id and code share a VM and shared data.
+    pub vm_id: String,
+    /// The module.
+    pub wasm: PathBuf,
+    /// Plugin configuration (`config.configuration`).
+    pub configuration: Vec<u8>,
+    /// VM configuration (`vm_config.configuration`).
+    pub vm_configuration: Vec<u8>,
+}
+
+impl PluginSpec {
+    /// A plugin named `name` running `wasm`, vm_id and root_id = `name`.
+    pub fn new(name: &str, wasm: impl Into<PathBuf>) -> Self {
+        PluginSpec {
+            name: name.to_string(),
+            root_id: name.to_string(),
+            vm_id: name.to_string(),
+            wasm: wasm.into(),
+            configuration: Vec::new(),
+            vm_configuration: Vec::new(),
+        }
+    }
+
+    /// Sets the plugin configuration.
+    pub fn configuration(mut self, config: impl Into<Vec<u8>>) -> Self {
+        self.configuration = config.into();
+        self
+    }
+
+    /// Sets the VM id.
+    pub fn vm_id(mut self, vm_id: &str) -> Self {
+        self.vm_id = vm_id.to_string();
+        self
+    }
+
+    /// Sets the root id.
+    pub fn root_id(mut self, root_id: &str) -> Self {
+        self.root_id = root_id.to_string();
+        self
+    }
+}
+
+/// Where `dispatch_http_call` to a cluster goes.
+pub enum ClusterTarget {
+    /// The test completes callouts itself ([`Host::respond`]).
+    Manual,
+    /// An in-process handler answers at once.
+    Handler(Box<dyn FnMut(&Callout) -> CallResponse>),
+    /// A real HTTP/1.1 server on loopback (blocking call).
+    Http(SocketAddr),
+}
+
+/// What left one end of a chain: towards the upstream (request) or the
+/// client (response).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Output {
+    /// Headers, once they passed every filter.
+    pub headers: Option<Headers>,
+    /// Body passed so far.
+    pub body: Vec<u8>,
+    /// Whether the end of stream passed.
+    pub complete: bool,
+}
+
+impl Output {
+    /// First value of header `name`, as text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .as_ref()?
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .and_then(|(_, v)| std::str::from_utf8(v).ok())
+    }
+
+    /// The `:status` pseudo-header as a number.
+    pub fn status(&self) -> Option<u16> {
+        self.header(":status")?.parse().ok()
+    }
+
+    /// The body as text (lossy).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// Iteration state of one direction of a stream.
+#[derive(Debug, Default)]
+struct Direction {
+    /// Positions (in this direction's order) whose headers callback let the
+    /// headers through; the position equal to this number, if < n, stopped.
+    headers_passed: usize,
+    headers_started: bool,
+    end_with_headers: bool,
+    /// Body held (buffered) at each position after it paused on data.
+    held: Vec<Vec<u8>>,
+    /// A position paused on data with the end of stream in hand.
+    paused_eos_at: Option<usize>,
+    out: Output,
+}
+
+struct StreamRun {
+    filters: Vec<(VmIndex, u32)>,
+    request: Direction,
+    response: Direction,
+    local: Option<LocalResponse>,
+    reset: bool,
+    finished: bool,
+    /// Positions (chain order) whose request headers callback ran.
+    decoded: usize,
+}
+
+struct PluginInstance {
+    vm: VmIndex,
+    root: u32,
+}
+
+struct Chain {
+    /// Per worker: plugin instance indexes in chain order.
+    per_worker: Vec<Vec<usize>>,
+}
+
+/// What a callback's outcome means for iteration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    Continue,
+    Pause,
+    Stop,
+}
+
+/// Identifies a chain in its host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChainId(usize);
+
+/// Host-wide options.
+#[derive(Debug, Clone)]
+pub struct HostOptions {
+    /// Envoy or Kong behaviour.
+    pub profile: Profile,
+    /// Worker threads: each gets its own VM per chain plugin.
+    pub workers: usize,
+    /// Virtual time start (ns since the epoch), or `None` for the real clock.
+    pub virtual_start_ns: Option<u64>,
+    /// Print module logs to stderr as they arrive.
+    pub echo_logs: bool,
+}
+
+impl Default for HostOptions {
+    fn default() -> Self {
+        HostOptions {
+            profile: Profile::Envoy,
+            workers: 1,
+            // 2026-11-29 12:00:00 UTC: a fixed, known instant.
+            virtual_start_ns: Some(1_795_953_600_000_000_000),
+            echo_logs: false,
+        }
+    }
+}
+
+/// A Proxy-Wasm host. No global state: make one per test.
+pub struct Host {
+    engine: Engine,
+    world: Rc<RefCell<World>>,
+    modules: HashMap<PathBuf, Module>,
+    vms: Vec<Vm>,
+    /// (placement, vm_id, code) → VM. Placement: worker index, or `usize::MAX` for the main thread.
+    vm_keys: HashMap<(usize, String, PathBuf), VmIndex>,
+    plugins: Vec<PluginInstance>,
+    chains: Vec<Chain>,
+    workers: usize,
+    next_worker: usize,
+    streams: HashMap<StreamId, StreamRun>,
+    next_stream: StreamId,
+    clusters: HashMap<String, ClusterTarget>,
+}
+
+const MAIN_THREAD: usize = usize::MAX;
+
+impl Host {
+    /// A host with default options (Envoy profile, one worker, virtual time).
+    pub fn new() -> Result<Host> {
+        Host::with_options(HostOptions::default())
+    }
+
+    /// A host with `options`.
+    pub fn with_options(options: HostOptions) -> Result<Host> {
+        let mut config = Config::new();
+        config.cranelift_opt_level(wasmtime::OptLevel::Speed);
+        let engine = Engine::new(&config)?;
+        let clock = match options.virtual_start_ns {
+            Some(ns) => Clock::Virtual(ns),
+            None => Clock::Real,
+        };
+        let mut world = World::new(options.profile, clock);
+        world.echo_logs = options.echo_logs;
+        Ok(Host {
+            engine,
+            world: Rc::new(RefCell::new(world)),
+            modules: HashMap::new(),
+            vms: Vec::new(),
+            vm_keys: HashMap::new(),
+            plugins: Vec::new(),
+            chains: Vec::new(),
+            workers: options.workers.max(1),
+            next_worker: 0,
+            streams: HashMap::new(),
+            next_stream: 1,
+            clusters: HashMap::new(),
+        })
+    }
+
+    fn module(&mut self, path: &Path) -> Result<Module> {
+        if let Some(m) = self.modules.get(path) {
+            return Ok(m.clone());
+        }
+        let module = Module::from_file(&self.engine, path)
+            .map_err(anyhow::Error::from)
+            .with_context(|| format!("loading {}", path.display()))?;
+        self.modules.insert(path.to_path_buf(), module.clone());
+        Ok(module)
+    }
+
+    fn place(&mut self, spec: &PluginSpec, placement: usize) -> Result<usize> {
+        let key = (placement, spec.vm_id.clone(), spec.wasm.clone());
+        let (vm, first) = match self.vm_keys.get(&key) {
+            Some(vm) => (*vm, false),
+            None => {
+                let module = self.module(&spec.wasm)?;
+                let index = self.vms.len();
+                let vm = Vm::new(
+                    &self.engine,
+                    &module,
+                    self.world.clone(),
+                    index,
+                    &spec.vm_id,
+                )
+                .with_context(|| format!("starting a VM for plugin {}", spec.name))?;
+                self.vms.push(vm);
+                self.vm_keys.insert(key, index);
+                (index, true)
+            }
+        };
+        let info = RootInfo {
+            plugin_name: spec.name.clone(),
+            root_id: spec.root_id.clone(),
+            configuration: spec.configuration.clone(),
+            vm_configuration: spec.vm_configuration.clone(),
+            tick_period_ms: 0,
+            next_tick_ns: 0,
+        };
+        let plugin = self.plugins.len();
+        let root = self.vms[vm]
+            .add_root(info, first)
+            .with_context(|| format!("plugin {} refused its configuration", spec.name))?;
+        self.plugins.push(PluginInstance { vm, root });
+        self.run_events();
+        Ok(plugin)
+    }
+
+    /// Starts a singleton service plugin (Envoy `bootstrap_extensions` with
+    /// `envoy.bootstrap.wasm`, `singleton: true`) on the main thread.
+    pub fn add_singleton(&mut self, spec: PluginSpec) -> Result<()> {
+        self.place(&spec, MAIN_THREAD)?;
+        Ok(())
+    }
+
+    /// Adds a filter chain (like an `http_filters` list); every worker gets
+    /// its own VM per plugin. Fails if any plugin refuses its configuration.
+    pub fn add_chain(&mut self, filters: Vec<PluginSpec>) -> Result<ChainId> {
+        let mut per_worker = Vec::with_capacity(self.workers);
+        for worker in 0..self.workers {
+            let mut list = Vec::with_capacity(filters.len());
+            for spec in &filters {
+                list.push(self.place(spec, worker)?);
+            }
+            per_worker.push(list);
+        }
+        self.chains.push(Chain { per_worker });
+        Ok(ChainId(self.chains.len() - 1))
+    }
+
+    /// Routes `dispatch_http_call` to cluster `name`.
+    pub fn set_cluster(&mut self, name: &str, target: ClusterTarget) {
+        self.world.borrow_mut().clusters.insert(name.to_string());
+        self.clusters.insert(name.to_string(), target);
+    }
+
+    // ---- streams ----
+
+    /// Starts a stream through `chain` on the next worker (round robin).
+    pub fn stream(&mut self, chain: ChainId) -> Result<StreamHandle<'_>> {
+        let id = self.open_stream(chain, StreamInfo::default())?;
+        Ok(StreamHandle { host: self, id })
+    }
+
+    pub(crate) fn open_stream(&mut self, chain: ChainId, mut info: StreamInfo) -> Result<StreamId> {
+        let worker = self.next_worker % self.workers;
+        self.next_worker += 1;
+        let plugins = self
+            .chains
+            .get(chain.0)
+            .ok_or_else(|| anyhow!("no such chain"))?
+            .per_worker[worker]
+            .clone();
+        let id = self.next_stream;
+        self.next_stream += 1;
+        info.start_ns = self.now_ns();
+        info.connection_id = id;
+        self.world.borrow_mut().streams.insert(
+            id,
+            StreamData {
+                info,
+                ..Default::default()
+            },
+        );
+        let mut filters = Vec::with_capacity(plugins.len());
+        for (position, plugin) in plugins.iter().enumerate() {
+            let (vm, root) = (self.plugins[*plugin].vm, self.plugins[*plugin].root);
+            let context = self.vms[vm].create_http_context(root, id, position)?;
+            filters.push((vm, context));
+        }
+        let n = filters.len();
+        let fresh = || Direction {
+            held: vec![Vec::new(); n],
+            ..Default::default()
+        };
+        self.streams.insert(
+            id,
+            StreamRun {
+                filters,
+                request: fresh(),
+                response: fresh(),
+                local: None,
+                reset: false,
+                finished: false,
+                decoded: 0,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Position → chain index for a direction.
+    fn filter_at(n: usize, response: bool, position: usize) -> usize {
+        if response { n - 1 - position } else { position }
+    }
+
+    fn dir(run: &mut StreamRun, response: bool) -> &mut Direction {
+        if response {
+            &mut run.response
+        } else {
+            &mut run.request
+        }
+    }
+
+    /// Calls one callback. `Stop` means the stream left normal iteration
+    /// during it (local response sent, reset, VM failure): the caller must
+    /// not touch the direction's state any more.
+    fn call(
+        &mut self,
+        id: StreamId,
+        response: bool,
+        position: usize,
+        callback: HttpCallback,
+        size: usize,
+        eos: bool,
+    ) -> Step {
+        let Some(run) = self.streams.get(&id) else {
+            return Step::Stop;
+        };
+        let n = run.filters.len();
+        let chain_index = Self::filter_at(n, response, position);
+        let (vm, context) = run.filters[chain_index];
+        if !response
+            && matches!(callback, HttpCallback::RequestHeaders)
+            && let Some(run) = self.streams.get_mut(&id)
+        {
+            run.decoded = run.decoded.max(chain_index + 1);
+        }
+        let action = match self.vms[vm].http(context, callback, size, eos) {
+            Ok(action) => Some(action),
+            Err(err) => {
+                // A trapped VM fails its streams closed, as Envoy does.
+                self.log_host(&format!(
+                    "stream {id}: filter {chain_index} failed: {err:#}"
+                ));
+                if let Some(data) = self.world.borrow_mut().streams.get_mut(&id) {
+                    data.local_response = Some(LocalResponse {
+                        status: 503,
+                        details: "wasm_fail_stream".into(),
+                        headers: vec![],
+                        body: Vec::new(),
+                    });
+                }
+                None
+            }
+        };
+        // A local response sent during the callback wins over its return
+        // value (Envoy turns it into a stop as well).
+        let local = self
+            .world
+            .borrow_mut()
+            .streams
+            .get_mut(&id)
+            .and_then(|d| d.local_response.take());
+        if let Some(local) = local {
+            self.send_local(id, local, response);
+            return Step::Stop;
+        }
+        if self.streams.get(&id).is_none_or(|r| r.reset || r.finished) {
+            return Step::Stop;
+        }
+        match action {
+            Some(Action::Continue) => Step::Continue,
+            Some(Action::Pause) => Step::Pause,
+            None => Step::Stop,
+        }
+    }
+
+    fn log_host(&self, message: &str) {
+        self.world
+            .borrow_mut()
+            .log("host-sim", crate::abi::LogLevel::Error, message.to_string());
+    }
+
+    fn headers_map(&self, id: StreamId, response: bool) -> Headers {
+        let world = self.world.borrow();
+        let Some(data) = world.streams.get(&id) else {
+            return vec![];
+        };
+        if response {
+            data.response_headers.clone().unwrap_or_default()
+        } else {
+            data.request_headers.clone()
+        }
+    }
+
+    /// Delivers headers to a direction.
+    pub(crate) fn deliver_headers(
+        &mut self,
+        id: StreamId,
+        response: bool,
+        headers: Headers,
+        eos: bool,
+    ) {
+        {
+            let mut world = self.world.borrow_mut();
+            if let Some(data) = world.streams.get_mut(&id) {
+                if response {
+                    data.response_headers = Some(headers);
+                } else {
+                    data.request_headers = headers;
+                }
+            }
+        }
+        if let Some(run) = self.streams.get_mut(&id) {
+            let d = Self::dir(run, response);
+            d.headers_started = true;
+            d.end_with_headers = eos;
+        }
+        self.run_headers(id, response, 0);
+        self.run_events();
+    }
+
+    /// Runs the headers callbacks from `from` on; when every filter let
+    /// them through, they leave this end of the chain.
+    fn run_headers(&mut self, id: StreamId, response: bool, from: usize) {
+        let Some(n) = self.streams.get(&id).map(|r| r.filters.len()) else {
+            return;
+        };
+        let eos = self
+            .streams
+            .get_mut(&id)
+            .is_some_and(|r| Self::dir(r, response).end_with_headers);
+        let callback = if response {
+            HttpCallback::ResponseHeaders
+        } else {
+            HttpCallback::RequestHeaders
+        };
+        for position in from..n {
+            let count = self.headers_map(id, response).len();
+            match self.call(id, response, position, callback, count, eos) {
+                Step::Stop => return,
+                Step::Pause => {
+                    if let Some(run) = self.streams.get_mut(&id) {
+                        Self::dir(run, response).headers_passed = position;
+                    }
+                    return;
+                }
+                Step::Continue => {
+                    if let Some(run) = self.streams.get_mut(&id) {
+                        Self::dir(run, response).headers_passed = position + 1;
+                    }
+                }
+            }
+        }
+        let headers = self.headers_map(id, response);
+        if let Some(run) = self.streams.get_mut(&id) {
+            let d = Self::dir(run, response);
+            d.out.headers = Some(headers);
+            if eos {
+                d.out.complete = true;
+            }
+        }
+        self.maybe_finish(id);
+    }
+
+    /// Delivers body data to a direction.
+    pub(crate) fn deliver_data(&mut self, id: StreamId, response: bool, data: Vec<u8>, eos: bool) {
+        self.run_data(id, response, 0, data, eos);
+        self.run_events();
+    }
+
+    /// Runs body callbacks from `from` on. Pausing on headers is Envoy's
+    /// `StopIteration`: data still reaches the filter that stopped them, and
+    /// when its body callback continues, the headers continue first. Pausing
+    /// on data is `StopIterationAndBuffer`: the filter sees the accumulated
+    /// body on its next call.
+    fn run_data(
+        &mut self,
+        id: StreamId,
+        response: bool,
+        from: usize,
+        mut data: Vec<u8>,
+        eos: bool,
+    ) {
+        let Some(n) = self.streams.get(&id).map(|r| r.filters.len()) else {
+            return;
+        };
+        let callback = if response {
+            HttpCallback::ResponseBody
+        } else {
+            HttpCallback::RequestBody
+        };
+        let mut position = from;
+        while position < n {
+            let passed = self
+                .streams
+                .get_mut(&id)
+                .map(|r| Self::dir(r, response).headers_passed)
+                .unwrap_or(0);
+            if position > passed {
+                // Unreachable by construction: data never overtakes headers.
+                self.log_host(&format!(
+                    "stream {id}: data reached position {position} before headers"
+                ));
+                return;
+            }
+            let mut buffer = self
+                .streams
+                .get_mut(&id)
+                .map(|r| std::mem::take(&mut Self::dir(r, response).held[position]))
+                .unwrap_or_default();
+            buffer.extend_from_slice(&data);
+            let size = buffer.len();
+            self.set_body(id, response, buffer);
+            let step = self.call(id, response, position, callback, size, eos);
+            let buffer = self.take_body(id, response);
+            match step {
+                Step::Stop => return,
+                Step::Pause => {
+                    if let Some(run) = self.streams.get_mut(&id) {
+                        let d = Self::dir(run, response);
+                        d.held[position] = buffer;
+                        if eos {
+                            d.paused_eos_at = Some(position);
+                        }
+                    }
+                    return;
+                }
+                Step::Continue => {
+                    if position == passed {
+                        // This filter held the headers: they go on first.
+                        self.run_headers(id, response, position + 1);
+                        if self.streams.get(&id).is_none_or(|r| r.reset || r.finished) {
+                            return;
+                        }
+                    }
+                    data = buffer;
+                    position += 1;
+                }
+            }
+        }
+        if let Some(run) = self.streams.get_mut(&id) {
+            let d = Self::dir(run, response);
+            d.out.body.extend_from_slice(&data);
+            if eos {
+                d.out.complete = true;
+            }
+        }
+        self.maybe_finish(id);
+    }
+
+    fn set_body(&self, id: StreamId, response: bool, body: Vec<u8>) {
+        if let Some(data) = self.world.borrow_mut().streams.get_mut(&id) {
+            if response {
+                data.response_body = body;
+            } else {
+                data.request_body = body;
+            }
+        }
+    }
+
+    fn take_body(&self, id: StreamId, response: bool) -> Vec<u8> {
+        self.world
+            .borrow_mut()
+            .streams
+            .get_mut(&id)
+            .map(|d| {
+                if response {
+                    std::mem::take(&mut d.response_body)
+                } else {
+                    std::mem::take(&mut d.request_body)
+                }
+            })
+            .unwrap_or_default()
+    }
+
+    /// A filter resumed its direction.
+    fn resume(&mut self, id: StreamId, filter: usize, response: bool) {
+        let Some(run) = self.streams.get_mut(&id) else {
+            return;
+        };
+        if run.reset || run.finished {
+            return;
+        }
+        let n = run.filters.len();
+        let position = Self::filter_at(n, response, filter);
+        let d = Self::dir(run, response);
+        let held = std::mem::take(&mut d.held[position]);
+        let held_eos = d.paused_eos_at == Some(position);
+        if held_eos {
+            d.paused_eos_at = None;
+        }
+        if d.headers_started && d.headers_passed == position && position < n {
+            // Stopped on headers: they continue past this filter, then
+            // whatever body it buffered.
+            self.run_headers(id, response, position + 1);
+            if !held.is_empty() || held_eos {
+                self.run_data(id, response, position + 1, held, held_eos);
+            }
+        } else if !held.is_empty() || held_eos {
+            self.run_data(id, response, position + 1, held, held_eos);
+        }
+    }
+
+    /// A filter sent a local response: the request stops; the response goes
+    /// back through the encoder side of the filters that saw the request.
+    fn send_local(&mut self, id: StreamId, local: LocalResponse, during_response: bool) {
+        let Some(run) = self.streams.get_mut(&id) else {
+            return;
+        };
+        if during_response && run.response.out.headers.is_some() {
+            // Headers already went to the client: all Envoy can do is reset.
+            run.reset = true;
+            self.finish(id);
+            return;
+        }
+        run.local = Some(local.clone());
+        let n = run.filters.len();
+        let mut headers: Headers = vec![(":status".into(), local.status.to_string().into_bytes())];
+        headers.extend(local.headers.iter().cloned());
+        if !local.body.is_empty() {
+            headers.push((
+                "content-length".into(),
+                local.body.len().to_string().into_bytes(),
+            ));
+            if !local.headers.iter().any(|(k, _)| k == "content-type") {
+                headers.push(("content-type".into(), b"text/plain".to_vec()));
+            }
+        }
+        // Encoder filters that never saw the request are skipped.
+        let skip = n - run.decoded.min(n);
+        run.response = Direction {
+            held: vec![Vec::new(); n],
+            headers_passed: skip,
+            headers_started: true,
+            end_with_headers: local.body.is_empty(),
+            ..Default::default()
+        };
+        {
+            let mut world = self.world.borrow_mut();
+            if let Some(data) = world.streams.get_mut(&id) {
+                data.response_headers = Some(headers);
+                data.response_body.clear();
+            }
+        }
+        self.run_headers(id, true, skip);
+        if !local.body.is_empty() && self.streams.get(&id).is_some_and(|r| !r.reset) {
+            self.run_data(id, true, skip, local.body, true);
+        }
+    }
+
+    fn maybe_finish(&mut self, id: StreamId) {
+        let Some(run) = self.streams.get(&id) else {
+            return;
+        };
+        if run.finished {
+            return;
+        }
+        let request_done = run.request.out.complete || run.local.is_some();
+        if request_done && run.response.out.complete {
+            self.finish(id);
+        }
+    }
+
+    /// The stream ended: `on_log`, `on_done`, `on_delete` for every filter.
+    fn finish(&mut self, id: StreamId) {
+        let Some(run) = self.streams.get_mut(&id) else {
+            return;
+        };
+        if run.finished {
+            return;
+        }
+        run.finished = true;
+        let filters = run.filters.clone();
+        for (vm, context) in filters {
+            self.vms[vm].finish_context(context);
+        }
+    }
+
+    /// Resets a stream (client went away, upstream reset, or a filter closed it).
+    pub(crate) fn reset(&mut self, id: StreamId) {
+        if let Some(run) = self.streams.get_mut(&id) {
+            run.reset = true;
+        }
+        self.finish(id);
+        self.run_events();
+    }
+
+    pub(crate) fn upstream_output(&self, id: StreamId) -> Option<&Output> {
+        self.streams.get(&id).map(|r| &r.request.out)
+    }
+
+    pub(crate) fn client_output(&self, id: StreamId) -> Option<&Output> {
+        self.streams.get(&id).map(|r| &r.response.out)
+    }
+
+    pub(crate) fn local_of(&self, id: StreamId) -> Option<&LocalResponse> {
+        self.streams.get(&id).and_then(|r| r.local.as_ref())
+    }
+
+    pub(crate) fn is_finished(&self, id: StreamId) -> bool {
+        self.streams.get(&id).is_none_or(|r| r.finished)
+    }
+
+    pub(crate) fn is_reset(&self, id: StreamId) -> bool {
+        self.streams.get(&id).is_none_or(|r| r.reset)
+    }
+
+    /// Forgets a finished stream's bookkeeping.
+    pub(crate) fn drop_stream(&mut self, id: StreamId) {
+        if !self.is_finished(id) {
+            self.reset(id);
+        }
+        self.streams.remove(&id);
+        self.world.borrow_mut().streams.remove(&id);
+    }
+
+    // ---- events, callouts, time ----
+
+    /// Processes deferred events until none are left.
+    pub fn run_events(&mut self) {
+        // Bounded: a module that re-enqueues forever must not hang the host.
+        for _ in 0..100_000 {
+            let event = self.world.borrow_mut().events.pop_front();
+            let Some(event) = event else {
+                return;
+            };
+            match event {
+                Event::QueueReady {
+                    vm,
+                    root_context,
+                    queue,
+                } => {
+                    if let Some(vm) = self.vms.get_mut(vm) {
+                        let _ = vm.queue_ready(root_context, queue);
+                    }
+                }
+                Event::Resume {
+                    stream,
+                    filter,
+                    response,
+                } => self.resume(stream, filter, response),
+                Event::LocalResponse { .. } => {}
+                Event::Reset { stream } => {
+                    if let Some(run) = self.streams.get_mut(&stream) {
+                        run.reset = true;
+                    }
+                    self.finish(stream);
+                }
+                Event::Dispatched { token } => self.auto_complete(token),
+            }
+        }
+        self.log_host("event loop stopped after 100000 events in a row");
+    }
+
+    fn auto_complete(&mut self, token: u32) {
+        let Some(callout) = self.world.borrow().callouts.get(&token).cloned() else {
+            return;
+        };
+        let response = match self.clusters.get_mut(&callout.cluster) {
+            Some(ClusterTarget::Handler(handler)) => Some(handler(&callout)),
+            Some(ClusterTarget::Http(addr)) => Some(crate::callout::blocking_http(*addr, &callout)),
+            Some(ClusterTarget::Manual) | None => None,
+        };
+        if let Some(response) = response {
+            self.deliver_callout(token, response);
+        }
+    }
+
+    /// Callouts waiting for [`Host::respond`], oldest first.
+    pub fn callouts(&self) -> Vec<Callout> {
+        self.world.borrow().callouts.values().cloned().collect()
+    }
+
+    /// Completes callout `token` with `response` (a [`CallResponse::failure`]
+    /// is what a reset or timeout looks like).
+    pub fn respond(&mut self, token: u32, response: CallResponse) -> Result<()> {
+        if !self.world.borrow().callouts.contains_key(&token) {
+            bail!("no pending callout {token}");
+        }
+        self.deliver_callout(token, response);
+        Ok(())
+    }
+
+    pub(crate) fn deliver_callout(&mut self, token: u32, response: CallResponse) {
+        let callout = self.world.borrow_mut().callouts.remove(&token);
+        let Some(callout) = callout else {
+            return;
+        };
+        if let Some(vm) = self.vms.get_mut(callout.vm) {
+            // Envoy cancels a stream's callouts when the stream ends.
+            if vm.has_context(callout.context) {
+                let _ = vm.http_call_response(callout.context, token, response);
+            }
+        }
+        self.run_events();
+    }
+
+    /// Current host time, ns since the epoch.
+    pub fn now_ns(&self) -> u64 {
+        self.world.borrow().clock.now_ns()
+    }
+
+    /// Advances virtual time by `by`, firing ticks and callout timeouts in
+    /// time order. (No effect on the real clock.)
+    pub fn advance(&mut self, by: Duration) {
+        let target = self.now_ns() + by.as_nanos() as u64;
+        loop {
+            let next = self.next_timer().filter(|t| *t <= target);
+            let Some(at) = next else {
+                break;
+            };
+            self.set_time(at);
+            self.fire_due(at);
+        }
+        self.set_time(target);
+    }
+
+    fn set_time(&mut self, ns: u64) {
+        let mut world = self.world.borrow_mut();
+        if let Clock::Virtual(now) = &mut world.clock {
+            *now = (*now).max(ns);
+        }
+    }
+
+    fn next_timer(&self) -> Option<u64> {
+        let ticks = self
+            .vms
+            .iter()
+            .flat_map(|vm| vm.store.data().roots.values())
+            .filter(|r| r.tick_period_ms > 0)
+            .map(|r| r.next_tick_ns);
+        let world = self.world.borrow();
+        let timeouts = world
+            .callouts
+            .values()
+            .filter(|c| c.timeout_ms > 0)
+            .map(|c| c.dispatched_at_ns + u64::from(c.timeout_ms) * 1_000_000);
+        ticks.chain(timeouts).min()
+    }
+
+    /// Fires every tick and timeout due at `now` (also used by serve mode
+    /// with the real clock).
+    pub(crate) fn fire_due(&mut self, now: u64) {
+        let expired: Vec<u32> = self
+            .world
+            .borrow()
+            .callouts
+            .values()
+            .filter(|c| {
+                c.timeout_ms > 0 && c.dispatched_at_ns + u64::from(c.timeout_ms) * 1_000_000 <= now
+            })
+            .map(|c| c.token)
+            .collect();
+        for token in expired {
+            self.deliver_callout(token, CallResponse::failure());
+        }
+        for index in 0..self.vms.len() {
+            let due: Vec<u32> = self.vms[index]
+                .store
+                .data()
+                .roots
+                .iter()
+                .filter(|(_, r)| r.tick_period_ms > 0 && r.next_tick_ns <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            for root in due {
+                if let Some(info) = self.vms[index].store.data_mut().roots.get_mut(&root) {
+                    info.next_tick_ns = now + u64::from(info.tick_period_ms) * 1_000_000;
+                }
+                let _ = self.vms[index].tick(root);
+                self.run_events();
+            }
+        }
+    }
+
+    /// Calls `on_done` on every root context (shutdown), e.g. to flush counters.
+    pub fn shutdown(&mut self) {
+        for plugin in 0..self.plugins.len() {
+            let (vm, root) = (self.plugins[plugin].vm, self.plugins[plugin].root);
+            self.vms[vm].done_root(root);
+        }
+        self.run_events();
+    }
+
+    // ---- observation ----
+
+    /// Everything modules logged so far.
+    pub fn logs(&self) -> Vec<LogLine> {
+        self.world.borrow().logs.clone()
+    }
+
+    /// Log messages containing `needle`.
+    pub fn logs_containing(&self, needle: &str) -> Vec<String> {
+        self.world
+            .borrow()
+            .logs
+            .iter()
+            .filter(|l| l.message.contains(needle))
+            .map(|l| l.message.clone())
+            .collect()
+    }
+
+    /// Value of counter or gauge `name`.
+    pub fn metric(&self, name: &str) -> Option<u64> {
+        self.world.borrow().metrics.value(name)
+    }
+
+    /// Samples of histogram `name`.
+    pub fn histogram(&self, name: &str) -> Vec<u64> {
+        self.world
+            .borrow()
+            .metrics
+            .samples(name)
+            .map(<[u64]>::to_vec)
+            .unwrap_or_default()
+    }
+
+    /// All metrics in Prometheus text format.
+    pub fn prometheus(&self) -> String {
+        self.world.borrow().metrics.prometheus()
+    }
+
+    /// Shared data `key` of `vm_id`: value and CAS.
+    pub fn shared_data(&self, vm_id: &str, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.world.borrow().get_shared(vm_id, key).ok()
+    }
+
+    /// Number of shared data keys of `vm_id`.
+    pub fn shared_data_len(&self, vm_id: &str) -> usize {
+        self.world
+            .borrow()
+            .shared_data
+            .get(vm_id)
+            .map_or(0, |m| m.len())
+    }
+
+    /// Items waiting in queue (`vm_id`, `name`).
+    pub fn queue_items(&self, vm_id: &str, name: &str) -> Vec<Vec<u8>> {
+        let world = self.world.borrow();
+        world
+            .queues
+            .iter()
+            .find(|q| q.vm_id == vm_id && q.name == name)
+            .map(|q| q.items.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// Whether any VM trapped.
+    pub fn failed_vms(&self) -> Vec<String> {
+        self.vms.iter().filter_map(|vm| vm.failed.clone()).collect()
+    }
+}
+
+/// Drives one stream step by step; every step runs the callbacks it
+/// triggers and the deferred events they cause.
+pub struct StreamHandle<'h> {
+    host: &'h mut Host,
+    id: StreamId,
+}
+
+fn to_headers(pairs: &[(&str, &str)]) -> Headers {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v.as_bytes().to_vec()))
+        .collect()
+}
+
+impl StreamHandle<'_> {
+    /// The stream's id.
+    pub fn id(&self) -> StreamId {
+        self.id
+    }
+
+    /// The host (to complete callouts, advance time, read metrics).
+    pub fn host(&mut self) -> &mut Host {
+        self.host
+    }
+
+    /// Client sends request headers.
+    pub fn request_headers(&mut self, headers: &[(&str, &str)], end_of_stream: bool) -> &mut Self {
+        self.host
+            .deliver_headers(self.id, false, to_headers(headers), end_of_stream);
+        self
+    }
+
+    /// Client sends a request body chunk.
+    pub fn request_body(&mut self, chunk: &[u8], end_of_stream: bool) -> &mut Self {
+        self.host
+            .deliver_data(self.id, false, chunk.to_vec(), end_of_stream);
+        self
+    }
+
+    /// Upstream sends response headers (`:status` included).
+    pub fn response_headers(&mut self, headers: &[(&str, &str)], end_of_stream: bool) -> &mut Self {
+        self.host
+            .deliver_headers(self.id, true, to_headers(headers), end_of_stream);
+        self
+    }
+
+    /// Upstream sends a response body chunk.
+    pub fn response_body(&mut self, chunk: &[u8], end_of_stream: bool) -> &mut Self {
+        self.host
+            .deliver_data(self.id, true, chunk.to_vec(), end_of_stream);
+        self
+    }
+
+    /// The connection resets (client gone, upstream reset).
+    pub fn reset(&mut self) -> &mut Self {
+        self.host.reset(self.id);
+        self
+    }
+
+    /// What has reached the upstream so far.
+    pub fn upstream(&self) -> Output {
+        self.host
+            .upstream_output(self.id)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// What has reached the client so far.
+    pub fn client(&self) -> Output {
+        self.host
+            .client_output(self.id)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The local response a filter sent, if any.
+    pub fn local_response(&self) -> Option<LocalResponse> {
+        self.host.local_of(self.id).cloned()
+    }
+
+    /// Whether the stream completed (every filter saw `on_done`).
+    pub fn finished(&self) -> bool {
+        self.host.is_finished(self.id)
+    }
+
+    /// Filter state (property) of this stream by Envoy key (`wasm.…`).
+    pub fn filter_state(&self, key: &str) -> Option<Vec<u8>> {
+        self.host
+            .world
+            .borrow()
+            .streams
+            .get(&self.id)
+            .and_then(|d| d.filter_state.get(key).cloned())
+    }
+}

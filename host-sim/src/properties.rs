@@ -1,0 +1,123 @@
+//! Properties: Envoy's attribute paths (`request.path`, `source.address`,
+//! `plugin_name`, …) and per-stream filter state written with
+//! `set_property`.
+//!
+//! Value encoding follows Envoy: strings as raw bytes, integers as 8-byte
+//! little-endian, booleans as one byte, maps as serialized header pairs.
+//!
+//! Filter state: under the Envoy profile a path is stored under its raw
+//! serialized form; a one-segment path reads back (Envoy keys it
+//! `wasm.<segment>`), a multi-segment one does not (checked against Envoy
+//! 1.40). Under the Kong profile segments are joined with dots and only
+//! `wasmx.*` is writable, as in ngx_wasm_module.
+
+use crate::abi::{Headers, Status, decode_path, encode_pairs};
+use crate::vm::VmState;
+use crate::world::{Profile, StreamData};
+
+fn header<'a>(headers: &'a Headers, name: &str) -> Option<&'a [u8]> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_slice())
+}
+
+fn int(v: i64) -> Vec<u8> {
+    v.to_le_bytes().to_vec()
+}
+
+/// Reads property `path` (NUL-separated segments) from the current context.
+pub(crate) fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
+    let segments = decode_path(path);
+    let parts: Vec<&str> = segments.iter().map(String::as_str).collect();
+    let root = state.root_of(state.current);
+    let info = root.and_then(|r| state.roots.get(&r));
+    match parts.as_slice() {
+        ["plugin_name"] => return info.map(|i| i.plugin_name.as_bytes().to_vec()),
+        ["plugin_root_id"] => return info.map(|i| i.root_id.as_bytes().to_vec()),
+        ["plugin_vm_id"] => return Some(state.vm_id.as_bytes().to_vec()),
+        _ => {}
+    }
+    let (stream, _) = state.current_stream()?;
+    let world = state.world.borrow();
+    let data = world.streams.get(&stream)?;
+    let profile = world.profile;
+    let now = world.clock.now_ns();
+    attribute(data, &parts, now).or_else(|| filter_state(data, profile, path, &parts))
+}
+
+fn attribute(data: &StreamData, parts: &[&str], now_ns: u64) -> Option<Vec<u8>> {
+    let req = &data.request_headers;
+    let path = header(req, ":path").unwrap_or(b"/");
+    Some(match parts {
+        ["request", "path"] => path.to_vec(),
+        ["request", "url_path"] => path.split(|b| *b == b'?').next().unwrap_or(b"").to_vec(),
+        ["request", "host"] => header(req, ":authority")?.to_vec(),
+        ["request", "scheme"] => header(req, ":scheme").unwrap_or(b"http").to_vec(),
+        ["request", "method"] => header(req, ":method")?.to_vec(),
+        ["request", "id"] => header(req, "x-request-id")?.to_vec(),
+        ["request", "useragent"] => header(req, "user-agent")?.to_vec(),
+        ["request", "referer"] => header(req, "referer")?.to_vec(),
+        ["request", "protocol"] => b"HTTP/1.1".to_vec(),
+        ["request", "time"] => int(data.info.start_ns as i64),
+        ["request", "duration"] => int(now_ns.saturating_sub(data.info.start_ns) as i64),
+        ["request", "headers"] => encode_pairs(req),
+        ["request", "headers", name] => header(req, &name.to_ascii_lowercase())?.to_vec(),
+        ["response", "code"] => {
+            let status = header(data.response_headers.as_ref()?, ":status")?;
+            int(std::str::from_utf8(status).ok()?.parse().ok()?)
+        }
+        ["response", "headers"] => encode_pairs(data.response_headers.as_ref()?),
+        ["response", "headers", name] => {
+            header(data.response_headers.as_ref()?, &name.to_ascii_lowercase())?.to_vec()
+        }
+        ["response", "code_details"] => data.local_response.as_ref()?.details.as_bytes().to_vec(),
+        ["source", "address"] => data.info.source.to_string().into_bytes(),
+        ["source", "port"] => int(i64::from(data.info.source.port())),
+        ["destination", "address"] => data.info.destination.to_string().into_bytes(),
+        ["destination", "port"] => int(i64::from(data.info.destination.port())),
+        ["connection", "id"] => int(data.info.connection_id as i64),
+        ["connection", "mtls"] => vec![0],
+        _ => return None,
+    })
+}
+
+fn filter_state(
+    data: &StreamData,
+    profile: Profile,
+    raw: &[u8],
+    parts: &[&str],
+) -> Option<Vec<u8>> {
+    match profile {
+        Profile::Envoy => match parts {
+            ["filter_state", key] => data.filter_state.get(*key).cloned(),
+            [one] => data.filter_state.get(&format!("wasm.{one}")).cloned(),
+            _ => {
+                let _ = raw;
+                None
+            }
+        },
+        Profile::Kong => data.filter_state.get(&parts.join(".")).cloned(),
+    }
+}
+
+/// Writes property `path` as filter state of the current stream.
+pub(crate) fn set(state: &VmState, path: &[u8], value: Vec<u8>) -> Result<(), Status> {
+    let (stream, _) = state.current_stream().ok_or(Status::BadArgument)?;
+    let mut world = state.world.borrow_mut();
+    let profile = world.profile;
+    let data = world.streams.get_mut(&stream).ok_or(Status::NotFound)?;
+    let key = match profile {
+        // Envoy keys filter state "wasm." + the serialized path, NULs and all.
+        Profile::Envoy => format!("wasm.{}", String::from_utf8_lossy(path)),
+        Profile::Kong => {
+            let dotted = decode_path(path).join(".");
+            if !dotted.starts_with("wasmx.") {
+                return Err(Status::NotFound);
+            }
+            dotted
+        }
+    };
+    data.filter_state.insert(key, value);
+    Ok(())
+}

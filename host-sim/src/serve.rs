@@ -1,0 +1,778 @@
+//! `host-sim serve`: a loopback HTTP/1.1 proxy that runs a filter chain in
+//! host-sim, so curl and real SDK clients can go through it, and so the
+//! differential suite can send the very same requests to it and to Envoy.
+//!
+//! One thread owns the [`Host`] (Wasm is single-threaded, as one Envoy
+//! worker is); a tokio runtime does the networking. They talk through
+//! channels: the network side feeds request and response data in, the Wasm
+//! thread sends back what left each end of the chain. Streaming responses
+//! pass through chunk by chunk as they arrive. Time is the real clock; ticks
+//! and callout timeouts fire on it. Callouts to clusters run on the runtime.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::mpsc as std_mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::abi::Headers;
+use crate::config_file::ChainFile;
+use crate::host::{ChainId, ClusterTarget, Host, HostOptions};
+use crate::world::{CallResponse, Callout, Profile, StreamId, StreamInfo};
+
+/// What `serve` runs and where.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Filters, singletons and clusters.
+    pub chain: ChainFile,
+    /// Where requests go after the chain.
+    pub upstream: SocketAddr,
+    /// Listener (port 0 picks a free one).
+    pub listen: SocketAddr,
+    /// Admin listener for `/stats/prometheus`, `/ready`, `/logs` (port 0 picks one).
+    pub admin: SocketAddr,
+    /// Envoy or Kong behaviour.
+    pub profile: Profile,
+    /// Print module logs to stderr.
+    pub echo_logs: bool,
+}
+
+/// Events from the Wasm thread to one stream's network task.
+#[derive(Debug)]
+enum StreamEvent {
+    UpstreamHeaders(Headers, bool),
+    UpstreamData(Vec<u8>, bool),
+    ClientHeaders(Headers, bool),
+    ClientData(Vec<u8>, bool),
+    Reset,
+}
+
+/// Commands to the Wasm thread.
+enum Command {
+    Open {
+        info: StreamInfo,
+        headers: Headers,
+        end: bool,
+        events: mpsc::UnboundedSender<StreamEvent>,
+        reply: oneshot::Sender<StreamId>,
+    },
+    RequestData(StreamId, Vec<u8>, bool),
+    ResponseHeaders(StreamId, Headers, bool),
+    ResponseData(StreamId, Vec<u8>, bool),
+    Reset(StreamId),
+    CalloutDone(u32, CallResponse),
+    Admin(String, oneshot::Sender<(u16, String)>),
+    Shutdown,
+}
+
+/// A running `serve`; stops when dropped.
+pub struct Server {
+    addr: SocketAddr,
+    admin: SocketAddr,
+    commands: std_mpsc::Sender<Command>,
+    runtime: Option<tokio::runtime::Runtime>,
+    wasm: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Server {
+    /// Loads the chain (failing like Envoy does on a refused configuration)
+    /// and starts listening.
+    pub fn start(options: ServeOptions) -> Result<Server> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let (commands, inbox) = std_mpsc::channel::<Command>();
+        let (ready_tx, ready_rx) = std_mpsc::channel::<Result<()>>();
+        let handle = runtime.handle().clone();
+        let callout_commands = commands.clone();
+        let wasm_options = options.clone();
+        let wasm = std::thread::Builder::new()
+            .name("host-sim-wasm".into())
+            .spawn(move || wasm_thread(wasm_options, inbox, callout_commands, handle, ready_tx))?;
+        ready_rx
+            .recv()
+            .map_err(|_| anyhow!("the Wasm thread stopped during start-up"))??;
+
+        let listener = runtime
+            .block_on(TcpListener::bind(options.listen))
+            .context("binding the listener")?;
+        let admin_listener = runtime
+            .block_on(TcpListener::bind(options.admin))
+            .context("binding the admin listener")?;
+        let addr = listener.local_addr()?;
+        let admin = admin_listener.local_addr()?;
+        let client: Client<HttpConnector, BoxBody<Bytes, Infallible>> =
+            Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let proxy = Proxy {
+            commands: commands.clone(),
+            upstream: options.upstream,
+            client,
+            listener: addr,
+        };
+        runtime.spawn(accept(listener, proxy));
+        runtime.spawn(accept_admin(admin_listener, commands.clone()));
+        Ok(Server {
+            addr,
+            admin,
+            commands,
+            runtime: Some(runtime),
+            wasm: Some(wasm),
+        })
+    }
+
+    /// The listener address.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The admin address.
+    pub fn admin(&self) -> SocketAddr {
+        self.admin
+    }
+
+    /// Blocks until the process is killed.
+    pub fn wait(mut self) {
+        if let Some(wasm) = self.wasm.take() {
+            let _ = wasm.join();
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(wasm) = self.wasm.take() {
+            let _ = wasm.join();
+        }
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+// ---- the Wasm thread ----
+
+#[derive(Default)]
+struct Emitted {
+    up_headers: bool,
+    up_body: usize,
+    up_end: bool,
+    client_headers: bool,
+    client_body: usize,
+    client_end: bool,
+}
+
+struct Open {
+    events: mpsc::UnboundedSender<StreamEvent>,
+    emitted: Emitted,
+}
+
+fn wasm_thread(
+    options: ServeOptions,
+    inbox: std_mpsc::Receiver<Command>,
+    commands: std_mpsc::Sender<Command>,
+    runtime: tokio::runtime::Handle,
+    ready: std_mpsc::Sender<Result<()>>,
+) {
+    let setup = || -> Result<(Host, ChainId, HashMap<String, SocketAddr>)> {
+        let mut host = Host::with_options(HostOptions {
+            profile: options.profile,
+            workers: 1,
+            virtual_start_ns: None,
+            echo_logs: options.echo_logs,
+        })?;
+        let mut clusters = HashMap::new();
+        for (name, addr) in &options.chain.clusters {
+            // Callouts are performed on the runtime, not on this thread.
+            host.set_cluster(name, ClusterTarget::Manual);
+            clusters.insert(name.clone(), *addr);
+        }
+        for singleton in &options.chain.singletons {
+            host.add_singleton(singleton.clone())?;
+        }
+        let chain = host.add_chain(options.chain.filters.clone())?;
+        Ok((host, chain, clusters))
+    };
+    let (mut host, chain, clusters) = match setup() {
+        Ok(x) => {
+            let _ = ready.send(Ok(()));
+            x
+        }
+        Err(err) => {
+            let _ = ready.send(Err(err));
+            return;
+        }
+    };
+    let mut open: HashMap<StreamId, Open> = HashMap::new();
+    let mut started_callouts: std::collections::HashSet<u32> = std::collections::HashSet::new();
+    loop {
+        let wait = Duration::from_millis(5);
+        match inbox.recv_timeout(wait) {
+            Ok(Command::Shutdown) | Err(std_mpsc::RecvTimeoutError::Disconnected) => {
+                host.shutdown();
+                return;
+            }
+            Ok(Command::Open {
+                info,
+                headers,
+                end,
+                events,
+                reply,
+            }) => match host.open_stream(chain, info) {
+                Ok(id) => {
+                    let _ = reply.send(id);
+                    open.insert(
+                        id,
+                        Open {
+                            events,
+                            emitted: Emitted::default(),
+                        },
+                    );
+                    host.deliver_headers(id, false, headers, end);
+                }
+                Err(err) => {
+                    eprintln!("host-sim: cannot open a stream: {err:#}");
+                }
+            },
+            Ok(Command::RequestData(id, data, end)) => host.deliver_data(id, false, data, end),
+            Ok(Command::ResponseHeaders(id, headers, end)) => {
+                host.deliver_headers(id, true, headers, end)
+            }
+            Ok(Command::ResponseData(id, data, end)) => host.deliver_data(id, true, data, end),
+            Ok(Command::Reset(id)) => host.reset(id),
+            Ok(Command::CalloutDone(token, response)) => {
+                started_callouts.remove(&token);
+                host.deliver_callout(token, response);
+            }
+            Ok(Command::Admin(path, reply)) => {
+                let answer = match path.as_str() {
+                    "/stats/prometheus" => (200, host.prometheus()),
+                    "/ready" => (200, "LIVE\n".to_string()),
+                    "/logs" => (
+                        200,
+                        host.logs()
+                            .iter()
+                            .map(|l| format!("[{}] {}: {}\n", l.level.name(), l.plugin, l.message))
+                            .collect(),
+                    ),
+                    _ => (404, "unknown admin path\n".to_string()),
+                };
+                let _ = reply.send(answer);
+            }
+            Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+        }
+        host.fire_due(host.now_ns());
+        start_callouts(&host, &clusters, &mut started_callouts, &commands, &runtime);
+        sync_streams(&mut host, &mut open);
+    }
+}
+
+fn start_callouts(
+    host: &Host,
+    clusters: &HashMap<String, SocketAddr>,
+    started: &mut std::collections::HashSet<u32>,
+    commands: &std_mpsc::Sender<Command>,
+    runtime: &tokio::runtime::Handle,
+) {
+    for callout in host.callouts() {
+        if !started.insert(callout.token) {
+            continue;
+        }
+        let commands = commands.clone();
+        match clusters.get(&callout.cluster).copied() {
+            Some(addr) => {
+                runtime.spawn_blocking(move || {
+                    let response = blocking(addr, &callout);
+                    let _ = commands.send(Command::CalloutDone(callout.token, response));
+                });
+            }
+            None => {
+                let _ = commands.send(Command::CalloutDone(callout.token, CallResponse::failure()));
+            }
+        }
+    }
+}
+
+fn blocking(addr: SocketAddr, callout: &Callout) -> CallResponse {
+    crate::callout::blocking_http(addr, callout)
+}
+
+/// Sends each open stream's news (what newly left either end of the chain)
+/// to its network task, and forgets finished streams.
+fn sync_streams(host: &mut Host, open: &mut HashMap<StreamId, Open>) {
+    let mut done = vec![];
+    for (id, stream) in open.iter_mut() {
+        let e = &mut stream.emitted;
+        if let Some(up) = host.upstream_output(*id) {
+            if let (false, Some(headers)) = (e.up_headers, &up.headers) {
+                e.up_headers = true;
+                let end = up.complete && up.body.is_empty();
+                e.up_end = end;
+                let _ = stream
+                    .events
+                    .send(StreamEvent::UpstreamHeaders(headers.clone(), end));
+            }
+            if e.up_headers && !e.up_end && (up.body.len() > e.up_body || up.complete) {
+                let chunk = up.body[e.up_body..].to_vec();
+                e.up_body = up.body.len();
+                e.up_end = up.complete;
+                let _ = stream
+                    .events
+                    .send(StreamEvent::UpstreamData(chunk, up.complete));
+            }
+        }
+        if let Some(client) = host.client_output(*id) {
+            if let (false, Some(headers)) = (e.client_headers, &client.headers) {
+                e.client_headers = true;
+                let end = client.complete && client.body.is_empty();
+                e.client_end = end;
+                let _ = stream
+                    .events
+                    .send(StreamEvent::ClientHeaders(headers.clone(), end));
+            }
+            if e.client_headers
+                && !e.client_end
+                && (client.body.len() > e.client_body || client.complete)
+            {
+                let chunk = client.body[e.client_body..].to_vec();
+                e.client_body = client.body.len();
+                e.client_end = client.complete;
+                let _ = stream
+                    .events
+                    .send(StreamEvent::ClientData(chunk, client.complete));
+            }
+        }
+        if host.is_reset(*id) && !e.client_end {
+            let _ = stream.events.send(StreamEvent::Reset);
+            e.client_end = true;
+        }
+        if host.is_finished(*id) && e.client_end {
+            done.push(*id);
+        }
+    }
+    for id in done {
+        open.remove(&id);
+        host.drop_stream(id);
+    }
+}
+
+// ---- the network side ----
+
+#[derive(Clone)]
+struct Proxy {
+    commands: std_mpsc::Sender<Command>,
+    upstream: SocketAddr,
+    client: Client<HttpConnector, BoxBody<Bytes, Infallible>>,
+    listener: SocketAddr,
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+
+fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).boxed()
+}
+
+/// A body fed by a channel of chunks.
+fn channel_body() -> (mpsc::UnboundedSender<Bytes>, Body) {
+    let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|chunk| (Ok::<_, Infallible>(Frame::data(chunk)), rx))
+    });
+    (tx, StreamBody::new(stream).boxed())
+}
+
+async fn accept(listener: TcpListener, proxy: Proxy) {
+    loop {
+        let Ok((socket, peer)) = listener.accept().await else {
+            continue;
+        };
+        let proxy = proxy.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let proxy = proxy.clone();
+                async move { Ok::<_, Infallible>(proxy.handle(req, peer).await) }
+            });
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(socket), service)
+                .await;
+        });
+    }
+}
+
+async fn accept_admin(listener: TcpListener, commands: std_mpsc::Sender<Command>) {
+    loop {
+        let Ok((socket, _)) = listener.accept().await else {
+            continue;
+        };
+        let commands = commands.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req: Request<Incoming>| {
+                let commands = commands.clone();
+                async move {
+                    let (tx, rx) = oneshot::channel();
+                    let _ = commands.send(Command::Admin(req.uri().path().to_string(), tx));
+                    let (status, body) = rx.await.unwrap_or((503, "stopped\n".into()));
+                    let mut response = Response::new(full(body));
+                    *response.status_mut() =
+                        hyper::StatusCode::from_u16(status).unwrap_or_default();
+                    Ok::<_, Infallible>(response)
+                }
+            });
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(socket), service)
+                .await;
+        });
+    }
+}
+
+/// Hop-by-hop headers a proxy never forwards.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "upgrade",
+    "te",
+];
+
+fn request_id() -> String {
+    // Unique per process run; the format of Envoy's (a UUID v4 string).
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(1);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let a = t ^ n.rotate_left(32);
+    format!(
+        "{:08x}-{:04x}-4{:03x}-a{:03x}-{:012x}",
+        (a >> 32) as u32,
+        (a >> 16) as u16,
+        (a & 0xfff) as u16,
+        (n & 0xfff) as u16,
+        n.wrapping_mul(0x9e37_79b9_7f4a_7c15) & 0xffff_ffff_ffff
+    )
+}
+
+impl Proxy {
+    async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        match self.run(req, peer).await {
+            Ok(response) => response,
+            Err(err) => {
+                let mut response = Response::new(full(format!("host-sim: {err:#}\n")));
+                *response.status_mut() = hyper::StatusCode::BAD_GATEWAY;
+                response
+            }
+        }
+    }
+
+    async fn run(&self, req: Request<Incoming>, peer: SocketAddr) -> Result<Response<Body>> {
+        let (parts, body) = req.into_parts();
+        // The request as Envoy's filters see it: pseudo-headers first,
+        // lower-case names, hop-by-hop headers gone, x-forwarded-proto and
+        // x-request-id added.
+        let authority = parts
+            .headers
+            .get("host")
+            .and_then(|h| h.to_str().ok())
+            .map(str::to_string)
+            .unwrap_or_else(|| self.listener.to_string());
+        let mut headers: Headers = vec![
+            (":authority".into(), authority.into_bytes()),
+            (
+                ":path".into(),
+                parts
+                    .uri
+                    .path_and_query()
+                    .map(|p| p.to_string())
+                    .unwrap_or("/".into())
+                    .into_bytes(),
+            ),
+            (":method".into(), parts.method.as_str().as_bytes().to_vec()),
+            (":scheme".into(), b"http".to_vec()),
+        ];
+        for (name, value) in &parts.headers {
+            let name = name.as_str().to_ascii_lowercase();
+            if name == "host" || HOP_BY_HOP.contains(&name.as_str()) {
+                continue;
+            }
+            headers.push((name, value.as_bytes().to_vec()));
+        }
+        headers.push(("x-forwarded-proto".into(), b"http".to_vec()));
+        if !headers.iter().any(|(k, _)| k == "x-request-id") {
+            headers.push(("x-request-id".into(), request_id().into_bytes()));
+        }
+        let end = hyper::body::Body::is_end_stream(&body);
+        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let (reply_tx, reply_rx) = oneshot::channel();
+        let info = StreamInfo {
+            source: peer,
+            destination: self.listener,
+            ..StreamInfo::default()
+        };
+        self.commands
+            .send(Command::Open {
+                info,
+                headers,
+                end,
+                events: events_tx,
+                reply: reply_tx,
+            })
+            .map_err(|_| anyhow!("the Wasm thread is gone"))?;
+        let id = reply_rx
+            .await
+            .map_err(|_| anyhow!("the chain could not open a stream"))?;
+        if !end {
+            let commands = self.commands.clone();
+            tokio::spawn(forward_request_body(id, body, commands));
+        }
+
+        let mut upstream_body: Option<mpsc::UnboundedSender<Bytes>> = None;
+        let mut response: Option<Response<Body>> = None;
+        while let Some(event) = events.recv().await {
+            match event {
+                StreamEvent::UpstreamHeaders(headers, end) => {
+                    let (tx, body) = if end {
+                        (None, full(Bytes::new()))
+                    } else {
+                        let (tx, body) = channel_body();
+                        (Some(tx), body)
+                    };
+                    upstream_body = tx;
+                    self.spawn_upstream(id, headers, body);
+                }
+                StreamEvent::UpstreamData(data, end) => {
+                    if let Some(tx) = &upstream_body
+                        && !data.is_empty()
+                    {
+                        let _ = tx.send(Bytes::from(data));
+                    }
+                    if end {
+                        upstream_body = None;
+                    }
+                }
+                StreamEvent::ClientHeaders(headers, end) => {
+                    let (tx, body) = if end {
+                        (None, full(Bytes::new()))
+                    } else {
+                        let (tx, body) = channel_body();
+                        (Some(tx), body)
+                    };
+                    response = Some(client_response(&headers, body)?);
+                    // Headers go to the client now; the body (and any rest of
+                    // the request body) follows as it comes.
+                    let remaining = ForwardClient {
+                        events,
+                        client_body: tx,
+                        upstream_body: upstream_body.take(),
+                    };
+                    tokio::spawn(remaining.run());
+                    break;
+                }
+                StreamEvent::ClientData(..) => {}
+                StreamEvent::Reset => break,
+            }
+        }
+        response.ok_or_else(|| anyhow!("the stream was reset before a response"))
+    }
+
+    fn spawn_upstream(&self, id: StreamId, headers: Headers, body: Body) {
+        let client = self.client.clone();
+        let commands = self.commands.clone();
+        let upstream = self.upstream;
+        tokio::spawn(async move {
+            let get = |name: &str| {
+                headers
+                    .iter()
+                    .find(|(k, _)| k == name)
+                    .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            };
+            let path = get(":path").unwrap_or_else(|| "/".into());
+            let method = get(":method").unwrap_or_else(|| "GET".into());
+            let mut builder = Request::builder()
+                .method(method.as_str())
+                .uri(format!("http://{upstream}{path}"));
+            if let Some(authority) = get(":authority") {
+                builder = builder.header("host", authority);
+            }
+            for (name, value) in &headers {
+                if !name.starts_with(':') {
+                    builder = builder.header(name.as_str(), value.as_slice());
+                }
+            }
+            let Ok(request) = builder.body(body) else {
+                let _ = commands.send(Command::Reset(id));
+                return;
+            };
+            match client.request(request).await {
+                Ok(response) => {
+                    let (parts, mut body) = response.into_parts();
+                    let mut headers: Headers = vec![(
+                        ":status".into(),
+                        parts.status.as_u16().to_string().into_bytes(),
+                    )];
+                    for (name, value) in &parts.headers {
+                        let name = name.as_str().to_ascii_lowercase();
+                        if HOP_BY_HOP.contains(&name.as_str()) {
+                            continue;
+                        }
+                        headers.push((name, value.as_bytes().to_vec()));
+                    }
+                    let end = hyper::body::Body::is_end_stream(&body);
+                    let _ = commands.send(Command::ResponseHeaders(id, headers, end));
+                    if end {
+                        return;
+                    }
+                    loop {
+                        match body.frame().await {
+                            Some(Ok(frame)) => {
+                                if let Ok(data) = frame.into_data() {
+                                    let _ = commands.send(Command::ResponseData(
+                                        id,
+                                        data.to_vec(),
+                                        false,
+                                    ));
+                                }
+                            }
+                            Some(Err(_)) => {
+                                let _ = commands.send(Command::Reset(id));
+                                return;
+                            }
+                            None => {
+                                let _ = commands.send(Command::ResponseData(id, Vec::new(), true));
+                                return;
+                            }
+                        }
+                    }
+                }
+                Err(_) => {
+                    // What Envoy's router answers when the upstream is unreachable.
+                    let body = b"upstream connect error or disconnect/reset before headers. reset reason: connection failure".to_vec();
+                    let headers = vec![
+                        (":status".into(), b"503".to_vec()),
+                        ("content-length".into(), body.len().to_string().into_bytes()),
+                        ("content-type".into(), b"text/plain".to_vec()),
+                    ];
+                    let _ = commands.send(Command::ResponseHeaders(id, headers, false));
+                    let _ = commands.send(Command::ResponseData(id, body, true));
+                }
+            }
+        });
+    }
+}
+
+/// Forwards the rest of a stream after the client's response headers left.
+struct ForwardClient {
+    events: mpsc::UnboundedReceiver<StreamEvent>,
+    client_body: Option<mpsc::UnboundedSender<Bytes>>,
+    upstream_body: Option<mpsc::UnboundedSender<Bytes>>,
+}
+
+impl ForwardClient {
+    async fn run(mut self) {
+        while let Some(event) = self.events.recv().await {
+            match event {
+                StreamEvent::ClientData(data, end) => {
+                    if let Some(tx) = &self.client_body
+                        && !data.is_empty()
+                    {
+                        let _ = tx.send(Bytes::from(data));
+                    }
+                    if end {
+                        self.client_body = None;
+                    }
+                }
+                StreamEvent::UpstreamData(data, end) => {
+                    if let Some(tx) = &self.upstream_body
+                        && !data.is_empty()
+                    {
+                        let _ = tx.send(Bytes::from(data));
+                    }
+                    if end {
+                        self.upstream_body = None;
+                    }
+                }
+                StreamEvent::Reset => return,
+                StreamEvent::UpstreamHeaders(..) | StreamEvent::ClientHeaders(..) => {}
+            }
+            if self.client_body.is_none() && self.upstream_body.is_none() {
+                return;
+            }
+        }
+    }
+}
+
+async fn forward_request_body(
+    id: StreamId,
+    mut body: Incoming,
+    commands: std_mpsc::Sender<Command>,
+) {
+    loop {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    let end = hyper::body::Body::is_end_stream(&body);
+                    let _ = commands.send(Command::RequestData(id, data.to_vec(), end));
+                    if end {
+                        return;
+                    }
+                }
+            }
+            Some(Err(_)) => {
+                let _ = commands.send(Command::Reset(id));
+                return;
+            }
+            None => {
+                let _ = commands.send(Command::RequestData(id, Vec::new(), true));
+                return;
+            }
+        }
+    }
+}
+
+fn client_response(headers: &Headers, body: Body) -> Result<Response<Body>> {
+    let status = headers
+        .iter()
+        .find(|(k, _)| k == ":status")
+        .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok())
+        .unwrap_or(502);
+    let mut builder = Response::builder().status(status);
+    for (name, value) in headers {
+        if !name.starts_with(':') && !HOP_BY_HOP.contains(&name.as_str()) {
+            builder = builder.header(name.as_str(), value.as_slice());
+        }
+    }
+    builder.body(body).context("building the client response")
+}
+
+/// Waits until `addr` accepts connections (for callers that start a server
+/// and immediately use it).
+pub fn wait_listening(addr: SocketAddr, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if std::net::TcpStream::connect(addr).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(anyhow!(
+        "{addr} did not accept connections within {timeout:?}"
+    ))
+}
