@@ -21,6 +21,10 @@ pub struct ChainFile {
     pub singletons: Vec<PluginSpec>,
     /// Cluster name → loopback address.
     pub clusters: Vec<(String, SocketAddr)>,
+    /// The first route's `request_headers_to_add`: (name, format). `serve`
+    /// applies them after the chain, as Envoy's router does; the formats
+    /// support literal text and `%FILTER_STATE(KEY:PLAIN)%`.
+    pub route_request_headers: Vec<(String, String)>,
 }
 
 /// JSON chain file form.
@@ -91,6 +95,7 @@ impl ChainFile {
             filters: chain.filters.into_iter().map(plugin).collect(),
             singletons: chain.singletons.into_iter().map(plugin).collect(),
             clusters,
+            route_request_headers: Vec::new(),
         })
     }
 
@@ -108,6 +113,21 @@ impl ChainFile {
         let listener = listeners.first().ok_or_else(|| anyhow!("no listener"))?;
         for chain in seq(listener, &["filter_chains"]) {
             for filter in seq(&chain, &["filters"]) {
+                let vhosts = seq(&filter["typed_config"]["route_config"], &["virtual_hosts"]);
+                if let Some(route) = vhosts
+                    .first()
+                    .and_then(|v| seq(v, &["routes"]).first().cloned())
+                {
+                    for add in seq(&route, &["request_headers_to_add"]) {
+                        let header = &add["header"];
+                        if let (Some(k), Some(v)) =
+                            (header["key"].as_str(), header["value"].as_str())
+                        {
+                            out.route_request_headers
+                                .push((k.to_ascii_lowercase(), v.to_string()));
+                        }
+                    }
+                }
                 for http in seq(&filter["typed_config"], &["http_filters"]) {
                     let config = &http["typed_config"];
                     if type_of(config).ends_with("envoy.extensions.filters.http.wasm.v3.Wasm") {
@@ -180,6 +200,33 @@ fn parse_addr(url: &str) -> Result<SocketAddr> {
         .with_context(|| format!("{url}: expected http://IP:PORT (loopback)"))
 }
 
+/// Expands an Envoy header format: literal text plus `%FILTER_STATE(KEY:PLAIN)%`
+/// (other `%…%` operators expand to `-`, Envoy's "no value").
+pub fn expand_format(format: &str, filter_state: impl Fn(&str) -> Option<Vec<u8>>) -> String {
+    let mut out = String::new();
+    let mut rest = format;
+    while let Some(start) = rest.find('%') {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 1..];
+        let Some(end) = after.find('%') else {
+            out.push_str(&rest[start..]);
+            return out;
+        };
+        let op = &after[..end];
+        let value = op
+            .strip_prefix("FILTER_STATE(")
+            .and_then(|o| o.strip_suffix(')'))
+            .map(|inner| inner.strip_suffix(":PLAIN").unwrap_or(inner))
+            .and_then(&filter_state)
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+            .unwrap_or_else(|| "-".to_string());
+        out.push_str(&value);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,5 +278,17 @@ static_resources:
             chain.clusters,
             vec![("backend".to_string(), "127.0.0.1:18080".parse().unwrap())]
         );
+    }
+
+    #[test]
+    fn header_formats() {
+        let state = |k: &str| (k == "wasm.x").then(|| b"v".to_vec());
+        assert_eq!(expand_format("%FILTER_STATE(wasm.x:PLAIN)%", state), "v");
+        assert_eq!(
+            expand_format("a-%FILTER_STATE(wasm.y:PLAIN)%-b", state),
+            "a---b"
+        );
+        assert_eq!(expand_format("%REQ(x)%", state), "-");
+        assert_eq!(expand_format("100%", state), "100%");
     }
 }

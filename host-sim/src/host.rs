@@ -769,6 +769,14 @@ impl Host {
         self.streams.get(&id).and_then(|r| r.local.as_ref())
     }
 
+    pub(crate) fn filter_state(&self, id: StreamId, key: &str) -> Option<Vec<u8>> {
+        self.world
+            .borrow()
+            .streams
+            .get(&id)
+            .and_then(|d| d.filter_state.get(key).cloned())
+    }
+
     pub(crate) fn is_finished(&self, id: StreamId) -> bool {
         self.streams.get(&id).is_none_or(|r| r.finished)
     }

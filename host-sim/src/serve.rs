@@ -277,7 +277,7 @@ fn wasm_thread(
         }
         host.fire_due(host.now_ns());
         start_callouts(&host, &clusters, &mut started_callouts, &commands, &runtime);
-        sync_streams(&mut host, &mut open);
+        sync_streams(&mut host, &mut open, &options.chain.route_request_headers);
     }
 }
 
@@ -313,7 +313,11 @@ fn blocking(addr: SocketAddr, callout: &Callout) -> CallResponse {
 
 /// Sends each open stream's news (what newly left either end of the chain)
 /// to its network task, and forgets finished streams.
-fn sync_streams(host: &mut Host, open: &mut HashMap<StreamId, Open>) {
+fn sync_streams(
+    host: &mut Host,
+    open: &mut HashMap<StreamId, Open>,
+    route_headers: &[(String, String)],
+) {
     let mut done = vec![];
     for (id, stream) in open.iter_mut() {
         let e = &mut stream.emitted;
@@ -322,9 +326,18 @@ fn sync_streams(host: &mut Host, open: &mut HashMap<StreamId, Open>) {
                 e.up_headers = true;
                 let end = up.complete && up.body.is_empty();
                 e.up_end = end;
+                // Envoy's router adds the route's headers after the filters.
+                let mut headers = headers.clone();
+                for (name, format) in route_headers {
+                    let value = crate::config_file::expand_format(format, |key| {
+                        host.filter_state(*id, key)
+                    });
+                    headers.retain(|(k, _)| k != name);
+                    headers.push((name.clone(), value.into_bytes()));
+                }
                 let _ = stream
                     .events
-                    .send(StreamEvent::UpstreamHeaders(headers.clone(), end));
+                    .send(StreamEvent::UpstreamHeaders(headers, end));
             }
             if e.up_headers && !e.up_end && (up.body.len() > e.up_body || up.complete) {
                 let chunk = up.body[e.up_body..].to_vec();

@@ -5,6 +5,7 @@
 //! parallel; every process started here is stopped by PID when dropped.
 
 pub mod client;
+pub mod differential;
 pub mod envoy;
 pub mod model;
 pub mod paths;

@@ -1,12 +1,16 @@
-//! The activation filter in host-sim: the same `.wasm` Envoy loads.
+//! The activation filter in host-sim: the very `.wasm` Envoy loads, driven
+//! step by step with virtual time.
 
-use anyhow::Result;
-use host_sim::{Host, PluginSpec};
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use host_sim::{ChainId, Host, PluginSpec};
 use zerolayer_e2e::paths;
 
 const RULES: &str = include_str!("../fixtures/activation-rules.json");
+const OBSERVERS: &str = "wasm.wasmx.zerolayer_observers";
 
-fn host_with(rules: &str) -> Result<(Host, host_sim::ChainId)> {
+fn host_with(rules: &str) -> Result<(Host, ChainId)> {
     let mut host = Host::new()?;
     let chain = host.add_chain(vec![
         PluginSpec::new("zerolayer.activation", paths::wasm("activation")?).configuration(rules),
@@ -14,13 +18,13 @@ fn host_with(rules: &str) -> Result<(Host, host_sim::ChainId)> {
     Ok((host, chain))
 }
 
+fn observers(state: Option<Vec<u8>>) -> String {
+    String::from_utf8(state.unwrap_or_default()).unwrap_or_default()
+}
+
 #[test]
-fn decision_is_published_as_filter_state() -> Result<()> {
-    let (mut host, chain) = match host_with(RULES) {
-        Ok(x) => x,
-        Err(e) => panic!("{e:#}"),
-    };
-    let started = std::time::Instant::now();
+fn decision_is_published_as_filter_state_and_forged_headers_are_removed() -> Result<()> {
+    let (mut host, chain) = host_with(RULES)?;
     let mut s = host.stream(chain)?;
     s.request_headers(
         &[
@@ -29,15 +33,107 @@ fn decision_is_published_as_filter_state() -> Result<()> {
             (":authority", "gw"),
             ("x-tenant-id", "acme"),
             ("x-request-id", "r-1"),
+            ("x-zerolayer-observers", "shadow"),
         ],
         true,
     );
-    eprintln!("first stream took {:?}", started.elapsed());
-    assert!(s.upstream().complete);
-    let state = s
-        .filter_state("wasm.wasmx.zerolayer_observers")
-        .unwrap_or_default();
-    eprintln!("{}", String::from_utf8_lossy(&state));
-    assert!(String::from_utf8_lossy(&state).contains("metering"));
+    let upstream = s.upstream();
+    assert!(upstream.complete);
+    assert_eq!(upstream.header("x-zerolayer-observers"), None);
+    assert_eq!(observers(s.filter_state(OBSERVERS)), "audit,metering,cache");
+    s.response_headers(
+        &[(":status", "200"), ("x-zerolayer-debug", "from upstream")],
+        true,
+    );
+    assert_eq!(s.client().header("x-zerolayer-debug"), None);
+    assert!(s.finished());
+    Ok(())
+}
+
+#[test]
+fn counters_reach_the_host_on_the_tick_not_on_the_request_path() -> Result<()> {
+    let (mut host, chain) = host_with(RULES)?;
+    for _ in 0..3 {
+        host.stream(chain)?.request_headers(
+            &[
+                (":method", "GET"),
+                (":path", "/"),
+                (":authority", "gw"),
+                ("x-tenant-id", "acme"),
+            ],
+            true,
+        );
+    }
+    // Nothing reported yet: the filter batches counters in Wasm memory.
+    assert_eq!(host.metric("zerolayer_activation_requests"), Some(0));
+    host.advance(Duration::from_millis(1000));
+    assert_eq!(host.metric("zerolayer_activation_requests"), Some(3));
+    assert_eq!(
+        host.metric("zerolayer_activation_rule_matches_rule=premium"),
+        Some(3)
+    );
+    let text = host.prometheus();
+    assert!(
+        text.contains(r#"zerolayer_activation_rule_matches{rule="premium"} 3"#),
+        "{text}"
+    );
+    Ok(())
+}
+
+#[test]
+fn shutdown_flushes_what_the_last_tick_did_not() -> Result<()> {
+    let (mut host, chain) = host_with(RULES)?;
+    host.stream(chain)?.request_headers(
+        &[(":method", "GET"), (":path", "/"), (":authority", "gw")],
+        true,
+    );
+    host.shutdown();
+    assert_eq!(host.metric("zerolayer_activation_requests"), Some(1));
+    Ok(())
+}
+
+#[test]
+fn a_bad_configuration_is_refused_with_the_field_in_the_log() -> Result<()> {
+    let mut host = Host::new()?;
+    let err = host
+        .add_chain(vec![
+            PluginSpec::new("zerolayer.activation", paths::wasm("activation")?)
+                .configuration(r#"{"rules":[{"name":"x","when":{"path":{"matches":"("}}}]}"#),
+        ])
+        .err()
+        .context("the chain loaded despite a bad regex")?;
+    assert!(
+        format!("{err:#}").contains("refused its configuration"),
+        "{err:#}"
+    );
+    let logs = host.logs_containing("invalid configuration");
+    assert_eq!(
+        logs,
+        [
+            r#"activation: invalid configuration: rules[0].when.path.matches: invalid regex "(": unclosed group"#
+        ]
+    );
+    Ok(())
+}
+
+#[test]
+fn two_workers_have_their_own_vms_and_share_metrics() -> Result<()> {
+    let mut host = Host::with_options(host_sim::HostOptions {
+        workers: 2,
+        ..Default::default()
+    })?;
+    let chain = host.add_chain(vec![
+        PluginSpec::new("zerolayer.activation", paths::wasm("activation")?).configuration(RULES),
+    ])?;
+    for _ in 0..4 {
+        host.stream(chain)?.request_headers(
+            &[(":method", "GET"), (":path", "/"), (":authority", "gw")],
+            true,
+        );
+    }
+    host.advance(Duration::from_secs(1));
+    assert_eq!(host.metric("zerolayer_activation_requests"), Some(4));
+    // One configuration log line per worker VM.
+    assert_eq!(host.logs_containing("configured 5 rules").len(), 2);
     Ok(())
 }
