@@ -187,8 +187,40 @@ impl Default for HostOptions {
     }
 }
 
+/// Advances the engine's epoch every [`EPOCH_TICK`] so that a call into a
+/// module can be given a deadline ([`crate::vm::CALL_DEADLINE_TICKS`]).
+struct EpochTicker {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Epoch granularity.
+pub(crate) const EPOCH_TICK: Duration = Duration::from_millis(100);
+
+impl EpochTicker {
+    fn start(engine: &Engine) -> EpochTicker {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (engine, flag) = (engine.clone(), stop.clone());
+        let _ = std::thread::Builder::new()
+            .name("host-sim-epoch".into())
+            .spawn(move || {
+                while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    engine.increment_epoch();
+                }
+            });
+        EpochTicker { stop }
+    }
+}
+
+impl Drop for EpochTicker {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// A Proxy-Wasm host. No global state: make one per test.
 pub struct Host {
+    _epochs: EpochTicker,
     engine: Engine,
     world: Rc<RefCell<World>>,
     modules: HashMap<PathBuf, Module>,
@@ -216,7 +248,10 @@ impl Host {
     pub fn with_options(options: HostOptions) -> Result<Host> {
         let mut config = Config::new();
         config.cranelift_opt_level(wasmtime::OptLevel::Speed);
+        // A module stuck in a loop traps instead of hanging the host.
+        config.epoch_interruption(true);
         let engine = Engine::new(&config)?;
+        let epochs = EpochTicker::start(&engine);
         let clock = match options.virtual_start_ns {
             Some(ns) => Clock::Virtual(ns),
             None => Clock::Real,
@@ -224,6 +259,7 @@ impl Host {
         let mut world = World::new(options.profile, clock);
         world.echo_logs = options.echo_logs;
         Ok(Host {
+            _epochs: epochs,
             engine,
             world: Rc::new(RefCell::new(world)),
             modules: HashMap::new(),
@@ -346,7 +382,11 @@ impl Host {
         let mut filters = Vec::with_capacity(plugins.len());
         for (position, plugin) in plugins.iter().enumerate() {
             let (vm, root) = (self.plugins[*plugin].vm, self.plugins[*plugin].root);
-            let context = self.vms[vm].create_http_context(root, id, position)?;
+            // A failed VM gets no context (0): its callbacks fail, and the
+            // stream is answered with a 503 like Envoy's fail-closed filter.
+            let context = self.vms[vm]
+                .create_http_context(root, id, position)
+                .unwrap_or(0);
             filters.push((vm, context));
         }
         let n = filters.len();
@@ -408,6 +448,11 @@ impl Host {
         }
         let action = match self.vms[vm].http(context, callback, size, eos) {
             Ok(action) => Some(action),
+            Err(_) if self.streams.get(&id).is_some_and(|r| r.local.is_some()) => {
+                // Already answering with a local response (perhaps because
+                // this very VM failed): a failed filter is skipped.
+                return Step::Continue;
+            }
             Err(err) => {
                 // A trapped VM fails its streams closed, as Envoy does.
                 self.log_host(&format!(

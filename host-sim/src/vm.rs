@@ -12,6 +12,9 @@ use crate::abi::Action;
 use crate::imports;
 use crate::world::{CallResponse, StreamId, VmIndex, World};
 
+/// Epoch ticks a single call into a module may take (~5 s) before it traps.
+pub(crate) const CALL_DEADLINE_TICKS: u64 = 50;
+
 /// What a context id stands for.
 #[derive(Debug, Clone)]
 pub(crate) enum ContextKind {
@@ -159,6 +162,7 @@ impl Vm {
             exited: None,
         };
         let mut store = Store::new(engine, state);
+        store.set_epoch_deadline(CALL_DEADLINE_TICKS);
         let mut linker: Linker<VmState> = Linker::new(engine);
         imports::define(&mut linker, module)?;
         let instance: Instance = linker
@@ -383,6 +387,7 @@ impl Vm {
             return Err(anyhow!("VM failed earlier: {reason}"));
         }
         self.store.data_mut().current = context;
+        self.store.set_epoch_deadline(CALL_DEADLINE_TICKS);
         Ok(())
     }
 
