@@ -189,7 +189,12 @@ fn plugin(config: &Value, base: &Path) -> Result<PluginSpec> {
         Value::Null => Vec::new(),
         other => serde_json::to_string(other)?.into_bytes(),
     };
-    Ok(spec.configuration(configuration))
+    let stop_iteration = config["allow_on_headers_stop_iteration"]
+        .as_bool()
+        .unwrap_or(false);
+    Ok(spec
+        .configuration(configuration)
+        .allow_on_headers_stop_iteration(stop_iteration))
 }
 
 fn parse_addr(url: &str) -> Result<SocketAddr> {

@@ -37,6 +37,10 @@ pub struct PluginSpec {
     pub configuration: Vec<u8>,
     /// VM configuration (`vm_config.configuration`).
     pub vm_configuration: Vec<u8>,
+    /// Envoy's `allow_on_headers_stop_iteration`: `Pause` from the headers
+    /// callback stops only the headers (body data still reaches the filter)
+    /// instead of all iteration.
+    pub allow_on_headers_stop_iteration: bool,
 }
 
 impl PluginSpec {
@@ -49,7 +53,14 @@ impl PluginSpec {
             wasm: wasm.into(),
             configuration: Vec::new(),
             vm_configuration: Vec::new(),
+            allow_on_headers_stop_iteration: false,
         }
+    }
+
+    /// Sets Envoy's `allow_on_headers_stop_iteration`.
+    pub fn allow_on_headers_stop_iteration(mut self, allow: bool) -> Self {
+        self.allow_on_headers_stop_iteration = allow;
+        self
     }
 
     /// Sets the plugin configuration.
@@ -124,6 +135,11 @@ struct Direction {
     end_with_headers: bool,
     /// Body held (buffered) at each position after it paused on data.
     held: Vec<Vec<u8>>,
+    /// Data waiting in front of the position that stopped all iteration on
+    /// headers (position `headers_passed`).
+    waiting: Vec<u8>,
+    waiting_eos: bool,
+    waiting_any: bool,
     /// A position paused on data with the end of stream in hand.
     paused_eos_at: Option<usize>,
     out: Output,
@@ -131,6 +147,8 @@ struct Direction {
 
 struct StreamRun {
     filters: Vec<(VmIndex, u32)>,
+    /// Per chain position: `Pause` on headers stops only the headers.
+    stop_iteration: Vec<bool>,
     request: Direction,
     response: Direction,
     local: Option<LocalResponse>,
@@ -141,6 +159,7 @@ struct StreamRun {
 }
 
 struct PluginInstance {
+    stop_iteration: bool,
     vm: VmIndex,
     root: u32,
 }
@@ -318,7 +337,11 @@ impl Host {
         let root = self.vms[vm]
             .add_root(info, first)
             .with_context(|| format!("plugin {} refused its configuration", spec.name))?;
-        self.plugins.push(PluginInstance { vm, root });
+        self.plugins.push(PluginInstance {
+            stop_iteration: spec.allow_on_headers_stop_iteration,
+            vm,
+            root,
+        });
         self.run_events();
         Ok(plugin)
     }
@@ -380,6 +403,10 @@ impl Host {
             },
         );
         let mut filters = Vec::with_capacity(plugins.len());
+        let stop_iteration = plugins
+            .iter()
+            .map(|p| self.plugins[*p].stop_iteration)
+            .collect();
         for (position, plugin) in plugins.iter().enumerate() {
             let (vm, root) = (self.plugins[*plugin].vm, self.plugins[*plugin].root);
             // A failed VM gets no context (0): its callbacks fail, and the
@@ -398,6 +425,7 @@ impl Host {
             id,
             StreamRun {
                 filters,
+                stop_iteration,
                 request: fresh(),
                 response: fresh(),
                 local: None,
@@ -407,6 +435,14 @@ impl Host {
             },
         );
         Ok(id)
+    }
+
+    /// Whether new data for a direction is moot: the stream ended, or a
+    /// local response already answered it (the upstream's answer is dropped).
+    fn ignores(&self, id: StreamId) -> bool {
+        self.streams
+            .get(&id)
+            .is_none_or(|r| r.finished || r.reset || r.local.is_some())
     }
 
     /// Position → chain index for a direction.
@@ -517,6 +553,9 @@ impl Host {
         headers: Headers,
         eos: bool,
     ) {
+        if self.ignores(id) {
+            return;
+        }
         {
             let mut world = self.world.borrow_mut();
             if let Some(data) = world.streams.get_mut(&id) {
@@ -581,15 +620,21 @@ impl Host {
 
     /// Delivers body data to a direction.
     pub(crate) fn deliver_data(&mut self, id: StreamId, response: bool, data: Vec<u8>, eos: bool) {
+        if self.ignores(id) {
+            return;
+        }
         self.run_data(id, response, 0, data, eos);
         self.run_events();
     }
 
-    /// Runs body callbacks from `from` on. Pausing on headers is Envoy's
-    /// `StopIteration`: data still reaches the filter that stopped them, and
-    /// when its body callback continues, the headers continue first. Pausing
-    /// on data is `StopIterationAndBuffer`: the filter sees the accumulated
-    /// body on its next call.
+    /// Runs body callbacks from `from` on.
+    ///
+    /// `Pause` from a headers callback stops *all* iteration: proxy-wasm-cpp-host
+    /// turns the ABI's `StopIteration` into `StopAllIterationAndWatermark`, so
+    /// body data waits in front of that filter (it does not see it) until the
+    /// filter resumes. `Pause` from a body callback is
+    /// `StopIterationAndBuffer`: the filter sees the accumulated body on its
+    /// next call, and nothing passes on.
     fn run_data(
         &mut self,
         id: StreamId,
@@ -606,18 +651,25 @@ impl Host {
         } else {
             HttpCallback::RequestBody
         };
-        let mut position = from;
-        while position < n {
+        for position in from..n {
             let passed = self
                 .streams
                 .get_mut(&id)
                 .map(|r| Self::dir(r, response).headers_passed)
                 .unwrap_or(0);
-            if position > passed {
-                // Unreachable by construction: data never overtakes headers.
-                self.log_host(&format!(
-                    "stream {id}: data reached position {position} before headers"
-                ));
+            let stops_headers_only = self
+                .streams
+                .get(&id)
+                .is_some_and(|r| r.stop_iteration[Self::filter_at(n, response, position)]);
+            if position > passed || (position == passed && !stops_headers_only) {
+                // Headers stopped all iteration here: the data waits in front
+                // of this filter.
+                if let Some(run) = self.streams.get_mut(&id) {
+                    let d = Self::dir(run, response);
+                    d.waiting.extend_from_slice(&data);
+                    d.waiting_eos |= eos;
+                    d.waiting_any = true;
+                }
                 return;
             }
             let mut buffer = self
@@ -644,14 +696,14 @@ impl Host {
                 }
                 Step::Continue => {
                     if position == passed {
-                        // This filter held the headers: they go on first.
+                        // This filter held only the headers: its `Continue`
+                        // releases them first, then the data follows.
                         self.run_headers(id, response, position + 1);
                         if self.streams.get(&id).is_none_or(|r| r.reset || r.finished) {
                             return;
                         }
                     }
                     data = buffer;
-                    position += 1;
                 }
             }
         }
@@ -701,19 +753,32 @@ impl Host {
         let n = run.filters.len();
         let position = Self::filter_at(n, response, filter);
         let d = Self::dir(run, response);
+        if d.headers_started && d.headers_passed == position && position < n {
+            // Stopped on headers: they continue past this filter, then the
+            // data that waited in front of it starts at this filter
+            // (Envoy iterates from the current filter after a stop-all).
+            let waiting = std::mem::take(&mut d.waiting);
+            let waiting_eos = std::mem::replace(&mut d.waiting_eos, false);
+            let waiting_any = std::mem::replace(&mut d.waiting_any, false);
+            let held = std::mem::take(&mut d.held[position]);
+            let held_eos = std::mem::take(&mut d.paused_eos_at) == Some(position);
+            d.headers_passed = position + 1;
+            self.run_headers(id, response, position + 1);
+            if !held.is_empty() || held_eos {
+                // Body this filter buffered while holding only the headers.
+                self.run_data(id, response, position + 1, held, held_eos);
+            }
+            if waiting_any {
+                self.run_data(id, response, position, waiting, waiting_eos);
+            }
+            return;
+        }
         let held = std::mem::take(&mut d.held[position]);
         let held_eos = d.paused_eos_at == Some(position);
         if held_eos {
             d.paused_eos_at = None;
         }
-        if d.headers_started && d.headers_passed == position && position < n {
-            // Stopped on headers: they continue past this filter, then
-            // whatever body it buffered.
-            self.run_headers(id, response, position + 1);
-            if !held.is_empty() || held_eos {
-                self.run_data(id, response, position + 1, held, held_eos);
-            }
-        } else if !held.is_empty() || held_eos {
+        if !held.is_empty() || held_eos {
             self.run_data(id, response, position + 1, held, held_eos);
         }
     }

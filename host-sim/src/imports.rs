@@ -499,11 +499,14 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
                                         np: i32,
                                         nl: i32,
                                         ret: i32|
-     -> i32 {
+     -> wasmtime::Result<i32> {
+        if c.data().world.borrow().profile == Profile::Kong {
+            // ngx_wasm_module: "NYI: proxy_wasm hfunc", a host trap.
+            return Err(wasmtime::Error::msg(
+                "proxy_resolve_shared_queue is not implemented by ngx_wasm_module (Kong profile)",
+            ));
+        }
         let r = (|| {
-            if c.data().world.borrow().profile == Profile::Kong {
-                return Err(Status::Unimplemented);
-            }
             let vm_id = read_str(&mut c, vp, vl)?;
             let name = read_str(&mut c, np, nl)?;
             let id = c
@@ -514,7 +517,7 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
                 .ok_or(Status::NotFound)?;
             write_u32(&mut c, ret, id)
         })();
-        done(r)
+        Ok(done(r))
     });
     env!("proxy_dequeue_shared_queue", |mut c: C<'_>,
                                         id: i32,

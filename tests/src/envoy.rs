@@ -118,6 +118,33 @@ impl EnvoyConfig {
         Ok(())
     }
 
+    /// Sets `config.<key>` of the Wasm filter named `filter` (e.g.
+    /// `allow_on_headers_stop_iteration`); `None` removes it.
+    pub fn set_wasm_filter_option(
+        &mut self,
+        filter: &str,
+        key: &str,
+        value: Option<Value>,
+    ) -> Result<()> {
+        let name = self.name.clone();
+        let config = self
+            .wasm_filters_mut()?
+            .into_iter()
+            .find(|f| f.get("name").and_then(Value::as_str) == Some(filter))
+            .and_then(|f| lookup_mut(f, &["typed_config", "config"]))
+            .and_then(Value::as_mapping_mut)
+            .ok_or_else(|| anyhow!("{name}: no Wasm filter named {filter}"))?;
+        match value {
+            Some(v) => {
+                config.insert(Value::from(key), v);
+            }
+            None => {
+                config.remove(key);
+            }
+        }
+        Ok(())
+    }
+
     /// Adds a request header to every route (Envoy's formatter syntax allowed,
     /// e.g. `%FILTER_STATE(…)%`): how a test shows what later filters saw.
     pub fn add_route_request_header(&mut self, key: &str, value: &str) -> Result<()> {

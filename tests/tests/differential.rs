@@ -9,6 +9,14 @@
 //!   regex user agent, consistent percent on fixed request ids, forged
 //!   internal headers, upstream-sent internal response header, debug header,
 //!   counters per rule and observer.
+//! - probe (`host-sim/probe/envoy.yaml`: a singleton service and the probe
+//!   filter): shared data increments and a stale CAS, enqueue to the
+//!   singleton and its drain, local responses (alone and after other
+//!   actions), a callout pausing and resuming the request, body buffering
+//!   behind paused headers (3000 bytes and none), properties
+//!   (`request.path`, `.method`, `.url_path`, `.id`, `response.code`,
+//!   `plugin_name`), filter state read back, response body replacement,
+//!   unknown actions; metrics per action, queue items; ticks in both.
 
 use anyhow::Result;
 use zerolayer_e2e::differential::{Pair, Scenario};
@@ -74,5 +82,101 @@ fn activation_behaves_the_same_in_envoy_and_host_sim() -> Result<()> {
         envoy.get(r#"zerolayer_activation_rule_matches{rule="premium"}"#),
         Some(&1.0)
     );
+    Ok(())
+}
+
+/// The probe filter (`host-sim/probe`) makes host features visible; its
+/// Envoy config runs a singleton service and the filter.
+fn probe_pair() -> Result<Pair> {
+    paths::wasm("probe")?;
+    Pair::start(EnvoyConfig::load(
+        &paths::root().join("host-sim/probe/envoy.yaml"),
+    )?)
+}
+
+fn probe(name: &str, actions: &str) -> Scenario {
+    Scenario::get(name, "/probe").header("x-probe-action", actions)
+}
+
+#[test]
+fn probe_host_features_behave_the_same_in_envoy_and_host_sim() -> Result<()> {
+    let pair = probe_pair()?;
+    let scenarios = vec![
+        // Shared data with CAS: each host counts its own requests.
+        probe("incr-1", "shared-incr"),
+        probe("incr-2", "shared-incr"),
+        probe("cas", "cas-stale"),
+        // Queues to the singleton service.
+        probe("enqueue-1", "enqueue"),
+        probe("enqueue-2", "enqueue"),
+        // Local responses stop the request and skip the upstream.
+        probe("local", "local-403"),
+        probe("local-after-incr", "shared-incr,local-429"),
+        // Callouts pause the request and resume it.
+        probe("callout", "callout"),
+        probe("callout-and-more", "shared-incr,callout,set-state"),
+        // Body buffering with headers paused (StopIteration semantics).
+        Scenario::post("body", "/probe", &"x".repeat(3000)).header("x-probe-action", "body-size"),
+        Scenario::post("callout-with-body", "/probe", &"y".repeat(5000)).header("x-probe-action", "callout"),
+        probe("body-empty", "body-size"),
+        // Properties and filter state.
+        probe(
+            "properties",
+            "property-request.path,property-request.method,property-request.url_path,property-plugin_name,property-request.id,property-response.code",
+        )
+        .header("x-request-id", "fixed-id"),
+        probe("state", "set-state"),
+        // Response body replaced after buffering.
+        probe("replace", "replace-body"),
+        probe("unknown", "no-such-action"),
+    ];
+    for scenario in &scenarios {
+        let (envoy, sim) = pair.run(scenario)?;
+        assert_eq!(envoy, sim, "scenario {}", scenario.name);
+    }
+    // The singleton drained both enqueued items in each host.
+    pair.wait_metric_agree("probe_queue_items", 2.0)?;
+    // Metrics agree (tick counters excepted: they follow wall time).
+    let (envoy, sim) = pair.metrics(&["probe_requests", "probe_actions", "probe_queue_items"])?;
+    assert_eq!(envoy, sim);
+    assert_eq!(envoy.get(r#"probe_actions{action="enqueue"}"#), Some(&2.0));
+    // Ticks fire in both (the singleton ticks every 500 ms).
+    let (e, s) = pair.metrics(&["probe_singleton_ticks"])?;
+    assert!(
+        e.values().all(|v| *v > 0.0)
+            && s.values().all(|v| *v > 0.0)
+            && !e.is_empty()
+            && !s.is_empty(),
+        "{e:?} {s:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn paused_headers_stop_all_iteration_by_default_in_both_hosts() -> Result<()> {
+    // Without `allow_on_headers_stop_iteration`, a filter that pauses its
+    // headers (here for a callout) sees no body until it resumes; the body
+    // waits and then flows whole, in Envoy and in host-sim alike.
+    paths::wasm("probe")?;
+    let mut config = EnvoyConfig::load(&paths::root().join("host-sim/probe/envoy.yaml"))?;
+    config.set_wasm_filter_option("probe", "allow_on_headers_stop_iteration", None)?;
+    let pair = Pair::start(config)?;
+    for scenario in [
+        Scenario::post("callout-with-body", "/probe", &"z".repeat(20_000))
+            .header("x-probe-action", "callout"),
+        Scenario::post("callout-then-state", "/probe", "small")
+            .header("x-probe-action", "callout,set-state"),
+        probe("body-empty", "body-size"),
+    ] {
+        let (envoy, sim) = pair.run(&scenario)?;
+        assert_eq!(envoy, sim, "scenario {}", scenario.name);
+        let upstream = envoy.upstream.as_ref().map(|u| u.body.len());
+        assert_eq!(
+            upstream,
+            Some(scenario.body.len()),
+            "{}: body reached the upstream whole",
+            scenario.name
+        );
+    }
     Ok(())
 }

@@ -16,7 +16,15 @@
 //! The request is held (headers return `Pause`) while a callout is pending
 //! or `body-size` waits for the end of the body; whichever finishes last
 //! releases it: the body callback by returning `Continue`, the callout
-//! callback by `resume_http_request`.
+//! callback by `resume_http_request`. This assumes `Pause` from the headers
+//! callback means StopIteration (the body callbacks still run): in Envoy
+//! that takes `allow_on_headers_stop_iteration: true` in the plugin config
+//! (see `envoy.yaml`); by default Envoy stops everything instead, and
+//! `body-size` on a request with a body then waits for the idle timeout.
+//!
+//! Shared data and queues are scoped by vm_id in Envoy: `queue-total`
+//! (the singleton's `probe_queue_total`) reads `absent` from a filter in
+//! another VM.
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
