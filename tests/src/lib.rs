@@ -9,6 +9,7 @@ pub mod differential;
 pub mod envoy;
 pub mod model;
 pub mod paths;
+pub mod sse;
 pub mod upstream;
 
 pub use client::{Client, Reply};

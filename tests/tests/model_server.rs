@@ -49,12 +49,11 @@
 //!   with `output_tokens` only, no input counts), `message_stop`. No `ping`
 //!   events. Every event has both the `event:` line and `type` in its data.
 
-use std::io::{BufRead, BufReader};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::{Value, json};
+use zerolayer_e2e::sse::{self, SseEvent};
 use zerolayer_e2e::{Client, ModelServer};
 
 /// Small, so tests stay fast on two busy cores.
@@ -70,82 +69,18 @@ fn server() -> Result<Arc<ModelServer>> {
     Ok(server)
 }
 
-/// One server-sent event.
-#[derive(Debug)]
-struct Event {
-    /// The `event:` field, if any.
-    name: Option<String>,
-    /// The `data:` field (lines joined with `\n`).
-    data: String,
-    /// When it arrived, since the request was sent.
-    at: Duration,
-}
-
-impl Event {
-    fn json(&self) -> Result<Value> {
-        serde_json::from_str(&self.data).with_context(|| format!("event data {:?}", self.data))
-    }
-}
-
 /// POSTs `body` and reads the SSE stream event by event as it arrives.
-fn stream(url: &str, headers: &[(&str, &str)], body: &Value) -> Result<Vec<Event>> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .proxy(None)
-        .timeout_global(Some(Duration::from_secs(60)))
-        .build()
-        .into();
-    let mut request = agent.post(url).header("content-type", "application/json");
-    for (name, value) in headers {
-        request = request.header(*name, *value);
-    }
-    let sent = Instant::now();
-    let response = request
-        .send(body.to_string())
-        .with_context(|| format!("POST {url}"))?;
-    let status = response.status().as_u16();
-    let content_type = response
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
-    let mut reader = BufReader::new(response.into_body().into_reader());
-    if status != 200 {
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut reader, &mut text)?;
-        bail!("POST {url}: {status}: {text}");
+fn stream(url: &str, headers: &[(&str, &str)], body: &Value) -> Result<Vec<SseEvent>> {
+    let reply = sse::post(url, headers, &body.to_string())?;
+    if reply.status != 200 {
+        bail!("POST {url}: {}: {}", reply.status, reply.error_body);
     }
     ensure!(
-        content_type.starts_with("text/event-stream"),
-        "content-type {content_type:?}"
+        reply.content_type.starts_with("text/event-stream"),
+        "content-type {:?}",
+        reply.content_type
     );
-    let (mut events, mut name, mut data) = (vec![], None, Vec::<String>::new());
-    let mut line = String::new();
-    loop {
-        line.clear();
-        let eof = reader.read_line(&mut line)? == 0;
-        let text = line.trim_end_matches(['\r', '\n']);
-        if eof || text.is_empty() {
-            if !data.is_empty() {
-                events.push(Event {
-                    name: name.take(),
-                    data: data.join("\n"),
-                    at: sent.elapsed(),
-                });
-                data.clear();
-            }
-            if eof {
-                return Ok(events);
-            }
-        } else if let Some(v) = text.strip_prefix("data:") {
-            data.push(v.trim_start().to_string());
-        } else if let Some(v) = text.strip_prefix("event:") {
-            name = Some(v.trim_start().to_string());
-        } else if !text.starts_with(':') {
-            bail!("unexpected SSE line {text:?}");
-        }
-    }
+    Ok(reply.events)
 }
 
 fn post_json(url: &str, body: &Value) -> Result<Value> {
@@ -267,7 +202,10 @@ fn openai_stream_without_include_usage_has_no_usage_but_timings() -> Result<()> 
     let events = stream(&server.url_of("/v1/chat/completions"), &[], &body)?;
     let (last, chunks) = events.split_last().context("empty stream")?;
     ensure!(last.data == "[DONE]");
-    let chunks = chunks.iter().map(Event::json).collect::<Result<Vec<_>>>()?;
+    let chunks = chunks
+        .iter()
+        .map(SseEvent::json)
+        .collect::<Result<Vec<_>>>()?;
     ensure!(
         chunks.iter().all(|c| c.get("usage").is_none()),
         "a usage chunk without include_usage"
