@@ -189,6 +189,23 @@ fn plugin(config: &Value, base: &Path) -> Result<PluginSpec> {
         Value::Null => Vec::new(),
         other => serde_json::to_string(other)?.into_bytes(),
     };
+    // Envoy: `environment_variables.key_values` are literal, `host_env_keys`
+    // come from the proxy's own environment.
+    let vars = &vm["environment_variables"];
+    if let Some(map) = vars["key_values"].as_mapping() {
+        for (k, v) in map {
+            if let (Some(k), Some(v)) = (k.as_str(), v.as_str()) {
+                spec = spec.env(k, v);
+            }
+        }
+    }
+    for key in seq(vars, &["host_env_keys"]) {
+        if let Some(key) = key.as_str()
+            && let Ok(value) = std::env::var(key)
+        {
+            spec = spec.env(key, &value);
+        }
+    }
     let stop_iteration = config["allow_on_headers_stop_iteration"]
         .as_bool()
         .unwrap_or(false);

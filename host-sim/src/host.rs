@@ -41,6 +41,10 @@ pub struct PluginSpec {
     /// callback stops only the headers (body data still reaches the filter)
     /// instead of all iteration.
     pub allow_on_headers_stop_iteration: bool,
+    /// The VM's environment variables (Envoy
+    /// `vm_config.environment_variables`): how secrets reach a module without
+    /// appearing in its configuration.
+    pub env: Vec<(String, String)>,
 }
 
 impl PluginSpec {
@@ -54,7 +58,14 @@ impl PluginSpec {
             configuration: Vec::new(),
             vm_configuration: Vec::new(),
             allow_on_headers_stop_iteration: false,
+            env: Vec::new(),
         }
+    }
+
+    /// Adds an environment variable to the plugin's VM.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_string(), value.to_string()));
+        self
     }
 
     /// Sets Envoy's `allow_on_headers_stop_iteration`.
@@ -149,6 +160,8 @@ struct StreamRun {
     filters: Vec<(VmIndex, u32)>,
     /// Per chain position: `Pause` on headers stops only the headers.
     stop_iteration: Vec<bool>,
+    /// Per chain position: the plugin's index (for per-callback timings).
+    plugins: Vec<usize>,
     request: Direction,
     response: Direction,
     local: Option<LocalResponse>,
@@ -159,6 +172,7 @@ struct StreamRun {
 }
 
 struct PluginInstance {
+    name: String,
     stop_iteration: bool,
     vm: VmIndex,
     root: u32,
@@ -253,6 +267,8 @@ pub struct Host {
     streams: HashMap<StreamId, StreamRun>,
     next_stream: StreamId,
     clusters: HashMap<String, ClusterTarget>,
+    /// (plugin, callback) → (calls, time spent in the module).
+    timings: HashMap<(usize, &'static str), (u64, Duration)>,
 }
 
 const MAIN_THREAD: usize = usize::MAX;
@@ -291,6 +307,7 @@ impl Host {
             streams: HashMap::new(),
             next_stream: 1,
             clusters: HashMap::new(),
+            timings: HashMap::new(),
         })
     }
 
@@ -318,6 +335,7 @@ impl Host {
                     self.world.clone(),
                     index,
                     &spec.vm_id,
+                    spec.env.clone(),
                 )
                 .with_context(|| format!("starting a VM for plugin {}", spec.name))?;
                 self.vms.push(vm);
@@ -338,6 +356,7 @@ impl Host {
             .add_root(info, first)
             .with_context(|| format!("plugin {} refused its configuration", spec.name))?;
         self.plugins.push(PluginInstance {
+            name: spec.name.clone(),
             stop_iteration: spec.allow_on_headers_stop_iteration,
             vm,
             root,
@@ -377,7 +396,18 @@ impl Host {
     // ---- streams ----
 
     /// Starts a stream through `chain` on the next worker (round robin).
+    /// Streams that finished before are forgotten (no handle can still point
+    /// at them), so long runs stay bounded in memory.
     pub fn stream(&mut self, chain: ChainId) -> Result<StreamHandle<'_>> {
+        let finished: Vec<StreamId> = self
+            .streams
+            .iter()
+            .filter(|(_, r)| r.finished)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in finished {
+            self.drop_stream(id);
+        }
         let id = self.open_stream(chain, StreamInfo::default())?;
         Ok(StreamHandle { host: self, id })
     }
@@ -426,6 +456,7 @@ impl Host {
             StreamRun {
                 filters,
                 stop_iteration,
+                plugins: plugins.clone(),
                 request: fresh(),
                 response: fresh(),
                 local: None,
@@ -476,13 +507,20 @@ impl Host {
         let n = run.filters.len();
         let chain_index = Self::filter_at(n, response, position);
         let (vm, context) = run.filters[chain_index];
+        let plugin = run.plugins[chain_index];
         if !response
             && matches!(callback, HttpCallback::RequestHeaders)
             && let Some(run) = self.streams.get_mut(&id)
         {
             run.decoded = run.decoded.max(chain_index + 1);
         }
-        let action = match self.vms[vm].http(context, callback, size, eos) {
+        let started = std::time::Instant::now();
+        let result = self.vms[vm].http(context, callback, size, eos);
+        let spent = started.elapsed();
+        let entry = self.timings.entry((plugin, callback.name())).or_default();
+        entry.0 += 1;
+        entry.1 += spent;
+        let action = match result {
             Ok(action) => Some(action),
             Err(_) if self.streams.get(&id).is_some_and(|r| r.local.is_some()) => {
                 // Already answering with a local response (perhaps because
@@ -1133,6 +1171,24 @@ impl Host {
             .find(|q| q.vm_id == vm_id && q.name == name)
             .map(|q| q.items.iter().cloned().collect())
             .unwrap_or_default()
+    }
+
+    /// Time spent inside each filter's HTTP callbacks: (plugin name,
+    /// callback, calls, total), sorted. Host calls the module makes are
+    /// included; the host's own chain bookkeeping is not.
+    pub fn callback_times(&self) -> Vec<(String, &'static str, u64, Duration)> {
+        let mut out: Vec<_> = self
+            .timings
+            .iter()
+            .map(|((p, cb), (n, t))| (self.plugins[*p].name.clone(), *cb, *n, *t))
+            .collect();
+        out.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        out
+    }
+
+    /// Forgets the callback timings (e.g. after a warm-up).
+    pub fn reset_callback_times(&mut self) {
+        self.timings.clear();
     }
 
     /// Whether any VM trapped.

@@ -33,6 +33,11 @@ fn done(r: R) -> i32 {
     }
 }
 
+/// The VM's environment (`KEY=value`), as WASI presents it.
+fn environ(state: &VmState) -> Vec<String> {
+    state.env.iter().map(|(k, v)| format!("{k}={v}")).collect()
+}
+
 // ---- memory helpers ----
 
 fn read(caller: &mut C<'_>, ptr: i32, len: i32) -> Result<Vec<u8>, Status> {
@@ -838,16 +843,34 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
                                 count: i32,
                                 size: i32|
      -> i32 {
-        if write_u32(&mut c, count, 0)
-            .and(write_u32(&mut c, size, 0))
-            .is_ok()
+        let env = environ(c.data());
+        let bytes: usize = env.iter().map(|e| e.len() + 1).sum();
+        match write_u32(&mut c, count, env.len() as u32).and(write_u32(&mut c, size, bytes as u32))
         {
-            0
-        } else {
-            21
+            Ok(()) => 0,
+            Err(_) => 21,
         }
     });
-    wasi!("environ_get", |_c: C<'_>, _a: i32, _b: i32| -> i32 { 0 });
+    wasi!("environ_get", |mut c: C<'_>,
+                          pointers: i32,
+                          buffer: i32|
+     -> i32 {
+        // `KEY=value\0` strings packed in `buffer`, one pointer each.
+        let env = environ(c.data());
+        let mut at = buffer;
+        for (i, entry) in env.iter().enumerate() {
+            let mut bytes = entry.clone().into_bytes();
+            bytes.push(0);
+            if write_u32(&mut c, pointers + 4 * i as i32, at as u32)
+                .and(write(&mut c, at, &bytes))
+                .is_err()
+            {
+                return 21;
+            }
+            at += bytes.len() as i32;
+        }
+        0
+    });
     wasi!("args_sizes_get", |mut c: C<'_>,
                              count: i32,
                              size: i32|

@@ -56,6 +56,8 @@ pub(crate) struct VmState {
     pub memory: Option<Memory>,
     pub allocate: Option<TypedFunc<i32, i32>>,
     pub rng: u64,
+    /// Environment variables (Envoy `vm_config.environment_variables`).
+    pub env: Vec<(String, String)>,
     /// Set by `proc_exit`: the module asked to terminate.
     pub exited: Option<i32>,
 }
@@ -121,6 +123,16 @@ pub(crate) enum HttpCallback {
 }
 
 impl HttpCallback {
+    /// The callback's name, as the SDK calls it.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            HttpCallback::RequestHeaders => "on_request_headers",
+            HttpCallback::RequestBody => "on_request_body",
+            HttpCallback::ResponseHeaders => "on_response_headers",
+            HttpCallback::ResponseBody => "on_response_body",
+        }
+    }
+
     pub(crate) fn is_response(self) -> bool {
         matches!(
             self,
@@ -146,6 +158,7 @@ impl Vm {
         world: Rc<RefCell<World>>,
         index: VmIndex,
         vm_id: &str,
+        env: Vec<(String, String)>,
     ) -> Result<Vm> {
         let state = VmState {
             world,
@@ -159,6 +172,7 @@ impl Vm {
             memory: None,
             allocate: None,
             rng: 0x9e37_79b9_7f4a_7c15 ^ index as u64,
+            env,
             exited: None,
         };
         let mut store = Store::new(engine, state);

@@ -58,29 +58,7 @@ impl EnvoyConfig {
             )?;
         }
         for cluster in seq_mut(&mut self.doc, &["static_resources", "clusters"])? {
-            let Some(endpoints) = lookup_mut(cluster, &["load_assignment", "endpoints"]) else {
-                continue;
-            };
-            for group in endpoints.as_sequence_mut().into_iter().flatten() {
-                for ep in group
-                    .get_mut("lb_endpoints")
-                    .and_then(Value::as_sequence_mut)
-                    .into_iter()
-                    .flatten()
-                {
-                    let addr = ["endpoint", "address", "socket_address"];
-                    set_path(
-                        ep,
-                        &[&addr[..], &["address"]].concat(),
-                        Value::from(upstream.ip().to_string()),
-                    )?;
-                    set_path(
-                        ep,
-                        &[&addr[..], &["port_value"]].concat(),
-                        Value::from(upstream.port()),
-                    )?;
-                }
-            }
+            point_endpoints(cluster, upstream)?;
         }
         let root = paths::root();
         let filename = [
@@ -99,7 +77,65 @@ impl EnvoyConfig {
                 *file = Value::from(abs.to_string_lossy().into_owned());
             }
         }
+        if let Some(services) =
+            lookup_mut(&mut self.doc, &["bootstrap_extensions"]).and_then(Value::as_sequence_mut)
+        {
+            for service in services {
+                if let Some(file) = lookup_mut(
+                    service,
+                    &[
+                        "typed_config",
+                        "config",
+                        "vm_config",
+                        "code",
+                        "local",
+                        "filename",
+                    ],
+                ) && let Some(rel) = file.as_str()
+                {
+                    let abs = root.join(rel);
+                    *file = Value::from(abs.to_string_lossy().into_owned());
+                }
+            }
+        }
         Ok(self)
+    }
+
+    /// Points static cluster `name` at `addr` (after [`EnvoyConfig::for_run`],
+    /// which points every cluster at the upstream).
+    pub fn point_cluster(mut self, name: &str, addr: SocketAddr) -> Result<Self> {
+        let mut found = false;
+        for cluster in seq_mut(&mut self.doc, &["static_resources", "clusters"])? {
+            if cluster.get("name").and_then(Value::as_str) == Some(name) {
+                found = true;
+                point_endpoints(cluster, addr)?;
+            }
+        }
+        if !found {
+            bail!("{}: no cluster named {name}", self.name);
+        }
+        Ok(self)
+    }
+
+    /// Replaces the configuration of bootstrap Wasm service `name`.
+    pub fn set_service_config(&mut self, name: &str, json: &str) -> Result<()> {
+        let doc_name = self.name.clone();
+        let services = lookup_mut(&mut self.doc, &["bootstrap_extensions"])
+            .and_then(Value::as_sequence_mut)
+            .ok_or_else(|| anyhow!("{doc_name}: no bootstrap_extensions"))?;
+        let value = services
+            .iter_mut()
+            .find(|s| {
+                s.get("typed_config")
+                    .and_then(|t| t.get("config"))
+                    .and_then(|c| c.get("name"))
+                    .and_then(Value::as_str)
+                    == Some(name)
+            })
+            .and_then(|s| lookup_mut(s, &["typed_config", "config", "configuration", "value"]))
+            .ok_or_else(|| anyhow!("{doc_name}: no Wasm service named {name}"))?;
+        *value = Value::from(json);
+        Ok(())
     }
 
     /// The JSON configuration of the Wasm filter named `filter`.
@@ -253,6 +289,35 @@ impl EnvoyConfig {
                 anyhow!("{name}: no Wasm filter named {filter} with a configuration value")
             })
     }
+}
+
+/// Points every endpoint of a static cluster at `addr`.
+fn point_endpoints(cluster: &mut Value, addr: SocketAddr) -> Result<()> {
+    for group in lookup_mut(cluster, &["load_assignment", "endpoints"])
+        .and_then(Value::as_sequence_mut)
+        .into_iter()
+        .flatten()
+    {
+        for ep in group
+            .get_mut("lb_endpoints")
+            .and_then(Value::as_sequence_mut)
+            .into_iter()
+            .flatten()
+        {
+            let at = ["endpoint", "address", "socket_address"];
+            set_path(
+                ep,
+                &[&at[..], &["address"]].concat(),
+                Value::from(addr.ip().to_string()),
+            )?;
+            set_path(
+                ep,
+                &[&at[..], &["port_value"]].concat(),
+                Value::from(addr.port()),
+            )?;
+        }
+    }
+    Ok(())
 }
 
 fn lookup_mut<'a>(mut value: &'a mut Value, path: &[&str]) -> Option<&'a mut Value> {

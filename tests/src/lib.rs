@@ -7,12 +7,15 @@
 pub mod client;
 pub mod differential;
 pub mod envoy;
+pub mod mock;
 pub mod model;
 pub mod paths;
 pub mod sse;
+pub mod tokens;
 pub mod upstream;
 
 pub use client::{Client, Reply};
 pub use envoy::{Envoy, EnvoyConfig};
+pub use mock::MockServer;
 pub use model::ModelServer;
 pub use upstream::{EchoUpstream, SeenRequest};

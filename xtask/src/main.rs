@@ -24,7 +24,12 @@ usage: cargo xtask <command>
 ";
 
 /// Filter crates built as `.wasm`.
-pub const FILTERS: &[&str] = &["zerolayer-activation", "zerolayer-probe"];
+pub const FILTERS: &[&str] = &[
+    "zerolayer-activation",
+    "zerolayer-lazy-auth",
+    "zerolayer-observer-service",
+    "zerolayer-probe",
+];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();

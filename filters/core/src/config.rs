@@ -60,6 +60,19 @@ pub fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ConfigError> {
     Ok(value)
 }
 
+/// `invalid regex "<pattern>": <reason>`, the reason being the one-line
+/// cause from the regex crate's multi-line message (a log line needs only that).
+pub fn invalid_regex(pattern: &str, err: &regex::Error) -> String {
+    let text = err.to_string();
+    let reason = text
+        .lines()
+        .rev()
+        .find_map(|l| l.trim().strip_prefix("error: "))
+        .map(str::to_string)
+        .unwrap_or_else(|| text.lines().last().unwrap_or("").trim().to_string());
+    format!("invalid regex {}: {reason}", quoted(pattern))
+}
+
 /// Quotes a value for an error message the way JSON would, so empty strings
 /// and whitespace stay visible.
 pub fn quoted(value: &str) -> String {

@@ -7,7 +7,10 @@
 )]
 
 pub mod activation;
+pub mod auth;
+pub mod breaker;
 pub mod config;
+pub mod event;
 pub mod internal;
 pub mod metrics;
 pub mod observers;

@@ -7,7 +7,7 @@ use super::pattern::Pattern;
 use super::schema::{
     ActivationConfig, Condition, HeaderCondition, HoursRange, InList, PathCondition, WeekdayRange,
 };
-use crate::config::{ConfigError, from_json, quoted};
+use crate::config::{ConfigError, from_json, invalid_regex, quoted};
 use crate::observers::{BUILTIN, MAX_OBSERVERS, ObserverNames, ObserverSet};
 use crate::sampling::Rate;
 
@@ -284,23 +284,7 @@ fn non_empty(list: &[String], at: &str) -> Result<Box<[Box<[u8]>]>, ConfigError>
 }
 
 fn regex(pattern: &str, at: &str) -> Result<Pattern, ConfigError> {
-    Pattern::new(pattern).map_err(|err| {
-        ConfigError::new(
-            at,
-            format!("invalid regex {}: {}", quoted(pattern), regex_reason(&err)),
-        )
-    })
-}
-
-/// The one-line reason from a regex error (its Display spans several lines
-/// with a caret diagram; a log line needs only the last `error:` part).
-fn regex_reason(err: &regex::Error) -> String {
-    let text = err.to_string();
-    text.lines()
-        .rev()
-        .find_map(|l| l.trim().strip_prefix("error: "))
-        .map(str::to_string)
-        .unwrap_or_else(|| text.lines().last().unwrap_or("").trim().to_string())
+    Pattern::new(pattern).map_err(|err| ConfigError::new(at, invalid_regex(pattern, &err)))
 }
 
 fn is_token_char(b: u8) -> bool {

@@ -1,0 +1,500 @@
+//! lazy-auth's configuration, shared by the filter (hot path, synchronous
+//! checks) and the observer (off-path verification): one schema, one parser.
+
+use serde::Deserialize;
+
+use super::credential::{CredentialKind, CredentialSource};
+use super::escalation::EscalationConfig;
+use super::policy::{Policy, UnknownPolicy, VerifierDown};
+use crate::breaker::BreakerConfig;
+use crate::config::{ConfigError, invalid_regex, quoted};
+
+/// Where filters reach the observer.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObserverLink {
+    /// `vm_id` of the observer (and of the shared data verdicts live in).
+    #[serde(default = "default_vm_id")]
+    pub vm_id: String,
+    /// Name of the job queue.
+    #[serde(default = "default_queue")]
+    pub queue: String,
+    /// `singleton`: an Envoy bootstrap service owns the queue (filters
+    /// resolve it); `tick`: each filter's root context owns one and drains
+    /// it on tick (Kong, which has neither singletons nor queue
+    /// notifications).
+    #[serde(default)]
+    pub mode: ObserverMode,
+}
+
+/// How the observer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ObserverMode {
+    /// A singleton service (Envoy bootstrap extension).
+    #[default]
+    Singleton,
+    /// Inside each filter root context, driven by its tick.
+    Tick,
+}
+
+fn default_vm_id() -> String {
+    "zerolayer".into()
+}
+
+fn default_queue() -> String {
+    "zerolayer.jobs".into()
+}
+
+impl Default for ObserverLink {
+    fn default() -> Self {
+        ObserverLink {
+            vm_id: default_vm_id(),
+            queue: default_queue(),
+            mode: ObserverMode::default(),
+        }
+    }
+}
+
+/// A cluster endpoint reached with `dispatch_http_call`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Endpoint {
+    /// Envoy cluster name.
+    pub cluster: String,
+    /// Request path.
+    pub path: String,
+    /// `:authority` to send (defaults to the cluster name).
+    #[serde(default)]
+    pub authority: Option<String>,
+    /// Timeout, ms.
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u32,
+}
+
+fn default_timeout_ms() -> u32 {
+    1000
+}
+
+impl Endpoint {
+    /// The `:authority` header value.
+    pub fn authority(&self) -> &str {
+        self.authority.as_deref().unwrap_or(&self.cluster)
+    }
+}
+
+/// JWT verification settings.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtConfig {
+    /// Accepted issuers (empty: any).
+    #[serde(default)]
+    pub issuers: Vec<String>,
+    /// Accepted audiences (empty: any).
+    #[serde(default)]
+    pub audiences: Vec<String>,
+    /// Clock skew allowed for `exp`/`nbf`, seconds.
+    #[serde(default = "default_leeway")]
+    pub leeway_secs: u64,
+    /// Public keys as JWKs (RSA, EC P-256). Public keys are not secrets.
+    #[serde(default)]
+    pub keys: Vec<serde_json::Value>,
+    /// Environment variable of the VM holding an HS256 secret. Envoy passes
+    /// it with `vm_config.environment_variables.host_env_keys`, so the secret
+    /// is neither in the plugin configuration nor in `/config_dump`.
+    #[serde(default)]
+    pub hs256_secret_env: Option<String>,
+    /// A JWKS endpoint the observer fetches and refreshes.
+    #[serde(default)]
+    pub jwks: Option<JwksConfig>,
+    /// Claim holding the tenant.
+    #[serde(default = "default_tenant_claim")]
+    pub tenant_claim: String,
+}
+
+fn default_leeway() -> u64 {
+    60
+}
+
+fn default_tenant_claim() -> String {
+    "tenant".into()
+}
+
+impl Default for JwtConfig {
+    fn default() -> Self {
+        JwtConfig {
+            issuers: vec![],
+            audiences: vec![],
+            leeway_secs: default_leeway(),
+            keys: vec![],
+            hs256_secret_env: None,
+            jwks: None,
+            tenant_claim: default_tenant_claim(),
+        }
+    }
+}
+
+/// The JWKS endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwksConfig {
+    /// Where to fetch it.
+    #[serde(flatten)]
+    pub endpoint: Endpoint,
+    /// Seconds between refreshes.
+    #[serde(default = "default_refresh")]
+    pub refresh_secs: u64,
+}
+
+fn default_refresh() -> u64 {
+    300
+}
+
+/// API keys, verified by an HTTP introspection endpoint.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IntrospectionConfig {
+    /// Where to ask.
+    #[serde(flatten)]
+    pub endpoint: Endpoint,
+    /// Request header the key is sent in.
+    #[serde(default = "default_key_header")]
+    pub key_header: String,
+    /// Where the answer's fields are (JSON pointers).
+    #[serde(default)]
+    pub response: IntrospectionMapping,
+}
+
+fn default_key_header() -> String {
+    "x-api-key".into()
+}
+
+/// JSON pointers into the introspection answer.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IntrospectionMapping {
+    /// Boolean: the key is valid.
+    #[serde(default = "default_active")]
+    pub active: String,
+    /// The tenant.
+    #[serde(default = "default_tenant_ptr")]
+    pub tenant: String,
+    /// The subject.
+    #[serde(default = "default_subject_ptr")]
+    pub subject: String,
+    /// Unix seconds the key expires at (optional in answers).
+    #[serde(default = "default_exp_ptr")]
+    pub expires_at: String,
+}
+
+fn default_active() -> String {
+    "/active".into()
+}
+fn default_tenant_ptr() -> String {
+    "/tenant".into()
+}
+fn default_subject_ptr() -> String {
+    "/sub".into()
+}
+fn default_exp_ptr() -> String {
+    "/exp".into()
+}
+
+impl Default for IntrospectionMapping {
+    fn default() -> Self {
+        IntrospectionMapping {
+            active: default_active(),
+            tenant: default_tenant_ptr(),
+            subject: default_subject_ptr(),
+            expires_at: default_exp_ptr(),
+        }
+    }
+}
+
+/// A client whose JWTs are verified inline with cached keys (no lazy step).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrustedClient {
+    /// Regular expression on `user-agent`.
+    pub user_agent: String,
+}
+
+/// The audit sink (the observer batches records to it as JSON lines).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinkConfig {
+    /// Where to post.
+    #[serde(flatten)]
+    pub endpoint: Endpoint,
+    /// Records per batch at most.
+    #[serde(default = "default_batch")]
+    pub batch_max: usize,
+    /// Longest a record waits, ms.
+    #[serde(default = "default_flush")]
+    pub flush_ms: u64,
+    /// Records kept while the sink is down; beyond, drops are counted.
+    #[serde(default = "default_buffer")]
+    pub buffer_max: usize,
+}
+
+fn default_batch() -> usize {
+    100
+}
+fn default_flush() -> u64 {
+    1000
+}
+fn default_buffer() -> usize {
+    10_000
+}
+
+/// lazy-auth's configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LazyAuthConfig {
+    /// Where credentials are read from, in order; the first present wins.
+    #[serde(default = "default_sources")]
+    pub credentials: Vec<CredentialSource>,
+    /// Path prefixes that need no credential (operator config only).
+    #[serde(default)]
+    pub public_paths: Vec<String>,
+    /// Treatment of credentials nobody has verified yet.
+    #[serde(default)]
+    pub unknown: UnknownPolicy,
+    /// Requests a credential may make before it is verified synchronously.
+    #[serde(default = "default_max_unverified")]
+    pub max_unverified_per_token: u32,
+    /// Verifications pending at once before new credentials go synchronous.
+    #[serde(default = "default_max_pending")]
+    pub max_pending: u64,
+    /// Longest a valid verdict is trusted, seconds (a revoked key stops
+    /// working within this).
+    #[serde(default = "default_max_ttl")]
+    pub verdict_max_ttl_secs: u64,
+    /// How long an invalid verdict is kept, seconds.
+    #[serde(default = "default_negative_ttl")]
+    pub negative_ttl_secs: u64,
+    /// Shared-data slots for verdicts and counters (bounds memory).
+    #[serde(default = "default_slots")]
+    pub verdict_slots: u32,
+    /// JWT settings.
+    #[serde(default)]
+    pub jwt: JwtConfig,
+    /// API key introspection (required if a source has kind `api_key`).
+    #[serde(default)]
+    pub api_keys: Option<IntrospectionConfig>,
+    /// Per-tenant escalation.
+    #[serde(default)]
+    pub escalation: EscalationConfig,
+    /// Clients verified inline.
+    #[serde(default)]
+    pub trusted_clients: Vec<TrustedClient>,
+    /// Unknown credentials while the verifier is down.
+    #[serde(default)]
+    pub on_verifier_down: VerifierDown,
+    /// Breaker on the verifier endpoints.
+    #[serde(default)]
+    pub breaker: BreakerConfig,
+    /// Where the observer is.
+    #[serde(default)]
+    pub observer: ObserverLink,
+    /// Audit sink (records only for requests activation marks `audit`).
+    #[serde(default)]
+    pub audit: Option<SinkConfig>,
+}
+
+fn default_sources() -> Vec<CredentialSource> {
+    vec![
+        CredentialSource {
+            header: "authorization".into(),
+            scheme: Some("Bearer".into()),
+            kind: CredentialKind::Jwt,
+        },
+        CredentialSource {
+            header: "x-api-key".into(),
+            scheme: None,
+            kind: CredentialKind::ApiKey,
+        },
+    ]
+}
+fn default_max_unverified() -> u32 {
+    1
+}
+fn default_max_pending() -> u64 {
+    1000
+}
+fn default_max_ttl() -> u64 {
+    300
+}
+fn default_negative_ttl() -> u64 {
+    60
+}
+fn default_slots() -> u32 {
+    65_536
+}
+
+impl LazyAuthConfig {
+    /// Parses and checks a JSON configuration.
+    pub fn from_json(bytes: &[u8]) -> Result<LazyAuthConfig, ConfigError> {
+        let config: LazyAuthConfig = crate::config::from_json(bytes)?;
+        config.check()?;
+        Ok(config)
+    }
+
+    /// The routing policy this configuration sets.
+    pub fn policy(&self) -> Policy {
+        Policy {
+            unknown: self.unknown,
+            max_unverified_per_token: self.max_unverified_per_token,
+            max_pending: self.max_pending,
+            on_verifier_down: self.on_verifier_down,
+        }
+    }
+
+    /// Checks what serde cannot: references between fields, ranges, regexes.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if self.credentials.is_empty() {
+            return Err(ConfigError::new(
+                "credentials",
+                "at least one source is required",
+            ));
+        }
+        for (i, source) in self.credentials.iter().enumerate() {
+            let valid_name = !source.header.is_empty()
+                && source
+                    .header
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+            if !valid_name {
+                return Err(ConfigError::new(
+                    format!("credentials[{i}].header"),
+                    format!("invalid header name {}", quoted(&source.header)),
+                ));
+            }
+            if source.kind == CredentialKind::ApiKey && self.api_keys.is_none() {
+                return Err(ConfigError::new(
+                    format!("credentials[{i}].kind"),
+                    "api_key credentials need an `api_keys` introspection endpoint",
+                ));
+            }
+        }
+        for (i, path) in self.public_paths.iter().enumerate() {
+            if !path.starts_with('/') {
+                return Err(ConfigError::new(
+                    format!("public_paths[{i}]"),
+                    format!("must start with \"/\" (got {})", quoted(path)),
+                ));
+            }
+        }
+        if self.verdict_slots == 0 {
+            return Err(ConfigError::new("verdict_slots", "must be at least 1"));
+        }
+        if self.verdict_max_ttl_secs == 0 {
+            return Err(ConfigError::new(
+                "verdict_max_ttl_secs",
+                "must be at least 1",
+            ));
+        }
+        let ratio = self.escalation.failure_ratio;
+        if !(0.0..=1.0).contains(&ratio) || ratio.is_nan() {
+            return Err(ConfigError::new(
+                "escalation.failure_ratio",
+                format!("{ratio} is not a ratio in 0..=1"),
+            ));
+        }
+        if self.escalation.window_secs < 10 {
+            return Err(ConfigError::new(
+                "escalation.window_secs",
+                format!("{} is too short (at least 10)", self.escalation.window_secs),
+            ));
+        }
+        if self.breaker.failures == 0 {
+            return Err(ConfigError::new("breaker.failures", "must be at least 1"));
+        }
+        for (i, client) in self.trusted_clients.iter().enumerate() {
+            if let Err(err) = regex::bytes::Regex::new(&client.user_agent) {
+                return Err(ConfigError::new(
+                    format!("trusted_clients[{i}].user_agent"),
+                    invalid_regex(&client.user_agent, &err),
+                ));
+            }
+        }
+        if self.observer.queue.is_empty() {
+            return Err(ConfigError::new("observer.queue", "must not be empty"));
+        }
+        Ok(())
+    }
+
+    /// Whether `path` (query excluded) is public.
+    pub fn is_public(&self, path: &[u8]) -> bool {
+        let path = crate::activation::path_without_query(path);
+        self.public_paths
+            .iter()
+            .any(|p| path.starts_with(p.as_bytes()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults() {
+        let c = LazyAuthConfig::from_json(
+            b"{\"api_keys\":{\"cluster\":\"keys\",\"path\":\"/introspect\"}}",
+        )
+        .unwrap();
+        assert_eq!(c.credentials.len(), 2);
+        assert_eq!(c.max_unverified_per_token, 1);
+        assert_eq!(c.observer.vm_id, "zerolayer");
+        assert_eq!(c.api_keys.as_ref().unwrap().endpoint.authority(), "keys");
+        assert!(!c.is_public(b"/v1/messages"));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases: &[(&str, &str)] = &[
+            (
+                "{}",
+                "credentials[1].kind: api_key credentials need an `api_keys` introspection endpoint",
+            ),
+            (
+                r#"{"credentials":[{"header":"x key","kind":"jwt"}]}"#,
+                r#"credentials[0].header: invalid header name "x key""#,
+            ),
+            (
+                r#"{"credentials":[{"header":"authorization","kind":"jwt"}],"public_paths":["healthz"]}"#,
+                r#"public_paths[0]: must start with "/" (got "healthz")"#,
+            ),
+            (
+                r#"{"credentials":[{"header":"authorization","kind":"jwt"}],"trusted_clients":[{"user_agent":"("}]}"#,
+                r#"trusted_clients[0].user_agent: invalid regex "(": unclosed group"#,
+            ),
+            (
+                r#"{"credentials":[{"header":"authorization","kind":"jwt"}],"escalation":{"failure_ratio":1.5}}"#,
+                "escalation.failure_ratio: 1.5 is not a ratio in 0..=1",
+            ),
+            (
+                r#"{"credentials":[{"header":"authorization","kind":"jwt"}],"unknown":"maybe"}"#,
+                "unknown: unknown variant `maybe`, expected `lazy` or `sync` at line 1 column 74",
+            ),
+            (
+                r#"{"credentials":[],"verdict_slots":0}"#,
+                "credentials: at least one source is required",
+            ),
+        ];
+        for (input, want) in cases {
+            let err = LazyAuthConfig::from_json(input.as_bytes()).unwrap_err();
+            assert_eq!(err.to_string(), *want, "{input}");
+        }
+    }
+
+    #[test]
+    fn public_paths_ignore_the_query() {
+        let c = LazyAuthConfig::from_json(
+            br#"{"credentials":[{"header":"authorization","kind":"jwt"}],"public_paths":["/healthz"]}"#,
+        )
+        .unwrap();
+        assert!(c.is_public(b"/healthz?probe=1"));
+        assert!(!c.is_public(b"/v1/healthz"));
+    }
+}

@@ -1,0 +1,10 @@
+//! Authentication of requests: token verification the filters share.
+
+pub mod config;
+pub mod credential;
+pub mod escalation;
+pub mod exposure;
+pub mod introspection;
+pub mod jwt;
+pub mod policy;
+pub mod verdict;

@@ -1,0 +1,212 @@
+//! Verdicts: what verification concluded about a credential, kept in shared
+//! data so every worker's hot path can read it with one call.
+//!
+//! Shared data has no delete, so the key space is bounded: a verdict lives in
+//! one of `slots` keys chosen by its hash, and carries the full hash so a
+//! lookup can tell its own verdict from a colliding one (a collision reads as
+//! "unknown", never as someone else's verdict). Expiry is inside the value.
+
+use serde::{Deserialize, Serialize};
+
+use super::credential::TokenHash;
+
+/// Shared-data key prefix of verdicts.
+pub const VERDICT_PREFIX: &str = "zl:auth:verdict:";
+/// Format version, first byte of every entry: an old entry after an
+/// upgrade reads as "unknown" instead of being misread.
+const VERSION: u8 = 1;
+
+/// A verification outcome for one credential.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Verdict {
+    /// SHA-256 of the credential.
+    pub hash: [u8; 32],
+    /// Whether the credential is valid.
+    pub valid: bool,
+    /// Unix seconds after which the verdict no longer counts.
+    pub expires_at: u64,
+    /// Verified tenant (valid verdicts).
+    pub tenant: Option<String>,
+    /// Verified subject (valid verdicts).
+    pub subject: Option<String>,
+    /// Short reason (`expired`, `bad_signature`, `revoked`, …) for invalid ones.
+    pub reason: String,
+    /// Unix seconds when it was verified.
+    pub verified_at: u64,
+}
+
+/// What a verdict lookup found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// A valid, unexpired verdict for this credential.
+    Valid(Verdict),
+    /// An invalid, unexpired verdict for this credential.
+    Invalid(Verdict),
+    /// Nothing usable: no entry, another credential's, expired, or unreadable.
+    Unknown,
+}
+
+/// The shared-data key for `hash` among `slots`.
+pub fn key(hash: &TokenHash, slots: u32) -> String {
+    format!("{VERDICT_PREFIX}{}", hash.slot(slots))
+}
+
+impl Verdict {
+    /// Serializes for shared data.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![VERSION];
+        // Serializing plain owned data into a Vec cannot fail.
+        if let Ok(body) = postcard::to_allocvec(self) {
+            out.extend(body);
+        }
+        out
+    }
+
+    /// Parses an entry; `None` when it is not a verdict of this version.
+    pub fn decode(bytes: &[u8]) -> Option<Verdict> {
+        match bytes.split_first() {
+            Some((&VERSION, body)) => postcard::from_bytes(body).ok(),
+            _ => None,
+        }
+    }
+
+    /// A valid verdict from verified facts (JWT claims or an introspection
+    /// answer): TTL = min(credential expiry, `max_ttl`).
+    pub fn valid(
+        hash: &TokenHash,
+        now: u64,
+        credential_expiry: Option<u64>,
+        max_ttl: u64,
+        tenant: Option<String>,
+        subject: Option<String>,
+    ) -> Verdict {
+        Verdict {
+            hash: hash.0,
+            valid: true,
+            expires_at: Verdict::expiry(now, credential_expiry, max_ttl),
+            tenant,
+            subject,
+            reason: String::new(),
+            verified_at: now,
+        }
+    }
+
+    /// An invalid verdict, kept for `negative_ttl` seconds.
+    pub fn invalid(hash: &TokenHash, now: u64, negative_ttl: u64, reason: &str) -> Verdict {
+        Verdict {
+            hash: hash.0,
+            valid: false,
+            expires_at: now.saturating_add(negative_ttl),
+            tenant: None,
+            subject: None,
+            reason: reason.to_string(),
+            verified_at: now,
+        }
+    }
+
+    /// The expiry of a verdict: the credential's own expiry capped by the
+    /// configured maximum (a revoked key stops working within `max_ttl`).
+    pub fn expiry(now: u64, credential_expiry: Option<u64>, max_ttl: u64) -> u64 {
+        let cap = now.saturating_add(max_ttl);
+        credential_expiry.map_or(cap, |exp| exp.min(cap))
+    }
+}
+
+/// The verdict of a JWT verification, with the tenant from the configured
+/// claim: one place for the observer and the filter's inline checks.
+pub fn of_jwt(
+    config: &super::config::LazyAuthConfig,
+    hash: &TokenHash,
+    now: u64,
+    result: Result<super::jwt::Claims, super::jwt::JwtError>,
+) -> Verdict {
+    match result {
+        Ok(claims) => Verdict::valid(
+            hash,
+            now,
+            claims.exp(),
+            config.verdict_max_ttl_secs,
+            claims.get_str(&config.jwt.tenant_claim).map(str::to_string),
+            claims.sub().map(str::to_string),
+        ),
+        Err(err) => Verdict::invalid(hash, now, config.negative_ttl_secs, err.reason()),
+    }
+}
+
+/// Interprets the shared-data entry found for `hash` at `now`.
+pub fn lookup(entry: Option<&[u8]>, hash: &TokenHash, now: u64) -> Lookup {
+    let Some(verdict) = entry.and_then(Verdict::decode) else {
+        return Lookup::Unknown;
+    };
+    if verdict.hash != hash.0 || verdict.expires_at <= now {
+        return Lookup::Unknown;
+    }
+    if verdict.valid {
+        Lookup::Valid(verdict)
+    } else {
+        Lookup::Invalid(verdict)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn verdict(hash: &TokenHash, valid: bool, expires_at: u64) -> Verdict {
+        Verdict {
+            hash: hash.0,
+            valid,
+            expires_at,
+            tenant: Some("acme".into()),
+            subject: Some("user-1".into()),
+            reason: if valid {
+                String::new()
+            } else {
+                "bad_signature".into()
+            },
+            verified_at: 100,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_lookup() {
+        let h = TokenHash::of(b"token");
+        let v = verdict(&h, true, 200);
+        let bytes = v.encode();
+        assert_eq!(Verdict::decode(&bytes), Some(v.clone()));
+        assert_eq!(lookup(Some(&bytes), &h, 150), Lookup::Valid(v.clone()));
+        // Expired.
+        assert_eq!(lookup(Some(&bytes), &h, 200), Lookup::Unknown);
+        // Another credential in the same slot.
+        assert_eq!(
+            lookup(Some(&bytes), &TokenHash::of(b"other"), 150),
+            Lookup::Unknown
+        );
+        // Nothing there, garbage, an unknown version.
+        assert_eq!(lookup(None, &h, 150), Lookup::Unknown);
+        assert_eq!(lookup(Some(b"garbage"), &h, 150), Lookup::Unknown);
+        let mut v2 = bytes.clone();
+        v2[0] = 9;
+        assert_eq!(lookup(Some(&v2), &h, 150), Lookup::Unknown);
+        let invalid = verdict(&h, false, 200);
+        assert_eq!(
+            lookup(Some(&invalid.encode()), &h, 150),
+            Lookup::Invalid(invalid)
+        );
+    }
+
+    #[test]
+    fn expiry_is_capped() {
+        assert_eq!(Verdict::expiry(1000, Some(1100), 300), 1100);
+        assert_eq!(Verdict::expiry(1000, Some(5000), 300), 1300);
+        assert_eq!(Verdict::expiry(1000, None, 300), 1300);
+        assert_eq!(Verdict::expiry(u64::MAX, None, 300), u64::MAX);
+    }
+
+    #[test]
+    fn keys_are_bounded() {
+        let k = key(&TokenHash::of(b"x"), 16);
+        let slot: u32 = k.strip_prefix(VERDICT_PREFIX).unwrap().parse().unwrap();
+        assert!(slot < 16);
+    }
+}

@@ -1,0 +1,136 @@
+//! Events filters post to the observer through a shared queue: compact
+//! (postcard), versioned, and never panicking on bad bytes. One enum, so one
+//! observer serves every filter.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::auth::credential::CredentialKind;
+
+const VERSION: u8 = 1;
+
+/// A job for the observer.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Job {
+    /// Verify a credential off the request path and store the verdict.
+    Verify(VerifyJob),
+    /// Ship an auth audit record.
+    Audit(AuditRecord),
+    /// A verification a filter did itself (synchronously), for the
+    /// observer's per-tenant escalation windows.
+    Outcome(VerifyOutcome),
+}
+
+/// The result of a synchronous verification.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifyOutcome {
+    /// The tenant (verified, or claimed when verification failed).
+    pub tenant: String,
+    /// Whether verification failed.
+    pub failed: bool,
+    /// Unix seconds.
+    pub at: u64,
+}
+
+/// A credential to verify. The credential travels only through the queue
+/// (process memory) and is never logged: `Debug` shows its hash prefix.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VerifyJob {
+    /// SHA-256 of the credential.
+    pub hash: [u8; 32],
+    /// How to verify it.
+    pub kind: CredentialKind,
+    /// The credential itself.
+    pub credential: Vec<u8>,
+    /// Tenant the request claimed (unverified), for escalation statistics.
+    pub tenant_hint: Option<String>,
+    /// Host time (ms) when the request was admitted.
+    pub enqueued_at_ms: u64,
+}
+
+impl fmt::Debug for VerifyJob {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("VerifyJob")
+            .field("hash", &crate::auth::credential::hex(&self.hash[..8]))
+            .field("kind", &self.kind)
+            .field(
+                "credential",
+                &format_args!("<{} bytes>", self.credential.len()),
+            )
+            .field("tenant_hint", &self.tenant_hint)
+            .finish()
+    }
+}
+
+/// One authentication decision, for the audit sink.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuditRecord {
+    /// Unix ms of the decision.
+    pub at_ms: u64,
+    /// First 16 hex digits of the credential's SHA-256 (empty without one).
+    pub hash_prefix: String,
+    /// Tenant (verified, or claimed when `verified` is false).
+    pub tenant: Option<String>,
+    /// Whether the tenant was verified.
+    pub verified: bool,
+    /// The decision (`allow`, `deny`, `lazy`, `sync_allow`, …).
+    pub decision: String,
+    /// Why (`cached`, `expired`, `exposure_bound`, …).
+    pub reason: String,
+    /// Time spent deciding, µs.
+    pub latency_us: u64,
+    /// The request id.
+    pub request_id: String,
+}
+
+impl fmt::Debug for Job {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Job::Verify(v) => v.fmt(f),
+            Job::Audit(a) => a.fmt(f),
+            Job::Outcome(o) => o.fmt(f),
+        }
+    }
+}
+
+impl Job {
+    /// Serializes for the queue.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![VERSION];
+        if let Ok(body) = postcard::to_allocvec(self) {
+            out.extend(body);
+        }
+        out
+    }
+
+    /// Parses a queue item; `None` for anything else.
+    pub fn decode(bytes: &[u8]) -> Option<Job> {
+        match bytes.split_first() {
+            Some((&VERSION, body)) => postcard::from_bytes(body).ok(),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_redaction() {
+        let job = Job::Verify(VerifyJob {
+            hash: [7; 32],
+            kind: CredentialKind::ApiKey,
+            credential: b"sk-secret-value".to_vec(),
+            tenant_hint: Some("acme".into()),
+            enqueued_at_ms: 5,
+        });
+        assert_eq!(Job::decode(&job.encode()), Some(job.clone()));
+        let shown = format!("{job:?}");
+        assert!(!shown.contains("secret"), "{shown}");
+        assert!(shown.contains("<15 bytes>"), "{shown}");
+        assert_eq!(Job::decode(b""), None);
+        assert_eq!(Job::decode(&[1, 200, 3]), None);
+    }
+}

@@ -1,0 +1,408 @@
+//! One request's authentication: read the credential, hash it, read its
+//! verdict, route by policy, and act (continue, refuse, admit lazily,
+//! verify now).
+
+use std::rc::Rc;
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{Action, BufferType, MapType};
+use zerolayer_core::auth::credential::{self, CredentialKind, TokenHash};
+use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants};
+use zerolayer_core::auth::exposure::{
+    self, ENQUEUED_KEY, FINISHED_KEY, Unverified, decode_count, pending,
+};
+use zerolayer_core::auth::introspection;
+use zerolayer_core::auth::jwt;
+use zerolayer_core::auth::policy::{Admission, Route, SyncReason};
+use zerolayer_core::auth::verdict::{self, Lookup, Verdict};
+use zerolayer_core::event::{AuditRecord, Job, VerifyJob, VerifyOutcome};
+use zerolayer_core::internal;
+use zerolayer_observer::auth::VERIFIER_DOWN_KEY;
+use zerolayer_proxy::{
+    now_ms, now_secs, publish, request_header, send_json_error, shared_get, shared_put,
+    shared_update,
+};
+
+use crate::Plan;
+
+/// The credential of a request.
+struct Credential {
+    kind: CredentialKind,
+    token: Vec<u8>,
+    hash: TokenHash,
+}
+
+/// One request's state.
+pub(crate) struct Stream {
+    plan: Rc<Plan>,
+    started_ms: u64,
+    credential: Option<Credential>,
+    claimed_tenant: Option<String>,
+    /// Outcome and reason, for metrics and the audit record.
+    outcome: &'static str,
+    reason: String,
+    tenant: Option<String>,
+    verified: bool,
+    decided_ms: u64,
+    /// A synchronous introspection in flight.
+    introspection: Option<u32>,
+}
+
+impl Stream {
+    pub(crate) fn new(plan: Rc<Plan>) -> Stream {
+        Stream {
+            plan,
+            started_ms: 0,
+            credential: None,
+            claimed_tenant: None,
+            outcome: "",
+            reason: String::new(),
+            tenant: None,
+            verified: false,
+            decided_ms: 0,
+            introspection: None,
+        }
+    }
+
+    pub(crate) fn on_request_headers(&mut self) -> Action {
+        self.started_ms = now_ms();
+        let plan = self.plan.clone();
+        let path = request_header(":path").unwrap_or_default();
+        if plan.config.is_public(&path) {
+            publish(internal::AUTH_PROPERTY, b"public");
+            return self.done("public", "public_path", Action::Continue);
+        }
+        let Some(credential) = self.read_credential() else {
+            return self.refuse(401, "missing", "missing_credential", "missing credential");
+        };
+        let now = now_secs();
+        let key = verdict::key(&credential.hash, plan.config.verdict_slots);
+        let entry = shared_get(&key).0;
+        let lookup = verdict::lookup(entry.as_deref(), &credential.hash, now);
+        self.credential = Some(credential);
+        if let Lookup::Valid(v) = &lookup {
+            // The hot path: one header, one hash, one shared-data read.
+            self.allow(v, "valid_cached", "cached");
+            return Action::Continue;
+        }
+        if let Lookup::Invalid(v) = &lookup {
+            let reason = v.reason.clone();
+            return self.refuse(401, "invalid_cached", &reason, "invalid credential");
+        }
+        self.unknown(now)
+    }
+
+    fn read_credential(&self) -> Option<Credential> {
+        for source in &self.plan.config.credentials {
+            let Some(value) = request_header(&source.header) else {
+                continue;
+            };
+            if let Some(token) = credential::extract(source, &value) {
+                return Some(Credential {
+                    kind: source.kind,
+                    hash: TokenHash::of(token),
+                    token: token.to_vec(),
+                });
+            }
+        }
+        None
+    }
+
+    /// A credential nobody verified yet (or whose verdict expired).
+    fn unknown(&mut self, now: u64) -> Action {
+        let plan = self.plan.clone();
+        let (kind, hash) = match &self.credential {
+            Some(c) => (c.kind, c.hash),
+            None => return self.refuse(401, "missing", "missing_credential", "missing credential"),
+        };
+        if kind == CredentialKind::Jwt {
+            // Unverified claims: only for escalation and attribution, never trusted.
+            self.claimed_tenant = self.credential.as_ref().and_then(|c| {
+                jwt::peek(&c.token).ok().and_then(|u| {
+                    u.claims()
+                        .get_str(&plan.config.jwt.tenant_claim)
+                        .map(str::to_string)
+                })
+            });
+        }
+        let escalated = self.claimed_tenant.as_deref().is_some_and(|t| {
+            let (list, _) = shared_get(ESCALATED_KEY);
+            EscalatedTenants::decode(list.as_deref()).contains(t)
+        });
+        let trusted = !plan.trusted.is_empty()
+            && request_header("user-agent")
+                .is_some_and(|ua| plan.trusted.iter().any(|r| r.is_match(&ua)));
+        let inline_ok = kind == CredentialKind::Jwt && plan.keys.available();
+        let verifier_down = decode_count(shared_get(VERIFIER_DOWN_KEY).0.as_deref()) > now;
+        match plan.policy.route(
+            &Lookup::Unknown,
+            escalated,
+            trusted,
+            inline_ok,
+            verifier_down,
+        ) {
+            Route::Sync(reason) => self.verify_now(reason, now),
+            Route::Unavailable => self.unavailable(),
+            Route::TryLazy => {
+                let slots = plan.config.verdict_slots;
+                let count = shared_update(&exposure::key(&hash, slots), |current| {
+                    let next = Unverified::bump(current, &hash);
+                    (next.encode(), next.count)
+                })
+                // Lost every CAS race: count as over the bound (never open).
+                .unwrap_or(u32::MAX);
+                let waiting = pending(
+                    decode_count(shared_get(ENQUEUED_KEY).0.as_deref()),
+                    decode_count(shared_get(FINISHED_KEY).0.as_deref()),
+                );
+                match plan.policy.admit(count, waiting, inline_ok, verifier_down) {
+                    Admission::Lazy => self.admit_lazily(),
+                    Admission::Sync(reason) => self.verify_now(reason, now),
+                    Admission::Unavailable => self.unavailable(),
+                }
+            }
+            // Cached verdicts were handled before.
+            Route::Allow(v) => {
+                self.allow(&v, "valid_cached", "cached");
+                Action::Continue
+            }
+            Route::Deny(v) => self.refuse(401, "invalid_cached", &v.reason, "invalid credential"),
+        }
+    }
+
+    /// Continue unverified; the observer verifies off the path.
+    fn admit_lazily(&mut self) -> Action {
+        let plan = self.plan.clone();
+        let Some(c) = &self.credential else {
+            return self.refuse(401, "missing", "missing_credential", "missing credential");
+        };
+        let job = Job::Verify(VerifyJob {
+            hash: c.hash.0,
+            kind: c.kind,
+            credential: c.token.clone(),
+            tenant_hint: self.claimed_tenant.clone(),
+            enqueued_at_ms: now_ms(),
+        });
+        let queued = plan
+            .queue()
+            .is_some_and(|q| hostcalls::enqueue_shared_queue(q, Some(&job.encode())).is_ok());
+        if !queued {
+            // Without an observer the credential would never be verified:
+            // verify it now instead of admitting it blind.
+            plan.metrics.lost();
+            return self.verify_now(SyncReason::PendingBound, now_secs());
+        }
+        let _ = shared_update(ENQUEUED_KEY, |current| {
+            (
+                (decode_count(current).saturating_add(1))
+                    .to_string()
+                    .into_bytes(),
+                (),
+            )
+        });
+        plan.metrics.enqueued();
+        publish(internal::AUTH_PROPERTY, b"unverified");
+        if let Some(t) = &self.claimed_tenant {
+            publish(internal::CLAIMED_TENANT_PROPERTY, t.as_bytes());
+        }
+        self.tenant = self.claimed_tenant.clone();
+        self.done("lazy", "unverified_within_bound", Action::Continue)
+    }
+
+    /// Verifies on the request path: inline for JWTs, by introspection
+    /// (request paused) for API keys.
+    fn verify_now(&mut self, reason: SyncReason, now: u64) -> Action {
+        let plan = self.plan.clone();
+        plan.metrics.sync(reason.name());
+        let Some(c) = &self.credential else {
+            return self.refuse(401, "missing", "missing_credential", "missing credential");
+        };
+        match c.kind {
+            CredentialKind::Jwt => {
+                if !plan.keys.available() {
+                    return self.unavailable();
+                }
+                let result = plan
+                    .keys
+                    .with(|keys| jwt::verify(&c.token, keys, &plan.validation, now));
+                let verdict = verdict::of_jwt(&plan.config, &c.hash, now, result);
+                self.concluded(verdict, reason)
+            }
+            CredentialKind::ApiKey => self.introspect(reason),
+        }
+    }
+
+    fn introspect(&mut self, reason: SyncReason) -> Action {
+        let plan = self.plan.clone();
+        let (Some(api), Some(c)) = (&plan.config.api_keys, &self.credential) else {
+            return self.unavailable();
+        };
+        let key = String::from_utf8_lossy(&c.token).into_owned();
+        let headers = vec![
+            (":method", "GET"),
+            (":path", api.endpoint.path.as_str()),
+            (":authority", api.endpoint.authority()),
+            (api.key_header.as_str(), key.as_str()),
+        ];
+        match hostcalls::dispatch_http_call(
+            &api.endpoint.cluster,
+            headers,
+            None,
+            vec![],
+            Duration::from_millis(u64::from(api.endpoint.timeout_ms)),
+        ) {
+            Ok(token) => {
+                self.introspection = Some(token);
+                self.reason = reason.name().to_string();
+                Action::Pause
+            }
+            Err(_) => self.unavailable(),
+        }
+    }
+
+    /// The introspection endpoint answered a synchronous check.
+    pub(crate) fn introspection_answered(&mut self, token: u32, body_size: usize) {
+        if self.introspection != Some(token) {
+            return;
+        }
+        self.introspection = None;
+        let plan = self.plan.clone();
+        let Some(hash) = self.credential.as_ref().map(|c| c.hash) else {
+            return;
+        };
+        let now = now_secs();
+        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .and_then(|s| String::from_utf8(s).ok())
+            .and_then(|s| s.parse::<u16>().ok());
+        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let Some(verdict) = introspection::verdict(&plan.config, &hash, now, status, &body) else {
+            // The verifier did not answer: refuse rather than admit.
+            self.unavailable();
+            return;
+        };
+        let reason = match self.reason.as_str() {
+            "escalated" => SyncReason::Escalated,
+            "trusted_client" => SyncReason::TrustedClient,
+            "policy" => SyncReason::Policy,
+            "pending_bound" => SyncReason::PendingBound,
+            _ => SyncReason::ExposureBound,
+        };
+        if self.concluded(verdict, reason) == Action::Continue {
+            let _ = hostcalls::resume_http_request();
+        }
+    }
+
+    /// A synchronous verdict: store it (so the next request is a cache
+    /// hit), report the outcome for escalation, and act on it.
+    fn concluded(&mut self, verdict: Verdict, reason: SyncReason) -> Action {
+        let plan = self.plan.clone();
+        let hash = TokenHash(verdict.hash);
+        shared_put(
+            &verdict::key(&hash, plan.config.verdict_slots),
+            &verdict.encode(),
+        );
+        if let Some(tenant) = verdict
+            .tenant
+            .clone()
+            .or_else(|| self.claimed_tenant.clone())
+            && let Some(q) = plan.queue()
+        {
+            let outcome = Job::Outcome(VerifyOutcome {
+                tenant,
+                failed: !verdict.valid,
+                at: verdict.verified_at,
+            });
+            let _ = hostcalls::enqueue_shared_queue(q, Some(&outcome.encode()));
+        }
+        if verdict.valid {
+            self.allow(&verdict, "sync_valid", reason.name());
+            Action::Continue
+        } else {
+            let why = verdict.reason.clone();
+            self.refuse(401, "sync_invalid", &why, "invalid credential")
+        }
+    }
+
+    fn allow(&mut self, verdict: &Verdict, outcome: &'static str, reason: &str) {
+        publish(internal::AUTH_PROPERTY, b"verified");
+        if let Some(t) = &verdict.tenant {
+            publish(internal::TENANT_PROPERTY, t.as_bytes());
+        }
+        if let Some(s) = &verdict.subject {
+            publish(internal::SUBJECT_PROPERTY, s.as_bytes());
+        }
+        self.tenant = verdict.tenant.clone();
+        self.verified = true;
+        let _ = self.done(outcome, reason, Action::Continue);
+    }
+
+    fn refuse(
+        &mut self,
+        status: u32,
+        outcome: &'static str,
+        reason: &str,
+        message: &str,
+    ) -> Action {
+        send_json_error(status, "authentication_error", message);
+        self.done(outcome, reason, Action::Pause)
+    }
+
+    fn unavailable(&mut self) -> Action {
+        send_json_error(
+            503,
+            "authentication_error",
+            "the credential cannot be verified right now; retry later",
+        );
+        self.done("unavailable", "verifier_unavailable", Action::Pause)
+    }
+
+    fn done(&mut self, outcome: &'static str, reason: &str, action: Action) -> Action {
+        self.outcome = outcome;
+        self.reason = reason.to_string();
+        self.decided_ms = now_ms();
+        self.plan.metrics.outcome(outcome);
+        action
+    }
+
+    /// After the response: an audit record when activation asked for one.
+    pub(crate) fn on_log(&self) {
+        let plan = &self.plan;
+        if plan.config.audit.is_none() || self.outcome.is_empty() {
+            return;
+        }
+        let audited = zerolayer_proxy::property(internal::OBSERVERS_PROPERTY)
+            .is_some_and(|list| list.split(|b| *b == b',').any(|o| o == b"audit"));
+        if !audited {
+            return;
+        }
+        let Some(q) = plan.queue() else {
+            plan.metrics.lost();
+            return;
+        };
+        let record = Job::Audit(AuditRecord {
+            at_ms: self.started_ms,
+            hash_prefix: self
+                .credential
+                .as_ref()
+                .map(|c| c.hash.prefix())
+                .unwrap_or_default(),
+            tenant: self.tenant.clone(),
+            verified: self.verified,
+            decision: self.outcome.to_string(),
+            reason: self.reason.clone(),
+            latency_us: self.decided_ms.saturating_sub(self.started_ms) * 1000,
+            request_id: request_header("x-request-id")
+                .map(|v| String::from_utf8_lossy(&v).into_owned())
+                .unwrap_or_default(),
+        });
+        if hostcalls::enqueue_shared_queue(q, Some(&record.encode())).is_err() {
+            plan.metrics.lost();
+        }
+    }
+}

@@ -1,0 +1,391 @@
+//! Off-path verification: JWTs with configured and JWKS keys, API keys by
+//! introspection; verdicts into shared data; escalation windows; the
+//! verifier breaker.
+
+use zerolayer_core::auth::config::LazyAuthConfig;
+use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
+use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants, Escalation, Flip};
+use zerolayer_core::auth::exposure::FINISHED_KEY;
+use zerolayer_core::auth::introspection;
+use zerolayer_core::auth::jwt::{self, KeySet, Validation, VerifyingKey};
+use zerolayer_core::auth::verdict::{self, Verdict};
+use zerolayer_core::breaker::{Breaker, Transition};
+use zerolayer_core::event::{VerifyJob, VerifyOutcome};
+use zerolayer_proxy::{Counters, shared_put, shared_update};
+
+use crate::calls::{CallKind, Calls};
+use crate::counter;
+
+/// Shared-data key with the JWKS document last fetched (filters verify
+/// inline with it).
+pub const JWKS_KEY: &str = "zl:auth:jwks";
+/// Shared-data key: Unix second until which the verifier is considered
+/// down (`0`: up). Written by the observer's breaker.
+pub const VERIFIER_DOWN_KEY: &str = "zl:auth:verifier_down_until";
+/// Jobs waiting for keys at most; more are dropped (and counted).
+const MAX_DEFERRED: usize = 1000;
+/// Seconds before a failed JWKS fetch is retried.
+const JWKS_RETRY_SECS: u64 = 5;
+/// Least seconds between refetches triggered by an unknown `kid`.
+const JWKS_MIN_REFETCH_SECS: u64 = 30;
+
+/// Builds the key set a configuration names (JWKs, and an HS256 secret
+/// from the VM's environment). Shared with the filter's inline checks.
+pub fn configured_keys(config: &LazyAuthConfig) -> Result<KeySet, String> {
+    let mut keys = KeySet::new();
+    for (i, jwk) in config.jwt.keys.iter().enumerate() {
+        let key = VerifyingKey::from_jwk(jwk).map_err(|e| format!("jwt.keys[{i}]: {e}"))?;
+        keys.insert(key);
+    }
+    if let Some(var) = &config.jwt.hs256_secret_env {
+        // The secret comes from the environment Envoy gives the VM; it is
+        // never logged (VerifyingKey's Debug redacts it).
+        let secret = std::env::var(var)
+            .map_err(|_| format!("jwt.hs256_secret_env: environment variable {var} is not set"))?;
+        let key = VerifyingKey::from_secret(secret.as_bytes())
+            .map_err(|e| format!("jwt.hs256_secret_env: {e}"))?;
+        keys.insert(key);
+    }
+    Ok(keys)
+}
+
+/// The validation a configuration asks for.
+pub fn validation(config: &LazyAuthConfig) -> Validation {
+    Validation {
+        issuers: config.jwt.issuers.clone(),
+        audiences: config.jwt.audiences.clone(),
+        leeway_secs: config.jwt.leeway_secs,
+        ..Validation::default()
+    }
+}
+
+pub(crate) struct AuthWorker {
+    config: LazyAuthConfig,
+    validation: Validation,
+    configured: KeySet,
+    keys: KeySet,
+    jwks_next: u64,
+    jwks_fetched_at: Option<u64>,
+    deferred: Vec<VerifyJob>,
+    breaker: Breaker,
+    escalation: Escalation,
+}
+
+impl AuthWorker {
+    pub(crate) fn new(config: &LazyAuthConfig) -> Result<AuthWorker, String> {
+        let configured = configured_keys(config)?;
+        Ok(AuthWorker {
+            validation: validation(config),
+            keys: configured.clone(),
+            configured,
+            jwks_next: 0,
+            jwks_fetched_at: None,
+            deferred: Vec::new(),
+            breaker: Breaker::new(config.breaker),
+            escalation: Escalation::new(config.escalation),
+            config: config.clone(),
+        })
+    }
+
+    pub(crate) fn key_count(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Verifies one credential (or starts to: introspection answers later).
+    pub(crate) fn verify(&mut self, job: VerifyJob, calls: &mut Calls, counters: &Counters) {
+        let now = zerolayer_proxy::now_secs();
+        match job.kind {
+            CredentialKind::Jwt => self.verify_jwt(job, now, calls, counters),
+            CredentialKind::ApiKey => self.introspect(job, now, calls, counters),
+        }
+    }
+
+    fn verify_jwt(&mut self, job: VerifyJob, now: u64, calls: &mut Calls, counters: &Counters) {
+        let jwks = self.config.jwt.jwks.is_some();
+        if jwks && self.jwks_fetched_at.is_none() {
+            // Keys are on their way: verify when they arrive.
+            self.defer(job, counters);
+            self.fetch_jwks(now, calls, counters);
+            return;
+        }
+        match jwt::verify(&job.credential, &self.keys, &self.validation, now) {
+            Err(jwt::JwtError::UnknownKey(_))
+                if jwks
+                    && self
+                        .jwks_fetched_at
+                        .is_some_and(|at| now >= at + JWKS_MIN_REFETCH_SECS) =>
+            {
+                // Perhaps a key rotation: refetch once, then decide.
+                self.defer(job, counters);
+                self.jwks_next = now;
+                self.fetch_jwks(now, calls, counters);
+            }
+            result => {
+                let verdict = verdict::of_jwt(&self.config, &TokenHash(job.hash), now, result);
+                self.conclude(&job, verdict, counters);
+            }
+        }
+    }
+
+    fn invalid(&self, job: &VerifyJob, now: u64, reason: &str) -> Verdict {
+        Verdict::invalid(
+            &TokenHash(job.hash),
+            now,
+            self.config.negative_ttl_secs,
+            reason,
+        )
+    }
+
+    fn defer(&mut self, job: VerifyJob, counters: &Counters) {
+        if self.deferred.len() < MAX_DEFERRED {
+            counters.add(counter::VERIFY_DEFERRED, 1);
+            self.deferred.push(job);
+        } else {
+            self.drop_job(counters);
+        }
+    }
+
+    /// A job that cannot be verified now (verifier down, too many waiting):
+    /// no verdict is written, the credential stays unknown (its next
+    /// requests are bounded by the exposure limits), and it is counted.
+    fn drop_job(&self, counters: &Counters) {
+        counters.add(counter::VERIFY_DROPPED, 1);
+        finish_job();
+    }
+
+    fn introspect(&mut self, job: VerifyJob, now: u64, calls: &mut Calls, counters: &Counters) {
+        let Some(api) = self.config.api_keys.clone() else {
+            let verdict = self.invalid(&job, now, "api_keys_not_configured");
+            self.conclude(&job, verdict, counters);
+            return;
+        };
+        if !self.breaker.allow(now) {
+            self.drop_job(counters);
+            return;
+        }
+        let key = job.credential.clone();
+        let headers = [(api.key_header.as_str(), key.as_slice())];
+        if calls
+            .dispatch(
+                &api.endpoint,
+                "GET",
+                &headers,
+                None,
+                CallKind::Introspect(job),
+            )
+            .is_err()
+        {
+            self.failure(now, counters);
+            self.drop_job(counters);
+        }
+    }
+
+    /// A callout answered (`status` `None`: it failed or timed out).
+    pub(crate) fn answered(
+        &mut self,
+        kind: CallKind,
+        status: Option<u16>,
+        body: &[u8],
+        calls: &mut Calls,
+        counters: &Counters,
+    ) {
+        let now = zerolayer_proxy::now_secs();
+        match kind {
+            CallKind::Jwks => self.jwks_answer(now, status, body, calls, counters),
+            CallKind::Introspect(job) => {
+                self.introspection_answer(job, now, status, body, counters)
+            }
+            CallKind::Audit(_) => {}
+        }
+    }
+
+    fn introspection_answer(
+        &mut self,
+        job: VerifyJob,
+        now: u64,
+        status: Option<u16>,
+        body: &[u8],
+        counters: &Counters,
+    ) {
+        match introspection::verdict(&self.config, &TokenHash(job.hash), now, status, body) {
+            Some(verdict) => {
+                self.success(counters);
+                self.conclude(&job, verdict, counters);
+            }
+            None => {
+                self.failure(now, counters);
+                self.drop_job(counters);
+            }
+        }
+    }
+
+    fn jwks_answer(
+        &mut self,
+        now: u64,
+        status: Option<u16>,
+        body: &[u8],
+        calls: &mut Calls,
+        counters: &Counters,
+    ) {
+        let refresh = self
+            .config
+            .jwt
+            .jwks
+            .as_ref()
+            .map_or(300, |j| j.refresh_secs);
+        let parsed = match status {
+            Some(200) => KeySet::from_jwks(body).map_err(|e| e.to_string()),
+            Some(s) => Err(format!("status {s}")),
+            None => Err("no answer".to_string()),
+        };
+        match parsed {
+            Ok(jwks) => {
+                for skipped in &jwks.skipped {
+                    log::warn!("observer: JWKS entry skipped: {skipped}");
+                }
+                let mut keys = self.configured.clone();
+                keys.merge(jwks.keys);
+                self.keys = keys;
+                self.jwks_fetched_at = Some(now);
+                self.jwks_next = now + refresh;
+                counters.add(counter::JWKS_FETCHED, 1);
+                self.success(counters);
+                shared_put(JWKS_KEY, body);
+                for job in std::mem::take(&mut self.deferred) {
+                    self.verify_jwt(job, now, calls, counters);
+                }
+            }
+            Err(why) => {
+                log::warn!("observer: JWKS fetch failed: {why}");
+                counters.add(counter::JWKS_FAILED, 1);
+                self.failure(now, counters);
+                self.jwks_next = now + JWKS_RETRY_SECS;
+                if self.jwks_fetched_at.is_some() {
+                    // Keys from the last good fetch still decide the waiting jobs.
+                    for job in std::mem::take(&mut self.deferred) {
+                        self.conclude_with_current_keys(job, now, counters);
+                    }
+                }
+            }
+        }
+    }
+
+    fn conclude_with_current_keys(&mut self, job: VerifyJob, now: u64, counters: &Counters) {
+        let result = jwt::verify(&job.credential, &self.keys, &self.validation, now);
+        let verdict = verdict::of_jwt(&self.config, &TokenHash(job.hash), now, result);
+        self.conclude(&job, verdict, counters);
+    }
+
+    fn fetch_jwks(&mut self, now: u64, calls: &mut Calls, counters: &Counters) {
+        let Some(jwks) = self.config.jwt.jwks.clone() else {
+            return;
+        };
+        if calls.jwks_in_flight() || now < self.jwks_next && self.jwks_fetched_at.is_some() {
+            return;
+        }
+        if !self.breaker.allow(now) {
+            return;
+        }
+        if calls
+            .dispatch(&jwks.endpoint, "GET", &[], None, CallKind::Jwks)
+            .is_err()
+        {
+            counters.add(counter::JWKS_FAILED, 1);
+            self.failure(now, counters);
+            self.jwks_next = now + JWKS_RETRY_SECS;
+        }
+    }
+
+    /// Writes the verdict, counts it, and feeds the escalation window.
+    fn conclude(&mut self, job: &VerifyJob, verdict: Verdict, counters: &Counters) {
+        let key = verdict::key(&TokenHash(job.hash), self.config.verdict_slots);
+        shared_put(&key, &verdict.encode());
+        counters.add(
+            if verdict.valid {
+                counter::VERDICT_VALID
+            } else {
+                counter::VERDICT_INVALID
+            },
+            1,
+        );
+        let tenant = verdict.tenant.clone().or_else(|| job.tenant_hint.clone());
+        if let Some(tenant) = tenant {
+            self.record(&tenant, !verdict.valid, verdict.verified_at, counters);
+        }
+        finish_job();
+    }
+
+    /// A verification a filter did itself.
+    pub(crate) fn record_outcome(&mut self, outcome: &VerifyOutcome, counters: &Counters) {
+        self.record(&outcome.tenant, outcome.failed, outcome.at, counters);
+    }
+
+    fn record(&mut self, tenant: &str, failed: bool, now: u64, counters: &Counters) {
+        if let Some(flip) = self.escalation.record(tenant, failed, now) {
+            self.flipped(&[flip], counters);
+        }
+    }
+
+    fn flipped(&self, flips: &[Flip], counters: &Counters) {
+        for flip in flips {
+            match flip {
+                Flip::Escalated(t) => {
+                    log::warn!(
+                        "observer: tenant {t} escalated: its credentials now verify synchronously"
+                    );
+                    counters.add(counter::ESCALATED, 1);
+                }
+                Flip::Relaxed(t) => {
+                    log::info!("observer: tenant {t} relaxed: back to lazy verification");
+                    counters.add(counter::RELAXED, 1);
+                }
+            }
+        }
+        if !flips.is_empty() {
+            shared_put(
+                ESCALATED_KEY,
+                &EscalatedTenants(self.escalation.escalated().to_vec()).encode(),
+            );
+        }
+    }
+
+    fn success(&mut self, counters: &Counters) {
+        if self.breaker.success() == Some(Transition::Closed) {
+            log::info!("observer: verifier breaker closed: the verifier answers again");
+            counters.add(counter::BREAKER_CLOSED, 1);
+            shared_put(VERIFIER_DOWN_KEY, b"0");
+        }
+    }
+
+    fn failure(&mut self, now: u64, counters: &Counters) {
+        if self.breaker.failure(now) == Some(Transition::Opened) {
+            log::warn!(
+                "observer: verifier breaker opened after {} failures: no calls for {} s",
+                self.config.breaker.failures,
+                self.config.breaker.open_secs
+            );
+            counters.add(counter::BREAKER_OPENED, 1);
+        }
+        if let zerolayer_core::breaker::State::Open { until } = self.breaker.state() {
+            shared_put(VERIFIER_DOWN_KEY, until.to_string().as_bytes());
+        }
+    }
+
+    /// Periodic work.
+    pub(crate) fn maintain(&mut self, now: u64, calls: &mut Calls, counters: &Counters) {
+        if self.config.jwt.jwks.is_some() && now >= self.jwks_next {
+            self.fetch_jwks(now, calls, counters);
+        }
+        let flips = self.escalation.slide(now);
+        self.flipped(&flips, counters);
+    }
+}
+
+/// One verification job less pending (filters compare this with the jobs
+/// enqueued to bound what is pending).
+fn finish_job() {
+    let _ = shared_update(FINISHED_KEY, |current| {
+        let next = zerolayer_core::auth::exposure::decode_count(current).saturating_add(1);
+        (next.to_string().into_bytes(), ())
+    });
+}

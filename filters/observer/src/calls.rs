@@ -1,0 +1,87 @@
+//! Callouts the observer has in flight, by token.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+use zerolayer_core::auth::config::Endpoint;
+use zerolayer_core::event::{AuditRecord, VerifyJob};
+
+/// What a callout was for.
+pub(crate) enum CallKind {
+    /// A JWKS fetch.
+    Jwks,
+    /// An API key introspection for this job.
+    Introspect(VerifyJob),
+    /// An audit batch.
+    Audit(Vec<AuditRecord>),
+}
+
+/// Callouts in flight.
+#[derive(Default)]
+pub(crate) struct Calls {
+    pending: HashMap<u32, CallKind>,
+}
+
+impl Calls {
+    /// Dispatches a request to `endpoint`; on refusal (unknown cluster, bad
+    /// arguments) logs and gives the payload back.
+    pub(crate) fn dispatch(
+        &mut self,
+        endpoint: &Endpoint,
+        method: &str,
+        extra_headers: &[(&str, &[u8])],
+        body: Option<&[u8]>,
+        kind: CallKind,
+    ) -> Result<(), CallKind> {
+        let mut headers: Vec<(&str, &[u8])> = vec![
+            (":method", method.as_bytes()),
+            (":path", endpoint.path.as_bytes()),
+            (":authority", endpoint.authority().as_bytes()),
+        ];
+        headers.extend_from_slice(extra_headers);
+        // The SDK takes &str header values; credentials are ASCII tokens.
+        let text: Vec<(&str, String)> = headers
+            .iter()
+            .map(|(k, v)| (*k, String::from_utf8_lossy(v).into_owned()))
+            .collect();
+        let borrowed: Vec<(&str, &str)> = text.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        match hostcalls::dispatch_http_call(
+            &endpoint.cluster,
+            borrowed,
+            body,
+            vec![],
+            Duration::from_millis(u64::from(endpoint.timeout_ms)),
+        ) {
+            Ok(token) => {
+                self.pending.insert(token, kind);
+                Ok(())
+            }
+            Err(status) => {
+                log::warn!(
+                    "observer: cannot call cluster {} ({}): {status:?}",
+                    endpoint.cluster,
+                    endpoint.path
+                );
+                Err(kind)
+            }
+        }
+    }
+
+    /// The purpose of `token`, if it is one of ours.
+    pub(crate) fn take(&mut self, token: u32) -> Option<CallKind> {
+        self.pending.remove(&token)
+    }
+
+    /// Whether a JWKS fetch is in flight.
+    pub(crate) fn jwks_in_flight(&self) -> bool {
+        self.pending.values().any(|k| matches!(k, CallKind::Jwks))
+    }
+
+    /// Whether an audit batch is in flight.
+    pub(crate) fn audit_in_flight(&self) -> bool {
+        self.pending
+            .values()
+            .any(|k| matches!(k, CallKind::Audit(_)))
+    }
+}

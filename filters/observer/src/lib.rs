@@ -1,0 +1,235 @@
+//! The observer: everything zerolayer does off the request path. Filters
+//! post compact [`Job`]s on a shared queue; the observer drains it, verifies
+//! credentials and stores verdicts, keeps per-tenant escalation windows,
+//! fetches JWKS, and ships audit records, with breakers in front of every
+//! endpoint.
+//!
+//! It runs in one of two places (`observer.mode` in lazy-auth's config):
+//! - **singleton** (Envoy): a bootstrap service (`envoy.bootstrap.wasm`,
+//!   `singleton: true`) owns the queue; `on_queue_ready` wakes it when a
+//!   worker enqueues, and its tick does the periodic work;
+//! - **tick** (Kong, no singletons nor queue notifications): each filter
+//!   root context embeds an [`Observer`], owns its own queue and drains it
+//!   on tick.
+//!
+//! Lifecycle: configuration ([`Observer::configure`]) → jobs
+//! ([`Observer::drain`]) → callout answers ([`Observer::on_http_call_response`])
+//! → periodic work ([`Observer::on_tick`]).
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+mod audit;
+pub mod auth;
+mod calls;
+
+use proxy_wasm::hostcalls;
+use serde::Deserialize;
+use zerolayer_core::ConfigError;
+use zerolayer_core::auth::config::LazyAuthConfig;
+use zerolayer_core::event::Job;
+use zerolayer_proxy::Counters;
+
+use audit::AuditShipper;
+use auth::AuthWorker;
+use calls::{CallKind, Calls};
+
+/// Jobs handled per wake-up at most: a burst never blocks the thread long.
+const DRAIN_BUDGET: usize = 1000;
+
+/// The observer's configuration (the singleton's plugin configuration).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObserverConfig {
+    /// lazy-auth's configuration (the same object the filter gets).
+    pub lazy_auth: LazyAuthConfig,
+    /// Tick period, ms (JWKS refresh, audit flushes, escalation windows,
+    /// and draining where the host has no queue notifications).
+    #[serde(default = "default_tick")]
+    pub tick_ms: u64,
+}
+
+fn default_tick() -> u64 {
+    200
+}
+
+impl ObserverConfig {
+    /// Parses and checks the configuration.
+    pub fn from_json(bytes: &[u8]) -> Result<ObserverConfig, ConfigError> {
+        let config: ObserverConfig = zerolayer_core::config::from_json(bytes)?;
+        config
+            .lazy_auth
+            .check()
+            .map_err(|e| ConfigError::new(format!("lazy_auth.{}", e.path()), e.message()))?;
+        Ok(config)
+    }
+}
+
+/// Counter positions (see [`COUNTER_NAMES`]).
+pub(crate) mod counter {
+    pub const JOBS_VERIFY: usize = 0;
+    pub const JOBS_AUDIT: usize = 1;
+    pub const JOBS_UNREADABLE: usize = 2;
+    pub const VERDICT_VALID: usize = 3;
+    pub const VERDICT_INVALID: usize = 4;
+    pub const VERIFY_DEFERRED: usize = 5;
+    pub const VERIFY_DROPPED: usize = 6;
+    pub const ESCALATED: usize = 7;
+    pub const RELAXED: usize = 8;
+    pub const BREAKER_OPENED: usize = 9;
+    pub const BREAKER_CLOSED: usize = 10;
+    pub const AUDIT_SHIPPED: usize = 11;
+    pub const AUDIT_DROPPED: usize = 12;
+    pub const AUDIT_FAILED_BATCHES: usize = 13;
+    pub const JWKS_FETCHED: usize = 14;
+    pub const JWKS_FAILED: usize = 15;
+}
+
+/// Metric names, in [`counter`] order (Prometheus labels via `_key=value`).
+pub const COUNTER_NAMES: [&str; 16] = [
+    "zerolayer_observer_jobs_kind=verify",
+    "zerolayer_observer_jobs_kind=audit",
+    "zerolayer_observer_jobs_kind=unreadable",
+    "zerolayer_auth_verdicts_outcome=valid",
+    "zerolayer_auth_verdicts_outcome=invalid",
+    "zerolayer_auth_verifications_deferred",
+    "zerolayer_auth_verifications_dropped",
+    "zerolayer_auth_escalations_flip=escalated",
+    "zerolayer_auth_escalations_flip=relaxed",
+    "zerolayer_auth_verifier_breaker_flip=opened",
+    "zerolayer_auth_verifier_breaker_flip=closed",
+    "zerolayer_audit_records_outcome=shipped",
+    "zerolayer_audit_records_outcome=dropped",
+    "zerolayer_audit_batches_failed",
+    "zerolayer_auth_jwks_fetches_outcome=ok",
+    "zerolayer_auth_jwks_fetches_outcome=failed",
+];
+
+/// The observer's state.
+pub struct Observer {
+    queue: u32,
+    auth: AuthWorker,
+    audit: Option<AuditShipper>,
+    calls: Calls,
+    counters: Counters,
+}
+
+impl Observer {
+    /// Builds the observer from `lazy_auth` and registers (owns) the job
+    /// queue. `who` names it in log lines.
+    pub fn configure(lazy_auth: &LazyAuthConfig, who: &str) -> Result<Observer, String> {
+        let queue = hostcalls::register_shared_queue(&lazy_auth.observer.queue)
+            .map_err(|s| format!("cannot register queue {}: {s:?}", lazy_auth.observer.queue))?;
+        let names: Vec<String> = COUNTER_NAMES.iter().map(|s| s.to_string()).collect();
+        let auth = AuthWorker::new(lazy_auth)?;
+        log::info!(
+            "{who}: observer on queue {} ({} verification keys{}{})",
+            lazy_auth.observer.queue,
+            auth.key_count(),
+            if lazy_auth.jwt.jwks.is_some() {
+                ", JWKS endpoint"
+            } else {
+                ""
+            },
+            if lazy_auth.api_keys.is_some() {
+                ", API key introspection"
+            } else {
+                ""
+            },
+        );
+        Ok(Observer {
+            queue,
+            audit: lazy_auth.audit.clone().map(AuditShipper::new),
+            auth,
+            calls: Calls::default(),
+            counters: Counters::define(who, &names),
+        })
+    }
+
+    /// Handles the jobs waiting in the queue (up to a budget).
+    pub fn drain(&mut self) {
+        for _ in 0..DRAIN_BUDGET {
+            let item = match hostcalls::dequeue_shared_queue(self.queue) {
+                Ok(Some(item)) => item,
+                Ok(None) => break,
+                Err(status) => {
+                    log::warn!("observer: dequeue failed: {status:?}");
+                    break;
+                }
+            };
+            match Job::decode(&item) {
+                Some(Job::Verify(job)) => {
+                    self.counters.add(counter::JOBS_VERIFY, 1);
+                    self.auth.verify(job, &mut self.calls, &self.counters);
+                }
+                Some(Job::Audit(record)) => {
+                    self.counters.add(counter::JOBS_AUDIT, 1);
+                    match &mut self.audit {
+                        Some(audit) => audit.push(record, &self.counters),
+                        None => self.counters.add(counter::AUDIT_DROPPED, 1),
+                    }
+                }
+                Some(Job::Outcome(outcome)) => self.auth.record_outcome(&outcome, &self.counters),
+                None => self.counters.add(counter::JOBS_UNREADABLE, 1),
+            }
+        }
+    }
+
+    /// Periodic work: drain (hosts without queue notifications), JWKS
+    /// refresh, audit flush, escalation windows, counters.
+    pub fn on_tick(&mut self) {
+        self.drain();
+        let now = zerolayer_proxy::now_secs();
+        self.auth.maintain(now, &mut self.calls, &self.counters);
+        if let Some(audit) = &mut self.audit {
+            audit.maybe_flush(zerolayer_proxy::now_ms(), &mut self.calls, &self.counters);
+        }
+        self.counters.flush();
+    }
+
+    /// A callout this observer made has an answer (or failed: no `:status`).
+    /// Returns whether the token was ours.
+    pub fn on_http_call_response(&mut self, token: u32, body_size: usize) -> bool {
+        let Some(kind) = self.calls.take(token) else {
+            return false;
+        };
+        let status = hostcalls::get_map_value_bytes(
+            proxy_wasm::types::MapType::HttpCallResponseHeaders,
+            ":status",
+        )
+        .ok()
+        .flatten()
+        .and_then(|s| String::from_utf8(s).ok())
+        .and_then(|s| s.parse::<u16>().ok());
+        let body = hostcalls::get_buffer(
+            proxy_wasm::types::BufferType::HttpCallResponseBody,
+            0,
+            body_size,
+        )
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+        match kind {
+            CallKind::Audit(batch) => {
+                if let Some(audit) = &mut self.audit {
+                    audit.answered(batch, status, &self.counters);
+                }
+            }
+            other => self
+                .auth
+                .answered(other, status, &body, &mut self.calls, &self.counters),
+        }
+        true
+    }
+
+    /// The job queue this observer owns.
+    pub fn queue(&self) -> u32 {
+        self.queue
+    }
+
+    /// Reports counters (at shutdown, too).
+    pub fn flush_counters(&self) {
+        self.counters.flush();
+    }
+}

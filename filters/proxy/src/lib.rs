@@ -1,0 +1,199 @@
+//! The Proxy-Wasm side every zerolayer filter shares. Logic stays in
+//! `zerolayer-core`; this crate only wraps host calls the same way for every
+//! filter: configuration loading with one clear log line, counters batched
+//! in Wasm memory and flushed on tick, shared data with CAS, properties, and
+//! the JSON error responses clients get.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+use std::time::{Duration, UNIX_EPOCH};
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use zerolayer_core::ConfigError;
+use zerolayer_core::metrics::PendingCounters;
+
+/// Reads the plugin configuration and parses it with `parse`; on error logs
+/// one line naming the field (`<filter>: invalid configuration: <path>:
+/// <problem>`) and returns `None`, so `on_configure` can refuse.
+pub fn load_config<T>(
+    filter: &str,
+    parse: impl FnOnce(&[u8]) -> Result<T, ConfigError>,
+) -> Option<T> {
+    let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+        Ok(Some(bytes)) => bytes,
+        _ => Vec::new(),
+    };
+    match parse(&bytes) {
+        Ok(config) => Some(config),
+        Err(err) => {
+            log::error!("{filter}: invalid configuration: {err}");
+            None
+        }
+    }
+}
+
+/// Host time, Unix seconds (0 if the host cannot tell).
+pub fn now_secs() -> u64 {
+    now().as_secs()
+}
+
+/// Host time, Unix milliseconds.
+pub fn now_ms() -> u64 {
+    now().as_millis() as u64
+}
+
+fn now() -> Duration {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .unwrap_or_default()
+}
+
+/// A request header's value.
+pub fn request_header(name: &str) -> Option<Vec<u8>> {
+    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+        .ok()
+        .flatten()
+}
+
+/// Sets (replacing) a request header.
+pub fn set_request_header(name: &str, value: &[u8]) {
+    let _ = hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value));
+}
+
+/// Reads a property (filter state or an Envoy attribute).
+pub fn property(path: &str) -> Option<Vec<u8>> {
+    hostcalls::get_property(vec![path]).ok().flatten()
+}
+
+/// Publishes a value to later filters of the same request, as a one-segment
+/// property (see `zerolayer_core::internal`).
+pub fn publish(path: &str, value: &[u8]) {
+    if let Err(status) = hostcalls::set_property(vec![path], Some(value)) {
+        log::warn!("could not publish {path}: {status:?}");
+    }
+}
+
+/// Answers the request with `{"error":{"type":…,"message":…}}`.
+pub fn send_json_error(status: u32, kind: &str, message: &str) {
+    let body = serde_json::json!({"error": {"type": kind, "message": message}}).to_string();
+    if let Err(err) = hostcalls::send_http_response(
+        status,
+        vec![("content-type", "application/json")],
+        Some(body.as_bytes()),
+    ) {
+        log::error!("could not send a {status} response: {err:?}");
+    }
+}
+
+/// Shared data `key`: value and CAS.
+pub fn shared_get(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+    hostcalls::get_shared_data(key).unwrap_or((None, None))
+}
+
+/// Writes shared data `key` unconditionally (Envoy) or with the current CAS
+/// where a host requires it to overwrite (Kong).
+pub fn shared_put(key: &str, value: &[u8]) -> bool {
+    for _ in 0..4 {
+        let (_, cas) = shared_get(key);
+        match hostcalls::set_shared_data(key, Some(value), cas) {
+            Ok(()) => return true,
+            Err(Status::CasMismatch) => continue,
+            Err(status) => {
+                log::warn!("shared data {key}: {status:?}");
+                return false;
+            }
+        }
+    }
+    false
+}
+
+/// Read-modify-write of shared data `key` with compare-and-swap, retried a
+/// few times under contention: `update` gets the current value and returns
+/// the new one. Returns the value written, or `None` if it lost every race.
+pub fn shared_update<T>(
+    key: &str,
+    mut update: impl FnMut(Option<&[u8]>) -> (Vec<u8>, T),
+) -> Option<T> {
+    for _ in 0..8 {
+        let (current, cas) = shared_get(key);
+        let (next, result) = update(current.as_deref());
+        match hostcalls::set_shared_data(key, Some(&next), cas) {
+            Ok(()) => return Some(result),
+            Err(Status::CasMismatch) => continue,
+            Err(status) => {
+                log::warn!("shared data {key}: {status:?}");
+                return None;
+            }
+        }
+    }
+    None
+}
+
+/// Counters defined with the host, incremented in Wasm memory on the request
+/// path and reported from the root context's tick ([`Counters::flush`]).
+pub struct Counters {
+    ids: Vec<Option<u32>>,
+    pending: PendingCounters,
+}
+
+impl Counters {
+    /// Defines one counter per name (a host without metrics leaves them uncounted).
+    pub fn define(filter: &str, names: &[String]) -> Counters {
+        let ids = names
+            .iter()
+            .map(
+                |name| match hostcalls::define_metric(MetricType::Counter, name) {
+                    Ok(id) => Some(id),
+                    Err(status) => {
+                        log::warn!("{filter}: metric {name} unavailable: {status:?}");
+                        None
+                    }
+                },
+            )
+            .collect();
+        Counters {
+            ids,
+            pending: PendingCounters::new(names.len()),
+        }
+    }
+
+    /// Adds `n` to counter `index`.
+    pub fn add(&self, index: usize, n: u64) {
+        self.pending.add(index, n);
+    }
+
+    /// Reports pending increments to the host.
+    pub fn flush(&self) {
+        self.pending.drain(|index, delta| {
+            if let Some(Some(id)) = self.ids.get(index) {
+                let _ = hostcalls::increment_metric(*id, i64::try_from(delta).unwrap_or(i64::MAX));
+            }
+        });
+    }
+}
+
+/// A gauge or histogram recorded directly (off the request path).
+pub struct Metric(Option<u32>);
+
+impl Metric {
+    /// Defines a gauge.
+    pub fn gauge(name: &str) -> Metric {
+        Metric(hostcalls::define_metric(MetricType::Gauge, name).ok())
+    }
+
+    /// Defines a histogram.
+    pub fn histogram(name: &str) -> Metric {
+        Metric(hostcalls::define_metric(MetricType::Histogram, name).ok())
+    }
+
+    /// Sets the gauge / records a histogram sample.
+    pub fn record(&self, value: u64) {
+        if let Some(id) = self.0 {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! Time spent inside the filters' request-headers callback per request, in
+//! host-sim (wasmtime, Cranelift), host calls included: lazy-auth on a known
+//! token (the hot path), activation with ten rules, and a trivial filter
+//! (the probe without actions) as the floor every filter pays.
+#![allow(missing_docs)]
+
+use std::time::Duration;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use host_sim::{ChainId, Host, PluginSpec};
+use serde_json::json;
+use zerolayer_e2e::paths;
+use zerolayer_e2e::tokens::{self, issuer};
+
+const NOW: u64 = 1_795_953_600;
+
+fn wasm(name: &str) -> std::path::PathBuf {
+    match paths::wasm(name) {
+        Ok(p) => p,
+        Err(e) => panic!("{e:#}"),
+    }
+}
+
+/// Runs `n` streams with `headers` and returns the time spent in
+/// `filter`'s `on_request_headers`.
+fn time_in(
+    host: &mut Host,
+    chain: ChainId,
+    filter: &str,
+    headers: &[(&str, &str)],
+    n: u64,
+) -> Duration {
+    host.reset_callback_times();
+    for _ in 0..n {
+        let Ok(mut s) = host.stream(chain) else {
+            continue;
+        };
+        s.request_headers(headers, true);
+        s.response_headers(&[(":status", "200")], true);
+    }
+    host.callback_times()
+        .into_iter()
+        .find(|(name, cb, _, _)| name == filter && *cb == "on_request_headers")
+        .map(|(_, _, _, t)| t)
+        .unwrap_or_default()
+}
+
+fn lazy_auth(c: &mut Criterion) {
+    let config = json!({
+        "credentials": [{"header": "authorization", "scheme": "Bearer", "kind": "jwt"}],
+        "jwt": {"keys": issuer().jwks()["keys"], "issuers": ["https://idp.test"], "audiences": ["zerolayer"]},
+    });
+    let mut host = Host::new().unwrap_or_else(|e| panic!("{e:#}"));
+    host.add_singleton(
+        PluginSpec::new("observer", wasm("observer_service"))
+            .vm_id("zerolayer")
+            .configuration(json!({"lazy_auth": config}).to_string()),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let chain = host
+        .add_chain(vec![
+            PluginSpec::new("lazy-auth", wasm("lazy_auth"))
+                .vm_id("zerolayer")
+                .configuration(config.to_string()),
+        ])
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let mut group = c.benchmark_group("hot_path");
+    for (name, token) in [
+        (
+            "lazy_auth_known_es256",
+            issuer().es256(&tokens::claims("u", "acme", NOW, 3600)),
+        ),
+        (
+            "lazy_auth_known_rs256",
+            issuer().rs256(&tokens::claims("u", "acme", NOW, 3600)),
+        ),
+    ] {
+        let bearer = format!("Bearer {token}");
+        let headers = [
+            (":method", "POST"),
+            (":path", "/v1/messages"),
+            (":authority", "gw"),
+            ("authorization", bearer.as_str()),
+        ];
+        // First request admits and verifies; from then on it is a verdict hit.
+        time_in(&mut host, chain, "lazy-auth", &headers, 2);
+        group.bench_function(name, |b| {
+            b.iter_custom(|n| time_in(&mut host, chain, "lazy-auth", &headers, n))
+        });
+    }
+    group.finish();
+}
+
+fn baselines(c: &mut Criterion) {
+    let mut host = Host::new().unwrap_or_else(|e| panic!("{e:#}"));
+    let rules = include_str!("../../filters/core/benches/ten_rules.json");
+    let chain = host
+        .add_chain(vec![
+            PluginSpec::new("probe", wasm("probe")).configuration(r#"{"role":"filter"}"#),
+            PluginSpec::new("activation", wasm("activation")).configuration(rules),
+        ])
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let headers = [
+        (":method", "POST"),
+        (":path", "/v1/messages?beta=true"),
+        (":authority", "gw"),
+        ("x-tier", "silver"),
+        ("user-agent", "anthropic-python/0.40.0"),
+        ("x-tenant-id", "globex"),
+        ("x-request-id", "0d9d1e52-5bd2-4f3c-9d1b-2f0d7b6f1c11"),
+    ];
+    let mut group = c.benchmark_group("hot_path");
+    group.bench_function("trivial_filter", |b| {
+        b.iter_custom(|n| time_in(&mut host, chain, "probe", &headers, n))
+    });
+    group.bench_function("activation_10_rules", |b| {
+        b.iter_custom(|n| time_in(&mut host, chain, "activation", &headers, n))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, lazy_auth, baselines);
+criterion_main!(benches);

@@ -1,0 +1,389 @@
+//! lazy-auth in host-sim with the observer singleton: every path of the
+//! hot path and of off-path verification, with virtual time.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use host_sim::{CallResponse, ChainId, ClusterTarget, Host, HostOptions, PluginSpec, Profile};
+use serde_json::{Value, json};
+use zerolayer_e2e::paths;
+use zerolayer_e2e::tokens::{self, HS_SECRET, issuer};
+
+/// host-sim's fixed virtual start (2026-11-29 12:00:00 UTC), seconds.
+const NOW: u64 = 1_795_953_600;
+const VM_ID: &str = "zerolayer";
+
+fn base_config() -> Value {
+    json!({
+        "public_paths": ["/healthz"],
+        "credentials": [
+            {"header": "authorization", "scheme": "Bearer", "kind": "jwt"},
+            {"header": "x-api-key", "kind": "api_key"}
+        ],
+        "jwt": {"keys": issuer().jwks()["keys"], "issuers": ["https://idp.test"], "audiences": ["zerolayer"],
+                "hs256_secret_env": "ZEROLAYER_HS256_SECRET"},
+        "api_keys": {"cluster": "keys", "path": "/introspect", "timeout_ms": 500},
+        "escalation": {"failure_ratio": 0.05, "window_secs": 300, "min_verifications": 5},
+        "breaker": {"failures": 3, "open_secs": 30},
+        "verdict_max_ttl_secs": 300,
+    })
+}
+
+struct Gateway {
+    host: Host,
+    chain: ChainId,
+}
+
+fn gateway_with(config: Value, profile: Profile) -> Result<Gateway> {
+    let mut host = Host::with_options(HostOptions {
+        profile,
+        ..Default::default()
+    })?;
+    host.set_cluster("keys", ClusterTarget::Manual);
+    host.set_cluster("audit", ClusterTarget::Manual);
+    let text = config.to_string();
+    if profile == Profile::Envoy {
+        host.add_singleton(
+            PluginSpec::new("observer", paths::wasm("observer_service")?)
+                .vm_id(VM_ID)
+                .configuration(json!({"lazy_auth": config, "tick_ms": 200}).to_string())
+                .env("ZEROLAYER_HS256_SECRET", HS_SECRET),
+        )?;
+    }
+    let chain = host.add_chain(vec![
+        PluginSpec::new("lazy-auth", paths::wasm("lazy_auth")?)
+            .vm_id(VM_ID)
+            .configuration(text)
+            .env("ZEROLAYER_HS256_SECRET", HS_SECRET),
+    ])?;
+    Ok(Gateway { host, chain })
+}
+
+fn gateway() -> Result<Gateway> {
+    gateway_with(base_config(), Profile::Envoy)
+}
+
+/// What a client saw.
+#[derive(Debug)]
+struct Seen {
+    status: Option<u16>,
+    upstream: bool,
+    body: String,
+    auth: Option<String>,
+    tenant: Option<String>,
+}
+
+impl Gateway {
+    fn request(&mut self, headers: &[(&str, &str)]) -> Result<Seen> {
+        self.request_to("/v1/messages", headers)
+    }
+
+    fn request_to(&mut self, path: &str, headers: &[(&str, &str)]) -> Result<Seen> {
+        let mut all = vec![(":method", "POST"), (":path", path), (":authority", "gw")];
+        all.extend_from_slice(headers);
+        let mut s = self.host.stream(self.chain)?;
+        s.request_headers(&all, true);
+        let upstream = s.upstream().complete;
+        if upstream {
+            s.response_headers(&[(":status", "200")], true);
+        }
+        // Envoy keys filter state "wasm.<path>"; Kong keeps "wasmx.*" as is.
+        let text = |k: &str| {
+            s.filter_state(&format!("wasm.{k}"))
+                .or_else(|| s.filter_state(k))
+                .map(|v| String::from_utf8_lossy(&v).into_owned())
+        };
+        Ok(Seen {
+            status: s.client().status(),
+            upstream,
+            body: s.client().text(),
+            auth: text("wasmx.zerolayer_auth"),
+            tenant: text("wasmx.zerolayer_tenant"),
+        })
+    }
+
+    fn bearer(&mut self, token: &str) -> Result<Seen> {
+        self.request(&[("authorization", &format!("Bearer {token}"))])
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        self.host.metric(name).unwrap_or(0)
+    }
+}
+
+fn good(sub: &str, tenant: &str) -> Value {
+    tokens::claims(sub, tenant, NOW, 3600)
+}
+
+#[test]
+fn a_valid_token_is_admitted_once_then_served_from_its_verdict() -> Result<()> {
+    let mut gw = gateway()?;
+    for token in [
+        issuer().es256(&good("u1", "acme")),
+        issuer().rs256(&good("u2", "acme")),
+        issuer().hs256(&good("u3", "acme")),
+    ] {
+        let first = gw.bearer(&token)?;
+        assert!(first.upstream, "{first:?}");
+        assert_eq!(first.auth.as_deref(), Some("unverified"));
+        // The observer verified it off the path; the next request is a cache hit.
+        let second = gw.bearer(&token)?;
+        assert!(second.upstream, "{second:?}");
+        assert_eq!(second.auth.as_deref(), Some("verified"));
+        assert_eq!(second.tenant.as_deref(), Some("acme"));
+    }
+    gw.host.advance(Duration::from_millis(200));
+    assert_eq!(gw.counter("zerolayer_auth_decisions_outcome=lazy"), 3);
+    assert_eq!(
+        gw.counter("zerolayer_auth_decisions_outcome=valid_cached"),
+        3
+    );
+    assert_eq!(gw.counter("zerolayer_auth_verdicts_outcome=valid"), 3);
+    Ok(())
+}
+
+#[test]
+fn forged_expired_and_wrong_audience_tokens_get_at_most_one_request() -> Result<()> {
+    let mut gw = gateway()?;
+    let mut wrong_aud = good("u", "acme");
+    wrong_aud["aud"] = json!("someone-else");
+    let cases = [
+        ("forged", issuer().forged(&good("u", "acme"), 1)),
+        (
+            "expired",
+            issuer().es256(&tokens::claims("u", "acme", NOW - 7200, 3600)),
+        ),
+        ("wrong audience", issuer().es256(&wrong_aud)),
+    ];
+    for (what, token) in cases {
+        let first = gw.bearer(&token)?;
+        assert!(
+            first.upstream,
+            "{what}: the first request is admitted lazily: {first:?}"
+        );
+        for _ in 0..3 {
+            let next = gw.bearer(&token)?;
+            assert_eq!(next.status, Some(401), "{what}: {next:?}");
+            assert!(!next.upstream, "{what}");
+            let body: Value = serde_json::from_str(&next.body)?;
+            assert_eq!(body["error"]["type"], "authentication_error", "{what}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn missing_credentials_are_refused_and_public_paths_need_none() -> Result<()> {
+    let mut gw = gateway()?;
+    let none = gw.request(&[])?;
+    assert_eq!(none.status, Some(401));
+    assert_eq!(
+        serde_json::from_str::<Value>(&none.body)?,
+        json!({"error": {"type": "authentication_error", "message": "missing credential"}})
+    );
+    let wrong_scheme = gw.request(&[("authorization", "Basic dXNlcjpwdw==")])?;
+    assert_eq!(wrong_scheme.status, Some(401));
+    let public = gw.request_to("/healthz?probe=1", &[])?;
+    assert!(public.upstream);
+    assert_eq!(public.auth.as_deref(), Some("public"));
+    Ok(())
+}
+
+#[test]
+fn verdicts_expire_after_their_ttl_and_are_rechecked() -> Result<()> {
+    let mut config = base_config();
+    config["verdict_max_ttl_secs"] = json!(60);
+    let mut gw = gateway_with(config, Profile::Envoy)?;
+    let token = issuer().es256(&good("u", "acme"));
+    gw.bearer(&token)?;
+    assert_eq!(gw.bearer(&token)?.auth.as_deref(), Some("verified"));
+    gw.host.advance(Duration::from_secs(61));
+    // The verdict expired: the credential is unknown again; its exposure
+    // count is used up, so it verifies inline (the key is at hand).
+    let again = gw.bearer(&token)?;
+    assert!(again.upstream);
+    assert_eq!(again.auth.as_deref(), Some("verified"));
+    gw.host.advance(Duration::from_millis(200));
+    assert_eq!(gw.counter("zerolayer_auth_sync_reason=exposure_bound"), 1);
+    Ok(())
+}
+
+#[test]
+fn api_keys_are_verified_by_introspection_off_path_then_synchronously() -> Result<()> {
+    let mut gw = gateway()?;
+    // First request: admitted lazily; the observer asks the endpoint.
+    let first = gw.request(&[("x-api-key", "sk-live-1")])?;
+    assert!(first.upstream);
+    let calls = gw.host.callouts();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].cluster, "keys");
+    assert_eq!(calls[0].header("x-api-key"), Some("sk-live-1"));
+    // Second request before the answer: over the bound, verified
+    // synchronously: the request waits for its own introspection.
+    let mut s = gw.host.stream(gw.chain)?;
+    s.request_headers(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/messages"),
+            (":authority", "gw"),
+            ("x-api-key", "sk-live-1"),
+        ],
+        true,
+    );
+    assert!(!s.upstream().complete, "went on before the check");
+    let sync_token = s
+        .host()
+        .callouts()
+        .iter()
+        .map(|c| c.token)
+        .max()
+        .context("sync callout")?;
+    s.host().respond(
+        sync_token,
+        CallResponse::new(200, r#"{"active":true,"tenant":"globex","sub":"svc-1"}"#),
+    )?;
+    assert!(s.upstream().complete);
+    assert_eq!(
+        s.filter_state("wasm.wasmx.zerolayer_tenant"),
+        Some(b"globex".to_vec())
+    );
+    // A revoked key: the observer learns it, the next request is refused.
+    gw.request(&[("x-api-key", "sk-revoked")])?;
+    let token = gw
+        .host
+        .callouts()
+        .iter()
+        .map(|c| c.token)
+        .max()
+        .context("callout")?;
+    gw.host
+        .respond(token, CallResponse::new(200, r#"{"active":false}"#))?;
+    assert_eq!(
+        gw.request(&[("x-api-key", "sk-revoked")])?.status,
+        Some(401)
+    );
+    Ok(())
+}
+
+#[test]
+fn a_dead_verifier_opens_the_breaker_and_unknown_keys_are_bounded_then_refused() -> Result<()> {
+    let mut gw = gateway()?;
+    // Three keys whose introspection fails: the breaker opens.
+    for i in 0..3 {
+        gw.request(&[("x-api-key", &format!("sk-{i}"))])?;
+        let token = gw
+            .host
+            .callouts()
+            .iter()
+            .map(|c| c.token)
+            .max()
+            .context("callout")?;
+        gw.host.respond(token, CallResponse::new(503, "down"))?;
+    }
+    gw.host.advance(Duration::from_millis(200));
+    assert_eq!(gw.counter("zerolayer_auth_verifier_breaker_flip=opened"), 1);
+    // A new key: still admitted once (allow_lazy within the bound), no call made.
+    let calls_before = gw.host.callouts().len();
+    assert!(gw.request(&[("x-api-key", "sk-new")])?.upstream);
+    assert_eq!(
+        gw.host.callouts().len(),
+        calls_before,
+        "the breaker lets no call through"
+    );
+    // Its second request is refused with a 503 rather than checked against a dead endpoint.
+    assert_eq!(gw.request(&[("x-api-key", "sk-new")])?.status, Some(503));
+    // A valid JWT keeps working: it verifies inline, no endpoint needed.
+    let jwt = issuer().es256(&good("u", "acme"));
+    assert!(gw.bearer(&jwt)?.upstream);
+    assert!(gw.bearer(&jwt)?.upstream);
+    Ok(())
+}
+
+#[test]
+fn a_tenant_with_failing_credentials_escalates_to_synchronous_checks() -> Result<()> {
+    let mut gw = gateway()?;
+    // Five forged tokens claiming tenant "mallory": all fail verification.
+    for n in 0..5 {
+        gw.bearer(&issuer().forged(&good("x", "mallory"), n))?;
+    }
+    gw.host.advance(Duration::from_millis(200));
+    assert_eq!(gw.counter("zerolayer_auth_escalations_flip=escalated"), 1);
+    assert!(gw.host.logs_containing("tenant mallory escalated").len() == 1);
+    // Now a new forged token for mallory is refused on its first request.
+    let next = gw.bearer(&issuer().forged(&good("x", "mallory"), 99))?;
+    assert_eq!(next.status, Some(401));
+    // Other tenants are still admitted lazily.
+    assert_eq!(
+        gw.bearer(&issuer().es256(&good("u", "acme")))?
+            .auth
+            .as_deref(),
+        Some("unverified")
+    );
+    // Valid tokens of the escalated tenant verify inline and pass.
+    let ok = gw.bearer(&issuer().es256(&good("u", "mallory")))?;
+    assert_eq!(ok.auth.as_deref(), Some("verified"));
+    // After the window the tenant relaxes.
+    gw.host.advance(Duration::from_secs(301));
+    assert_eq!(gw.counter("zerolayer_auth_escalations_flip=relaxed"), 1);
+    Ok(())
+}
+
+#[test]
+fn trusted_clients_verify_inline_and_never_go_lazy() -> Result<()> {
+    let mut config = base_config();
+    config["trusted_clients"] = json!([{"user_agent": "^internal-batch/"}]);
+    let mut gw = gateway_with(config, Profile::Envoy)?;
+    let forged = issuer().forged(&good("x", "acme"), 7);
+    let seen = gw.request(&[
+        ("authorization", &format!("Bearer {forged}")),
+        ("user-agent", "internal-batch/2.1"),
+    ])?;
+    assert_eq!(
+        seen.status,
+        Some(401),
+        "a trusted client's forged token never passes"
+    );
+    let valid = issuer().es256(&good("u", "acme"));
+    let seen = gw.request(&[
+        ("authorization", &format!("Bearer {valid}")),
+        ("user-agent", "internal-batch/2.1"),
+    ])?;
+    assert_eq!(seen.auth.as_deref(), Some("verified"));
+    Ok(())
+}
+
+#[test]
+fn an_attack_of_a_thousand_forged_tokens_gets_at_most_one_request_each() -> Result<()> {
+    let mut gw = gateway()?;
+    let mut admitted = 0;
+    for n in 0..1000u64 {
+        let token = issuer().forged(&good(&format!("attacker-{n}"), &format!("t{}", n % 50)), n);
+        for attempt in 0..2 {
+            let seen = gw.bearer(&token)?;
+            if seen.upstream {
+                admitted += 1;
+                assert_eq!(attempt, 0, "token {n} got through twice");
+                assert_eq!(
+                    seen.auth.as_deref(),
+                    Some("unverified"),
+                    "never a verified verdict"
+                );
+            }
+        }
+    }
+    assert!(admitted <= 1000, "{admitted}");
+    Ok(())
+}
+
+#[test]
+fn kong_profile_runs_the_observer_on_the_filters_tick() -> Result<()> {
+    let mut config = base_config();
+    config["observer"] = json!({"mode": "tick"});
+    let mut gw = gateway_with(config, Profile::Kong)?;
+    let token = issuer().es256(&good("u", "acme"));
+    assert_eq!(gw.bearer(&token)?.auth.as_deref(), Some("unverified"));
+    // No on_queue_ready in Kong: the verdict arrives with the next tick.
+    gw.host.advance(Duration::from_millis(200));
+    assert_eq!(gw.bearer(&token)?.auth.as_deref(), Some("verified"));
+    Ok(())
+}
