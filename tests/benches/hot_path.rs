@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use host_sim::{ChainId, Host, PluginSpec};
+use host_sim::{CallResponse, ChainId, ClusterTarget, Host, PluginSpec};
 use serde_json::json;
 use zerolayer_e2e::paths;
 use zerolayer_e2e::tokens::{self, issuer};
@@ -47,10 +47,20 @@ fn time_in(
 
 fn lazy_auth(c: &mut Criterion) {
     let config = json!({
-        "credentials": [{"header": "authorization", "scheme": "Bearer", "kind": "jwt"}],
+        "credentials": [
+            {"header": "authorization", "scheme": "Bearer", "kind": "jwt"},
+            {"header": "x-api-key", "kind": "api_key"}
+        ],
         "jwt": {"keys": issuer().jwks()["keys"], "issuers": ["https://idp.test"], "audiences": ["zerolayer"]},
+        "api_keys": {"cluster": "keys", "path": "/introspect"},
     });
     let mut host = Host::new().unwrap_or_else(|e| panic!("{e:#}"));
+    host.set_cluster(
+        "keys",
+        ClusterTarget::Handler(Box::new(|_| {
+            CallResponse::new(200, r#"{"active":true,"tenant":"acme","sub":"svc"}"#)
+        })),
+    );
     host.add_singleton(
         PluginSpec::new("observer", wasm("observer_service"))
             .vm_id("zerolayer")
@@ -88,6 +98,16 @@ fn lazy_auth(c: &mut Criterion) {
             b.iter_custom(|n| time_in(&mut host, chain, "lazy-auth", &headers, n))
         });
     }
+    let headers = [
+        (":method", "POST"),
+        (":path", "/v1/messages"),
+        (":authority", "gw"),
+        ("x-api-key", "sk-live-0123456789abcdef0123456789abcdef"),
+    ];
+    time_in(&mut host, chain, "lazy-auth", &headers, 2);
+    group.bench_function("lazy_auth_known_api_key", |b| {
+        b.iter_custom(|n| time_in(&mut host, chain, "lazy-auth", &headers, n))
+    });
     group.finish();
 }
 

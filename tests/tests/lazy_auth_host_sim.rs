@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use host_sim::{CallResponse, ChainId, ClusterTarget, Host, HostOptions, PluginSpec, Profile};
 use serde_json::{Value, json};
+use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_e2e::paths;
 use zerolayer_e2e::tokens::{self, HS_SECRET, issuer};
 
@@ -93,12 +94,14 @@ impl Gateway {
                 .or_else(|| s.filter_state(k))
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
         };
+        let identity =
+            text("wasmx.zerolayer_auth").and_then(|t| ParsedIdentity::parse(t.as_bytes()));
         Ok(Seen {
             status: s.client().status(),
             upstream,
             body: s.client().text(),
-            auth: text("wasmx.zerolayer_auth"),
-            tenant: text("wasmx.zerolayer_tenant"),
+            auth: identity.as_ref().map(|i| i.state.clone()),
+            tenant: identity.and_then(|i| i.verified_tenant().map(str::to_string)),
         })
     }
 
@@ -243,9 +246,14 @@ fn api_keys_are_verified_by_introspection_off_path_then_synchronously() -> Resul
         CallResponse::new(200, r#"{"active":true,"tenant":"globex","sub":"svc-1"}"#),
     )?;
     assert!(s.upstream().complete);
+    let identity = s
+        .filter_state("wasm.wasmx.zerolayer_auth")
+        .and_then(|v| ParsedIdentity::parse(&v));
     assert_eq!(
-        s.filter_state("wasm.wasmx.zerolayer_tenant"),
-        Some(b"globex".to_vec())
+        identity
+            .and_then(|i| i.verified_tenant().map(str::to_string))
+            .as_deref(),
+        Some("globex")
     );
     // A revoked key: the observer learns it, the next request is refused.
     gw.request(&[("x-api-key", "sk-revoked")])?;
@@ -385,5 +393,72 @@ fn kong_profile_runs_the_observer_on_the_filters_tick() -> Result<()> {
     // No on_queue_ready in Kong: the verdict arrives with the next tick.
     gw.host.advance(Duration::from_millis(200));
     assert_eq!(gw.bearer(&token)?.auth.as_deref(), Some("verified"));
+    Ok(())
+}
+
+#[test]
+fn audit_records_reach_the_sink_when_activation_asks_and_never_carry_the_credential() -> Result<()>
+{
+    use std::cell::RefCell;
+    use std::rc::Rc;
+    let mut config = base_config();
+    config["audit"] =
+        json!({"cluster": "audit", "path": "/audit", "batch_max": 10, "flush_ms": 100});
+    let mut host = Host::new()?;
+    let shipped: Rc<RefCell<Vec<String>>> = Rc::default();
+    let sink = shipped.clone();
+    host.set_cluster("keys", ClusterTarget::Manual);
+    host.set_cluster(
+        "audit",
+        ClusterTarget::Handler(Box::new(move |call| {
+            sink.borrow_mut()
+                .push(String::from_utf8_lossy(&call.body).into_owned());
+            CallResponse::new(204, "")
+        })),
+    );
+    host.add_singleton(
+        PluginSpec::new("observer", paths::wasm("observer_service")?)
+            .vm_id(VM_ID)
+            .configuration(json!({"lazy_auth": config, "tick_ms": 100}).to_string())
+            .env("ZEROLAYER_HS256_SECRET", HS_SECRET),
+    )?;
+    let chain = host.add_chain(vec![
+        // Audit for everyone except requests marked x-quiet.
+        PluginSpec::new("activation", paths::wasm("activation")?).configuration(
+            r#"{"defaults":["audit"],"rules":[{"name":"quiet","when":{"header":{"name":"x-quiet","exists":true}},"deactivate":["audit"]}]}"#,
+        ),
+        PluginSpec::new("lazy-auth", paths::wasm("lazy_auth")?)
+            .vm_id(VM_ID)
+            .configuration(config.to_string())
+            .env("ZEROLAYER_HS256_SECRET", HS_SECRET),
+    ])?;
+    let mut gw = Gateway { host, chain };
+    let token = issuer().es256(&good("u", "acme"));
+    gw.bearer(&token)?;
+    gw.bearer(&token)?;
+    gw.request(&[])?;
+    gw.request(&[("x-quiet", "1")])?;
+    gw.host.advance(Duration::from_millis(300));
+    let lines: Vec<Value> = shipped
+        .borrow()
+        .iter()
+        .flat_map(|batch| batch.lines().map(str::to_string).collect::<Vec<_>>())
+        .map(|l| serde_json::from_str(&l))
+        .collect::<Result<_, _>>()?;
+    let decisions: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l["decision"].as_str())
+        .collect();
+    assert_eq!(decisions, ["lazy", "valid_cached", "missing"], "{lines:?}");
+    assert_eq!(lines[1]["tenant"], "acme");
+    assert_eq!(lines[1]["verified"], true);
+    assert_eq!(lines[1]["credential"].as_str().map(str::len), Some(16));
+    for batch in shipped.borrow().iter() {
+        assert!(
+            !batch.contains(&token[..20]),
+            "the credential leaked into an audit record"
+        );
+    }
+    assert_eq!(gw.counter("zerolayer_audit_records_outcome=shipped"), 3);
     Ok(())
 }

@@ -19,19 +19,10 @@ pub const OBSERVERS_PROPERTY: &str = "wasmx.zerolayer_observers";
 /// Envoy filter-state key of [`OBSERVERS_PROPERTY`] (for access logs).
 pub const OBSERVERS_FILTER_STATE: &str = "wasm.wasmx.zerolayer_observers";
 
-/// Property: how the request was authenticated: `verified`, `unverified`
-/// (admitted lazily, verification pending) or `public`.
+/// Property: how the request was authenticated, with the tenant and
+/// subject (`verified tenant=acme subject=user-1`, `unverified
+/// tenant=<claimed>`, `public`); see `crate::auth::identity`.
 pub const AUTH_PROPERTY: &str = "wasmx.zerolayer_auth";
-
-/// Property: the verified tenant (set only for verified credentials).
-pub const TENANT_PROPERTY: &str = "wasmx.zerolayer_tenant";
-
-/// Property: the verified subject (set only for verified credentials).
-pub const SUBJECT_PROPERTY: &str = "wasmx.zerolayer_subject";
-
-/// Property: the tenant an unverified credential claims. Never use it for
-/// isolation (cache keys): only for attribution that is reconciled later.
-pub const CLAIMED_TENANT_PROPERTY: &str = "wasmx.zerolayer_tenant_claimed";
 
 /// Response header carrying the decision when the operator enables debugging.
 pub const DEBUG_RESPONSE_HEADER: &str = "x-zerolayer-debug";

@@ -7,10 +7,9 @@ use std::collections::VecDeque;
 use zerolayer_core::auth::config::SinkConfig;
 use zerolayer_core::breaker::{Breaker, BreakerConfig};
 use zerolayer_core::event::AuditRecord;
-use zerolayer_proxy::Counters;
 
 use crate::calls::{CallKind, Calls};
-use crate::counter;
+use crate::{ObserverMetrics, counter};
 
 pub(crate) struct AuditShipper {
     config: SinkConfig,
@@ -29,7 +28,7 @@ impl AuditShipper {
         }
     }
 
-    pub(crate) fn push(&mut self, record: AuditRecord, counters: &Counters) {
+    pub(crate) fn push(&mut self, record: AuditRecord, counters: &ObserverMetrics) {
         if self.buffer.len() >= self.config.buffer_max {
             counters.add(counter::AUDIT_DROPPED, 1);
             return;
@@ -38,7 +37,12 @@ impl AuditShipper {
     }
 
     /// Ships a batch when it is full or old enough (one batch in flight).
-    pub(crate) fn maybe_flush(&mut self, now_ms: u64, calls: &mut Calls, counters: &Counters) {
+    pub(crate) fn maybe_flush(
+        &mut self,
+        now_ms: u64,
+        calls: &mut Calls,
+        counters: &ObserverMetrics,
+    ) {
         let due = self.buffer.len() >= self.config.batch_max
             || (!self.buffer.is_empty() && now_ms >= self.last_flush_ms + self.config.flush_ms);
         if !due || calls.audit_in_flight() || !self.breaker.allow(now_ms / 1000) {
@@ -78,7 +82,7 @@ impl AuditShipper {
         &mut self,
         batch: Vec<AuditRecord>,
         status: Option<u16>,
-        counters: &Counters,
+        counters: &ObserverMetrics,
     ) {
         match status {
             Some(200..=299) => {
@@ -94,7 +98,7 @@ impl AuditShipper {
     }
 
     /// Puts a failed batch back in front, within the buffer bound.
-    fn requeue(&mut self, batch: Vec<AuditRecord>, counters: &Counters) {
+    fn requeue(&mut self, batch: Vec<AuditRecord>, counters: &ObserverMetrics) {
         for record in batch.into_iter().rev() {
             if self.buffer.len() >= self.config.buffer_max {
                 counters.add(counter::AUDIT_DROPPED, 1);

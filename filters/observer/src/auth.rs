@@ -11,10 +11,10 @@ use zerolayer_core::auth::jwt::{self, KeySet, Validation, VerifyingKey};
 use zerolayer_core::auth::verdict::{self, Verdict};
 use zerolayer_core::breaker::{Breaker, Transition};
 use zerolayer_core::event::{VerifyJob, VerifyOutcome};
-use zerolayer_proxy::{Counters, shared_put, shared_update};
+use zerolayer_proxy::{shared_put, shared_update};
 
 use crate::calls::{CallKind, Calls};
-use crate::counter;
+use crate::{ObserverMetrics, counter};
 
 /// Shared-data key with the JWKS document last fetched (filters verify
 /// inline with it).
@@ -92,7 +92,7 @@ impl AuthWorker {
     }
 
     /// Verifies one credential (or starts to: introspection answers later).
-    pub(crate) fn verify(&mut self, job: VerifyJob, calls: &mut Calls, counters: &Counters) {
+    pub(crate) fn verify(&mut self, job: VerifyJob, calls: &mut Calls, counters: &ObserverMetrics) {
         let now = zerolayer_proxy::now_secs();
         match job.kind {
             CredentialKind::Jwt => self.verify_jwt(job, now, calls, counters),
@@ -100,7 +100,13 @@ impl AuthWorker {
         }
     }
 
-    fn verify_jwt(&mut self, job: VerifyJob, now: u64, calls: &mut Calls, counters: &Counters) {
+    fn verify_jwt(
+        &mut self,
+        job: VerifyJob,
+        now: u64,
+        calls: &mut Calls,
+        counters: &ObserverMetrics,
+    ) {
         let jwks = self.config.jwt.jwks.is_some();
         if jwks && self.jwks_fetched_at.is_none() {
             // Keys are on their way: verify when they arrive.
@@ -136,7 +142,7 @@ impl AuthWorker {
         )
     }
 
-    fn defer(&mut self, job: VerifyJob, counters: &Counters) {
+    fn defer(&mut self, job: VerifyJob, counters: &ObserverMetrics) {
         if self.deferred.len() < MAX_DEFERRED {
             counters.add(counter::VERIFY_DEFERRED, 1);
             self.deferred.push(job);
@@ -148,12 +154,18 @@ impl AuthWorker {
     /// A job that cannot be verified now (verifier down, too many waiting):
     /// no verdict is written, the credential stays unknown (its next
     /// requests are bounded by the exposure limits), and it is counted.
-    fn drop_job(&self, counters: &Counters) {
+    fn drop_job(&self, counters: &ObserverMetrics) {
         counters.add(counter::VERIFY_DROPPED, 1);
         finish_job();
     }
 
-    fn introspect(&mut self, job: VerifyJob, now: u64, calls: &mut Calls, counters: &Counters) {
+    fn introspect(
+        &mut self,
+        job: VerifyJob,
+        now: u64,
+        calls: &mut Calls,
+        counters: &ObserverMetrics,
+    ) {
         let Some(api) = self.config.api_keys.clone() else {
             let verdict = self.invalid(&job, now, "api_keys_not_configured");
             self.conclude(&job, verdict, counters);
@@ -187,7 +199,7 @@ impl AuthWorker {
         status: Option<u16>,
         body: &[u8],
         calls: &mut Calls,
-        counters: &Counters,
+        counters: &ObserverMetrics,
     ) {
         let now = zerolayer_proxy::now_secs();
         match kind {
@@ -205,7 +217,7 @@ impl AuthWorker {
         now: u64,
         status: Option<u16>,
         body: &[u8],
-        counters: &Counters,
+        counters: &ObserverMetrics,
     ) {
         match introspection::verdict(&self.config, &TokenHash(job.hash), now, status, body) {
             Some(verdict) => {
@@ -225,7 +237,7 @@ impl AuthWorker {
         status: Option<u16>,
         body: &[u8],
         calls: &mut Calls,
-        counters: &Counters,
+        counters: &ObserverMetrics,
     ) {
         let refresh = self
             .config
@@ -270,13 +282,13 @@ impl AuthWorker {
         }
     }
 
-    fn conclude_with_current_keys(&mut self, job: VerifyJob, now: u64, counters: &Counters) {
+    fn conclude_with_current_keys(&mut self, job: VerifyJob, now: u64, counters: &ObserverMetrics) {
         let result = jwt::verify(&job.credential, &self.keys, &self.validation, now);
         let verdict = verdict::of_jwt(&self.config, &TokenHash(job.hash), now, result);
         self.conclude(&job, verdict, counters);
     }
 
-    fn fetch_jwks(&mut self, now: u64, calls: &mut Calls, counters: &Counters) {
+    fn fetch_jwks(&mut self, now: u64, calls: &mut Calls, counters: &ObserverMetrics) {
         let Some(jwks) = self.config.jwt.jwks.clone() else {
             return;
         };
@@ -297,7 +309,8 @@ impl AuthWorker {
     }
 
     /// Writes the verdict, counts it, and feeds the escalation window.
-    fn conclude(&mut self, job: &VerifyJob, verdict: Verdict, counters: &Counters) {
+    fn conclude(&mut self, job: &VerifyJob, verdict: Verdict, counters: &ObserverMetrics) {
+        counters.verify_latency(zerolayer_proxy::now_ms().saturating_sub(job.enqueued_at_ms));
         let key = verdict::key(&TokenHash(job.hash), self.config.verdict_slots);
         shared_put(&key, &verdict.encode());
         counters.add(
@@ -316,17 +329,17 @@ impl AuthWorker {
     }
 
     /// A verification a filter did itself.
-    pub(crate) fn record_outcome(&mut self, outcome: &VerifyOutcome, counters: &Counters) {
+    pub(crate) fn record_outcome(&mut self, outcome: &VerifyOutcome, counters: &ObserverMetrics) {
         self.record(&outcome.tenant, outcome.failed, outcome.at, counters);
     }
 
-    fn record(&mut self, tenant: &str, failed: bool, now: u64, counters: &Counters) {
+    fn record(&mut self, tenant: &str, failed: bool, now: u64, counters: &ObserverMetrics) {
         if let Some(flip) = self.escalation.record(tenant, failed, now) {
             self.flipped(&[flip], counters);
         }
     }
 
-    fn flipped(&self, flips: &[Flip], counters: &Counters) {
+    fn flipped(&self, flips: &[Flip], counters: &ObserverMetrics) {
         for flip in flips {
             match flip {
                 Flip::Escalated(t) => {
@@ -342,6 +355,7 @@ impl AuthWorker {
             }
         }
         if !flips.is_empty() {
+            counters.escalated(self.escalation.escalated().len());
             shared_put(
                 ESCALATED_KEY,
                 &EscalatedTenants(self.escalation.escalated().to_vec()).encode(),
@@ -349,7 +363,7 @@ impl AuthWorker {
         }
     }
 
-    fn success(&mut self, counters: &Counters) {
+    fn success(&mut self, counters: &ObserverMetrics) {
         if self.breaker.success() == Some(Transition::Closed) {
             log::info!("observer: verifier breaker closed: the verifier answers again");
             counters.add(counter::BREAKER_CLOSED, 1);
@@ -357,7 +371,7 @@ impl AuthWorker {
         }
     }
 
-    fn failure(&mut self, now: u64, counters: &Counters) {
+    fn failure(&mut self, now: u64, counters: &ObserverMetrics) {
         if self.breaker.failure(now) == Some(Transition::Opened) {
             log::warn!(
                 "observer: verifier breaker opened after {} failures: no calls for {} s",
@@ -372,7 +386,7 @@ impl AuthWorker {
     }
 
     /// Periodic work.
-    pub(crate) fn maintain(&mut self, now: u64, calls: &mut Calls, counters: &Counters) {
+    pub(crate) fn maintain(&mut self, now: u64, calls: &mut Calls, counters: &ObserverMetrics) {
         if self.config.jwt.jwks.is_some() && now >= self.jwks_next {
             self.fetch_jwks(now, calls, counters);
         }

@@ -29,7 +29,7 @@ use serde::Deserialize;
 use zerolayer_core::ConfigError;
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::event::Job;
-use zerolayer_proxy::Counters;
+use zerolayer_proxy::{Counters, Metric};
 
 use audit::AuditShipper;
 use auth::AuthWorker;
@@ -106,13 +106,52 @@ pub const COUNTER_NAMES: [&str; 16] = [
     "zerolayer_auth_jwks_fetches_outcome=failed",
 ];
 
+/// The observer's metrics: batched counters, plus gauges and a histogram
+/// recorded as they change (all off the request path).
+pub struct ObserverMetrics {
+    counters: Counters,
+    /// Items found in the queue at a wake-up (the backlog).
+    queue_depth: Metric,
+    /// Tenants escalated right now.
+    escalated: Metric,
+    /// From a request's admission to its verdict, ms.
+    verify_latency_ms: Metric,
+}
+
+impl ObserverMetrics {
+    fn define(who: &str) -> Self {
+        let names: Vec<String> = COUNTER_NAMES.iter().map(|s| s.to_string()).collect();
+        ObserverMetrics {
+            counters: Counters::define(who, &names),
+            queue_depth: Metric::gauge("zerolayer_observer_queue_depth"),
+            escalated: Metric::gauge("zerolayer_auth_escalated_tenants"),
+            verify_latency_ms: Metric::histogram("zerolayer_auth_verify_latency_ms"),
+        }
+    }
+
+    /// Adds to a counter (see [`counter`]).
+    pub(crate) fn add(&self, index: usize, n: u64) {
+        self.counters.add(index, n);
+    }
+
+    /// Records how long a credential waited for its verdict.
+    pub(crate) fn verify_latency(&self, ms: u64) {
+        self.verify_latency_ms.record(ms);
+    }
+
+    /// Records how many tenants are escalated.
+    pub(crate) fn escalated(&self, n: usize) {
+        self.escalated.record(n as u64);
+    }
+}
+
 /// The observer's state.
 pub struct Observer {
     queue: u32,
     auth: AuthWorker,
     audit: Option<AuditShipper>,
     calls: Calls,
-    counters: Counters,
+    counters: ObserverMetrics,
 }
 
 impl Observer {
@@ -121,7 +160,6 @@ impl Observer {
     pub fn configure(lazy_auth: &LazyAuthConfig, who: &str) -> Result<Observer, String> {
         let queue = hostcalls::register_shared_queue(&lazy_auth.observer.queue)
             .map_err(|s| format!("cannot register queue {}: {s:?}", lazy_auth.observer.queue))?;
-        let names: Vec<String> = COUNTER_NAMES.iter().map(|s| s.to_string()).collect();
         let auth = AuthWorker::new(lazy_auth)?;
         log::info!(
             "{who}: observer on queue {} ({} verification keys{}{})",
@@ -143,12 +181,13 @@ impl Observer {
             audit: lazy_auth.audit.clone().map(AuditShipper::new),
             auth,
             calls: Calls::default(),
-            counters: Counters::define(who, &names),
+            counters: ObserverMetrics::define(who),
         })
     }
 
     /// Handles the jobs waiting in the queue (up to a budget).
     pub fn drain(&mut self) {
+        let mut drained = 0u64;
         for _ in 0..DRAIN_BUDGET {
             let item = match hostcalls::dequeue_shared_queue(self.queue) {
                 Ok(Some(item)) => item,
@@ -173,6 +212,10 @@ impl Observer {
                 Some(Job::Outcome(outcome)) => self.auth.record_outcome(&outcome, &self.counters),
                 None => self.counters.add(counter::JOBS_UNREADABLE, 1),
             }
+            drained += 1;
+        }
+        if drained > 0 {
+            self.counters.queue_depth.record(drained);
         }
     }
 
@@ -185,7 +228,7 @@ impl Observer {
         if let Some(audit) = &mut self.audit {
             audit.maybe_flush(zerolayer_proxy::now_ms(), &mut self.calls, &self.counters);
         }
-        self.counters.flush();
+        self.counters.counters.flush();
     }
 
     /// A callout this observer made has an answer (or failed: no `:status`).
@@ -230,6 +273,6 @@ impl Observer {
 
     /// Reports counters (at shutdown, too).
     pub fn flush_counters(&self) {
-        self.counters.flush();
+        self.counters.counters.flush();
     }
 }

@@ -4,6 +4,7 @@ pub mod config;
 pub mod credential;
 pub mod escalation;
 pub mod exposure;
+pub mod identity;
 pub mod introspection;
 pub mod jwt;
 pub mod policy;

@@ -133,6 +133,40 @@ pub fn of_jwt(
     }
 }
 
+/// A verdict read in place, without copying its strings: what the hot path
+/// needs from a valid verdict (same encoding as [`Verdict`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct VerdictView<'a> {
+    /// SHA-256 of the credential.
+    pub hash: [u8; 32],
+    /// Whether the credential is valid.
+    pub valid: bool,
+    /// Unix seconds after which the verdict no longer counts.
+    pub expires_at: u64,
+    /// Verified tenant.
+    #[serde(borrow)]
+    pub tenant: Option<&'a str>,
+    /// Verified subject.
+    #[serde(borrow)]
+    pub subject: Option<&'a str>,
+    /// Reason (invalid verdicts).
+    #[serde(borrow)]
+    pub reason: &'a str,
+    /// Unix seconds when it was verified.
+    pub verified_at: u64,
+}
+
+/// A usable verdict for `hash` at `now`, read in place: `None` when the
+/// entry is missing, unreadable, another credential's or expired.
+pub fn view<'a>(entry: &'a [u8], hash: &TokenHash, now: u64) -> Option<VerdictView<'a>> {
+    let body = match entry.split_first() {
+        Some((&VERSION, body)) => body,
+        _ => return None,
+    };
+    let view: VerdictView<'a> = postcard::from_bytes(body).ok()?;
+    (view.hash == hash.0 && view.expires_at > now).then_some(view)
+}
+
 /// Interprets the shared-data entry found for `hash` at `now`.
 pub fn lookup(entry: Option<&[u8]>, hash: &TokenHash, now: u64) -> Lookup {
     let Some(verdict) = entry.and_then(Verdict::decode) else {
@@ -192,6 +226,25 @@ mod tests {
         assert_eq!(
             lookup(Some(&invalid.encode()), &h, 150),
             Lookup::Invalid(invalid)
+        );
+    }
+
+    #[test]
+    fn views_read_in_place() {
+        let h = TokenHash::of(b"token");
+        let bytes = verdict(&h, true, 200).encode();
+        let v = view(&bytes, &h, 150).unwrap();
+        assert_eq!(
+            (v.valid, v.tenant, v.subject),
+            (true, Some("acme"), Some("user-1"))
+        );
+        assert_eq!(view(&bytes, &h, 200), None);
+        assert_eq!(view(&bytes, &TokenHash::of(b"other"), 150), None);
+        assert_eq!(view(b"\x01junk", &h, 150), None);
+        let invalid = verdict(&h, false, 200).encode();
+        assert_eq!(
+            view(&invalid, &h, 150).map(|v| (v.valid, v.reason)),
+            Some((false, "bad_signature"))
         );
     }
 
