@@ -46,8 +46,8 @@ pub(crate) struct Stream {
     tenant: Option<String>,
     verified: bool,
     decided_ms: u64,
-    /// A synchronous introspection in flight.
-    introspection: Option<u32>,
+    /// A synchronous introspection in flight: its callout and why it is synchronous.
+    introspection: Option<(u32, SyncReason)>,
 }
 
 impl Stream {
@@ -109,10 +109,18 @@ impl Stream {
                 continue;
             };
             if let Some(token) = credential::extract(source, &value) {
+                let hash = TokenHash::of(token);
+                // Keep the token in the header's own buffer (no copy): it is
+                // needed only when the verdict is unknown.
+                let start = token.as_ptr() as usize - value.as_ptr() as usize;
+                let end = start + token.len();
+                let mut token = value;
+                token.truncate(end);
+                token.drain(..start);
                 return Some(Credential {
                     kind: source.kind,
-                    hash: TokenHash::of(token),
-                    token: token.to_vec(),
+                    hash,
+                    token,
                 });
             }
         }
@@ -263,8 +271,7 @@ impl Stream {
             Duration::from_millis(u64::from(api.endpoint.timeout_ms)),
         ) {
             Ok(token) => {
-                self.introspection = Some(token);
-                self.reason = reason.name().to_string();
+                self.introspection = Some((token, reason));
                 Action::Pause
             }
             Err(_) => self.unavailable(),
@@ -273,9 +280,10 @@ impl Stream {
 
     /// The introspection endpoint answered a synchronous check.
     pub(crate) fn introspection_answered(&mut self, token: u32, body_size: usize) {
-        if self.introspection != Some(token) {
-            return;
-        }
+        let reason = match self.introspection {
+            Some((pending, reason)) if pending == token => reason,
+            _ => return,
+        };
         self.introspection = None;
         let plan = self.plan.clone();
         let Some(hash) = self.credential.as_ref().map(|c| c.hash) else {
@@ -295,13 +303,6 @@ impl Stream {
             // The verifier did not answer: refuse rather than admit.
             self.unavailable();
             return;
-        };
-        let reason = match self.reason.as_str() {
-            "escalated" => SyncReason::Escalated,
-            "trusted_client" => SyncReason::TrustedClient,
-            "policy" => SyncReason::Policy,
-            "pending_bound" => SyncReason::PendingBound,
-            _ => SyncReason::ExposureBound,
         };
         if self.concluded(verdict, reason) == Action::Continue {
             let _ = hostcalls::resume_http_request();
@@ -388,9 +389,9 @@ impl Stream {
 
     fn done(&mut self, outcome: &'static str, reason: &str, action: Action) -> Action {
         self.outcome = outcome;
-        self.reason = reason.to_string();
-        // Only audit records need the decision's latency.
+        // Only audit records need the reason and the decision's latency.
         if self.plan.config.audit.is_some() {
+            self.reason = reason.to_string();
             self.decided_ms = now_ms();
         }
         self.plan.metrics.outcome(outcome);

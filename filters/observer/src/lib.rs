@@ -110,9 +110,9 @@ pub const COUNTER_NAMES: [&str; 16] = [
 /// recorded as they change (all off the request path).
 pub struct ObserverMetrics {
     counters: Counters,
-    /// Items taken from the queue per wake-up: a tail at the drain budget
-    /// means a backlog (a gauge would stick at the last wake-up's value).
-    drain_batch: Metric,
+    /// Queue depth at each wake-up (jobs drained, up to the budget): a
+    /// histogram, since a gauge would stick at the last wake-up's value.
+    queue_depth: Metric,
     /// Tenants escalated right now.
     escalated: Metric,
     /// From a request's admission to its verdict, ms.
@@ -124,7 +124,7 @@ impl ObserverMetrics {
         let names: Vec<String> = COUNTER_NAMES.iter().map(|s| s.to_string()).collect();
         ObserverMetrics {
             counters: Counters::define(who, &names),
-            drain_batch: Metric::histogram("zerolayer_observer_drain_batch"),
+            queue_depth: Metric::histogram("zerolayer_observer_queue_depth"),
             escalated: Metric::gauge("zerolayer_auth_escalated_tenants"),
             verify_latency_ms: Metric::histogram("zerolayer_auth_verify_latency_ms"),
         }
@@ -216,7 +216,7 @@ impl Observer {
             drained += 1;
         }
         if drained > 0 {
-            self.counters.drain_batch.record(drained);
+            self.counters.queue_depth.record(drained);
         }
     }
 
