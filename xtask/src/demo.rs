@@ -257,7 +257,40 @@ pub fn run(args: &[String]) -> Result<()> {
                 .itl(Duration::from_millis(20)),
         )?),
     };
+    let seen = session(&backend, keep_running)?;
+    let admitted = seen.iter().filter(|s| s.status == 200).count();
+    let verified = seen
+        .iter()
+        .filter(|s| s.identity.starts_with("verified"))
+        .count();
+    let leaked = seen
+        .iter()
+        .filter(|s| s.internal.starts_with("x-zerolayer-"))
+        .count();
+    let leaks = match backend {
+        Backend::Stub(_) => format!("; {leaked} carried internal headers to the backend"),
+        _ => String::new(),
+    };
+    println!();
+    println!(
+        "{} requests: {admitted} admitted ({verified} on a cached verified verdict), {} refused{leaks}.",
+        seen.len(),
+        seen.len() - admitted
+    );
+    Ok(())
+}
 
+/// What one demo request came back with, as printed.
+#[derive(Debug)]
+struct Seen {
+    status: u16,
+    identity: String,
+    internal: String,
+}
+
+/// Starts the services and Envoy in front of `backend`, sends the cases and
+/// prints what happened.
+fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
     let services = Services::start()?;
     step("starting Envoy with envoy/lazy-auth.yaml (activation, lazy-auth, observer)");
     let mut config = EnvoyConfig::shipped("lazy-auth.yaml")?
@@ -363,6 +396,7 @@ pub fn run(args: &[String]) -> Result<()> {
         "observers (activation)",
         "internal",
     );
+    let mut seen = Vec::new();
     for (i, (case, (id, reply))) in CASES.iter().zip(&sent).enumerate() {
         let debug = reply.header("x-zerolayer-debug").unwrap_or("");
         let (observers, matched) = debug
@@ -387,6 +421,11 @@ pub fn run(args: &[String]) -> Result<()> {
             error_message(&reply.body)
         };
         println!("   rules: {:<40} {outcome}", or_dash(matched));
+        seen.push(Seen {
+            status: reply.status,
+            identity: auth.to_string(),
+            internal: backend.internal_headers_seen(id),
+        });
     }
     println!();
     println!(
@@ -444,7 +483,7 @@ pub fn run(args: &[String]) -> Result<()> {
             std::thread::sleep(Duration::from_secs(3600));
         }
     }
-    Ok(())
+    Ok(seen)
 }
 
 fn request_body(case: &Case) -> String {
@@ -588,4 +627,67 @@ fn resolve(url: &str) -> Result<SocketAddr> {
         .with_context(|| format!("resolving {authority}"))?
         .next()
         .with_context(|| format!("{authority} has no address"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The demo's story holds in real Envoy: refusals, lazy admission,
+    /// verification off the path, forged credentials cut off, nothing internal
+    /// reaching the backend.
+    #[test]
+    fn the_demo_tells_what_it_claims() -> Result<()> {
+        let backend = Backend::Stub(Stub::start(StubConfig::default())?);
+        let seen = session(&backend, false)?;
+        let what: Vec<(&str, u16, &str)> = CASES
+            .iter()
+            .zip(&seen)
+            .map(|(c, s)| (c.what, s.status, s.identity.as_str()))
+            .collect();
+        let want: Vec<(&str, u16, &str)> = vec![
+            ("no credential", 401, "-"),
+            ("alice@acme JWT, first sight", 200, "unverified tenant=acme"),
+            (
+                "same JWT, verified off-path",
+                200,
+                "verified tenant=acme subject=alice",
+            ),
+            ("API key, client says no-store", 200, "unverified"),
+            (
+                "same API key again",
+                200,
+                "verified tenant=globex subject=batch-service",
+            ),
+            (
+                "SDK client, id in 10% canary",
+                200,
+                "verified tenant=acme subject=alice",
+            ),
+            (
+                "SDK client, id outside it",
+                200,
+                "verified tenant=acme subject=alice",
+            ),
+            ("forged JWT, first sight", 200, "unverified tenant=acme"),
+            ("same forged JWT", 401, "-"),
+            ("unknown API key", 200, "unverified"),
+            ("same unknown API key", 401, "-"),
+            (
+                "forged internal header",
+                200,
+                "verified tenant=acme subject=alice",
+            ),
+        ];
+        assert_eq!(what, want);
+        for (case, s) in CASES.iter().zip(&seen) {
+            let expected = if s.status == 200 {
+                "none"
+            } else {
+                "(not reached)"
+            };
+            assert_eq!(s.internal, expected, "{}", case.what);
+        }
+        Ok(())
+    }
 }
