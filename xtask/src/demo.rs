@@ -40,7 +40,8 @@ struct Case {
     credential: Credential,
     headers: &'static [(&'static str, &'static str)],
     stream: bool,
-    /// Give the observer a moment after this request (verification is off-path).
+    /// Wait for the observer's verdict on this request's credential before
+    /// the next request (verification is off the request path).
     then_wait: bool,
 }
 
@@ -348,6 +349,7 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         .map(|d| d.as_secs())
         .unwrap_or(0);
     let mut sent = Vec::new();
+    let mut verifications = 0.0;
     for (i, case) in CASES.iter().enumerate() {
         let id = request_id(i + 1, case.what);
         let credential = match case.credential {
@@ -377,13 +379,18 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         let reply = client.send("POST", &envoy.url(case.path), &headers, &request_body(case))?;
         sent.push((id, reply));
         if case.then_wait {
-            std::thread::sleep(Duration::from_millis(500));
+            verifications += 1.0;
+            wait_for_verdicts(&envoy, verifications)?;
         }
     }
 
     // The access log and the counters reach us from Envoy's 1 s flush and
     // the filters' ticks, off the request path.
-    std::thread::sleep(Duration::from_millis(1500));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while envoy.access_log().lines().count() < sent.len() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(1200));
     let auth_by_id = access_log_field(&envoy.access_log(), "auth");
     let row = |n: &str, what: &str, status: &str, auth: &str, obs: &str, leak: &str| {
         println!("{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<23} {leak}");
@@ -579,6 +586,30 @@ fn request_id(n: usize, what: &str) -> String {
             .find(|id| canary.includes(id.as_bytes()) == inside)
             .unwrap_or_default(),
         None => format!("demo-{n}"),
+    }
+}
+
+/// Waits until the observer has concluded `n` verifications (valid or
+/// invalid verdicts, as counted in Envoy's stats).
+fn wait_for_verdicts(envoy: &Envoy, n: f64) -> Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let count = |outcome: &str| -> Result<f64> {
+            Ok(envoy
+                .metric(&format!("zerolayer_auth_verdicts{{outcome=\"{outcome}\"}}"))?
+                .unwrap_or(0.0))
+        };
+        let done = count("valid")? + count("invalid")?;
+        if done >= n {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline {
+            bail!(
+                "the observer concluded {done} verifications in 10 s, wanted {n}; is it running?\n{}",
+                envoy.log()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
