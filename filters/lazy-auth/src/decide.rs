@@ -21,7 +21,7 @@ use zerolayer_core::event::{AuditRecord, Job, VerifyJob, VerifyOutcome};
 use zerolayer_core::internal;
 use zerolayer_observer::auth::VERIFIER_DOWN_KEY;
 use zerolayer_proxy::{
-    now_ms, now_secs, publish, request_header, send_json_error, shared_get, shared_put,
+    now_secs, now_us, publish, request_header, send_json_error, shared_get, shared_put,
     shared_update,
 };
 
@@ -37,7 +37,7 @@ struct Credential {
 /// One request's state.
 pub(crate) struct Stream {
     plan: Rc<Plan>,
-    started_ms: u64,
+    started_us: u64,
     credential: Option<Credential>,
     claimed_tenant: Option<String>,
     /// Outcome and reason, for metrics and the audit record.
@@ -45,7 +45,7 @@ pub(crate) struct Stream {
     reason: String,
     tenant: Option<String>,
     verified: bool,
-    decided_ms: u64,
+    decided_us: u64,
     /// A synchronous introspection in flight: its callout and why it is synchronous.
     introspection: Option<(u32, SyncReason)>,
 }
@@ -54,14 +54,14 @@ impl Stream {
     pub(crate) fn new(plan: Rc<Plan>) -> Stream {
         Stream {
             plan,
-            started_ms: 0,
+            started_us: 0,
             credential: None,
             claimed_tenant: None,
             outcome: "",
             reason: String::new(),
             tenant: None,
             verified: false,
-            decided_ms: 0,
+            decided_us: 0,
             introspection: None,
         }
     }
@@ -70,8 +70,8 @@ impl Stream {
         // Every host call counts on this path (~0.3 µs each in V8): one
         // clock read serves the whole decision, and the path is read only
         // when public paths are configured.
-        self.started_ms = now_ms();
-        let now = self.started_ms / 1000;
+        self.started_us = now_us();
+        let now = self.started_us / 1_000_000;
         let plan = self.plan.clone();
         if !plan.config.public_paths.is_empty() {
             let path = request_header(":path").unwrap_or_default();
@@ -200,7 +200,7 @@ impl Stream {
             kind: c.kind,
             credential: c.token.clone(),
             tenant_hint: self.claimed_tenant.clone(),
-            enqueued_at_ms: now_ms(),
+            enqueued_at_ms: self.started_us / 1000,
         });
         let queued = plan
             .queue()
@@ -392,7 +392,7 @@ impl Stream {
         // Only audit records need the reason and the decision's latency.
         if self.plan.config.audit.is_some() {
             self.reason = reason.to_string();
-            self.decided_ms = now_ms();
+            self.decided_us = now_us();
         }
         self.plan.metrics.outcome(outcome);
         action
@@ -414,7 +414,7 @@ impl Stream {
             return;
         };
         let record = Job::Audit(AuditRecord {
-            at_ms: self.started_ms,
+            at_ms: self.started_us / 1000,
             hash_prefix: self
                 .credential
                 .as_ref()
@@ -424,7 +424,7 @@ impl Stream {
             verified: self.verified,
             decision: self.outcome.to_string(),
             reason: self.reason.clone(),
-            latency_us: self.decided_ms.saturating_sub(self.started_ms) * 1000,
+            latency_us: self.decided_us.saturating_sub(self.started_us),
             request_id: request_header("x-request-id")
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
                 .unwrap_or_default(),

@@ -45,6 +45,11 @@ pub fn now_ms() -> u64 {
     now().as_millis() as u64
 }
 
+/// Host time, Unix microseconds.
+pub fn now_us() -> u64 {
+    now().as_micros() as u64
+}
+
 fn now() -> Duration {
     hostcalls::get_current_time()
         .ok()
