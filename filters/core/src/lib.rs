@@ -1,6 +1,7 @@
 //! Pure logic shared by the zerolayer filters, with no Proxy-Wasm dependency so
 //! it builds and tests natively: configuration parsing, the activation rule
-//! engine, request-id sampling and the internal names filters agree on.
+//! engine, request-id sampling, lazy-auth's verification, post-cache's keys
+//! and policy, SSE parsing and the internal names filters agree on.
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
@@ -9,12 +10,14 @@
 pub mod activation;
 pub mod auth;
 pub mod breaker;
+pub mod cache;
 pub mod config;
 pub mod event;
 pub mod internal;
 pub mod metrics;
 pub mod observers;
 pub mod sampling;
+pub mod sse;
 
 pub use config::ConfigError;
 pub use observers::{ObserverId, ObserverNames, ObserverSet};

@@ -1,0 +1,525 @@
+//! The cache key of an LLM request: a keyed digest of the request body in a
+//! canonical form, so that requests that must get the same answer share a key
+//! and requests that may get different answers never do.
+//!
+//! **What is keyed.** Every top-level field of the body except a short list
+//! of fields known not to change the output ([`Provider::ignored_fields`]:
+//! `metadata` for both providers, and OpenAI's `user`). Keying on everything
+//! but a known-inert list, rather than on a list of fields known to matter,
+//! means a field this code does not know (a new sampling parameter) can
+//! never produce a wrong hit; at worst it costs a miss. `stream` and
+//! `stream_options` are keyed (they change the response's shape), and so is
+//! `service_tier`.
+//!
+//! **What is normalised**, so equivalent requests share a key:
+//! - object member order and whitespace (objects are written with their
+//!   members sorted by key, compact);
+//! - a non-empty string `content` of a message is the single text block
+//!   `[{"type":"text","text":...}]`, and so is Anthropic's top-level `system`;
+//! - a number with no fractional part that fits in an `i64` is that integer
+//!   (`1.0` is `1`); other numbers are written as their `f64` value, shortest
+//!   round-trip form;
+//! - a top-level field set to `null` is the same as the field being absent.
+//!
+//! Nothing else is: strings compare byte for byte, array order matters, and
+//! a field set to its default value is not the same as the field absent.
+//!
+//! **The digest** is HMAC-SHA256 under a per-deployment secret (a key cannot
+//! be computed, or a cached entry probed for, without it) over
+//! `"zerolayer-cache-v1\0" || u64be(len(provider)) || provider || namespace
+//! || canonical JSON`, where the namespace is `'s'` for the shared namespace
+//! and `'t' || u64be(len(tenant)) || tenant` for a tenant: every field is
+//! length-prefixed or tagged, so no two (provider, namespace, body) triples
+//! encode to the same message.
+
+use std::fmt;
+
+use hmac::{Hmac, Mac};
+use serde_json::{Map, Number, Value};
+use sha2::{Digest, Sha256};
+
+use crate::auth::credential::hex;
+
+/// Prefix of every digested message; a new canonical form gets a new version
+/// so that old entries can never be read as new ones.
+const DOMAIN: &[u8] = b"zerolayer-cache-v1\0";
+
+/// Block size of SHA-256, the size of an HMAC-SHA256 key after RFC 2104 §2.
+const HMAC_BLOCK: usize = 64;
+
+/// The LLM API a request is addressed to, which decides its canonical form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Provider {
+    /// Anthropic Messages API (`POST /v1/messages`).
+    Anthropic,
+    /// OpenAI Chat Completions API (`POST /v1/chat/completions`).
+    OpenAi,
+}
+
+impl Provider {
+    /// The provider whose API is served at `path` (a `?query` is ignored).
+    /// The method is the caller's to check.
+    pub fn for_path(path: &str) -> Option<Provider> {
+        let path = path.split_once('?').map_or(path, |(path, _)| path);
+        match path {
+            "/v1/messages" => Some(Provider::Anthropic),
+            "/v1/chat/completions" => Some(Provider::OpenAi),
+            _ => None,
+        }
+    }
+
+    /// Stable lower-case name (`anthropic`, `openai`), also part of the digest.
+    pub fn name(self) -> &'static str {
+        match self {
+            Provider::Anthropic => "anthropic",
+            Provider::OpenAi => "openai",
+        }
+    }
+
+    /// Top-level fields that do not change the response and are left out of
+    /// the key. Anthropic has no `user` field: a body with one is refused
+    /// upstream, so it must not hit an entry stored for a body without.
+    pub fn ignored_fields(self) -> &'static [&'static str] {
+        match self {
+            Provider::Anthropic => &["metadata"],
+            Provider::OpenAi => &["metadata", "user"],
+        }
+    }
+}
+
+/// Why a request body has no cache key. Messages never echo the body.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    /// The body is not valid JSON (serde_json's reason, with its position).
+    #[error("request body is not valid JSON: {0}")]
+    NotJson(String),
+    /// The body is JSON but not an object.
+    #[error("request body is not a JSON object")]
+    NotAnObject,
+    /// A required top-level field is absent (or `null`).
+    #[error("request body has no `{0}` field")]
+    Missing(&'static str),
+    /// A top-level field has a type the API does not accept.
+    #[error("request body field `{field}` is not {expected}")]
+    WrongType {
+        /// The field's name.
+        field: &'static str,
+        /// What it should be (`a string`, `an array`, ...).
+        expected: &'static str,
+    },
+}
+
+/// A request's cache identity: the keyed digest of its canonical form.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CacheKey(pub [u8; 32]);
+
+impl CacheKey {
+    /// First 8 bytes as u64 (little endian): picks the slot(s) in the bounded index.
+    pub fn slot_hash(&self) -> u64 {
+        let [b0, b1, b2, b3, b4, b5, b6, b7, ..] = self.0;
+        u64::from_le_bytes([b0, b1, b2, b3, b4, b5, b6, b7])
+    }
+
+    /// Lowercase hex of the first 8 bytes, for logs and metrics (never the whole digest).
+    pub fn short_hex(&self) -> String {
+        hex(&self.0[..8])
+    }
+
+    /// Whether `stored` is this digest, compared in constant time so that a
+    /// stored entry's digest cannot be learnt byte by byte from timings.
+    /// A `stored` of the wrong length never matches.
+    pub fn matches(&self, stored: &[u8]) -> bool {
+        if stored.len() != self.0.len() {
+            return false;
+        }
+        let diff = self
+            .0
+            .iter()
+            .zip(stored)
+            .fold(0u8, |diff, (a, b)| diff | (a ^ b));
+        // Keeps the optimiser from turning the fold into an early exit.
+        std::hint::black_box(diff) == 0
+    }
+}
+
+impl fmt::Debug for CacheKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CacheKey({}…)", self.short_hex())
+    }
+}
+
+/// What the cache needs from a request body, computed once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CanonicalRequest {
+    /// The request's cache key.
+    pub key: CacheKey,
+    /// Whether the request asks for a streamed response (`"stream": true`).
+    pub stream: bool,
+    /// The request's `temperature`, if it sets one.
+    pub temperature: Option<f64>,
+    /// The API the request is for.
+    pub provider: Provider,
+}
+
+impl CanonicalRequest {
+    /// Parses and canonicalises `body` for `provider`, keyed with `secret` in `namespace` (tenant, or None for a shared namespace).
+    pub fn of(
+        provider: Provider,
+        body: &[u8],
+        namespace: Option<&str>,
+        secret: &[u8],
+    ) -> Result<CanonicalRequest, KeyError> {
+        let canonical = canonicalise(provider, body)?;
+        let mut mac = hmac_sha256(secret);
+        mac.update(DOMAIN);
+        update_prefixed(&mut mac, provider.name().as_bytes());
+        match namespace {
+            None => mac.update(b"s"),
+            Some(tenant) => {
+                mac.update(b"t");
+                update_prefixed(&mut mac, tenant.as_bytes());
+            }
+        }
+        mac.update(&canonical.json);
+        Ok(CanonicalRequest {
+            key: CacheKey(mac.finalize().into_bytes().into()),
+            stream: canonical.stream,
+            temperature: canonical.temperature,
+            provider,
+        })
+    }
+}
+
+/// The canonical form of `body` for `provider`: the bytes that are digested
+/// into its key (compact JSON, for tests and debugging).
+pub fn canonical_json(provider: Provider, body: &[u8]) -> Result<Vec<u8>, KeyError> {
+    canonicalise(provider, body).map(|canonical| canonical.json)
+}
+
+/// A canonicalised body and the fields read on the way.
+struct Canonical {
+    json: Vec<u8>,
+    stream: bool,
+    temperature: Option<f64>,
+}
+
+/// Parses `body`, checks the fields the cache relies on and writes the
+/// canonical form.
+fn canonicalise(provider: Provider, body: &[u8]) -> Result<Canonical, KeyError> {
+    // serde_json limits nesting to 128 levels, which bounds the recursion of
+    // the writer below as well.
+    let value: Value =
+        serde_json::from_slice(body).map_err(|err| KeyError::NotJson(err.to_string()))?;
+    let Value::Object(mut request) = value else {
+        return Err(KeyError::NotAnObject);
+    };
+    let ignored = provider.ignored_fields();
+    request.retain(|name, value| !value.is_null() && !ignored.contains(&name.as_str()));
+
+    match request.get("model") {
+        None => return Err(KeyError::Missing("model")),
+        Some(Value::String(_)) => {}
+        Some(_) => return Err(wrong_type("model", "a string")),
+    }
+    match request.get("messages") {
+        None => return Err(KeyError::Missing("messages")),
+        Some(Value::Array(_)) => {}
+        Some(_) => return Err(wrong_type("messages", "an array")),
+    }
+    let stream = match request.get("stream") {
+        None => false,
+        Some(Value::Bool(stream)) => *stream,
+        Some(_) => return Err(wrong_type("stream", "a boolean")),
+    };
+    let temperature = match request.get("temperature") {
+        None => None,
+        Some(Value::Number(t)) => t.as_f64(),
+        Some(_) => return Err(wrong_type("temperature", "a number")),
+    };
+
+    let mut json = Vec::with_capacity(body.len());
+    write_object(&mut json, &request, |out, name, value| {
+        match (name, value) {
+            ("messages", Value::Array(messages)) => write_messages(out, messages),
+            ("system", Value::String(text)) if provider == Provider::Anthropic => {
+                write_content(out, text)
+            }
+            _ => write_value(out, value),
+        }
+    });
+    Ok(Canonical {
+        json,
+        stream,
+        temperature,
+    })
+}
+
+fn wrong_type(field: &'static str, expected: &'static str) -> KeyError {
+    KeyError::WrongType { field, expected }
+}
+
+/// HMAC-SHA256 keyed with `secret`. The key is prepared as RFC 2104 §2 does it
+/// (hashed when longer than a block, then zero-padded to one) so that
+/// construction cannot fail: `Mac::new_from_slice` returns a `Result` whose
+/// error HMAC never produces, and which this code would have no use for.
+fn hmac_sha256(secret: &[u8]) -> Hmac<Sha256> {
+    let mut block = [0u8; HMAC_BLOCK];
+    let hashed;
+    let key = if secret.len() > HMAC_BLOCK {
+        hashed = Sha256::digest(secret);
+        hashed.as_slice()
+    } else {
+        secret
+    };
+    for (slot, byte) in block.iter_mut().zip(key) {
+        *slot = *byte;
+    }
+    <Hmac<Sha256> as Mac>::new(&block.into())
+}
+
+/// Feeds `bytes` to `mac` after their length (u64, big endian): a u64 holds
+/// any length, so the prefix needs no fallible conversion.
+fn update_prefixed(mac: &mut Hmac<Sha256>, bytes: &[u8]) {
+    mac.update(&(bytes.len() as u64).to_be_bytes());
+    mac.update(bytes);
+}
+
+/// Writes the `messages` array, each message's string `content` as text blocks.
+fn write_messages(out: &mut Vec<u8>, messages: &[Value]) {
+    out.push(b'[');
+    for (i, message) in messages.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        match message {
+            Value::Object(message) => {
+                write_object(out, message, |out, name, value| match (name, value) {
+                    ("content", Value::String(text)) => write_content(out, text),
+                    _ => write_value(out, value),
+                })
+            }
+            // Not a message the API accepts; keyed as it is.
+            other => write_value(out, other),
+        }
+    }
+    out.push(b']');
+}
+
+/// Writes a string content as what it stands for, `[{"type":"text","text":...}]`
+/// (members in key order). An empty string is kept a string: an empty text
+/// block is refused by Anthropic where an empty string may not be, so the two
+/// are not known to be equivalent.
+fn write_content(out: &mut Vec<u8>, text: &str) {
+    if text.is_empty() {
+        write_str(out, text);
+        return;
+    }
+    out.extend_from_slice(br#"[{"text":"#);
+    write_str(out, text);
+    out.extend_from_slice(br#","type":"text"}]"#);
+}
+
+/// Writes `value` as compact JSON, objects with sorted members and numbers
+/// normalised.
+fn write_value(out: &mut Vec<u8>, value: &Value) {
+    match value {
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(true) => out.extend_from_slice(b"true"),
+        Value::Bool(false) => out.extend_from_slice(b"false"),
+        Value::Number(n) => write_number(out, n),
+        Value::String(s) => write_str(out, s),
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_value(out, item);
+            }
+            out.push(b']');
+        }
+        Value::Object(map) => write_object(out, map, write_value_of),
+    }
+}
+
+fn write_value_of(out: &mut Vec<u8>, _name: &str, value: &Value) {
+    write_value(out, value);
+}
+
+/// Writes `map` with its members sorted by key, each value by `member`.
+fn write_object(
+    out: &mut Vec<u8>,
+    map: &Map<String, Value>,
+    member: impl Fn(&mut Vec<u8>, &str, &Value),
+) {
+    out.push(b'{');
+    let mut write = |i: usize, name: &str, value: &Value| {
+        if i > 0 {
+            out.push(b',');
+        }
+        write_str(out, name);
+        out.push(b':');
+        member(out, name, value);
+    };
+    // serde_json's `Map` is a BTreeMap and iterates sorted, unless another
+    // crate in the build turns on `preserve_order` (then insertion order):
+    // check rather than assume, and sort only when needed.
+    let sorted = map.keys().zip(map.keys().skip(1)).all(|(a, b)| a < b);
+    if sorted {
+        for (i, (name, value)) in map.iter().enumerate() {
+            write(i, name, value);
+        }
+    } else {
+        let mut members: Vec<_> = map.iter().collect();
+        members.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        for (i, (name, value)) in members.into_iter().enumerate() {
+            write(i, name, value);
+        }
+    }
+    out.push(b'}');
+}
+
+/// Writes a number: integers as they are; a float with no fractional part
+/// that fits in an i64 as that integer; other floats in serde_json's
+/// shortest round-trip form.
+fn write_number(out: &mut Vec<u8>, n: &Number) {
+    // 2^63: floats in [-2^63, 2^63) convert to i64 exactly; outside, `as`
+    // would saturate and 1e19 would collide with i64::MAX.
+    const I64_BOUND: f64 = 9_223_372_036_854_775_808.0;
+    if let Some(i) = n.as_i64() {
+        out.extend_from_slice(i.to_string().as_bytes());
+    } else if let Some(u) = n.as_u64() {
+        out.extend_from_slice(u.to_string().as_bytes());
+    } else if let Some(f) = n.as_f64() {
+        if f.fract() == 0.0 && (-I64_BOUND..I64_BOUND).contains(&f) {
+            out.extend_from_slice((f as i64).to_string().as_bytes());
+        } else {
+            // Through `from_f64` rather than `n`'s own Display, which prints
+            // the source text if serde_json's `arbitrary_precision` is on.
+            let n = Number::from_f64(f).unwrap_or_else(|| n.clone());
+            out.extend_from_slice(n.to_string().as_bytes());
+        }
+    } else {
+        out.extend_from_slice(n.to_string().as_bytes());
+    }
+}
+
+/// Escape of each byte in a JSON string: 0 for none, `u` for `\u00XX`,
+/// otherwise the character after the backslash.
+static ESCAPE: [u8; 256] = {
+    let mut table = [0u8; 256];
+    let mut byte = 0;
+    while byte < 0x20 {
+        table[byte] = b'u';
+        byte += 1;
+    }
+    table[0x08] = b'b';
+    table[0x09] = b't';
+    table[0x0a] = b'n';
+    table[0x0c] = b'f';
+    table[0x0d] = b'r';
+    table[b'"' as usize] = b'"';
+    table[b'\\' as usize] = b'\\';
+    table
+};
+
+/// Writes `s` as a JSON string, escaped exactly as serde_json does (`"`,
+/// `\`, control characters; nothing else), so the canonical form is also
+/// what serde_json itself would write.
+fn write_str(out: &mut Vec<u8>, s: &str) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.push(b'"');
+    let bytes = s.as_bytes();
+    let mut plain_from = 0;
+    for (i, &byte) in bytes.iter().enumerate() {
+        // A table rather than a `match`: this loop sees every byte of the body.
+        let escape = ESCAPE[usize::from(byte)];
+        if escape == 0 {
+            continue;
+        }
+        out.extend_from_slice(bytes.get(plain_from..i).unwrap_or_default());
+        if escape == b'u' {
+            out.extend_from_slice(b"\\u00");
+            out.push(DIGITS[usize::from(byte >> 4)]);
+            out.push(DIGITS[usize::from(byte & 0xf)]);
+        } else {
+            out.extend_from_slice(&[b'\\', escape]);
+        }
+        plain_from = i + 1;
+    }
+    out.extend_from_slice(bytes.get(plain_from..).unwrap_or_default());
+    out.push(b'"');
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hmac_key_preparation_matches_the_hmac_crate() {
+        for len in [0, 1, 31, 32, 63, 64, 65, 128, 200] {
+            let secret: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+            let mut ours = hmac_sha256(&secret);
+            let mut theirs = Hmac::<Sha256>::new_from_slice(&secret).unwrap();
+            ours.update(b"message");
+            theirs.update(b"message");
+            assert_eq!(
+                ours.finalize().into_bytes(),
+                theirs.finalize().into_bytes(),
+                "secret of {len} bytes"
+            );
+        }
+    }
+
+    #[test]
+    fn strings_are_escaped_like_serde_json() {
+        let all_ascii: String = (0u8..0x80).map(char::from).collect();
+        for s in ["", "plain", "é ü 日本 \u{2028} 🦀", "\"\\/", &all_ascii] {
+            let mut ours = Vec::new();
+            write_str(&mut ours, s);
+            assert_eq!(ours, serde_json::to_vec(s).unwrap(), "{s:?}");
+        }
+    }
+
+    #[test]
+    fn numbers() {
+        let cases = [
+            ("0", "0"),
+            ("0.0", "0"),
+            ("-0.0", "0"),
+            ("-0", "0"),
+            ("1.0", "1"),
+            ("1e2", "100"),
+            ("-3.0", "-3"),
+            ("0.5", "0.5"),
+            ("0.50", "0.5"),
+            ("1.5e-7", "1.5e-7"),
+            ("18446744073709551615", "18446744073709551615"),
+            ("9223372036854775807", "9223372036854775807"),
+            ("-9223372036854775808", "-9223372036854775808"),
+            ("-9223372036854775808.0", "-9223372036854775808"),
+            ("9223372036854775808.0", "9.223372036854776e+18"),
+            ("1e19", "1e+19"),
+            ("1e300", "1e+300"),
+        ];
+        for (input, expected) in cases {
+            let Value::Number(n) = serde_json::from_str(input).unwrap() else {
+                panic!("{input} is not a number");
+            };
+            let mut out = Vec::new();
+            write_number(&mut out, &n);
+            assert_eq!(String::from_utf8(out).unwrap(), expected, "{input}");
+        }
+    }
+
+    #[test]
+    fn key_formatting() {
+        let mut bytes = [0u8; 32];
+        bytes[..8].copy_from_slice(&[0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef]);
+        bytes[31] = 0xff;
+        let key = CacheKey(bytes);
+        assert_eq!(key.short_hex(), "0123456789abcdef");
+        assert_eq!(format!("{key:?}"), "CacheKey(0123456789abcdef…)");
+        assert_eq!(key.slot_hash(), 0xefcd_ab89_6745_2301);
+    }
+}
