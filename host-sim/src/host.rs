@@ -412,6 +412,16 @@ impl Host {
         Ok(StreamHandle { host: self, id })
     }
 
+    /// A handle on stream `id`, opened earlier with [`Host::stream`]: drives
+    /// several streams in flight at once (until a later `stream()` call
+    /// collects it once finished).
+    pub fn stream_by_id(&mut self, id: StreamId) -> Result<StreamHandle<'_>> {
+        if !self.streams.contains_key(&id) {
+            bail!("no stream {id} (finished streams are collected by the next `stream()`)");
+        }
+        Ok(StreamHandle { host: self, id })
+    }
+
     pub(crate) fn open_stream(&mut self, chain: ChainId, mut info: StreamInfo) -> Result<StreamId> {
         let worker = self.next_worker % self.workers;
         self.next_worker += 1;
@@ -967,7 +977,24 @@ impl Host {
                     filter,
                     response,
                 } => self.resume(stream, filter, response),
-                Event::LocalResponse { .. } => {}
+                Event::LocalResponse { stream, .. } => {
+                    // Sent outside the stream's own callbacks (a root's tick
+                    // or callout answer after `set_effective_context`);
+                    // those callbacks take theirs on return.
+                    let local = self
+                        .world
+                        .borrow_mut()
+                        .streams
+                        .get_mut(&stream)
+                        .and_then(|d| d.local_response.take());
+                    if let Some(local) = local {
+                        let during_response = self
+                            .streams
+                            .get(&stream)
+                            .is_some_and(|r| r.response.headers_started);
+                        self.send_local(stream, local, during_response);
+                    }
+                }
                 Event::Reset { stream } => {
                     if let Some(run) = self.streams.get_mut(&stream) {
                         run.reset = true;
@@ -1160,6 +1187,16 @@ impl Host {
             .shared_data
             .get(vm_id)
             .map_or(0, |m| m.len())
+    }
+
+    /// Total bytes of `vm_id`'s shared data (keys and values): what a
+    /// soak test watches to show memory stays bounded.
+    pub fn shared_data_bytes(&self, vm_id: &str) -> usize {
+        self.world
+            .borrow()
+            .shared_data
+            .get(vm_id)
+            .map_or(0, |m| m.iter().map(|(k, v)| k.len() + v.0.len()).sum())
     }
 
     /// Items waiting in queue (`vm_id`, `name`).

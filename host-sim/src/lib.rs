@@ -29,4 +29,4 @@ pub mod world;
 
 pub use host::{ChainId, ClusterTarget, Host, HostOptions, Output, PluginSpec, StreamHandle};
 pub use imports::IMPLEMENTED;
-pub use world::{CallResponse, Callout, LocalResponse, LogLine, Profile, StreamInfo};
+pub use world::{CallResponse, Callout, LocalResponse, LogLine, Profile, StreamId, StreamInfo};

@@ -6,51 +6,17 @@
 //! plain. (A loaded run lives with the benchmarks issue.)
 #![allow(missing_docs)]
 
+mod common;
+
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde_json::json;
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{EchoUpstream, Envoy, EnvoyConfig, paths};
+use zerolayer_e2e::{EchoUpstream, paths};
 
 const ROUNDS: usize = 5;
 const PER_ROUND: usize = 400;
-
-fn hcm(filters: &str) -> String {
-    format!(
-        r#"
-admin: {{address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}}}
-static_resources:
-  listeners:
-  - address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: bench
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{prefix: "/"}}
-                route: {{cluster: backend}}
-          http_filters:
-{filters}
-          - name: envoy.filters.http.router
-            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
-  clusters:
-  - name: backend
-    type: STATIC
-    load_assignment:
-      cluster_name: backend
-      endpoints:
-      - lb_endpoints:
-        - endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: 1}}}}}}
-"#
-    )
-}
 
 fn jwt_authn(cache: bool) -> String {
     let jwks = issuer().jwks().to_string().replace('\'', "''");
@@ -124,22 +90,6 @@ fn service(lazy: &serde_json::Value) -> String {
     )
 }
 
-fn start(
-    yaml: &str,
-    upstream: std::net::SocketAddr,
-    dir: &std::path::Path,
-    name: &str,
-) -> Result<Envoy> {
-    let path = dir.join(format!("{name}.yaml"));
-    std::fs::write(&path, yaml)?;
-    let config = EnvoyConfig::load(&path)?.for_run(upstream)?;
-    Envoy::start(&config).with_context(|| format!("starting {name}"))
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
 fn main() -> Result<()> {
     paths::wasm("lazy_auth")?;
     let upstream = EchoUpstream::start()?;
@@ -156,32 +106,46 @@ fn main() -> Result<()> {
     let configs = [
         (
             "plain",
-            start(&hcm(""), upstream.addr(), dir.path(), "plain")?,
+            common::start(&common::hcm(""), upstream.addr(), dir.path(), "plain", &[])?,
         ),
         (
             "trivial wasm filter",
-            start(&hcm(&trivial()), upstream.addr(), dir.path(), "trivial")?,
+            common::start(
+                &common::hcm(&trivial()),
+                upstream.addr(),
+                dir.path(),
+                "trivial",
+                &[],
+            )?,
         ),
         (
             "lazy-auth (known token)",
-            start(
-                &format!("{}{}", service(&lazy), hcm(&lazy_auth(&lazy))),
+            common::start(
+                &format!("{}{}", service(&lazy), common::hcm(&lazy_auth(&lazy))),
                 upstream.addr(),
                 dir.path(),
                 "lazy",
+                &[],
             )?,
         ),
         (
             "jwt_authn RS256",
-            start(&hcm(&jwt_authn(false)), upstream.addr(), dir.path(), "jwt")?,
+            common::start(
+                &common::hcm(&jwt_authn(false)),
+                upstream.addr(),
+                dir.path(),
+                "jwt",
+                &[],
+            )?,
         ),
         (
             "jwt_authn RS256 + cache",
-            start(
-                &hcm(&jwt_authn(true)),
+            common::start(
+                &common::hcm(&jwt_authn(true)),
                 upstream.addr(),
                 dir.path(),
                 "jwtcache",
+                &[],
             )?,
         ),
     ];
@@ -225,7 +189,7 @@ fn main() -> Result<()> {
     for (i, (name, _)) in configs.iter().enumerate() {
         let mut s = samples[i].clone();
         s.sort();
-        let (p50, p99) = (percentile(&s, 0.5), percentile(&s, 0.99));
+        let (p50, p99) = (common::percentile(&s, 0.5), common::percentile(&s, 0.99));
         if i == 0 {
             p50_plain = p50;
         }

@@ -21,6 +21,9 @@ use crate::paths;
 pub struct EnvoyConfig {
     doc: Value,
     name: String,
+    /// Environment for the Envoy process (secrets reach VMs through
+    /// `vm_config.environment_variables.host_env_keys`).
+    env: Vec<(String, String)>,
 }
 
 impl EnvoyConfig {
@@ -34,7 +37,11 @@ impl EnvoyConfig {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "envoy".into());
-        Ok(EnvoyConfig { doc, name })
+        Ok(EnvoyConfig {
+            doc,
+            name,
+            env: Vec::new(),
+        })
     }
 
     /// Loads `envoy/<name>`.
@@ -99,6 +106,12 @@ impl EnvoyConfig {
             }
         }
         Ok(self)
+    }
+
+    /// Sets environment variable `key` for the Envoy process.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_string(), value.to_string()));
+        self
     }
 
     /// Points static cluster `name` at `addr` (after [`EnvoyConfig::for_run`],
@@ -368,11 +381,17 @@ impl Envoy {
     pub fn validate(config: &EnvoyConfig) -> Result<Validation> {
         let dir = tempfile::tempdir()?;
         let path = config.write(dir.path())?;
-        Self::validate_file(&path)
+        Self::validate_file_with_env(&path, &config.env)
     }
 
     /// Runs `envoy --mode validate` on a file as it is.
     pub fn validate_file(path: &Path) -> Result<Validation> {
+        Self::validate_file_with_env(path, &[])
+    }
+
+    /// Runs `envoy --mode validate` on a file with `env` in Envoy's
+    /// environment (secrets the shipped configs take from there).
+    pub fn validate_file_with_env(path: &Path, env: &[(String, String)]) -> Result<Validation> {
         let output = Command::new(paths::envoy_binary()?)
             .args([
                 "--mode",
@@ -384,6 +403,7 @@ impl Envoy {
             ])
             .arg(path)
             .current_dir(paths::root())
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .output()
             .context("running envoy --mode validate")?;
         Ok(Validation {
@@ -416,6 +436,7 @@ impl Envoy {
             .arg("--log-path")
             .arg(dir.path().join("envoy.log"))
             .current_dir(paths::root())
+            .envs(config.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::from(stdout))
             .stderr(Stdio::null())
             .spawn()

@@ -1,9 +1,9 @@
 //! `cargo xtask demo`: every landed filter at work inside real Envoy.
 //!
-//! Builds the filters and starts Envoy from the shipped `envoy/lazy-auth.yaml`
-//! (activation, lazy-auth, and the observer as a singleton service; free
-//! loopback ports; activation's debug response header on so its decision is
-//! visible) in front of the GPU backend stub, or the real llama.cpp model
+//! Builds the filters and starts Envoy from the shipped `envoy/post-cache.yaml`
+//! (activation, lazy-auth, post-cache, and the observer as a singleton
+//! service; free loopback ports; activation's debug response header on so
+//! its decision is visible) in front of the GPU backend stub, or the real llama.cpp model
 //! server with `--real-model`, or any `--upstream URL`. A local identity
 //! provider (JWKS), API key introspection endpoint and audit sink stand in
 //! for the real ones. Sends a handful of LLM requests and prints, per
@@ -21,6 +21,9 @@ use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, ModelServer, paths};
 use zerolayer_stub::{Stub, StubConfig};
 
 use crate::{setup, step};
+
+/// The demo's cache secret (a deployment sets its own, ≥ 32 bytes).
+const DEMO_CACHE_SECRET: &str = "zerolayer-demo-cache-secret-not-for-production";
 
 /// The credential a demo request carries.
 #[derive(Clone, Copy)]
@@ -272,9 +275,10 @@ pub fn run(args: &[String]) -> Result<()> {
         Backend::Stub(_) => format!("; {leaked} carried internal headers to the backend"),
         _ => String::new(),
     };
+    let hits = seen.iter().filter(|s| s.cache == "HIT").count();
     println!();
     println!(
-        "{} requests: {admitted} admitted ({verified} on a cached verified verdict), {} refused{leaks}.",
+        "{} requests: {admitted} admitted ({verified} on a cached verified verdict, {hits} answered from the cache), {} refused{leaks}.",
         seen.len(),
         seen.len() - admitted
     );
@@ -286,6 +290,7 @@ pub fn run(args: &[String]) -> Result<()> {
 struct Seen {
     status: u16,
     identity: String,
+    cache: String,
     internal: String,
 }
 
@@ -293,9 +298,12 @@ struct Seen {
 /// prints what happened.
 fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
     let services = Services::start()?;
-    step("starting Envoy with envoy/lazy-auth.yaml (activation, lazy-auth, observer)");
-    let mut config = EnvoyConfig::shipped("lazy-auth.yaml")?
+    step("starting Envoy with envoy/post-cache.yaml (activation, lazy-auth, post-cache, observer)");
+    let mut config = EnvoyConfig::shipped("post-cache.yaml")?
         .for_run(backend.addr())?
+        // The cache key's secret comes from Envoy's environment; a
+        // deployment sets its own.
+        .env("ZEROLAYER_CACHE_SECRET", DEMO_CACHE_SECRET)
         .point_cluster("idp", services.idp.addr())?
         .point_cluster("api_keys", services.api_keys.addr())?
         .point_cluster("audit", services.audit.addr())?;
@@ -320,7 +328,7 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         .unwrap_or_default();
 
     println!();
-    println!("zerolayer demo: activation and lazy-auth (Wasm, V8) inside real Envoy,");
+    println!("zerolayer demo: activation, lazy-auth and post-cache (Wasm, V8) inside real Envoy,");
     println!(
         "with the observer verifying credentials and shipping audit records off the request path"
     );
@@ -333,7 +341,7 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
     println!("  listener  {}", envoy.url("/"));
     println!("  backend   {}", backend.describe());
     println!(
-        "  config    envoy/lazy-auth.yaml; rules filters/activation/example.json, auth filters/lazy-auth/example.json"
+        "  config    envoy/post-cache.yaml; filters/{{activation,lazy-auth,post-cache}}/example.json"
     );
     println!(
         "  services  JWKS {}, API key introspection {}, audit sink {} (loopback stand-ins)",
@@ -392,15 +400,17 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
     }
     std::thread::sleep(Duration::from_millis(1200));
     let auth_by_id = access_log_field(&envoy.access_log(), "auth");
-    let row = |n: &str, what: &str, status: &str, auth: &str, obs: &str, leak: &str| {
-        println!("{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<23} {leak}");
-    };
+    let row =
+        |n: &str, what: &str, status: &str, auth: &str, obs: &str, cache: &str, leak: &str| {
+            println!("{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<22} {cache:<7} {leak}");
+        };
     row(
         "#",
         "request",
         "status",
         "identity (lazy-auth)",
         "observers (activation)",
+        "cache",
         "internal",
     );
     let mut seen = Vec::new();
@@ -420,6 +430,7 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
             &reply.status.to_string(),
             or_dash(auth),
             or_dash(observers),
+            reply.header("x-cache").unwrap_or("-"),
             &backend.internal_headers_seen(id),
         );
         let outcome = if reply.status == 200 {
@@ -431,6 +442,7 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         seen.push(Seen {
             status: reply.status,
             identity: auth.to_string(),
+            cache: reply.header("x-cache").unwrap_or("-").to_string(),
             internal: backend.internal_headers_seen(id),
         });
     }
@@ -442,7 +454,13 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         "               observer in the background; the next request gets the cached verdict)"
     );
     println!(
-        "   internal  = x-zerolayer-* headers the backend received (none: decisions never leave the gateway)"
+        "   cache     = post-cache's x-cache (BYPASS: no verified tenant yet, or activation turned the cache off;"
+    );
+    println!(
+        "               MISS: stored after the response completed; HIT: answered from the gateway)"
+    );
+    println!(
+        "   internal  = x-zerolayer-* headers the backend received (none: decisions never leave the gateway;\n               not reached: refused, or answered from the cache)"
     );
 
     println!();
@@ -665,54 +683,51 @@ mod tests {
     use super::*;
 
     /// The demo's story holds in real Envoy: refusals, lazy admission,
-    /// verification off the path, forged credentials cut off, nothing internal
-    /// reaching the backend.
+    /// verification off the path, forged credentials cut off, the cache
+    /// only for verified tenants, nothing internal reaching the backend.
     #[test]
     fn the_demo_tells_what_it_claims() -> Result<()> {
         let backend = Backend::Stub(Stub::start(StubConfig::default())?);
         let seen = session(&backend, false)?;
-        let what: Vec<(&str, u16, &str)> = CASES
+        let what: Vec<(&str, u16, &str, &str)> = CASES
             .iter()
             .zip(&seen)
-            .map(|(c, s)| (c.what, s.status, s.identity.as_str()))
+            .map(|(c, s)| (c.what, s.status, s.identity.as_str(), s.cache.as_str()))
             .collect();
-        let want: Vec<(&str, u16, &str)> = vec![
-            ("no credential", 401, "-"),
-            ("alice@acme JWT, first sight", 200, "unverified tenant=acme"),
+        let alice = "verified tenant=acme subject=alice";
+        let want: Vec<(&str, u16, &str, &str)> = vec![
+            ("no credential", 401, "-", "-"),
             (
-                "same JWT, verified off-path",
+                "alice@acme JWT, first sight",
                 200,
-                "verified tenant=acme subject=alice",
+                "unverified tenant=acme",
+                "BYPASS",
             ),
-            ("API key, client says no-store", 200, "unverified"),
+            ("same JWT, verified off-path", 200, alice, "MISS"),
+            ("API key, client says no-store", 200, "unverified", "BYPASS"),
             (
                 "same API key again",
                 200,
                 "verified tenant=globex subject=batch-service",
+                "MISS",
             ),
+            ("SDK client, id in 10% canary", 200, alice, "MISS"),
+            ("SDK client, id outside it", 200, alice, "HIT"),
             (
-                "SDK client, id in 10% canary",
+                "forged JWT, first sight",
                 200,
-                "verified tenant=acme subject=alice",
+                "unverified tenant=acme",
+                "BYPASS",
             ),
-            (
-                "SDK client, id outside it",
-                200,
-                "verified tenant=acme subject=alice",
-            ),
-            ("forged JWT, first sight", 200, "unverified tenant=acme"),
-            ("same forged JWT", 401, "-"),
-            ("unknown API key", 200, "unverified"),
-            ("same unknown API key", 401, "-"),
-            (
-                "forged internal header",
-                200,
-                "verified tenant=acme subject=alice",
-            ),
+            ("same forged JWT", 401, "-", "-"),
+            ("unknown API key", 200, "unverified", "BYPASS"),
+            ("same unknown API key", 401, "-", "-"),
+            ("forged internal header", 200, alice, "HIT"),
         ];
         assert_eq!(what, want);
         for (case, s) in CASES.iter().zip(&seen) {
-            let expected = if s.status == 200 {
+            // Refused and cached requests never reach the backend.
+            let expected = if s.status == 200 && s.cache != "HIT" {
                 "none"
             } else {
                 "(not reached)"

@@ -28,6 +28,7 @@ usage: cargo xtask <command>
 pub const FILTERS: &[&str] = &[
     "zerolayer-activation",
     "zerolayer-lazy-auth",
+    "zerolayer-post-cache",
     "zerolayer-observer-service",
     "zerolayer-probe",
 ];

@@ -549,6 +549,9 @@ fn bypass_names() {
             "invalid_max_age",
             "incomplete",
             "too_large",
+            "not_activated",
+            "no_verified_tenant",
+            "unkeyable",
         ]
     );
 }

@@ -69,6 +69,20 @@ pub fn set_request_header(name: &str, value: &[u8]) {
     let _ = hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value));
 }
 
+/// A response header's value, as text (`None` if absent or not UTF-8).
+pub fn response_header(name: &str) -> Option<String> {
+    // The SDK's text getter panics on non-UTF-8 values: read bytes.
+    hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
+        .ok()
+        .flatten()
+        .and_then(|v| String::from_utf8(v).ok())
+}
+
+/// Sets (replacing) a response header.
+pub fn set_response_header(name: &str, value: &str) {
+    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+}
+
 /// Reads a property (filter state or an Envoy attribute).
 pub fn property(path: &str) -> Option<Vec<u8>> {
     hostcalls::get_property(vec![path]).ok().flatten()

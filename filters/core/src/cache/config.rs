@@ -199,6 +199,14 @@ impl PostCacheConfig {
                 ),
             ));
         }
+        if self.fleet.is_some() {
+            // Refused rather than ignored: an operator who asks for a shared
+            // tier must not silently get a local one.
+            return Err(ConfigError::new(
+                "fleet",
+                "the Redis fleet tier is not available in this version (local tier only)",
+            ));
+        }
         if let Some(fleet) = &self.fleet
             && !fleet.endpoint.path.starts_with('/')
         {
@@ -300,8 +308,8 @@ mod tests {
             ),
             (r#"{"secret_env":"S","namespace":"global"}"#, "namespace"),
             (
-                r#"{"secret_env":"S","fleet":{"cluster":"webdis","path":"x"}}"#,
-                "fleet.path",
+                r#"{"secret_env":"S","fleet":{"cluster":"webdis","path":"/"}}"#,
+                "fleet: the Redis fleet tier is not available",
             ),
             (r#"{"secret_env":"S","ttl":{"default_ttl":5}}"#, "ttl"),
         ] {

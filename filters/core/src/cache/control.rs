@@ -200,13 +200,20 @@ pub enum Bypass {
     InvalidMaxAge,
     /// The response did not complete (stream not terminated).
     Incomplete,
-    /// The response exceeds the size limit.
+    /// The request or the response exceeds its size limit.
     TooLarge,
+    /// Activation did not turn the `cache` observer on for this request.
+    NotActivated,
+    /// The namespace is per tenant and the request has no verified tenant
+    /// (an unverified claim must never read another tenant's entries).
+    NoVerifiedTenant,
+    /// The body is not a request the cache can key (not JSON, no model, …).
+    Unkeyable,
 }
 
 impl Bypass {
     /// Every reason, for registering metrics up front.
-    pub const ALL: [Bypass; 10] = [
+    pub const ALL: [Bypass; 13] = [
         Bypass::RequestNoStore,
         Bypass::Temperature,
         Bypass::NotCacheableMethod,
@@ -217,6 +224,9 @@ impl Bypass {
         Bypass::InvalidMaxAge,
         Bypass::Incomplete,
         Bypass::TooLarge,
+        Bypass::NotActivated,
+        Bypass::NoVerifiedTenant,
+        Bypass::Unkeyable,
     ];
 
     /// Stable name for logs and metrics.
@@ -232,6 +242,9 @@ impl Bypass {
             Bypass::InvalidMaxAge => "invalid_max_age",
             Bypass::Incomplete => "incomplete",
             Bypass::TooLarge => "too_large",
+            Bypass::NotActivated => "not_activated",
+            Bypass::NoVerifiedTenant => "no_verified_tenant",
+            Bypass::Unkeyable => "unkeyable",
         }
     }
 }

@@ -1,0 +1,169 @@
+//! zerolayer post-cache: LLM responses served from shared data on a hit,
+//! written only after they complete (status 200, streams that reached their
+//! terminal event), keyed by a keyed digest of the canonical request, with a
+//! lease so identical concurrent misses reach the GPU once.
+//!
+//! Lifecycle, top to bottom: configuration → request headers (is this a
+//! cacheable request?) → request body (key, lookup, lease) → response
+//! headers (`x-cache`, status) → response body (capture, stream completion)
+//! → log (store, release) → tick (waiting followers, counters).
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+mod metrics;
+mod shelf;
+mod stream;
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{ContextType, LogLevel};
+use zerolayer_core::cache::config::PostCacheConfig;
+use zerolayer_core::cache::key::CacheKey;
+
+use metrics::{Metrics, WaitEnd};
+use shelf::{Shelf, serve};
+use stream::CacheStream;
+
+/// The module's entry point (`_initialize`): registers the root context.
+#[allow(missing_docs)]
+mod entry {
+    use super::*;
+
+    proxy_wasm::main! {{
+        proxy_wasm::set_log_level(LogLevel::Info);
+        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(CacheRoot::default()) });
+    }}
+}
+
+/// What every request of this plugin shares.
+pub(crate) struct Plan {
+    pub config: PostCacheConfig,
+    /// The per-deployment secret keying the digest (from `secret_env`).
+    pub secret: Vec<u8>,
+    pub shelf: Shelf,
+    pub metrics: Metrics,
+    /// Followers waiting for a lease holder's response.
+    pub waiters: RefCell<Vec<Waiter>>,
+}
+
+/// A paused request waiting for another request's response.
+pub(crate) struct Waiter {
+    pub context_id: u32,
+    pub key: CacheKey,
+    pub max_age: Option<u64>,
+    pub deadline_ms: u64,
+    /// Shared with the stream; the root tells it how the wait ended. When
+    /// only the root holds it, the stream is gone (client left).
+    pub outcome: Rc<Cell<Option<WaitEnd>>>,
+}
+
+/// The plugin's root context.
+#[derive(Default)]
+struct CacheRoot {
+    plan: Option<Rc<Plan>>,
+}
+
+impl Context for CacheRoot {
+    fn on_done(&mut self) -> bool {
+        if let Some(plan) = &self.plan {
+            plan.metrics.flush();
+        }
+        true
+    }
+}
+
+impl RootContext for CacheRoot {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let Some(config) = zerolayer_proxy::load_config("post-cache", PostCacheConfig::from_json)
+        else {
+            return false;
+        };
+        // The secret comes from the environment the host gives the VM: it is
+        // neither in the configuration nor in config dumps.
+        let secret = std::env::var(&config.secret_env)
+            .ok()
+            .map(String::into_bytes);
+        if let Err(err) = config.check_secret(secret.as_deref()) {
+            log::error!("post-cache: invalid configuration: {err}");
+            return false;
+        }
+        log::info!(
+            "post-cache: configured (namespace {:?}, {} entries of at most {} bytes: {} MiB bound, stampede {:?})",
+            config.namespace,
+            config.max_entries,
+            config.max_entry_bytes,
+            config.memory_bound() / (1024 * 1024),
+            config.stampede.mode,
+        );
+        let tick = Duration::from_millis(config.stampede.poll_ms.clamp(1, 1000));
+        self.plan = Some(Rc::new(Plan {
+            shelf: Shelf::new(config.max_entries),
+            secret: secret.unwrap_or_default(),
+            metrics: Metrics::define(),
+            waiters: RefCell::new(Vec::new()),
+            config,
+        }));
+        if let Err(status) = hostcalls::set_tick_period(tick) {
+            log::warn!(
+                "post-cache: no tick ({status:?}); waiting followers fall back to their lease expiry"
+            );
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let Some(plan) = &self.plan else {
+            return;
+        };
+        wake_followers(plan);
+        plan.metrics.flush();
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(CacheStream::new(self.plan.clone(), context_id)))
+    }
+}
+
+/// Serves followers whose response is now cached; sends upstream those whose
+/// lease is gone or whose wait ran out.
+fn wake_followers(plan: &Plan) {
+    let mut waiters = plan.waiters.borrow_mut();
+    if waiters.is_empty() {
+        return;
+    }
+    let now_ms = zerolayer_proxy::now_ms();
+    let now = now_ms / 1000;
+    waiters.retain(|w| {
+        if Rc::strong_count(&w.outcome) == 1 {
+            return false;
+        }
+        let end = if let Some(hit) = plan.shelf.lookup(&w.key, now, w.max_age) {
+            if hostcalls::set_effective_context(w.context_id).is_ok() {
+                serve(&hit);
+            }
+            WaitEnd::Hit
+        } else if !plan.shelf.lease_held(&w.key, now_ms) {
+            WaitEnd::Upstream
+        } else if now_ms >= w.deadline_ms {
+            WaitEnd::Timeout
+        } else {
+            return true;
+        };
+        if end != WaitEnd::Hit && hostcalls::set_effective_context(w.context_id).is_ok() {
+            let _ = hostcalls::resume_http_request();
+        }
+        w.outcome.set(Some(end));
+        plan.metrics.wait_ended(end);
+        false
+    });
+}

@@ -1,0 +1,135 @@
+//! The local tier: entries, index and leases in the VM's shared data, laid
+//! out by `zerolayer_core::cache::store` (bounded: shared data has no
+//! delete).
+
+use proxy_wasm::hostcalls;
+use zerolayer_core::cache::control::{age, fresh_enough};
+use zerolayer_core::cache::key::CacheKey;
+use zerolayer_core::cache::lease::{LeaseOutcome, LeaseTable};
+use zerolayer_core::cache::store::{Layout, SetIndex, StoredResponse, WayRecord};
+use zerolayer_proxy::{shared_get, shared_put, shared_update};
+
+/// A stored response found for a request.
+pub(crate) struct Hit {
+    pub response: StoredResponse,
+    /// Seconds since it was stored (the `age` header).
+    pub age: u64,
+}
+
+/// Access to the local tier.
+pub(crate) struct Shelf {
+    layout: Layout,
+}
+
+impl Shelf {
+    pub(crate) fn new(max_entries: u32) -> Shelf {
+        Shelf {
+            layout: Layout::new(max_entries),
+        }
+    }
+
+    /// A fresh entry for `key` at `now` (seconds) no older than `max_age`.
+    /// One small read on a miss; a second, of the body, on a match.
+    pub(crate) fn lookup(&self, key: &CacheKey, now: u64, max_age: Option<u64>) -> Option<Hit> {
+        let set = self.layout.set_of(key);
+        let (index, _) = shared_get(&self.layout.index_key(set));
+        let index = SetIndex::decode(index.as_deref());
+        let (way, record) = index.find(key, now)?;
+        let stored_at = record.stored_at_ms / 1000;
+        if !fresh_enough(stored_at, record.expires_at, now, max_age) {
+            return None;
+        }
+        let (body, _) = shared_get(&self.layout.body_key(set, way));
+        let response = StoredResponse::decode(&body?)?;
+        // A writer may have replaced the slot between the two reads.
+        response.belongs_to(key, record).then(|| Hit {
+            age: age(stored_at, now),
+            response,
+        })
+    }
+
+    /// Stores `response` for `key` until `expires_at` (seconds). Writes the
+    /// body first, then the index, so the index never points at a body that
+    /// is not there. Returns whether a fresh entry was evicted, or `None` if
+    /// a write failed.
+    pub(crate) fn store(
+        &self,
+        key: &CacheKey,
+        response: &StoredResponse,
+        expires_at: u64,
+        now: u64,
+    ) -> Option<bool> {
+        let set = self.layout.set_of(key);
+        let index_key = self.layout.index_key(set);
+        let (index, _) = shared_get(&index_key);
+        let placement = SetIndex::decode(index.as_deref()).place(key, now);
+        let body = response.encode();
+        if !shared_put(&self.layout.body_key(set, placement.way), &body) {
+            return None;
+        }
+        let record = WayRecord {
+            digest: key.0,
+            stored_at_ms: response.stored_at_ms,
+            expires_at,
+            size: u32::try_from(body.len()).unwrap_or(u32::MAX),
+        };
+        shared_update(&index_key, |current| {
+            let mut index = SetIndex::decode(current);
+            index.put(placement.way, record.clone());
+            (index.encode(), ())
+        })?;
+        Some(placement.evicts)
+    }
+
+    /// Asks for `key`'s lease at `now_ms`.
+    pub(crate) fn take_lease(&self, key: &CacheKey, now_ms: u64, ttl_ms: u64) -> LeaseOutcome {
+        let lease_key = self.layout.lease_key(self.layout.set_of(key));
+        shared_update(&lease_key, |current| {
+            let mut table = LeaseTable::decode(current);
+            let outcome = table.take(key, now_ms, ttl_ms);
+            (table.encode(), outcome)
+        })
+        // Lost every CAS race: behave as if the table were full (go
+        // upstream without a lease) rather than wait on nobody.
+        .unwrap_or(LeaseOutcome::Full)
+    }
+
+    /// Whether someone holds `key`'s lease at `now_ms`.
+    pub(crate) fn lease_held(&self, key: &CacheKey, now_ms: u64) -> bool {
+        let lease_key = self.layout.lease_key(self.layout.set_of(key));
+        let (current, _) = shared_get(&lease_key);
+        LeaseTable::decode(current.as_deref())
+            .held_until(key, now_ms)
+            .is_some()
+    }
+
+    /// Releases `key`'s lease.
+    pub(crate) fn release_lease(&self, key: &CacheKey) {
+        let lease_key = self.layout.lease_key(self.layout.set_of(key));
+        let _ = shared_update(&lease_key, |current| {
+            let mut table = LeaseTable::decode(current);
+            table.release(key);
+            (table.encode(), ())
+        });
+    }
+}
+
+/// Answers the current request with a stored response.
+pub(crate) fn serve(hit: &Hit) {
+    let age = hit.age.to_string();
+    let mut headers: Vec<(&str, &str)> = hit
+        .response
+        .headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect();
+    headers.push(("x-cache", "HIT"));
+    headers.push(("age", &age));
+    if let Err(status) = hostcalls::send_http_response(
+        u32::from(hit.response.status),
+        headers,
+        Some(&hit.response.body),
+    ) {
+        log::warn!("post-cache: could not send a cached response: {status:?}");
+    }
+}

@@ -1,0 +1,404 @@
+//! One request through the cache: is it cacheable (headers), its key and
+//! lookup (body), `x-cache` and what to keep (response), the write (log).
+
+use std::cell::Cell;
+use std::rc::Rc;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, BufferType};
+use zerolayer_core::auth::identity::ParsedIdentity;
+use zerolayer_core::cache::config::{Namespace, StampedeMode};
+use zerolayer_core::cache::control::{
+    Bypass, RequestDirectives, RequestPlan, plan_request, response_ttl,
+};
+use zerolayer_core::cache::key::{CacheKey, CanonicalRequest, Provider};
+use zerolayer_core::cache::lease::LeaseOutcome;
+use zerolayer_core::cache::store::StoredResponse;
+use zerolayer_core::cache::stream::StreamCompletion;
+use zerolayer_core::internal;
+use zerolayer_proxy::{
+    now_ms, property, request_header, response_header, send_json_error, set_response_header,
+};
+
+use crate::metrics::{Lookup, WaitEnd};
+use crate::shelf::serve;
+use crate::{Plan, Waiter};
+
+/// Where a request stands.
+enum Phase {
+    /// Not an LLM call the cache knows, or no configuration: untouched.
+    Ignored,
+    /// Headers held until the body is complete (the key needs it).
+    AwaitingBody,
+    /// Neither looked up nor stored.
+    Bypassed,
+    /// Answered by the gateway: a hit, or a 504 for `only-if-cached`.
+    Answered,
+    /// Paused behind another request's lease.
+    Waiting(Rc<Cell<Option<WaitEnd>>>),
+    /// Went upstream (a miss, a refresh, or a follower that stopped waiting).
+    Upstream,
+}
+
+/// The response being kept for the cache.
+struct Capture {
+    status: u16,
+    cache_control: Option<String>,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    completion: Option<StreamCompletion>,
+    ended: bool,
+}
+
+/// One request's cache state.
+pub(crate) struct CacheStream {
+    plan: Option<Rc<Plan>>,
+    context_id: u32,
+    phase: Phase,
+    provider: Provider,
+    namespace: Option<String>,
+    cache_control: Option<String>,
+    key: Option<CacheKey>,
+    /// Whether the response is to be stored (a miss or refresh whose plan allows it).
+    store: bool,
+    holds_lease: bool,
+    capture: Option<Capture>,
+}
+
+impl CacheStream {
+    pub(crate) fn new(plan: Option<Rc<Plan>>, context_id: u32) -> CacheStream {
+        CacheStream {
+            plan,
+            context_id,
+            phase: Phase::Ignored,
+            provider: Provider::Anthropic,
+            namespace: None,
+            cache_control: None,
+            key: None,
+            store: false,
+            holds_lease: false,
+            capture: None,
+        }
+    }
+
+    fn bypass(&mut self, reason: Bypass) -> Action {
+        if let Some(plan) = &self.plan {
+            plan.metrics.lookup(Lookup::Bypass);
+            plan.metrics.bypass(reason);
+        }
+        self.phase = Phase::Bypassed;
+        Action::Continue
+    }
+
+    /// `only-if-cached` with nothing usable cached: 504, as RFC 9111 asks.
+    fn unsatisfiable(&mut self) -> Action {
+        send_json_error(
+            504,
+            "cache_miss",
+            "only-if-cached: nothing usable is cached",
+        );
+        self.phase = Phase::Answered;
+        Action::Pause
+    }
+
+    /// Header-only checks, so a request the cache will not touch is never
+    /// held for its body.
+    fn admit(&mut self, plan: &Plan, end_of_stream: bool) -> Action {
+        let Some(provider) = request_header(":path")
+            .and_then(|p| String::from_utf8(p).ok())
+            .and_then(|p| Provider::for_path(&p))
+        else {
+            return Action::Continue;
+        };
+        self.provider = provider;
+        if request_header(":method").as_deref() != Some(b"POST") {
+            return self.bypass(Bypass::NotCacheableMethod);
+        }
+        self.cache_control =
+            request_header("cache-control").and_then(|v| String::from_utf8(v).ok());
+        if let Some(cc) = &self.cache_control
+            && RequestDirectives::parse(cc).no_store
+        {
+            return self.bypass(Bypass::RequestNoStore);
+        }
+        // Without activation in the chain the cache runs for every request;
+        // with it, only where a rule turned `cache` on.
+        if let Some(list) = property(internal::OBSERVERS_PROPERTY)
+            && !list.split(|b| *b == b',').any(|o| o == b"cache")
+        {
+            return self.bypass(Bypass::NotActivated);
+        }
+        if plan.config.namespace == Namespace::Tenant {
+            let identity = property(internal::AUTH_PROPERTY);
+            let tenant = identity
+                .as_deref()
+                .and_then(ParsedIdentity::parse)
+                .and_then(|id| id.verified_tenant().map(str::to_string));
+            match tenant {
+                Some(tenant) => self.namespace = Some(tenant),
+                None => return self.bypass(Bypass::NoVerifiedTenant),
+            }
+        }
+        if end_of_stream {
+            return self.bypass(Bypass::Unkeyable);
+        }
+        self.phase = Phase::AwaitingBody;
+        Action::Pause
+    }
+
+    /// The whole body is here: key it, look it up, take the lease.
+    fn decide(&mut self, plan: &Plan, body_size: usize) -> Action {
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let request = match CanonicalRequest::of(
+            self.provider,
+            &body,
+            self.namespace.as_deref(),
+            &plan.secret,
+        ) {
+            Ok(request) => request,
+            Err(err) => {
+                log::debug!("post-cache: not keyed: {err}");
+                return self.bypass(Bypass::Unkeyable);
+            }
+        };
+        let key = request.key;
+        self.key = Some(key);
+        let plan_now = plan_request(
+            "POST",
+            self.cache_control.as_deref(),
+            request.temperature,
+            &plan.config.ttl,
+        );
+        let (max_age, store, only_if_cached) = match plan_now {
+            RequestPlan::Bypass(reason) => return self.bypass(reason),
+            RequestPlan::Unsatisfiable => {
+                plan.metrics.lookup(Lookup::Miss);
+                return self.unsatisfiable();
+            }
+            RequestPlan::Refresh => {
+                plan.metrics.lookup(Lookup::Miss);
+                self.store = true;
+                self.phase = Phase::Upstream;
+                return Action::Continue;
+            }
+            RequestPlan::Lookup {
+                max_age,
+                store,
+                only_if_cached,
+            } => (max_age, store, only_if_cached),
+        };
+        let now_ms = now_ms();
+        if let Some(hit) = plan.shelf.lookup(&key, now_ms / 1000, max_age) {
+            plan.metrics.lookup(Lookup::Hit);
+            serve(&hit);
+            self.phase = Phase::Answered;
+            return Action::Pause;
+        }
+        plan.metrics.lookup(Lookup::Miss);
+        if only_if_cached {
+            return self.unsatisfiable();
+        }
+        self.store = store;
+        self.phase = Phase::Upstream;
+        if !store {
+            return Action::Continue;
+        }
+        let stampede = &plan.config.stampede;
+        match plan.shelf.take_lease(&key, now_ms, stampede.lease_ms) {
+            LeaseOutcome::Taken => self.holds_lease = true,
+            LeaseOutcome::HeldUntil(_) if stampede.mode == StampedeMode::Wait => {
+                let outcome = Rc::new(Cell::new(None));
+                plan.waiters.borrow_mut().push(Waiter {
+                    context_id: self.context_id,
+                    key,
+                    max_age,
+                    deadline_ms: now_ms.saturating_add(stampede.max_wait_ms),
+                    outcome: outcome.clone(),
+                });
+                self.phase = Phase::Waiting(outcome);
+                return Action::Pause;
+            }
+            LeaseOutcome::HeldUntil(_) | LeaseOutcome::Full => {}
+        }
+        Action::Continue
+    }
+
+    /// The response is complete: store it if everything allows.
+    fn finish(&mut self, plan: &Plan) {
+        let (Some(key), Some(capture)) = (self.key, self.capture.take()) else {
+            return;
+        };
+        let complete = capture.ended
+            && capture
+                .completion
+                .as_ref()
+                .is_none_or(StreamCompletion::complete);
+        if !complete {
+            plan.metrics.bypass(Bypass::Incomplete);
+            return;
+        }
+        let ttl = match response_ttl(
+            capture.status,
+            capture.cache_control.as_deref(),
+            &plan.config.ttl,
+        ) {
+            Ok(ttl) => ttl,
+            Err(reason) => {
+                plan.metrics.bypass(reason);
+                return;
+            }
+        };
+        let now = now_ms();
+        let response = StoredResponse {
+            digest: key.0,
+            stored_at_ms: now,
+            status: capture.status,
+            headers: capture.headers,
+            body: capture.body,
+            streamed: capture.completion.is_some(),
+        };
+        match plan.shelf.store(
+            &key,
+            &response,
+            (now / 1000).saturating_add(ttl),
+            now / 1000,
+        ) {
+            Some(evicted) => plan.metrics.stored(evicted),
+            None => plan.metrics.write_failed(),
+        }
+    }
+
+    /// Resolves a follower's phase once the root ended its wait.
+    fn settle_wait(&mut self) {
+        if let Phase::Waiting(outcome) = &self.phase {
+            self.phase = match outcome.get() {
+                Some(WaitEnd::Hit) => Phase::Answered,
+                Some(_) => Phase::Upstream,
+                None => return,
+            };
+        }
+    }
+}
+
+impl Context for CacheStream {}
+
+impl HttpContext for CacheStream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        self.admit(&plan, end_of_stream)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        if !matches!(self.phase, Phase::AwaitingBody) {
+            return Action::Continue;
+        }
+        if body_size > plan.config.max_request_bytes as usize {
+            return self.bypass(Bypass::TooLarge);
+        }
+        if !end_of_stream {
+            // Buffer until the whole body is here.
+            return Action::Pause;
+        }
+        self.decide(&plan, body_size)
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.settle_wait();
+        let label = match self.phase {
+            Phase::Bypassed => "BYPASS",
+            // Still awaiting the body: the upstream (or another filter)
+            // answered before it came; nothing of ours to say.
+            Phase::Upstream => "MISS",
+            Phase::Ignored | Phase::AwaitingBody | Phase::Answered | Phase::Waiting(_) => {
+                return Action::Continue;
+            }
+        };
+        set_response_header("x-cache", label);
+        let Some(plan) = &self.plan else {
+            return Action::Continue;
+        };
+        if !self.store {
+            return Action::Continue;
+        }
+        let status = response_header(":status")
+            .and_then(|s| s.parse::<u16>().ok())
+            .unwrap_or(0);
+        if status != 200 {
+            // Not stored: say why once, here.
+            plan.metrics.bypass(Bypass::Status);
+            self.store = false;
+            return Action::Continue;
+        }
+        let content_type = response_header("content-type");
+        let streamed = content_type
+            .as_deref()
+            .is_some_and(|ct| ct.starts_with("text/event-stream"));
+        let mut headers: Vec<(String, String)> = Vec::new();
+        if let Some(ct) = content_type {
+            headers.push(("content-type".into(), ct));
+        }
+        for name in &plan.config.stored_headers {
+            if let Some(value) = response_header(name) {
+                headers.push((name.clone(), value));
+            }
+        }
+        self.capture = Some(Capture {
+            status,
+            cache_control: response_header("cache-control"),
+            headers,
+            body: Vec::new(),
+            completion: streamed.then(|| StreamCompletion::new(self.provider)),
+            ended: end_of_stream,
+        });
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(plan) = &self.plan else {
+            return Action::Continue;
+        };
+        let Some(capture) = &mut self.capture else {
+            return Action::Continue;
+        };
+        if capture.body.len() + body_size > plan.config.max_entry_bytes as usize {
+            plan.metrics.bypass(Bypass::TooLarge);
+            self.capture = None;
+            return Action::Continue;
+        }
+        if body_size > 0
+            && let Ok(Some(chunk)) =
+                hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+        {
+            if let Some(completion) = &mut capture.completion {
+                completion.push(&chunk);
+            }
+            capture.body.extend_from_slice(&chunk);
+        }
+        capture.ended = end_of_stream;
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        let Some(plan) = self.plan.clone() else {
+            return;
+        };
+        self.settle_wait();
+        self.finish(&plan);
+        if self.holds_lease
+            && let Some(key) = &self.key
+        {
+            // Stored or not, followers stop waiting on this request.
+            plan.shelf.release_lease(key);
+            self.holds_lease = false;
+        }
+    }
+}
