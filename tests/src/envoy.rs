@@ -130,6 +130,23 @@ impl EnvoyConfig {
         Ok(self)
     }
 
+    /// Adds a static cluster `name` with one endpoint, `addr`.
+    pub fn add_cluster(mut self, name: &str, addr: SocketAddr) -> Result<Self> {
+        let cluster: Value = serde_yaml::from_str(&format!(
+            "{{name: {name}, type: STATIC, connect_timeout: 2s, load_assignment: {{cluster_name: {name}, \
+             endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: \
+             {{address: '{}', port_value: {}}}}}}}}}]}}]}}}}",
+            addr.ip(),
+            addr.port()
+        ))?;
+        let doc_name = self.name.clone();
+        lookup_mut(&mut self.doc, &["static_resources", "clusters"])
+            .and_then(Value::as_sequence_mut)
+            .ok_or_else(|| anyhow!("{doc_name}: no static_resources.clusters"))?
+            .push(cluster);
+        Ok(self)
+    }
+
     /// Replaces the configuration of bootstrap Wasm service `name`.
     pub fn set_service_config(&mut self, name: &str, json: &str) -> Result<()> {
         let doc_name = self.name.clone();

@@ -7,6 +7,7 @@
 pub mod client;
 pub mod differential;
 pub mod envoy;
+pub mod fleet;
 pub mod mock;
 pub mod model;
 pub mod paths;

@@ -229,7 +229,7 @@ fn python() -> Result<PathBuf> {
 }
 
 /// A port the kernel considers free on 127.0.0.1 right now.
-fn free_port() -> Result<u16> {
+pub(crate) fn free_port() -> Result<u16> {
     let listener = TcpListener::bind("127.0.0.1:0").context("binding 127.0.0.1:0")?;
     Ok(listener.local_addr()?.port())
 }

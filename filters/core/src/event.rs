@@ -20,6 +20,30 @@ pub enum Job {
     /// A verification a filter did itself (synchronously), for the
     /// observer's per-tenant escalation windows.
     Outcome(VerifyOutcome),
+    /// A cache entry for the fleet tier (appended last: variant indexes are
+    /// the wire format).
+    CacheWrite(CacheWrite),
+}
+
+/// A post-cache entry to write to the fleet tier (Redis), off the request path.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CacheWrite {
+    /// The entry's keyed digest (its Redis key, hex).
+    pub digest: [u8; 32],
+    /// Seconds it stays fresh.
+    pub ttl_secs: u32,
+    /// The encoded entry (`zerolayer_core::cache::store::StoredResponse`).
+    pub entry: Vec<u8>,
+}
+
+impl fmt::Debug for CacheWrite {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CacheWrite")
+            .field("digest", &crate::auth::credential::hex(&self.digest[..8]))
+            .field("ttl_secs", &self.ttl_secs)
+            .field("entry", &format_args!("<{} bytes>", self.entry.len()))
+            .finish()
+    }
 }
 
 /// The result of a synchronous verification.
@@ -90,6 +114,7 @@ impl fmt::Debug for Job {
             Job::Verify(v) => v.fmt(f),
             Job::Audit(a) => a.fmt(f),
             Job::Outcome(o) => o.fmt(f),
+            Job::CacheWrite(w) => w.fmt(f),
         }
     }
 }
@@ -130,6 +155,13 @@ mod tests {
         let shown = format!("{job:?}");
         assert!(!shown.contains("secret"), "{shown}");
         assert!(shown.contains("<15 bytes>"), "{shown}");
+        let write = Job::CacheWrite(CacheWrite {
+            digest: [1; 32],
+            ttl_secs: 60,
+            entry: vec![9; 100],
+        });
+        assert_eq!(Job::decode(&write.encode()), Some(write.clone()));
+        assert!(format!("{write:?}").contains("<100 bytes>"));
         assert_eq!(Job::decode(b""), None);
         assert_eq!(Job::decode(&[1, 200, 3]), None);
     }

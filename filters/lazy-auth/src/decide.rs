@@ -203,7 +203,8 @@ impl Stream {
             enqueued_at_ms: self.started_us / 1000,
         });
         let queued = plan
-            .queue()
+            .queue
+            .get()
             .is_some_and(|q| hostcalls::enqueue_shared_queue(q, Some(&job.encode())).is_ok());
         if !queued {
             // Without an observer the credential would never be verified:
@@ -322,7 +323,7 @@ impl Stream {
             .tenant
             .clone()
             .or_else(|| self.claimed_tenant.clone())
-            && let Some(q) = plan.queue()
+            && let Some(q) = plan.queue.get()
         {
             let outcome = Job::Outcome(VerifyOutcome {
                 tenant,
@@ -409,7 +410,7 @@ impl Stream {
         if !audited {
             return;
         }
-        let Some(q) = plan.queue() else {
+        let Some(q) = plan.queue.get() else {
             plan.metrics.lost();
             return;
         };

@@ -16,7 +16,6 @@ mod decide;
 mod inline;
 mod metrics;
 
-use std::cell::Cell;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -26,7 +25,8 @@ use proxy_wasm::types::{Action, ContextType, LogLevel};
 use zerolayer_core::auth::config::{LazyAuthConfig, ObserverMode};
 use zerolayer_core::auth::jwt::Validation;
 use zerolayer_core::auth::policy::Policy;
-use zerolayer_observer::Observer;
+use zerolayer_observer::{Observer, ObserverConfig};
+use zerolayer_proxy::ObserverQueue;
 
 use decide::Stream;
 use inline::InlineKeys;
@@ -53,27 +53,9 @@ pub(crate) struct Plan {
     pub validation: Validation,
     pub trusted: Vec<regex::bytes::Regex>,
     pub keys: InlineKeys,
-    /// The job queue: resolved on first use (singleton mode, the observer
-    /// may configure after the filters) or owned (tick mode).
-    pub queue: Cell<Option<u32>>,
+    /// The observer's job queue.
+    pub queue: ObserverQueue,
     pub metrics: Metrics,
-}
-
-impl Plan {
-    /// The observer's job queue, resolving it if needed.
-    pub fn queue(&self) -> Option<u32> {
-        if let Some(q) = self.queue.get() {
-            return Some(q);
-        }
-        let link = &self.config.observer;
-        match hostcalls::resolve_shared_queue(&link.vm_id, &link.queue) {
-            Ok(Some(q)) => {
-                self.queue.set(Some(q));
-                Some(q)
-            }
-            _ => None,
-        }
-    }
 }
 
 /// The plugin's root context.
@@ -127,7 +109,7 @@ impl RootContext for AuthRoot {
             .filter_map(|c| regex::bytes::Regex::new(&c.user_agent).ok())
             .collect();
         if config.observer.mode == ObserverMode::Tick {
-            match Observer::configure(&config, "lazy-auth") {
+            match Observer::configure(&ObserverConfig::for_lazy_auth(config.clone()), "lazy-auth") {
                 Ok(observer) => self.observer = Some(observer),
                 Err(err) => {
                     log::error!("lazy-auth: invalid configuration: observer: {err}");
@@ -140,7 +122,10 @@ impl RootContext for AuthRoot {
             validation: zerolayer_observer::auth::validation(&config),
             trusted,
             keys,
-            queue: Cell::new(self.observer.as_ref().map(Observer::queue)),
+            queue: ObserverQueue::new(
+                config.observer.clone(),
+                self.observer.as_ref().map(Observer::queue),
+            ),
             metrics: Metrics::define(),
             config,
         };

@@ -57,7 +57,7 @@ impl RootContext for ObserverService {
         else {
             return false;
         };
-        match Observer::configure(&config.lazy_auth, "observer") {
+        match Observer::configure(&config, "observer") {
             Ok(observer) => self.observer = Some(observer),
             Err(err) => {
                 log::error!("observer: invalid configuration: {err}");

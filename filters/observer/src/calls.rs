@@ -15,6 +15,8 @@ pub(crate) enum CallKind {
     Introspect(VerifyJob),
     /// An audit batch.
     Audit(Vec<AuditRecord>),
+    /// A cache entry written to the fleet tier.
+    CacheWrite,
 }
 
 /// Callouts in flight.
@@ -34,9 +36,22 @@ impl Calls {
         body: Option<&[u8]>,
         kind: CallKind,
     ) -> Result<(), CallKind> {
+        self.dispatch_to(endpoint, &endpoint.path, method, extra_headers, body, kind)
+    }
+
+    /// Like [`Calls::dispatch`], to `path` instead of the endpoint's own.
+    pub(crate) fn dispatch_to(
+        &mut self,
+        endpoint: &Endpoint,
+        path: &str,
+        method: &str,
+        extra_headers: &[(&str, &[u8])],
+        body: Option<&[u8]>,
+        kind: CallKind,
+    ) -> Result<(), CallKind> {
         let mut headers: Vec<(&str, &[u8])> = vec![
             (":method", method.as_bytes()),
-            (":path", endpoint.path.as_bytes()),
+            (":path", path.as_bytes()),
             (":authority", endpoint.authority().as_bytes()),
         ];
         headers.extend_from_slice(extra_headers);
@@ -59,9 +74,8 @@ impl Calls {
             }
             Err(status) => {
                 log::warn!(
-                    "observer: cannot call cluster {} ({}): {status:?}",
+                    "observer: cannot call cluster {} ({path}): {status:?}",
                     endpoint.cluster,
-                    endpoint.path
                 );
                 Err(kind)
             }

@@ -1,10 +1,10 @@
 //! The observer: everything zerolayer does off the request path. Filters
 //! post compact [`Job`]s on a shared queue; the observer drains it, verifies
 //! credentials and stores verdicts, keeps per-tenant escalation windows,
-//! fetches JWKS, and ships audit records, with breakers in front of every
-//! endpoint.
+//! fetches JWKS, ships audit records, and writes cache entries to the fleet
+//! tier, with breakers in front of the verifier endpoints.
 //!
-//! It runs in one of two places (`observer.mode` in lazy-auth's config):
+//! It runs in one of two places (`observer.mode` in the filters' configs):
 //! - **singleton** (Envoy): a bootstrap service (`envoy.bootstrap.wasm`,
 //!   `singleton: true`) owns the queue; `on_queue_ready` wakes it when a
 //!   worker enqueues, and its tick does the periodic work;
@@ -23,27 +23,35 @@
 mod audit;
 pub mod auth;
 mod calls;
+mod fleet;
 
 use proxy_wasm::hostcalls;
 use serde::Deserialize;
 use zerolayer_core::ConfigError;
-use zerolayer_core::auth::config::LazyAuthConfig;
+use zerolayer_core::auth::config::{LazyAuthConfig, ObserverLink};
+use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::event::Job;
 use zerolayer_proxy::{Counters, Metric};
 
 use audit::AuditShipper;
 use auth::AuthWorker;
 use calls::{CallKind, Calls};
+use fleet::FleetWriter;
 
 /// Jobs handled per wake-up at most: a burst never blocks the thread long.
 const DRAIN_BUDGET: usize = 1000;
 
-/// The observer's configuration (the singleton's plugin configuration).
+/// The observer's configuration (the singleton's plugin configuration):
+/// the configurations of the filters it works for, as those filters get them.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ObserverConfig {
-    /// lazy-auth's configuration (the same object the filter gets).
-    pub lazy_auth: LazyAuthConfig,
+    /// lazy-auth's configuration: verification, JWKS, escalation, audit.
+    #[serde(default)]
+    pub lazy_auth: Option<LazyAuthConfig>,
+    /// post-cache's configuration: fleet-tier writes.
+    #[serde(default)]
+    pub post_cache: Option<PostCacheConfig>,
     /// Tick period, ms (JWKS refresh, audit flushes, escalation windows,
     /// and draining where the host has no queue notifications).
     #[serde(default = "default_tick")]
@@ -58,11 +66,58 @@ impl ObserverConfig {
     /// Parses and checks the configuration.
     pub fn from_json(bytes: &[u8]) -> Result<ObserverConfig, ConfigError> {
         let config: ObserverConfig = zerolayer_core::config::from_json(bytes)?;
-        config
-            .lazy_auth
-            .check()
-            .map_err(|e| ConfigError::new(format!("lazy_auth.{}", e.path()), e.message()))?;
+        let within = |section: &str, e: ConfigError| {
+            ConfigError::new(format!("{section}.{}", e.path()), e.message())
+        };
+        if let Some(lazy) = &config.lazy_auth {
+            lazy.check().map_err(|e| within("lazy_auth", e))?;
+        }
+        if let Some(cache) = &config.post_cache {
+            cache.check().map_err(|e| within("post_cache", e))?;
+        }
+        match (&config.lazy_auth, &config.post_cache) {
+            (None, None) => {
+                return Err(ConfigError::new(
+                    "lazy_auth",
+                    "the observer needs lazy_auth, post_cache or both",
+                ));
+            }
+            (Some(lazy), Some(cache)) if lazy.observer != cache.observer => {
+                return Err(ConfigError::new(
+                    "post_cache.observer",
+                    "must name the same vm_id, queue and mode as lazy_auth.observer (one observer, one queue)",
+                ));
+            }
+            _ => {}
+        }
         Ok(config)
+    }
+
+    /// The observer for lazy-auth alone (its tick mode embeds one).
+    pub fn for_lazy_auth(config: LazyAuthConfig) -> ObserverConfig {
+        ObserverConfig {
+            lazy_auth: Some(config),
+            post_cache: None,
+            tick_ms: default_tick(),
+        }
+    }
+
+    /// The observer for post-cache alone (its tick mode embeds one).
+    pub fn for_post_cache(config: PostCacheConfig) -> ObserverConfig {
+        ObserverConfig {
+            lazy_auth: None,
+            post_cache: Some(config),
+            tick_ms: default_tick(),
+        }
+    }
+
+    /// Where the filters reach this observer.
+    pub fn link(&self) -> ObserverLink {
+        match (&self.lazy_auth, &self.post_cache) {
+            (Some(lazy), _) => lazy.observer.clone(),
+            (None, Some(cache)) => cache.observer.clone(),
+            (None, None) => ObserverLink::default(),
+        }
     }
 }
 
@@ -84,10 +139,14 @@ pub(crate) mod counter {
     pub const AUDIT_FAILED_BATCHES: usize = 13;
     pub const JWKS_FETCHED: usize = 14;
     pub const JWKS_FAILED: usize = 15;
+    pub const JOBS_CACHE_WRITE: usize = 16;
+    pub const FLEET_WRITTEN: usize = 17;
+    pub const FLEET_FAILED: usize = 18;
+    pub const FLEET_DROPPED: usize = 19;
 }
 
 /// Metric names, in [`counter`] order (Prometheus labels via `_key=value`).
-pub const COUNTER_NAMES: [&str; 16] = [
+pub const COUNTER_NAMES: [&str; 20] = [
     "zerolayer_observer_jobs_kind=verify",
     "zerolayer_observer_jobs_kind=audit",
     "zerolayer_observer_jobs_kind=unreadable",
@@ -104,6 +163,10 @@ pub const COUNTER_NAMES: [&str; 16] = [
     "zerolayer_audit_batches_failed",
     "zerolayer_auth_jwks_fetches_outcome=ok",
     "zerolayer_auth_jwks_fetches_outcome=failed",
+    "zerolayer_observer_jobs_kind=cache_write",
+    "zerolayer_cache_fleet_writes_outcome=ok",
+    "zerolayer_cache_fleet_writes_outcome=failed",
+    "zerolayer_cache_fleet_writes_outcome=dropped",
 ];
 
 /// The observer's metrics: batched counters, plus gauges and a histogram
@@ -149,38 +212,56 @@ impl ObserverMetrics {
 /// The observer's state.
 pub struct Observer {
     queue: u32,
-    auth: AuthWorker,
+    auth: Option<AuthWorker>,
     audit: Option<AuditShipper>,
+    fleet: Option<FleetWriter>,
     calls: Calls,
     counters: ObserverMetrics,
 }
 
 impl Observer {
-    /// Builds the observer from `lazy_auth` and registers (owns) the job
-    /// queue. `who` names it in log lines.
-    pub fn configure(lazy_auth: &LazyAuthConfig, who: &str) -> Result<Observer, String> {
-        let queue = hostcalls::register_shared_queue(&lazy_auth.observer.queue)
-            .map_err(|s| format!("cannot register queue {}: {s:?}", lazy_auth.observer.queue))?;
-        let auth = AuthWorker::new(lazy_auth)?;
+    /// Builds the observer for the filters `config` names and registers
+    /// (owns) the job queue. `who` names it in log lines.
+    pub fn configure(config: &ObserverConfig, who: &str) -> Result<Observer, String> {
+        let link = config.link();
+        let queue = hostcalls::register_shared_queue(&link.queue)
+            .map_err(|s| format!("cannot register queue {}: {s:?}", link.queue))?;
+        let auth = config.lazy_auth.as_ref().map(AuthWorker::new).transpose()?;
+        let fleet = config
+            .post_cache
+            .as_ref()
+            .and_then(|c| c.fleet.clone())
+            .map(FleetWriter::new);
+        let mut work = Vec::new();
+        if let (Some(auth), Some(lazy)) = (&auth, &config.lazy_auth) {
+            work.push(format!("{} verification keys", auth.key_count()));
+            if lazy.jwt.jwks.is_some() {
+                work.push("JWKS endpoint".into());
+            }
+            if lazy.api_keys.is_some() {
+                work.push("API key introspection".into());
+            }
+            if lazy.audit.is_some() {
+                work.push("audit sink".into());
+            }
+        }
+        if let Some(fleet) = &fleet {
+            work.push(format!("cache fleet tier on cluster {}", fleet.cluster()));
+        }
         log::info!(
-            "{who}: observer on queue {} ({} verification keys{}{})",
-            lazy_auth.observer.queue,
-            auth.key_count(),
-            if lazy_auth.jwt.jwks.is_some() {
-                ", JWKS endpoint"
-            } else {
-                ""
-            },
-            if lazy_auth.api_keys.is_some() {
-                ", API key introspection"
-            } else {
-                ""
-            },
+            "{who}: observer on queue {} ({})",
+            link.queue,
+            work.join(", ")
         );
         Ok(Observer {
             queue,
-            audit: lazy_auth.audit.clone().map(AuditShipper::new),
+            audit: config
+                .lazy_auth
+                .as_ref()
+                .and_then(|l| l.audit.clone())
+                .map(AuditShipper::new),
             auth,
+            fleet,
             calls: Calls::default(),
             counters: ObserverMetrics::define(who),
         })
@@ -201,7 +282,10 @@ impl Observer {
             match Job::decode(&item) {
                 Some(Job::Verify(job)) => {
                     self.counters.add(counter::JOBS_VERIFY, 1);
-                    self.auth.verify(job, &mut self.calls, &self.counters);
+                    match &mut self.auth {
+                        Some(auth) => auth.verify(job, &mut self.calls, &self.counters),
+                        None => self.counters.add(counter::VERIFY_DROPPED, 1),
+                    }
                 }
                 Some(Job::Audit(record)) => {
                     self.counters.add(counter::JOBS_AUDIT, 1);
@@ -210,7 +294,18 @@ impl Observer {
                         None => self.counters.add(counter::AUDIT_DROPPED, 1),
                     }
                 }
-                Some(Job::Outcome(outcome)) => self.auth.record_outcome(&outcome, &self.counters),
+                Some(Job::Outcome(outcome)) => {
+                    if let Some(auth) = &mut self.auth {
+                        auth.record_outcome(&outcome, &self.counters);
+                    }
+                }
+                Some(Job::CacheWrite(write)) => {
+                    self.counters.add(counter::JOBS_CACHE_WRITE, 1);
+                    match &mut self.fleet {
+                        Some(fleet) => fleet.write(write, &mut self.calls, &self.counters),
+                        None => self.counters.add(counter::FLEET_DROPPED, 1),
+                    }
+                }
                 None => self.counters.add(counter::JOBS_UNREADABLE, 1),
             }
             drained += 1;
@@ -225,7 +320,9 @@ impl Observer {
     pub fn on_tick(&mut self) {
         self.drain();
         let now = zerolayer_proxy::now_secs();
-        self.auth.maintain(now, &mut self.calls, &self.counters);
+        if let Some(auth) = &mut self.auth {
+            auth.maintain(now, &mut self.calls, &self.counters);
+        }
         if let Some(audit) = &mut self.audit {
             audit.maybe_flush(zerolayer_proxy::now_ms(), &mut self.calls, &self.counters);
         }
@@ -260,9 +357,16 @@ impl Observer {
                     audit.answered(batch, status, &self.counters);
                 }
             }
-            other => self
-                .auth
-                .answered(other, status, &body, &mut self.calls, &self.counters),
+            CallKind::CacheWrite => {
+                if let Some(fleet) = &mut self.fleet {
+                    fleet.answered(status, &self.counters);
+                }
+            }
+            other => {
+                if let Some(auth) = &mut self.auth {
+                    auth.answered(other, status, &body, &mut self.calls, &self.counters);
+                }
+            }
         }
         true
     }
@@ -275,5 +379,49 @@ impl Observer {
     /// Reports counters (at shutdown, too).
     pub fn flush_counters(&self) {
         self.counters.counters.flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error(json: &str) -> String {
+        match ObserverConfig::from_json(json.as_bytes()) {
+            Ok(_) => "accepted".into(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn either_filter_or_both_with_one_queue() {
+        let cache = r#"{"secret_env":"S"}"#;
+        let lazy = r#"{"credentials":[{"header":"authorization","scheme":"Bearer","kind":"jwt"}]}"#;
+        assert!(
+            ObserverConfig::from_json(format!(r#"{{"post_cache":{cache}}}"#).as_bytes()).is_ok()
+        );
+        assert!(ObserverConfig::from_json(format!(r#"{{"lazy_auth":{lazy}}}"#).as_bytes()).is_ok());
+        assert!(
+            error("{}").contains("lazy_auth: the observer needs lazy_auth, post_cache or both")
+        );
+        let other_queue = r#"{"secret_env":"S","observer":{"queue":"other"}}"#;
+        assert!(
+            error(&format!(
+                r#"{{"lazy_auth":{lazy},"post_cache":{other_queue}}}"#
+            ))
+            .contains("post_cache.observer: must name the same"),
+        );
+        assert!(
+            error(r#"{"post_cache":{"secret_env":"S","max_entries":0}}"#)
+                .contains("post_cache.max_entries")
+        );
+        assert!(error(r#"{"lazy_auth":{"credentials":[]}}"#).contains("lazy_auth.credentials"));
+        let both = ObserverConfig::from_json(
+            format!(r#"{{"lazy_auth":{lazy},"post_cache":{cache}}}"#).as_bytes(),
+        );
+        assert_eq!(
+            both.map(|c| c.link().queue).ok().as_deref(),
+            Some("zerolayer.jobs")
+        );
     }
 }

@@ -3,10 +3,15 @@
 //! terminal event), keyed by a keyed digest of the canonical request, with a
 //! lease so identical concurrent misses reach the GPU once.
 //!
+//! With a fleet tier, a local miss asks Redis (through webdis) before going
+//! upstream, and stored entries are handed to the observer, which writes
+//! them to Redis off the request path.
+//!
 //! Lifecycle, top to bottom: configuration → request headers (is this a
-//! cacheable request?) → request body (key, lookup, lease) → response
-//! headers (`x-cache`, status) → response body (capture, stream completion)
-//! → log (store, release) → tick (waiting followers, counters).
+//! cacheable request?) → request body (key, lookup, lease) → fleet answer
+//! → response headers (`x-cache`, status) → response body (capture, stream
+//! completion) → log (store, release, fleet write) → tick (waiting
+//! followers, counters, the embedded observer in tick mode).
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
@@ -23,8 +28,11 @@ use std::time::Duration;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{ContextType, LogLevel};
+use zerolayer_core::auth::config::ObserverMode;
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::cache::key::CacheKey;
+use zerolayer_observer::{Observer, ObserverConfig};
+use zerolayer_proxy::ObserverQueue;
 
 use metrics::{Metrics, WaitEnd};
 use shelf::{Shelf, serve};
@@ -48,6 +56,8 @@ pub(crate) struct Plan {
     pub secret: Vec<u8>,
     pub shelf: Shelf,
     pub metrics: Metrics,
+    /// The observer's job queue (fleet writes).
+    pub queue: ObserverQueue,
     /// Followers waiting for a lease holder's response.
     pub waiters: RefCell<Vec<Waiter>>,
 }
@@ -67,12 +77,29 @@ pub(crate) struct Waiter {
 #[derive(Default)]
 struct CacheRoot {
     plan: Option<Rc<Plan>>,
+    /// The observer, embedded in tick mode (fleet writes).
+    observer: Option<Observer>,
 }
 
 impl Context for CacheRoot {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        if let Some(observer) = &mut self.observer {
+            observer.on_http_call_response(token, body_size);
+        }
+    }
+
     fn on_done(&mut self) -> bool {
         if let Some(plan) = &self.plan {
             plan.metrics.flush();
+        }
+        if let Some(observer) = &self.observer {
+            observer.flush_counters();
         }
         true
     }
@@ -101,11 +128,25 @@ impl RootContext for CacheRoot {
             config.memory_bound() / (1024 * 1024),
             config.stampede.mode,
         );
+        if config.fleet.is_some() && config.observer.mode == ObserverMode::Tick {
+            let observer = ObserverConfig::for_post_cache(config.clone());
+            match Observer::configure(&observer, "post-cache") {
+                Ok(observer) => self.observer = Some(observer),
+                Err(err) => {
+                    log::error!("post-cache: invalid configuration: observer: {err}");
+                    return false;
+                }
+            }
+        }
         let tick = Duration::from_millis(config.stampede.poll_ms.clamp(1, 1000));
         self.plan = Some(Rc::new(Plan {
             shelf: Shelf::new(config.max_entries),
             secret: secret.unwrap_or_default(),
             metrics: Metrics::define(),
+            queue: ObserverQueue::new(
+                config.observer.clone(),
+                self.observer.as_ref().map(Observer::queue),
+            ),
             waiters: RefCell::new(Vec::new()),
             config,
         }));
@@ -123,6 +164,9 @@ impl RootContext for CacheRoot {
         };
         wake_followers(plan);
         plan.metrics.flush();
+        if let Some(observer) = &mut self.observer {
+            observer.on_tick();
+        }
     }
 
     fn get_type(&self) -> Option<ContextType> {

@@ -4,7 +4,9 @@
 //! `zerolayer_cache_bypass{reason=…}` (request side and not-stored reasons),
 //! `zerolayer_cache_stored`, `zerolayer_cache_evicted`,
 //! `zerolayer_cache_lease_waits{outcome=hit|upstream|timeout}`,
-//! `zerolayer_cache_write_failed`.
+//! `zerolayer_cache_write_failed`,
+//! `zerolayer_cache_fleet_reads{result=hit|miss|error}`,
+//! `zerolayer_cache_fleet_writes_queued`, `zerolayer_cache_fleet_writes_lost`.
 
 use zerolayer_core::cache::control::Bypass;
 use zerolayer_proxy::Counters;
@@ -19,6 +21,20 @@ const STORED: usize = BYPASS + Bypass::ALL.len();
 const EVICTED: usize = STORED + 1;
 const WAIT: usize = EVICTED + 1;
 const WRITE_FAILED: usize = WAIT + WAITS.len();
+/// Fleet-tier reads, in counter order.
+const FLEET_READS: [&str; 3] = ["hit", "miss", "error"];
+const FLEET_READ: usize = WRITE_FAILED + 1;
+const FLEET_QUEUED: usize = FLEET_READ + FLEET_READS.len();
+const FLEET_LOST: usize = FLEET_QUEUED + 1;
+
+/// A fleet-tier read's result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FleetRead {
+    Hit,
+    Miss,
+    /// No answer, an error status, or an entry that does not belong to the request.
+    Error,
+}
 
 /// A lookup's result.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +76,13 @@ impl Metrics {
                 .map(|w| format!("zerolayer_cache_lease_waits_outcome={w}")),
         );
         names.push("zerolayer_cache_write_failed".into());
+        names.extend(
+            FLEET_READS
+                .iter()
+                .map(|r| format!("zerolayer_cache_fleet_reads_result={r}")),
+        );
+        names.push("zerolayer_cache_fleet_writes_queued".into());
+        names.push("zerolayer_cache_fleet_writes_lost".into());
         Metrics(Counters::define("post-cache", &names))
     }
 
@@ -86,6 +109,16 @@ impl Metrics {
 
     pub(crate) fn write_failed(&self) {
         self.0.add(WRITE_FAILED, 1);
+    }
+
+    pub(crate) fn fleet_read(&self, result: FleetRead) {
+        self.0.add(FLEET_READ + result as usize, 1);
+    }
+
+    /// A fleet write handed to the observer (or lost: no observer queue).
+    pub(crate) fn fleet_write(&self, queued: bool) {
+        self.0
+            .add(if queued { FLEET_QUEUED } else { FLEET_LOST }, 1);
     }
 
     pub(crate) fn flush(&self) {

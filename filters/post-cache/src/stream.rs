@@ -6,23 +6,26 @@ use std::rc::Rc;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::{Action, BufferType};
+use std::time::Duration;
+
+use proxy_wasm::types::{Action, BufferType, MapType};
 use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_core::cache::config::{Namespace, StampedeMode};
 use zerolayer_core::cache::control::{
-    Bypass, RequestDirectives, RequestPlan, plan_request, response_ttl,
+    Bypass, RequestDirectives, RequestPlan, age, fresh_enough, plan_request, response_ttl,
 };
 use zerolayer_core::cache::key::{CacheKey, CanonicalRequest, Provider};
 use zerolayer_core::cache::lease::LeaseOutcome;
-use zerolayer_core::cache::store::StoredResponse;
+use zerolayer_core::cache::store::{FleetEntry, StoredResponse};
 use zerolayer_core::cache::stream::StreamCompletion;
+use zerolayer_core::event::{CacheWrite, Job};
 use zerolayer_core::internal;
 use zerolayer_proxy::{
     now_ms, property, request_header, response_header, send_json_error, set_response_header,
 };
 
-use crate::metrics::{Lookup, WaitEnd};
-use crate::shelf::serve;
+use crate::metrics::{FleetRead, Lookup, WaitEnd};
+use crate::shelf::{Hit, serve};
 use crate::{Plan, Waiter};
 
 /// Where a request stands.
@@ -64,6 +67,17 @@ pub(crate) struct CacheStream {
     store: bool,
     holds_lease: bool,
     capture: Option<Capture>,
+    /// A fleet-tier read in flight: its callout and the miss it resolves.
+    remote: Option<(u32, Miss)>,
+}
+
+/// A local miss, waiting to be resolved (fleet tier, lease, upstream).
+#[derive(Clone, Copy)]
+struct Miss {
+    key: CacheKey,
+    max_age: Option<u64>,
+    store: bool,
+    only_if_cached: bool,
 }
 
 impl CacheStream {
@@ -79,6 +93,7 @@ impl CacheStream {
             store: false,
             holds_lease: false,
             capture: None,
+            remote: None,
         }
     }
 
@@ -198,6 +213,107 @@ impl CacheStream {
             self.phase = Phase::Answered;
             return Action::Pause;
         }
+        let miss = Miss {
+            key,
+            max_age,
+            store,
+            only_if_cached,
+        };
+        if let Some(fleet) = plan.config.fleet.as_ref().filter(|f| f.read_remote) {
+            // Ask the fleet tier before the backend; the request waits for
+            // the answer (at most the endpoint's timeout).
+            let path = fleet.get_path(&key);
+            match hostcalls::dispatch_http_call(
+                &fleet.endpoint.cluster,
+                vec![
+                    (":method", "GET"),
+                    (":path", &path),
+                    (":authority", fleet.endpoint.authority()),
+                ],
+                None,
+                vec![],
+                Duration::from_millis(u64::from(fleet.endpoint.timeout_ms)),
+            ) {
+                Ok(token) => {
+                    self.remote = Some((token, miss));
+                    return Action::Pause;
+                }
+                Err(status) => {
+                    log::warn!("post-cache: cannot call the fleet tier: {status:?}");
+                    plan.metrics.fleet_read(FleetRead::Error);
+                }
+            }
+        }
+        self.missed(plan, miss, now_ms)
+    }
+
+    /// The fleet tier answered a read this request is waiting for.
+    fn fleet_answered(&mut self, plan: &Plan, token: u32, body_size: usize) {
+        let miss = match self.remote.take() {
+            Some((pending, miss)) if pending == token => miss,
+            other => {
+                self.remote = other;
+                return;
+            }
+        };
+        let now_ms = now_ms();
+        let now = now_ms / 1000;
+        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten();
+        let entry = match status.as_deref() {
+            Some(b"200") => hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+                .and_then(|body| FleetEntry::decode(&body)),
+            Some(b"404") => {
+                plan.metrics.fleet_read(FleetRead::Miss);
+                None
+            }
+            _ => {
+                plan.metrics.fleet_read(FleetRead::Error);
+                None
+            }
+        };
+        // The entry must be this request's (full digest, constant time) and
+        // fresh enough for it; anything else is a miss.
+        let usable = entry.filter(|e| {
+            let stored_at = e.response.stored_at_ms / 1000;
+            miss.key.matches(&e.response.digest)
+                && fresh_enough(stored_at, e.expires_at, now, miss.max_age)
+        });
+        if let Some(entry) = usable {
+            plan.metrics.fleet_read(FleetRead::Hit);
+            plan.metrics.lookup(Lookup::Hit);
+            let hit = Hit {
+                age: age(entry.response.stored_at_ms / 1000, now),
+                response: entry.response,
+            };
+            serve(&hit);
+            self.phase = Phase::Answered;
+            // Kept locally too: the next request on this gateway stays local.
+            let _ = plan
+                .shelf
+                .store(&miss.key, &hit.response, entry.expires_at, now);
+            return;
+        }
+        if status.as_deref() == Some(b"200") {
+            plan.metrics.fleet_read(FleetRead::Error);
+        }
+        if self.missed(plan, miss, now_ms) == Action::Continue {
+            let _ = hostcalls::resume_http_request();
+        }
+    }
+
+    /// Nothing usable is cached: go upstream, as the lease holder, a
+    /// waiting follower, or without a lease.
+    fn missed(&mut self, plan: &Plan, miss: Miss, now_ms: u64) -> Action {
+        let Miss {
+            key,
+            max_age,
+            store,
+            only_if_cached,
+        } = miss;
         plan.metrics.lookup(Lookup::Miss);
         if only_if_cached {
             return self.unsatisfiable();
@@ -261,14 +377,23 @@ impl CacheStream {
             body: capture.body,
             streamed: capture.completion.is_some(),
         };
-        match plan.shelf.store(
-            &key,
-            &response,
-            (now / 1000).saturating_add(ttl),
-            now / 1000,
-        ) {
+        let expires_at = (now / 1000).saturating_add(ttl);
+        match plan.shelf.store(&key, &response, expires_at, now / 1000) {
             Some(evicted) => plan.metrics.stored(evicted),
             None => plan.metrics.write_failed(),
+        }
+        if plan.config.fleet.is_some() {
+            // Redis gets it from the observer, off the request path.
+            let job = Job::CacheWrite(CacheWrite {
+                digest: key.0,
+                ttl_secs: u32::try_from(ttl).unwrap_or(u32::MAX),
+                entry: FleetEntry {
+                    expires_at,
+                    response,
+                }
+                .encode(),
+            });
+            plan.metrics.fleet_write(plan.queue.post(&job.encode()));
         }
     }
 
@@ -284,7 +409,19 @@ impl CacheStream {
     }
 }
 
-impl Context for CacheStream {}
+impl Context for CacheStream {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        if let Some(plan) = self.plan.clone() {
+            self.fleet_answered(&plan, token, body_size);
+        }
+    }
+}
 
 impl HttpContext for CacheStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {

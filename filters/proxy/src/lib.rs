@@ -8,11 +8,13 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+use std::cell::Cell;
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use zerolayer_core::ConfigError;
+use zerolayer_core::auth::config::ObserverLink;
 use zerolayer_core::metrics::PendingCounters;
 
 /// Reads the plugin configuration and parses it with `parse`; on error logs
@@ -93,6 +95,45 @@ pub fn property(path: &str) -> Option<Vec<u8>> {
 pub fn publish(path: &str, value: &[u8]) {
     if let Err(status) = hostcalls::set_property(vec![path], Some(value)) {
         log::warn!("could not publish {path}: {status:?}");
+    }
+}
+
+/// The observer's job queue as a filter reaches it: owned (tick mode, the
+/// filter's root registered it) or resolved on first use (singleton mode:
+/// the observer service may configure after the filters).
+pub struct ObserverQueue {
+    link: ObserverLink,
+    id: Cell<Option<u32>>,
+}
+
+impl ObserverQueue {
+    /// A queue reached through `link`; `owned` when this VM registered it.
+    pub fn new(link: ObserverLink, owned: Option<u32>) -> ObserverQueue {
+        ObserverQueue {
+            link,
+            id: Cell::new(owned),
+        }
+    }
+
+    /// The queue id, resolving it if needed (`None` while the observer is
+    /// not there).
+    pub fn get(&self) -> Option<u32> {
+        if let Some(id) = self.id.get() {
+            return Some(id);
+        }
+        match hostcalls::resolve_shared_queue(&self.link.vm_id, &self.link.queue) {
+            Ok(Some(id)) => {
+                self.id.set(Some(id));
+                Some(id)
+            }
+            _ => None,
+        }
+    }
+
+    /// Posts `job`; returns whether it was queued.
+    pub fn post(&self, job: &[u8]) -> bool {
+        self.get()
+            .is_some_and(|q| hostcalls::enqueue_shared_queue(q, Some(job)).is_ok())
     }
 }
 

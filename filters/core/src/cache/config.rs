@@ -4,6 +4,7 @@
 use serde::Deserialize;
 
 use super::control::TtlPolicy;
+use super::key::CacheKey;
 use crate::auth::config::{Endpoint, ObserverLink};
 use crate::config::{ConfigError, quoted};
 
@@ -84,9 +85,34 @@ pub struct FleetConfig {
     #[serde(default = "default_true")]
     pub read_remote: bool,
     /// Redis key prefix (one deployment's entries; the secret already keeps
-    /// deployments apart).
+    /// deployments apart). Letters, digits and `:_-.` only: it is a URL
+    /// path segment.
     #[serde(default = "default_redis_prefix")]
     pub key_prefix: String,
+}
+
+impl FleetConfig {
+    /// The webdis path reading `key`'s entry (`.txt`: the raw bytes, 404
+    /// when absent).
+    pub fn get_path(&self, key: &CacheKey) -> String {
+        format!("{}GET/{}{}.txt", self.base(), self.key_prefix, key.hex())
+    }
+
+    /// The webdis path writing `key`'s entry for `ttl_secs` (the entry is
+    /// the PUT body, binary-safe).
+    pub fn setex_path(&self, key: &CacheKey, ttl_secs: u32) -> String {
+        format!(
+            "{}SETEX/{}{}/{ttl_secs}",
+            self.base(),
+            self.key_prefix,
+            key.hex()
+        )
+    }
+
+    /// `path` with exactly one trailing slash.
+    fn base(&self) -> String {
+        format!("{}/", self.endpoint.path.trim_end_matches('/'))
+    }
 }
 
 fn default_true() -> bool {
@@ -199,12 +225,18 @@ impl PostCacheConfig {
                 ),
             ));
         }
-        if self.fleet.is_some() {
-            // Refused rather than ignored: an operator who asks for a shared
-            // tier must not silently get a local one.
+        if let Some(fleet) = &self.fleet
+            && !fleet
+                .key_prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b":_-.".contains(&b))
+        {
             return Err(ConfigError::new(
-                "fleet",
-                "the Redis fleet tier is not available in this version (local tier only)",
+                "fleet.key_prefix",
+                format!(
+                    "only letters, digits and \":_-.\" (got {})",
+                    quoted(&fleet.key_prefix)
+                ),
             ));
         }
         if let Some(fleet) = &self.fleet
@@ -269,6 +301,16 @@ mod tests {
     fn defaults_need_only_the_secret_env() -> Result<(), ConfigError> {
         let config = parse(r#"{"secret_env":"ZEROLAYER_CACHE_SECRET"}"#)?;
         assert_eq!(config.namespace, Namespace::Tenant);
+        let fleet = parse(r#"{"secret_env":"S","fleet":{"cluster":"webdis","path":"/"}}"#)?
+            .fleet
+            .ok_or_else(|| ConfigError::new("fleet", "missing"))?;
+        let key = CacheKey([0xab; 32]);
+        let hex = "ab".repeat(32);
+        assert_eq!(fleet.get_path(&key), format!("/GET/zl:cache:{hex}.txt"));
+        assert_eq!(
+            fleet.setex_path(&key, 60),
+            format!("/SETEX/zl:cache:{hex}/60")
+        );
         assert_eq!(config.max_entries, 1024);
         assert_eq!(config.stampede, StampedeConfig::default());
         assert_eq!(config.fleet, None);
@@ -308,8 +350,8 @@ mod tests {
             ),
             (r#"{"secret_env":"S","namespace":"global"}"#, "namespace"),
             (
-                r#"{"secret_env":"S","fleet":{"cluster":"webdis","path":"/"}}"#,
-                "fleet: the Redis fleet tier is not available",
+                r#"{"secret_env":"S","fleet":{"cluster":"webdis","path":"x"}}"#,
+                "fleet.path",
             ),
             (r#"{"secret_env":"S","ttl":{"default_ttl":5}}"#, "ttl"),
         ] {

@@ -125,6 +125,12 @@ impl CacheKey {
         hex(&self.0[..8])
     }
 
+    /// Lowercase hex of the whole digest: the entry's name in the fleet
+    /// tier (keyed, so it reveals nothing about the request).
+    pub fn hex(&self) -> String {
+        hex(&self.0)
+    }
+
     /// Whether `stored` is this digest, compared in constant time so that a
     /// stored entry's digest cannot be learnt byte by byte from timings.
     /// A `stored` of the wrong length never matches.

@@ -198,6 +198,31 @@ impl StoredResponse {
     }
 }
 
+/// An entry as the fleet tier (Redis) holds it: the response and when it
+/// goes stale, so a gateway that reads it can serve and re-index it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FleetEntry {
+    /// Unix seconds from which it is stale.
+    pub expires_at: u64,
+    /// The response.
+    pub response: StoredResponse,
+}
+
+impl FleetEntry {
+    /// Serializes for Redis.
+    pub fn encode(&self) -> Vec<u8> {
+        encode(self)
+    }
+
+    /// Parses what Redis returned; `None` when unreadable or of another version.
+    pub fn decode(bytes: &[u8]) -> Option<FleetEntry> {
+        match bytes.split_first() {
+            Some((&VERSION, body)) => postcard::from_bytes(body).ok(),
+            _ => None,
+        }
+    }
+}
+
 fn encode<T: Serialize>(value: &T) -> Vec<u8> {
     let mut out = vec![VERSION];
     // Serializing plain owned data into a Vec cannot fail.
@@ -315,5 +340,11 @@ mod tests {
         };
         assert!(!stored.belongs_to(&key(1), &replaced));
         assert!(!stored.belongs_to(&key(2), &record(1, 100)));
+        let fleet = FleetEntry {
+            expires_at: 100,
+            response: stored,
+        };
+        assert_eq!(FleetEntry::decode(&fleet.encode()), Some(fleet));
+        assert_eq!(FleetEntry::decode(b"\x01"), None);
     }
 }

@@ -1,0 +1,147 @@
+//! The post-cache fleet tier for tests: a real `redis-server` and `webdis`
+//! (Debian packages, installed by `cargo xtask setup`) on free loopback
+//! ports, started together and stopped by PID when dropped.
+
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::client::Client;
+use crate::model::free_port;
+
+/// How long each server may take to accept connections.
+const READY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What to tell someone whose machine lacks the servers.
+const INSTALL_HINT: &str = "install with `cargo xtask setup` (the test command does)";
+
+/// Redis with webdis in front of it.
+pub struct RedisFleet {
+    redis: Child,
+    webdis: Child,
+    webdis_addr: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+impl RedisFleet {
+    /// Starts both and waits until webdis answers `GET /PING`. Fails, never
+    /// skips, when they are not installed or do not come up.
+    pub fn start() -> Result<RedisFleet> {
+        let dir = tempfile::Builder::new()
+            .prefix("zerolayer-redis-")
+            .tempdir()?;
+        let redis_port = free_port()?;
+        let mut redis = Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &redis_port.to_string()])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .arg("--logfile")
+            .arg(dir.path().join("redis.log"))
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting redis-server ({INSTALL_HINT})"))?;
+        if let Err(err) = wait_tcp(redis_port, &mut redis) {
+            let _ = redis.kill();
+            let log = std::fs::read_to_string(dir.path().join("redis.log")).unwrap_or_default();
+            bail!("redis-server did not come up: {err:#}\n{log}");
+        }
+        let webdis_port = free_port()?;
+        let config = serde_json::json!({
+            "redis_host": "127.0.0.1",
+            "redis_port": redis_port,
+            "http_host": "127.0.0.1",
+            "http_port": webdis_port,
+            "threads": 1,
+            "daemonize": false,
+            "database": 0,
+            "verbosity": 3,
+            "logfile": dir.path().join("webdis.log"),
+            // Only what the cache uses; nothing that could wipe or reconfigure Redis.
+            "acl": [{"disabled": ["*"]}, {"enabled": ["GET", "SETEX", "TTL", "PING", "DBSIZE"]}],
+        });
+        let config_path = dir.path().join("webdis.json");
+        std::fs::write(&config_path, config.to_string())?;
+        let mut webdis = match Command::new("webdis")
+            .arg(&config_path)
+            .current_dir(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+        {
+            Ok(child) => child,
+            Err(err) => {
+                let _ = redis.kill();
+                bail!("starting webdis ({INSTALL_HINT}): {err}");
+            }
+        };
+        let webdis_addr = SocketAddr::from(([127, 0, 0, 1], webdis_port));
+        let ready = wait_tcp(webdis_port, &mut webdis).and_then(|()| {
+            let reply = Client::new().get(&format!("http://{webdis_addr}/PING"), &[])?;
+            if reply.status != 200 {
+                bail!(
+                    "webdis answered /PING with {}: {}",
+                    reply.status,
+                    reply.body
+                );
+            }
+            Ok(())
+        });
+        let fleet = RedisFleet {
+            redis,
+            webdis,
+            webdis_addr,
+            dir,
+        };
+        if let Err(err) = ready {
+            bail!(
+                "webdis did not come up: {err:#}\n{}",
+                std::fs::read_to_string(fleet.dir.path().join("webdis.log")).unwrap_or_default()
+            );
+        }
+        Ok(fleet)
+    }
+
+    /// webdis's address (the Envoy cluster the fleet tier calls).
+    pub fn webdis(&self) -> SocketAddr {
+        self.webdis_addr
+    }
+
+    /// Number of keys in Redis.
+    pub fn keys(&self) -> Result<u64> {
+        let reply = Client::new().get(&format!("http://{}/DBSIZE", self.webdis_addr), &[])?;
+        let doc: serde_json::Value = serde_json::from_str(&reply.body)
+            .with_context(|| format!("DBSIZE answered {}", reply.body))?;
+        doc["DBSIZE"]
+            .as_u64()
+            .with_context(|| format!("DBSIZE answered {}", reply.body))
+    }
+}
+
+impl Drop for RedisFleet {
+    fn drop(&mut self) {
+        for child in [&mut self.webdis, &mut self.redis] {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Waits until something accepts on `port`, or `child` exits.
+fn wait_tcp(port: u16, child: &mut Child) -> Result<()> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            bail!("exited with {status}");
+        }
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("nothing accepts on port {port} after {READY_TIMEOUT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
