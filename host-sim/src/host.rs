@@ -524,8 +524,21 @@ impl Host {
         {
             run.decoded = run.decoded.max(chain_index + 1);
         }
+        let headers_callback = matches!(
+            callback,
+            HttpCallback::RequestHeaders | HttpCallback::ResponseHeaders
+        );
+        if headers_callback && let Some(data) = self.world.borrow_mut().streams.get_mut(&id) {
+            data.held_headers.insert((chain_index, response));
+        }
         let started = std::time::Instant::now();
         let result = self.vms[vm].http(context, callback, size, eos);
+        if headers_callback
+            && matches!(result, Ok(Action::Continue))
+            && let Some(data) = self.world.borrow_mut().streams.get_mut(&id)
+        {
+            data.held_headers.remove(&(chain_index, response));
+        }
         let spent = started.elapsed();
         let entry = self.timings.entry((plugin, callback.name())).or_default();
         entry.0 += 1;
@@ -798,6 +811,14 @@ impl Host {
         if run.reset || run.finished {
             return;
         }
+        // Envoy 1.40 drops the filter's headers map once it continues, by
+        // return value or by resuming (the differential suite checks both).
+        if let Some(data) = self.world.borrow_mut().streams.get_mut(&id) {
+            data.held_headers.remove(&(filter, response));
+        }
+        let Some(run) = self.streams.get_mut(&id) else {
+            return;
+        };
         let n = run.filters.len();
         let position = Self::filter_at(n, response, filter);
         let d = Self::dir(run, response);
@@ -901,6 +922,9 @@ impl Host {
         }
         run.finished = true;
         let filters = run.filters.clone();
+        if let Some(data) = self.world.borrow_mut().streams.get_mut(&id) {
+            data.logging = true;
+        }
         for (vm, context) in filters {
             self.vms[vm].finish_context(context);
         }

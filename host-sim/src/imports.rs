@@ -115,10 +115,23 @@ fn with_map<T>(
         }
         MapType::GrpcInitialMetadata | MapType::GrpcTrailingMetadata => Err(Status::BadArgument),
         _ => {
-            let (stream, _) = caller.data().current_stream().ok_or(Status::BadArgument)?;
+            let (stream, filter) = caller.data().current_stream().ok_or(Status::BadArgument)?;
             let world = caller.data().world.clone();
             let mut world = world.borrow_mut();
+            let envoy = world.profile == Profile::Envoy;
             let data = world.streams.get_mut(&stream).ok_or(Status::BadArgument)?;
+            if envoy
+                && matches!(map, MapType::RequestHeaders | MapType::ResponseHeaders)
+                && !data.logging
+                && !data
+                    .held_headers
+                    .contains(&(filter, map == MapType::ResponseHeaders))
+            {
+                // Envoy: the map is gone once the filter's headers callback
+                // returned Continue (`BadArgument`, which the Rust SDK's
+                // getters turn into a panic).
+                return Err(Status::BadArgument);
+            }
             let headers = match map {
                 MapType::RequestHeaders => &mut data.request_headers,
                 MapType::RequestTrailers => &mut data.request_trailers,
@@ -307,7 +320,11 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
                                         size_ptr: i32|
      -> i32 {
         let r = (|| {
-            let bytes = with_map(&mut c, map, |h| abi::encode_pairs(h))?;
+            // Envoy answers a map it no longer holds with no pairs, not an error.
+            let bytes = match with_map(&mut c, map, |h| abi::encode_pairs(h)) {
+                Err(Status::BadArgument) => abi::encode_pairs(&[]),
+                other => other?,
+            };
             give(&mut c, &bytes, ptr_ptr, size_ptr)
         })();
         done(r)

@@ -23,6 +23,7 @@ mod host;
 mod imports;
 pub mod metrics;
 mod properties;
+pub mod reconcile;
 pub mod serve;
 mod vm;
 pub mod world;

@@ -3,8 +3,10 @@
 //! ```text
 //! host-sim serve --chain envoy/activation.yaml --upstream http://127.0.0.1:8080 --listen 127.0.0.1:10000
 //! host-sim stub --listen 127.0.0.1:18080 --ttft-ms 150 --itl-ms 20
+//! host-sim reconcile --access-log access.log --clickhouse http://127.0.0.1:8123 --out corrections.jsonl
 //! ```
 
+use std::io::{BufReader, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,6 +15,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use host_sim::Profile;
 use host_sim::config_file::ChainFile;
+use host_sim::reconcile;
 use host_sim::serve::{ServeOptions, Server};
 use zerolayer_stub::{Fault, StubConfig};
 
@@ -27,6 +30,10 @@ usage:
   host-sim stub [--listen ADDR] [--ttft-ms N] [--itl-ms N] [--cache-control V] [--fault F]
       Run the GPU inference backend stub (Anthropic /v1/messages, OpenAI
       /v1/chat/completions; see host-sim/stub/README.md).
+  host-sim reconcile --access-log FILE (--sample FILE | --clickhouse URL [--table NAME])
+                     [--threshold FRACTION] [--out FILE]
+      Compare the metering sample with the access log per tenant and hour
+      and emit correction rows (`host-sim reconcile --help`).
 ";
 
 fn main() -> ExitCode {
@@ -34,6 +41,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("serve") => serve(&args[1..]),
         Some("stub") => stub(&args[1..]),
+        Some("reconcile") => reconcile(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             print!("{USAGE}");
             Ok(())
@@ -162,4 +170,84 @@ fn stub(args: &[String]) -> Result<()> {
     let addr = args.addr("listen", "127.0.0.1:18080")?;
     eprintln!("host-sim stub: listening on {addr}");
     zerolayer_stub::serve_blocking(addr, config)
+}
+
+fn reconcile(args: &[String]) -> Result<()> {
+    let args = Args::parse(args, &["help"])?;
+    if args.flag("help") {
+        print!("{}", reconcile::USAGE);
+        return Ok(());
+    }
+    let known = [
+        "access-log",
+        "sample",
+        "clickhouse",
+        "table",
+        "threshold",
+        "out",
+    ];
+    for (i, (name, _)) in args.0.iter().enumerate() {
+        if !known.contains(&name.as_str()) {
+            bail!("unknown option --{name}\n{}", reconcile::USAGE);
+        }
+        // `get` reads the first: a second one would be ignored silently.
+        if args.0[..i].iter().any(|(n, _)| n == name) {
+            bail!("--{name} is given twice");
+        }
+    }
+    let open = |path: &str| -> Result<BufReader<std::fs::File>> {
+        Ok(BufReader::new(
+            std::fs::File::open(path).with_context(|| format!("opening {path}"))?,
+        ))
+    };
+    let log_path = args
+        .get("access-log")
+        .context("--access-log FILE is required")?;
+    let log = reconcile::read_access_log(open(log_path)?).with_context(|| log_path.to_string())?;
+    let sample = match (args.get("sample"), args.get("clickhouse")) {
+        (Some(_), None) if args.get("table").is_some() => {
+            bail!("--table goes with --clickhouse, not --sample")
+        }
+        (Some(path), None) => {
+            reconcile::read_sample(open(path)?).with_context(|| path.to_string())?
+        }
+        (None, Some(url)) => {
+            let table = args.get("table").unwrap_or(reconcile::DEFAULT_TABLE);
+            reconcile::fetch_sample(url, table)?
+        }
+        _ => bail!("give one of --sample FILE and --clickhouse URL"),
+    };
+    let threshold = match args.get("threshold") {
+        Some(text) => text
+            .parse::<f64>()
+            .ok()
+            .filter(|t| t.is_finite() && *t >= 0.0)
+            .with_context(|| {
+                format!("--threshold: a fraction >= 0 (0.003 = 0.3%), not {text:?}")
+            })?,
+        None => reconcile::DEFAULT_THRESHOLD,
+    };
+    let report = reconcile::reconcile(&log.rows, &sample, threshold);
+    let mut rows = String::new();
+    for correction in &report.corrections {
+        rows.push_str(&serde_json::to_string(correction)?);
+        rows.push('\n');
+    }
+    let summary = format!(
+        "{}access log lines without usage (not metered), skipped: {}\n",
+        report.summary(),
+        log.skipped
+    );
+    // The rows own stdout unless they go to a file, so they can be piped.
+    match args.get("out") {
+        Some(path) => {
+            std::fs::write(path, rows).with_context(|| format!("writing {path}"))?;
+            print!("{summary}");
+        }
+        None => {
+            std::io::stdout().write_all(rows.as_bytes())?;
+            eprint!("{summary}");
+        }
+    }
+    Ok(())
 }

@@ -183,6 +183,13 @@ pub(crate) struct StreamData {
     pub filter_state: BTreeMap<String, Vec<u8>>,
     pub local_response: Option<LocalResponse>,
     pub info: StreamInfo,
+    /// (filter index, response?) whose headers map the filter may still
+    /// touch: Envoy keeps a filter's map only while its headers callback
+    /// runs, or after it stopped iteration; `Continue` drops it.
+    pub held_headers: std::collections::BTreeSet<(usize, bool)>,
+    /// The stream is in its access-log phase (`on_log`): Envoy hands every
+    /// filter both header maps again.
+    pub logging: bool,
 }
 
 /// A registered shared queue.

@@ -128,7 +128,11 @@ fn probe_host_features_behave_the_same_in_envoy_and_host_sim() -> Result<()> {
         probe("state", "set-state"),
         // Response body replaced after buffering.
         probe("replace", "replace-body"),
-        probe("unknown", "no-such-action"),
+                probe("unknown", "no-such-action"),
+        // A filter's request headers are gone in the response phase once it
+        // let them through; a filter that paused them keeps them.
+        probe("late-headers", "late-headers"),
+        probe("late-headers-after-callout", "callout,late-headers"),
     ];
     for scenario in &scenarios {
         let (envoy, sim) = pair.run(scenario)?;

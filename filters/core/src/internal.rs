@@ -24,6 +24,13 @@ pub const OBSERVERS_FILTER_STATE: &str = "wasm.wasmx.zerolayer_observers";
 /// tenant=<claimed>`, `public`); see `crate::auth::identity`.
 pub const AUTH_PROPERTY: &str = "wasmx.zerolayer_auth";
 
+/// Property: the request's usage as metering recorded it (a JSON object,
+/// see `crate::metering::UsageRecord::log_entry`), for the access log.
+pub const USAGE_PROPERTY: &str = "wasmx.zerolayer_usage";
+
+/// Envoy filter-state key of [`USAGE_PROPERTY`] (for access logs).
+pub const USAGE_FILTER_STATE: &str = "wasm.wasmx.zerolayer_usage";
+
 /// Response header carrying the decision when the operator enables debugging.
 pub const DEBUG_RESPONSE_HEADER: &str = "x-zerolayer-debug";
 

@@ -14,10 +14,13 @@ pub mod cache;
 pub mod config;
 pub mod event;
 pub mod internal;
+pub mod metering;
 pub mod metrics;
 pub mod observers;
 pub mod sampling;
+pub mod sink;
 pub mod sse;
+pub mod usage;
 
 pub use config::ConfigError;
 pub use observers::{ObserverId, ObserverNames, ObserverSet};

@@ -207,7 +207,7 @@ impl AuthWorker {
             CallKind::Introspect(job) => {
                 self.introspection_answer(job, now, status, body, counters)
             }
-            CallKind::Audit(_) | CallKind::CacheWrite => {}
+            CallKind::Batch(..) | CallKind::CacheWrite => {}
         }
     }
 

@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use zerolayer_core::auth::config::Endpoint;
-use zerolayer_core::event::{AuditRecord, VerifyJob};
+use zerolayer_core::event::VerifyJob;
+
+use crate::shipper::Sink;
 
 /// What a callout was for.
 pub(crate) enum CallKind {
@@ -13,8 +15,8 @@ pub(crate) enum CallKind {
     Jwks,
     /// An API key introspection for this job.
     Introspect(VerifyJob),
-    /// An audit batch.
-    Audit(Vec<AuditRecord>),
+    /// A batch of JSON lines for a sink (kept to requeue on failure).
+    Batch(Sink, Vec<(u64, Vec<u8>)>),
     /// A cache entry written to the fleet tier.
     CacheWrite,
 }
@@ -90,12 +92,5 @@ impl Calls {
     /// Whether a JWKS fetch is in flight.
     pub(crate) fn jwks_in_flight(&self) -> bool {
         self.pending.values().any(|k| matches!(k, CallKind::Jwks))
-    }
-
-    /// Whether an audit batch is in flight.
-    pub(crate) fn audit_in_flight(&self) -> bool {
-        self.pending
-            .values()
-            .any(|k| matches!(k, CallKind::Audit(_)))
     }
 }

@@ -1,8 +1,8 @@
 //! The observer: everything zerolayer does off the request path. Filters
 //! post compact [`Job`]s on a shared queue; the observer drains it, verifies
 //! credentials and stores verdicts, keeps per-tenant escalation windows,
-//! fetches JWKS, ships audit records, and writes cache entries to the fleet
-//! tier, with breakers in front of the verifier endpoints.
+//! fetches JWKS, ships audit and usage records in batches, and writes cache
+//! entries to the fleet tier, with breakers in front of every endpoint.
 //!
 //! It runs in one of two places (`observer.mode` in the filters' configs):
 //! - **singleton** (Envoy): a bootstrap service (`envoy.bootstrap.wasm`,
@@ -20,23 +20,24 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
-mod audit;
 pub mod auth;
 mod calls;
 mod fleet;
+mod shipper;
 
 use proxy_wasm::hostcalls;
 use serde::Deserialize;
 use zerolayer_core::ConfigError;
 use zerolayer_core::auth::config::{LazyAuthConfig, ObserverLink};
 use zerolayer_core::cache::config::PostCacheConfig;
-use zerolayer_core::event::Job;
-use zerolayer_proxy::{Counters, Metric};
+use zerolayer_core::event::{AuditRecord, Job};
+use zerolayer_core::metering::MeteringConfig;
+use zerolayer_proxy::{Counters, Metric, now_ms};
 
-use audit::AuditShipper;
 use auth::AuthWorker;
 use calls::{CallKind, Calls};
 use fleet::FleetWriter;
+use shipper::{Shipper, Sink};
 
 /// Jobs handled per wake-up at most: a burst never blocks the thread long.
 const DRAIN_BUDGET: usize = 1000;
@@ -52,6 +53,9 @@ pub struct ObserverConfig {
     /// post-cache's configuration: fleet-tier writes.
     #[serde(default)]
     pub post_cache: Option<PostCacheConfig>,
+    /// metering's configuration: the usage sink.
+    #[serde(default)]
+    pub metering: Option<MeteringConfig>,
     /// Tick period, ms (JWKS refresh, audit flushes, escalation windows,
     /// and draining where the host has no queue notifications).
     #[serde(default = "default_tick")]
@@ -75,20 +79,33 @@ impl ObserverConfig {
         if let Some(cache) = &config.post_cache {
             cache.check().map_err(|e| within("post_cache", e))?;
         }
-        match (&config.lazy_auth, &config.post_cache) {
-            (None, None) => {
-                return Err(ConfigError::new(
-                    "lazy_auth",
-                    "the observer needs lazy_auth, post_cache or both",
-                ));
-            }
-            (Some(lazy), Some(cache)) if lazy.observer != cache.observer => {
-                return Err(ConfigError::new(
-                    "post_cache.observer",
-                    "must name the same vm_id, queue and mode as lazy_auth.observer (one observer, one queue)",
-                ));
-            }
-            _ => {}
+        if let Some(metering) = &config.metering {
+            metering.check().map_err(|e| within("metering", e))?;
+        }
+        let links = [
+            ("lazy_auth", config.lazy_auth.as_ref().map(|c| &c.observer)),
+            (
+                "post_cache",
+                config.post_cache.as_ref().map(|c| &c.observer),
+            ),
+            ("metering", config.metering.as_ref().map(|c| &c.observer)),
+        ];
+        let mut present = links
+            .iter()
+            .filter_map(|(name, link)| link.map(|link| (*name, link)));
+        let Some((first, link)) = present.next() else {
+            return Err(ConfigError::new(
+                "lazy_auth",
+                "the observer needs at least one of lazy_auth, post_cache, metering",
+            ));
+        };
+        if let Some((other, _)) = present.find(|(_, l)| *l != link) {
+            return Err(ConfigError::new(
+                format!("{other}.observer"),
+                format!(
+                    "must name the same vm_id, queue and mode as {first}.observer (one observer, one queue)"
+                ),
+            ));
         }
         Ok(config)
     }
@@ -97,27 +114,41 @@ impl ObserverConfig {
     pub fn for_lazy_auth(config: LazyAuthConfig) -> ObserverConfig {
         ObserverConfig {
             lazy_auth: Some(config),
-            post_cache: None,
-            tick_ms: default_tick(),
+            ..ObserverConfig::empty()
         }
     }
 
     /// The observer for post-cache alone (its tick mode embeds one).
     pub fn for_post_cache(config: PostCacheConfig) -> ObserverConfig {
         ObserverConfig {
-            lazy_auth: None,
             post_cache: Some(config),
+            ..ObserverConfig::empty()
+        }
+    }
+
+    /// The observer for metering alone (its tick mode embeds one).
+    pub fn for_metering(config: MeteringConfig) -> ObserverConfig {
+        ObserverConfig {
+            metering: Some(config),
+            ..ObserverConfig::empty()
+        }
+    }
+
+    fn empty() -> ObserverConfig {
+        ObserverConfig {
+            lazy_auth: None,
+            post_cache: None,
+            metering: None,
             tick_ms: default_tick(),
         }
     }
 
     /// Where the filters reach this observer.
     pub fn link(&self) -> ObserverLink {
-        match (&self.lazy_auth, &self.post_cache) {
-            (Some(lazy), _) => lazy.observer.clone(),
-            (None, Some(cache)) => cache.observer.clone(),
-            (None, None) => ObserverLink::default(),
-        }
+        let lazy = self.lazy_auth.as_ref().map(|c| &c.observer);
+        let cache = self.post_cache.as_ref().map(|c| &c.observer);
+        let metering = self.metering.as_ref().map(|c| &c.observer);
+        lazy.or(cache).or(metering).cloned().unwrap_or_default()
     }
 }
 
@@ -143,10 +174,14 @@ pub(crate) mod counter {
     pub const FLEET_WRITTEN: usize = 17;
     pub const FLEET_FAILED: usize = 18;
     pub const FLEET_DROPPED: usize = 19;
+    pub const JOBS_USAGE: usize = 20;
+    pub const USAGE_SHIPPED: usize = 21;
+    pub const USAGE_DROPPED: usize = 22;
+    pub const USAGE_FAILED_BATCHES: usize = 23;
 }
 
 /// Metric names, in [`counter`] order (Prometheus labels via `_key=value`).
-pub const COUNTER_NAMES: [&str; 20] = [
+pub const COUNTER_NAMES: [&str; 24] = [
     "zerolayer_observer_jobs_kind=verify",
     "zerolayer_observer_jobs_kind=audit",
     "zerolayer_observer_jobs_kind=unreadable",
@@ -167,6 +202,10 @@ pub const COUNTER_NAMES: [&str; 20] = [
     "zerolayer_cache_fleet_writes_outcome=ok",
     "zerolayer_cache_fleet_writes_outcome=failed",
     "zerolayer_cache_fleet_writes_outcome=dropped",
+    "zerolayer_observer_jobs_kind=usage",
+    "zerolayer_metering_records_outcome=shipped",
+    "zerolayer_metering_records_outcome=dropped",
+    "zerolayer_metering_batches_failed",
 ];
 
 /// The observer's metrics: batched counters, plus gauges and a histogram
@@ -180,6 +219,8 @@ pub struct ObserverMetrics {
     escalated: Metric,
     /// From a request's admission to its verdict, ms.
     verify_latency_ms: Metric,
+    /// Usage records waiting for the sink.
+    usage_buffered: Metric,
 }
 
 impl ObserverMetrics {
@@ -190,6 +231,7 @@ impl ObserverMetrics {
             queue_depth: Metric::histogram("zerolayer_observer_queue_depth"),
             escalated: Metric::gauge("zerolayer_auth_escalated_tenants"),
             verify_latency_ms: Metric::histogram("zerolayer_auth_verify_latency_ms"),
+            usage_buffered: Metric::gauge("zerolayer_metering_records_buffered"),
         }
     }
 
@@ -213,7 +255,8 @@ impl ObserverMetrics {
 pub struct Observer {
     queue: u32,
     auth: Option<AuthWorker>,
-    audit: Option<AuditShipper>,
+    audit: Option<Shipper>,
+    usage: Option<Shipper>,
     fleet: Option<FleetWriter>,
     calls: Calls,
     counters: ObserverMetrics,
@@ -248,6 +291,14 @@ impl Observer {
         if let Some(fleet) = &fleet {
             work.push(format!("cache fleet tier on cluster {}", fleet.cluster()));
         }
+        let usage = config
+            .metering
+            .as_ref()
+            .and_then(|m| m.sink.clone())
+            .map(|sink| Shipper::new(Sink::Usage, sink));
+        if let Some(usage) = &usage {
+            work.push(format!("usage sink on cluster {}", usage.cluster()));
+        }
         log::info!(
             "{who}: observer on queue {} ({})",
             link.queue,
@@ -259,7 +310,8 @@ impl Observer {
                 .lazy_auth
                 .as_ref()
                 .and_then(|l| l.audit.clone())
-                .map(AuditShipper::new),
+                .map(|sink| Shipper::new(Sink::Audit, sink)),
+            usage,
             auth,
             fleet,
             calls: Calls::default(),
@@ -290,8 +342,19 @@ impl Observer {
                 Some(Job::Audit(record)) => {
                     self.counters.add(counter::JOBS_AUDIT, 1);
                     match &mut self.audit {
-                        Some(audit) => audit.push(record, &self.counters),
+                        Some(audit) => audit.push(audit_line(&record), now_ms(), &self.counters),
                         None => self.counters.add(counter::AUDIT_DROPPED, 1),
+                    }
+                }
+                Some(Job::Usage(record)) => {
+                    self.counters.add(counter::JOBS_USAGE, 1);
+                    match &mut self.usage {
+                        Some(usage) => {
+                            let mut line = Vec::with_capacity(256);
+                            record.write_sink_row(&mut line);
+                            usage.push(line, now_ms(), &self.counters);
+                        }
+                        None => self.counters.add(counter::USAGE_DROPPED, 1),
                     }
                 }
                 Some(Job::Outcome(outcome)) => {
@@ -312,6 +375,19 @@ impl Observer {
         }
         if drained > 0 {
             self.counters.queue_depth.record(drained);
+            // A full batch goes now, not at the next tick.
+            self.flush_sinks();
+        }
+    }
+
+    /// Ships the sinks' batches that are due.
+    fn flush_sinks(&mut self) {
+        let now_ms = zerolayer_proxy::now_ms();
+        for shipper in [&mut self.audit, &mut self.usage].into_iter().flatten() {
+            shipper.maybe_flush(now_ms, &mut self.calls, &self.counters);
+        }
+        if let Some(usage) = &self.usage {
+            self.counters.usage_buffered.record(usage.buffered() as u64);
         }
     }
 
@@ -323,8 +399,9 @@ impl Observer {
         if let Some(auth) = &mut self.auth {
             auth.maintain(now, &mut self.calls, &self.counters);
         }
-        if let Some(audit) = &mut self.audit {
-            audit.maybe_flush(zerolayer_proxy::now_ms(), &mut self.calls, &self.counters);
+        self.flush_sinks();
+        for shipper in [&mut self.audit, &mut self.usage].into_iter().flatten() {
+            shipper.report_drops();
         }
         self.counters.counters.flush();
     }
@@ -352,10 +429,16 @@ impl Observer {
         .flatten()
         .unwrap_or_default();
         match kind {
-            CallKind::Audit(batch) => {
-                if let Some(audit) = &mut self.audit {
-                    audit.answered(batch, status, &self.counters);
+            CallKind::Batch(sink, batch) => {
+                let shipper = match sink {
+                    Sink::Audit => &mut self.audit,
+                    Sink::Usage => &mut self.usage,
+                };
+                if let Some(shipper) = shipper {
+                    shipper.answered(batch, status, zerolayer_proxy::now_ms(), &self.counters);
                 }
+                // The sink is back: ship what waits without waiting a tick.
+                self.flush_sinks();
             }
             CallKind::CacheWrite => {
                 if let Some(fleet) = &mut self.fleet {
@@ -382,6 +465,19 @@ impl Observer {
     }
 }
 
+/// An audit record as the sink's JSON line.
+fn audit_line(r: &AuditRecord) -> Vec<u8> {
+    let mut line = serde_json::json!({
+        "at_ms": r.at_ms, "credential": r.hash_prefix, "tenant": r.tenant,
+        "verified": r.verified, "decision": r.decision, "reason": r.reason,
+        "latency_us": r.latency_us, "request_id": r.request_id,
+    })
+    .to_string()
+    .into_bytes();
+    line.push(b'\n');
+    line
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -401,9 +497,7 @@ mod tests {
             ObserverConfig::from_json(format!(r#"{{"post_cache":{cache}}}"#).as_bytes()).is_ok()
         );
         assert!(ObserverConfig::from_json(format!(r#"{{"lazy_auth":{lazy}}}"#).as_bytes()).is_ok());
-        assert!(
-            error("{}").contains("lazy_auth: the observer needs lazy_auth, post_cache or both")
-        );
+        assert!(error("{}").contains("lazy_auth: the observer needs at least one of"));
         let other_queue = r#"{"secret_env":"S","observer":{"queue":"other"}}"#;
         assert!(
             error(&format!(
@@ -416,6 +510,19 @@ mod tests {
                 .contains("post_cache.max_entries")
         );
         assert!(error(r#"{"lazy_auth":{"credentials":[]}}"#).contains("lazy_auth.credentials"));
+        assert!(ObserverConfig::from_json(br#"{"metering":{}}"#).is_ok());
+        assert!(
+            error(&format!(
+                r#"{{"lazy_auth":{lazy},"metering":{{"observer":{{"vm_id":"elsewhere"}}}}}}"#
+            ))
+            .starts_with(
+                "metering.observer: must name the same vm_id, queue and mode as lazy_auth.observer"
+            ),
+        );
+        assert!(
+            error(r#"{"metering":{"sink":{"cluster":"c","path":"/","backoff_ms":0}}}"#)
+                .starts_with("metering.sink.backoff_ms:")
+        );
         let both = ObserverConfig::from_json(
             format!(r#"{{"lazy_auth":{lazy},"post_cache":{cache}}}"#).as_bytes(),
         );

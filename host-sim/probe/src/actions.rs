@@ -31,11 +31,12 @@ pub(crate) enum Kind {
     QueueTotal,
     /// Anything not recognised (ignored, logged, counted).
     Unknown,
+    LateHeaders,
 }
 
 impl Kind {
     /// Every kind, in metric definition order (`kind as usize` indexes it).
-    pub(crate) const ALL: [Kind; 11] = [
+    pub(crate) const ALL: [Kind; 12] = [
         Kind::SharedIncr,
         Kind::CasStale,
         Kind::Enqueue,
@@ -47,6 +48,7 @@ impl Kind {
         Kind::ReplaceBody,
         Kind::QueueTotal,
         Kind::Unknown,
+        Kind::LateHeaders,
     ];
 
     /// The metric label value (matches `[a-z_-]+`, the stats_tags regex).
@@ -63,6 +65,7 @@ impl Kind {
             Kind::ReplaceBody => "replace-body",
             Kind::QueueTotal => "queue-total",
             Kind::Unknown => "unknown",
+            Kind::LateHeaders => "late-headers",
         }
     }
 }
@@ -82,6 +85,8 @@ pub(crate) enum Step<'a> {
     SetState,
     ReplaceBody,
     QueueTotal,
+    /// Count the request headers still visible in the response phase.
+    LateHeaders,
 }
 
 impl<'a> Step<'a> {
@@ -96,6 +101,7 @@ impl<'a> Step<'a> {
             "set-state" => Step::SetState,
             "replace-body" => Step::ReplaceBody,
             "queue-total" => Step::QueueTotal,
+            "late-headers" => Step::LateHeaders,
             _ => {
                 if let Some(status) = action.strip_prefix("local-") {
                     Step::Local(parse_status(status)?)
@@ -121,6 +127,7 @@ impl<'a> Step<'a> {
             Step::SetState => Kind::SetState,
             Step::ReplaceBody => Kind::ReplaceBody,
             Step::QueueTotal => Kind::QueueTotal,
+            Step::LateHeaders => Kind::LateHeaders,
         }
     }
 }

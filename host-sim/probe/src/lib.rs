@@ -171,6 +171,10 @@ enum Note {
     Header(&'static str, String),
     /// `x-probe-state`: the `set-state` property, read at response time.
     State,
+    /// `x-probe-late-request-headers`: how many request headers the filter
+    /// still sees in the response phase (Envoy drops a filter's request
+    /// headers once it let them through).
+    LateHeaders,
 }
 
 /// One request passing through the filter.
@@ -254,6 +258,7 @@ impl ProbeStream {
                 self.notes.push(Note::State);
             }
             Step::ReplaceBody => self.replace_body = true,
+            Step::LateHeaders => self.notes.push(Note::LateHeaders),
         }
         true
     }
@@ -383,6 +388,13 @@ impl HttpContext for ProbeStream {
                         Err(status) => actions::error(status),
                     };
                     add_response_header("x-probe-state", &value);
+                }
+                Note::LateHeaders => {
+                    let value = match hostcalls::get_map_bytes(MapType::HttpRequestHeaders) {
+                        Ok(pairs) => pairs.len().to_string(),
+                        Err(status) => actions::error(status),
+                    };
+                    add_response_header("x-probe-late-request-headers", &value);
                 }
             }
         }

@@ -220,32 +220,7 @@ pub struct TrustedClient {
 }
 
 /// The audit sink (the observer batches records to it as JSON lines).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct SinkConfig {
-    /// Where to post.
-    #[serde(flatten)]
-    pub endpoint: Endpoint,
-    /// Records per batch at most.
-    #[serde(default = "default_batch")]
-    pub batch_max: usize,
-    /// Longest a record waits, ms.
-    #[serde(default = "default_flush")]
-    pub flush_ms: u64,
-    /// Records kept while the sink is down; beyond, drops are counted.
-    #[serde(default = "default_buffer")]
-    pub buffer_max: usize,
-}
-
-fn default_batch() -> usize {
-    100
-}
-fn default_flush() -> u64 {
-    1000
-}
-fn default_buffer() -> usize {
-    10_000
-}
+pub use crate::sink::SinkConfig;
 
 /// lazy-auth's configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -420,6 +395,9 @@ impl LazyAuthConfig {
         }
         if self.observer.queue.is_empty() {
             return Err(ConfigError::new("observer.queue", "must not be empty"));
+        }
+        if let Some(audit) = &self.audit {
+            audit.check("audit")?;
         }
         Ok(())
     }

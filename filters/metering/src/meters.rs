@@ -1,0 +1,148 @@
+//! The filter's metrics. Per (tenant, model) series, defined on first use
+//! within the label bounds: `zerolayer_metering_requests{tenant,model}` and
+//! `zerolayer_metering_tokens{tenant,model,kind=input|output|cache_read|cache_creation}`.
+//! Fixed counters: `zerolayer_metering_usage{result=found|missing}`,
+//! `zerolayer_metering_records{outcome=queued|lost}` (lost: the observer's
+//! queue refused it), `zerolayer_metering_include_usage_injected`.
+//! Everything is added in Wasm memory and reported from the root's tick.
+
+use std::cell::RefCell;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MetricType;
+use zerolayer_core::metering::{LabelLimits, SeriesTable, UsageRecord};
+use zerolayer_proxy::Counters;
+
+/// Token kinds, in series order (after the request count).
+const KINDS: [&str; 4] = ["input", "output", "cache_read", "cache_creation"];
+/// Values per series: requests, then one per token kind.
+const PER_SERIES: usize = 1 + KINDS.len();
+
+const USAGE_FOUND: usize = 0;
+const USAGE_MISSING: usize = 1;
+const RECORDS_QUEUED: usize = 2;
+const RECORDS_LOST: usize = 3;
+const INJECTED: usize = 4;
+
+/// One series' metric ids (`None` where the host refused one) and the
+/// increments not yet reported.
+struct SeriesMetrics {
+    ids: [Option<u32>; PER_SERIES],
+    pending: [u64; PER_SERIES],
+}
+
+pub(crate) struct Meters {
+    fixed: Counters,
+    table: RefCell<SeriesTable>,
+    series: RefCell<Vec<SeriesMetrics>>,
+}
+
+impl Meters {
+    pub(crate) fn define(limits: LabelLimits) -> Meters {
+        let names = [
+            "zerolayer_metering_usage_result=found",
+            "zerolayer_metering_usage_result=missing",
+            "zerolayer_metering_records_outcome=queued",
+            "zerolayer_metering_records_outcome=lost",
+            "zerolayer_metering_include_usage_injected",
+        ]
+        .map(String::from);
+        Meters {
+            fixed: Counters::define("metering", &names),
+            table: RefCell::new(SeriesTable::new(limits)),
+            series: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// Counts one request's usage under its tenant and model.
+    pub(crate) fn count(&self, record: &UsageRecord) {
+        self.fixed.add(
+            if record.usage_missing {
+                USAGE_MISSING
+            } else {
+                USAGE_FOUND
+            },
+            1,
+        );
+        let Ok(mut table) = self.table.try_borrow_mut() else {
+            return;
+        };
+        let Ok(mut series) = self.series.try_borrow_mut() else {
+            return;
+        };
+        let found = table.series(&record.tenant, &record.model);
+        if found.new {
+            let (tenant, model) = table.labels(found.index).unwrap_or(("other", "other"));
+            series.push(SeriesMetrics {
+                ids: define_series(tenant, model),
+                pending: [0; PER_SERIES],
+            });
+        }
+        if let Some(s) = series.get_mut(found.index) {
+            let values = [
+                1,
+                record.input_tokens,
+                record.output_tokens,
+                record.cache_read_tokens,
+                record.cache_creation_tokens,
+            ];
+            for (pending, value) in s.pending.iter_mut().zip(values) {
+                *pending = pending.saturating_add(value);
+            }
+        }
+    }
+
+    /// A full record was queued for the observer (or the queue refused it).
+    pub(crate) fn record_posted(&self, queued: bool) {
+        self.fixed
+            .add(if queued { RECORDS_QUEUED } else { RECORDS_LOST }, 1);
+    }
+
+    /// `include_usage` was added to a streamed OpenAI request.
+    pub(crate) fn injected(&self) {
+        self.fixed.add(INJECTED, 1);
+    }
+
+    /// Reports pending increments to the host.
+    pub(crate) fn flush(&self) {
+        self.fixed.flush();
+        let Ok(mut series) = self.series.try_borrow_mut() else {
+            return;
+        };
+        for s in series.iter_mut() {
+            for (id, pending) in s.ids.iter().zip(s.pending.iter_mut()) {
+                if *pending == 0 {
+                    continue;
+                }
+                if let Some(id) = id {
+                    let delta = i64::try_from(*pending).unwrap_or(i64::MAX);
+                    let _ = hostcalls::increment_metric(*id, delta);
+                }
+                *pending = 0;
+            }
+        }
+    }
+}
+
+/// Defines a new series' counters. Label order puts `kind` last: its values
+/// contain `_`, which Envoy's tag regexes for the other labels stop at.
+fn define_series(tenant: &str, model: &str) -> [Option<u32>; PER_SERIES] {
+    let labels = format!("_tenant={tenant}_model={model}");
+    let mut names = vec![format!("zerolayer_metering_requests{labels}")];
+    names.extend(
+        KINDS
+            .iter()
+            .map(|kind| format!("zerolayer_metering_tokens{labels}_kind={kind}")),
+    );
+    let mut ids = [None; PER_SERIES];
+    for (id, name) in ids.iter_mut().zip(&names) {
+        *id = match hostcalls::define_metric(MetricType::Counter, name) {
+            Ok(id) => Some(id),
+            Err(status) => {
+                log::warn!("metering: metric {name} unavailable: {status:?}");
+                None
+            }
+        };
+    }
+    ids
+}

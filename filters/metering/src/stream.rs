@@ -1,0 +1,255 @@
+//! One request through metering: is it an LLM call (request headers), the
+//! `include_usage` rewrite (request body), the stream or JSON body's usage
+//! as it passes (response), and its record at the end.
+
+use std::rc::Rc;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::{Action, BufferType};
+use zerolayer_core::auth::identity::ParsedIdentity;
+use zerolayer_core::cache::key::Provider;
+use zerolayer_core::event::Job;
+use zerolayer_core::internal;
+use zerolayer_core::metering::UsageRecord;
+use zerolayer_core::usage::{
+    Injection, ResponseFormat, UsageChunkStripper, UsageExtractor, inject_include_usage,
+};
+use zerolayer_proxy::{now_us, property, request_header, response_header};
+
+use crate::Plan;
+
+/// Longest request id kept in a record.
+const MAX_REQUEST_ID: usize = 128;
+
+/// One request's metering state.
+pub(crate) struct MeteredStream {
+    plan: Option<Rc<Plan>>,
+    /// The API the request calls (`None`: not an LLM call, not metered).
+    provider: Option<Provider>,
+    started_us: u64,
+    /// `x-request-id` (read with the request headers: Envoy keeps a
+    /// filter's request headers only until it lets them through).
+    request_id: String,
+    /// The tenant header's value, when configured (same reason).
+    tenant_header: Option<String>,
+    /// The request body may need `include_usage` (held until complete).
+    rewrite_pending: bool,
+    /// The response's usage chunk is ours, not the client's: remove it.
+    stripper: Option<UsageChunkStripper>,
+    extractor: Option<UsageExtractor>,
+    status: u16,
+    streamed: bool,
+    /// The record was made (at the response's end, or in `on_log`).
+    recorded: bool,
+}
+
+impl MeteredStream {
+    pub(crate) fn new(plan: Option<Rc<Plan>>) -> MeteredStream {
+        MeteredStream {
+            plan,
+            provider: None,
+            started_us: 0,
+            request_id: String::new(),
+            tenant_header: None,
+            rewrite_pending: false,
+            stripper: None,
+            extractor: None,
+            status: 0,
+            streamed: false,
+            recorded: false,
+        }
+    }
+
+    /// Makes the request's record: metrics for every request, the access
+    /// log's ground truth, and a full record for the sample.
+    fn record(&mut self) {
+        let (Some(plan), Some(_)) = (self.plan.clone(), self.provider) else {
+            return;
+        };
+        if std::mem::replace(&mut self.recorded, true) {
+            return;
+        }
+        let end_us = now_us();
+        let extracted = self.extractor.as_ref().map(UsageExtractor::finish);
+        let (usage, model) = match extracted {
+            Some(e) => (e.usage.ok(), e.model),
+            None => (None, None),
+        };
+        let request_id = std::mem::take(&mut self.request_id);
+        let tenant = self.tenant();
+        let rate = plan.sampling.rate(&tenant);
+        let in_sample = rate.includes(request_id.as_bytes());
+        let record = UsageRecord {
+            at_ms: end_us / 1000,
+            request_id,
+            tenant,
+            model: model.unwrap_or_else(|| "unknown".into()),
+            input_tokens: usage.map_or(0, |u| u.input_tokens),
+            output_tokens: usage.map_or(0, |u| u.output_tokens),
+            cache_read_tokens: usage.map_or(0, |u| u.cache_read_tokens),
+            cache_creation_tokens: usage.map_or(0, |u| u.cache_creation_tokens),
+            usage_missing: usage.is_none(),
+            status: self.status,
+            latency_ms: u32::try_from(end_us.saturating_sub(self.started_us) / 1000)
+                .unwrap_or(u32::MAX),
+            streamed: self.streamed,
+            rate_bp: rate.basis_points(),
+            in_sample,
+        };
+        plan.meters.count(&record);
+        zerolayer_proxy::publish(internal::USAGE_PROPERTY, &record.log_entry());
+        // Activation's `metering` observer asks for this request's full
+        // record even outside the sample (it then weighs 0 in the estimate).
+        let forced = property(internal::OBSERVERS_PROPERTY)
+            .is_some_and(|list| list.split(|b| *b == b',').any(|o| o == b"metering"));
+        if (in_sample || forced) && plan.config.sink.is_some() {
+            let queued = plan.queue.post(&Job::Usage(record).encode());
+            plan.meters.record_posted(queued);
+        }
+    }
+
+    /// lazy-auth's tenant (verified, or claimed while unverified), else the
+    /// configured header's, else `unknown`.
+    fn tenant(&mut self) -> String {
+        if let Some(tenant) = property(internal::AUTH_PROPERTY)
+            .as_deref()
+            .and_then(ParsedIdentity::parse)
+            .and_then(|id| id.tenant)
+        {
+            return tenant;
+        }
+        self.tenant_header
+            .take()
+            .filter(|t| !t.is_empty())
+            .unwrap_or_else(|| "unknown".into())
+    }
+}
+
+impl Context for MeteredStream {}
+
+impl HttpContext for MeteredStream {
+    fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        let Some(plan) = &self.plan else {
+            return Action::Continue;
+        };
+        if request_header(":method").as_deref() != Some(b"POST") {
+            return Action::Continue;
+        }
+        let Some(provider) = request_header(":path")
+            .as_deref()
+            .and_then(|p| std::str::from_utf8(p).ok())
+            .and_then(Provider::for_path)
+        else {
+            return Action::Continue;
+        };
+        self.provider = Some(provider);
+        self.started_us = now_us();
+        self.request_id = request_header("x-request-id")
+            .map(|mut id| {
+                id.truncate(MAX_REQUEST_ID);
+                String::from_utf8_lossy(&id).into_owned()
+            })
+            .unwrap_or_default();
+        self.tenant_header = plan
+            .config
+            .tenant_header
+            .as_deref()
+            .and_then(request_header)
+            .and_then(|v| String::from_utf8(v).ok());
+        if plan.config.openai_include_usage && provider == Provider::OpenAi && !end_of_stream {
+            // The body may grow: hold the headers until it is rewritten, so
+            // content-length can still be set.
+            self.rewrite_pending = true;
+            return Action::Pause;
+        }
+        Action::Continue
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if !self.rewrite_pending {
+            return Action::Continue;
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        self.rewrite_pending = false;
+        let (Some(plan), Some(provider)) = (&self.plan, self.provider) else {
+            return Action::Continue;
+        };
+        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        if let Injection::Rewritten(rewritten) = inject_include_usage(provider, &body) {
+            if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body_size, &rewritten).is_ok()
+            {
+                zerolayer_proxy::set_request_header(
+                    "content-length",
+                    rewritten.len().to_string().as_bytes(),
+                );
+                self.stripper = Some(UsageChunkStripper::new());
+                plan.meters.injected();
+            } else {
+                log::warn!("metering: could not rewrite the request body; usage may be missing");
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        let Some(provider) = self.provider else {
+            return Action::Continue;
+        };
+        self.status = response_header(":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let format = response_header("content-type")
+            .as_deref()
+            .map_or(ResponseFormat::Json, ResponseFormat::from_content_type);
+        self.streamed = format == ResponseFormat::EventStream;
+        if !self.streamed {
+            // Nothing to strip from a JSON body (the client asked no stream).
+            self.stripper = None;
+        }
+        self.extractor = Some(UsageExtractor::new(provider, format));
+        if end_of_stream {
+            self.record();
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(extractor) = &mut self.extractor else {
+            return Action::Continue;
+        };
+        let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        extractor.push(&chunk);
+        if let Some(stripper) = &mut self.stripper {
+            let mut out = Vec::with_capacity(chunk.len());
+            stripper.push(&chunk, &mut out);
+            if end_of_stream {
+                stripper.finish(&mut out);
+            }
+            if out != chunk
+                && let Err(status) =
+                    hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out)
+            {
+                log::warn!("metering: could not strip the usage chunk: {status:?}");
+            }
+        }
+        if end_of_stream {
+            self.record();
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        // A response that never ended (client gone, upstream reset) still
+        // gets its record: usage missing unless the stream carried it.
+        self.record();
+    }
+}
