@@ -1,7 +1,8 @@
 //! Time spent inside the filters' request-headers callback per request, in
 //! host-sim (wasmtime, Cranelift), host calls included: lazy-auth on a known
 //! token (the hot path), activation with ten rules, and a trivial filter
-//! (the probe without actions) as the floor every filter pays.
+//! (the probe without actions) as the floor every filter pays; and metering's
+//! whole per-request cost (every callback) for a JSON and an SSE response.
 #![allow(missing_docs)]
 
 use std::time::Duration;
@@ -139,5 +140,91 @@ fn baselines(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, lazy_auth, baselines);
+/// Runs `n` streams (request, then `response` chunks) and returns the time
+/// spent in all of `filter`'s callbacks.
+fn time_in_all(
+    host: &mut Host,
+    chain: ChainId,
+    filter: &str,
+    request: (&[(&str, &str)], &str),
+    response: (&[(&str, &str)], &[&str]),
+    n: u64,
+) -> Duration {
+    host.reset_callback_times();
+    for _ in 0..n {
+        let Ok(mut s) = host.stream(chain) else {
+            continue;
+        };
+        s.request_headers(request.0, false);
+        s.request_body(request.1.as_bytes(), true);
+        s.response_headers(response.0, false);
+        for (i, chunk) in response.1.iter().enumerate() {
+            s.response_body(chunk.as_bytes(), i + 1 == response.1.len());
+        }
+    }
+    host.callback_times()
+        .into_iter()
+        .filter(|(name, _, _, _)| name == filter)
+        .map(|(_, _, _, t)| t)
+        .sum()
+}
+
+fn metering(c: &mut Criterion) {
+    let mut host = Host::new().unwrap_or_else(|e| panic!("{e:#}"));
+    let config = json!({"tenant_header": "x-tenant-id", "sampling": {"percent": 1}});
+    let chain = host
+        .add_chain(vec![
+            PluginSpec::new("metering", wasm("metering")).configuration(config.to_string()),
+        ])
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let request = [
+        (":method", "POST"),
+        (":path", "/v1/messages"),
+        (":authority", "gw"),
+        ("content-type", "application/json"),
+        ("x-tenant-id", "acme"),
+        ("x-request-id", "0d9d1e52-5bd2-4f3c-9d1b-2f0d7b6f1c11"),
+    ];
+    let body =
+        r#"{"model":"claude-bench","max_tokens":64,"messages":[{"role":"user","content":"hi"}]}"#;
+    let json_reply = r#"{"id":"msg_1","type":"message","model":"claude-bench","content":[{"type":"text","text":"hello there, how can I help you today?"}],"usage":{"input_tokens":11,"output_tokens":64}}"#;
+    let mut sse = vec![
+        "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"model\":\"claude-bench\",\"usage\":{\"input_tokens\":11,\"output_tokens\":1}}}\n\n".to_string(),
+    ];
+    for i in 0..64 {
+        sse.push(format!("event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":0,\"delta\":{{\"type\":\"text_delta\",\"text\":\"token{i} \"}}}}\n\n"));
+    }
+    sse.push("event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":64}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n".to_string());
+    let sse: Vec<&str> = sse.iter().map(String::as_str).collect();
+    let json_headers = [(":status", "200"), ("content-type", "application/json")];
+    let sse_headers = [(":status", "200"), ("content-type", "text/event-stream")];
+    let mut group = c.benchmark_group("hot_path");
+    group.bench_function("metering_json_response", |b| {
+        b.iter_custom(|n| {
+            time_in_all(
+                &mut host,
+                chain,
+                "metering",
+                (&request, body),
+                (&json_headers, &[json_reply]),
+                n,
+            )
+        })
+    });
+    group.bench_function("metering_sse_66_chunks", |b| {
+        b.iter_custom(|n| {
+            time_in_all(
+                &mut host,
+                chain,
+                "metering",
+                (&request, body),
+                (&sse_headers, &sse),
+                n,
+            )
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, lazy_auth, baselines, metering);
 criterion_main!(benches);

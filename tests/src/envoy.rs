@@ -149,11 +149,26 @@ impl EnvoyConfig {
 
     /// Replaces the configuration of bootstrap Wasm service `name`.
     pub fn set_service_config(&mut self, name: &str, json: &str) -> Result<()> {
+        *self.service_config_value(name)? = Value::from(json);
+        Ok(())
+    }
+
+    /// The JSON configuration of bootstrap Wasm service `name`.
+    pub fn service_config(&self, name: &str) -> Result<String> {
+        let mut copy = self.clone();
+        let value = copy.service_config_value(name)?;
+        value
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| anyhow!("service {name}: configuration.value is not a string"))
+    }
+
+    fn service_config_value(&mut self, name: &str) -> Result<&mut Value> {
         let doc_name = self.name.clone();
         let services = lookup_mut(&mut self.doc, &["bootstrap_extensions"])
             .and_then(Value::as_sequence_mut)
             .ok_or_else(|| anyhow!("{doc_name}: no bootstrap_extensions"))?;
-        let value = services
+        services
             .iter_mut()
             .find(|s| {
                 s.get("typed_config")
@@ -163,9 +178,7 @@ impl EnvoyConfig {
                     == Some(name)
             })
             .and_then(|s| lookup_mut(s, &["typed_config", "config", "configuration", "value"]))
-            .ok_or_else(|| anyhow!("{doc_name}: no Wasm service named {name}"))?;
-        *value = Value::from(json);
-        Ok(())
+            .ok_or_else(|| anyhow!("{doc_name}: no Wasm service named {name}"))
     }
 
     /// The JSON configuration of the Wasm filter named `filter`.

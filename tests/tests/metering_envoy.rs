@@ -371,3 +371,28 @@ fn usage_from_the_real_model_server_in_both_apis() -> Result<()> {
     wait_rows(&clickhouse, 4, &envoy)?;
     Ok(())
 }
+
+#[test]
+fn the_shipped_configs_embed_the_documented_example() -> Result<()> {
+    let example: Value = serde_json::from_str(&std::fs::read_to_string(
+        paths::root().join("filters/metering/example.json"),
+    )?)?;
+    zerolayer_core::metering::MeteringConfig::from_json(example.to_string().as_bytes())
+        .map_err(|e| anyhow::anyhow!("filters/metering/example.json: {e}"))?;
+    for name in ["metering.yaml", "zerolayer.yaml"] {
+        let config = EnvoyConfig::shipped(name)?;
+        let filter: Value =
+            serde_json::from_str(&config.wasm_filter_config("zerolayer.metering")?)?;
+        assert_eq!(
+            filter, example,
+            "envoy/{name} drifted from filters/metering/example.json"
+        );
+        let service = config.service_config("zerolayer.observer")?;
+        let observer: Value = serde_json::from_str(&service)?;
+        assert_eq!(
+            observer["metering"], example,
+            "envoy/{name}: the observer's metering section drifted"
+        );
+    }
+    Ok(())
+}

@@ -1,6 +1,6 @@
-//! post-cache in real Envoy (the shipped `envoy/post-cache.yaml`: activation,
-//! lazy-auth, post-cache, the observer singleton) against the GPU backend
-//! stub and the real model server.
+//! post-cache in real Envoy (the shipped `envoy/zerolayer.yaml`: activation,
+//! lazy-auth, post-cache, metering, the observer singleton) against the GPU
+//! backend stub and the real model server.
 
 use std::time::{Duration, Instant};
 
@@ -42,7 +42,7 @@ fn gateway_with(
     paths::wasm("post_cache")?;
     let jwks = issuer().jwks().to_string();
     let idp = MockServer::start(move |_| (200, jwks.clone()))?;
-    let mut config = EnvoyConfig::shipped("post-cache.yaml")?
+    let mut config = EnvoyConfig::shipped("zerolayer.yaml")?
         .for_run(backend)?
         .point_cluster("idp", idp.addr())?
         .env("ZEROLAYER_CACHE_SECRET", SECRET);
@@ -242,11 +242,11 @@ fn the_shipped_config_embeds_the_documented_example() -> Result<()> {
     let example: Value = serde_json::from_str(&std::fs::read_to_string(
         paths::root().join("filters/post-cache/example.json"),
     )?)?;
-    let config = EnvoyConfig::shipped("post-cache.yaml")?;
+    let config = EnvoyConfig::shipped("zerolayer.yaml")?;
     let filter: Value = serde_json::from_str(&config.wasm_filter_config("zerolayer.post_cache")?)?;
     assert_eq!(
         filter, example,
-        "envoy/post-cache.yaml drifted from filters/post-cache/example.json"
+        "envoy/zerolayer.yaml drifted from filters/post-cache/example.json"
     );
     let lazy: Value = serde_json::from_str(&config.wasm_filter_config("zerolayer.lazy_auth")?)?;
     let lazy_example: Value = serde_json::from_str(&std::fs::read_to_string(
@@ -254,7 +254,7 @@ fn the_shipped_config_embeds_the_documented_example() -> Result<()> {
     )?)?;
     assert_eq!(
         lazy, lazy_example,
-        "envoy/post-cache.yaml's lazy-auth drifted"
+        "envoy/zerolayer.yaml's lazy-auth drifted"
     );
     Ok(())
 }
@@ -262,7 +262,7 @@ fn the_shipped_config_embeds_the_documented_example() -> Result<()> {
 #[test]
 fn without_its_secret_envoy_refuses_the_filter_naming_the_field() -> Result<()> {
     paths::wasm("post_cache")?;
-    let validation = Envoy::validate_file(&paths::envoy_config("post-cache.yaml"))?;
+    let validation = Envoy::validate_file(&paths::envoy_config("zerolayer.yaml"))?;
     assert!(!validation.ok, "accepted without ZEROLAYER_CACHE_SECRET");
     assert!(
         validation.output.contains(

@@ -1,6 +1,6 @@
 //! `cargo xtask demo`: every landed filter at work inside real Envoy.
 //!
-//! Builds the filters and starts Envoy from the shipped `envoy/post-cache.yaml`
+//! Builds the filters and starts Envoy from the shipped `envoy/zerolayer.yaml`
 //! (activation, lazy-auth, post-cache, and the observer as a singleton
 //! service; free loopback ports; activation's debug response header on so
 //! its decision is visible) in front of the GPU backend stub, or the real llama.cpp model
@@ -16,6 +16,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use zerolayer_core::sampling::Rate;
+use zerolayer_e2e::clickhouse::ClickHouse;
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, ModelServer, paths};
 use zerolayer_stub::{Stub, StubConfig};
@@ -276,9 +277,11 @@ pub fn run(args: &[String]) -> Result<()> {
         _ => String::new(),
     };
     let hits = seen.iter().filter(|s| s.cache == "HIT").count();
+    let metered = seen.iter().filter(|s| s.tokens != "-").count();
+    let shipped = seen.iter().filter(|s| s.shipped).count();
     println!();
     println!(
-        "{} requests: {admitted} admitted ({verified} on a cached verified verdict, {hits} answered from the cache), {} refused{leaks}.",
+        "{} requests: {admitted} admitted ({verified} on a cached verified verdict, {hits} answered from the cache), {} refused{leaks}; {metered} metered, {shipped} full records shipped.",
         seen.len(),
         seen.len() - admitted
     );
@@ -292,21 +295,35 @@ struct Seen {
     identity: String,
     cache: String,
     internal: String,
+    /// metering's `input→output` tokens from the access log (`-`: not
+    /// metered, e.g. refused or answered from the cache).
+    tokens: String,
+    /// Whether the request's full record landed in ClickHouse.
+    shipped: bool,
 }
+
+/// The demo's metering sample rate, percent (a deployment uses ~1%).
+const DEMO_SAMPLE_PERCENT: f64 = 50.0;
 
 /// Starts the services and Envoy in front of `backend`, sends the cases and
 /// prints what happened.
 fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
     let services = Services::start()?;
-    step("starting Envoy with envoy/post-cache.yaml (activation, lazy-auth, post-cache, observer)");
-    let mut config = EnvoyConfig::shipped("post-cache.yaml")?
+    step("starting ClickHouse (metering's usage sink)");
+    let clickhouse = ClickHouse::start()?;
+    clickhouse.create_usage_table()?;
+    step(
+        "starting Envoy with envoy/zerolayer.yaml (activation, lazy-auth, post-cache, metering, observer)",
+    );
+    let mut config = EnvoyConfig::shipped("zerolayer.yaml")?
         .for_run(backend.addr())?
         // The cache key's secret comes from Envoy's environment; a
         // deployment sets its own.
         .env("ZEROLAYER_CACHE_SECRET", DEMO_CACHE_SECRET)
         .point_cluster("idp", services.idp.addr())?
         .point_cluster("api_keys", services.api_keys.addr())?
-        .point_cluster("audit", services.audit.addr())?;
+        .point_cluster("audit", services.audit.addr())?
+        .point_cluster("clickhouse", clickhouse.addr())?;
     let mut rules: Value =
         serde_json::from_str(&config.wasm_filter_config("zerolayer.activation")?)?;
     rules["debug_response_header"] = Value::Bool(true);
@@ -316,9 +333,16 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
     lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
     lazy["audit"]["flush_ms"] = json!(200);
     config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
+    // Half the requests sampled, so the demo shows both sides; records
+    // shipped quickly.
+    let mut metering: Value =
+        serde_json::from_str(&config.wasm_filter_config("zerolayer.metering")?)?;
+    metering["sampling"] = json!({"percent": DEMO_SAMPLE_PERCENT});
+    metering["sink"]["flush_ms"] = json!(200);
+    config.set_wasm_filter_config("zerolayer.metering", &metering.to_string())?;
     config.set_service_config(
         "zerolayer.observer",
-        &json!({"lazy_auth": lazy, "tick_ms": 100}).to_string(),
+        &json!({"lazy_auth": lazy, "metering": metering, "tick_ms": 100}).to_string(),
     )?;
     let envoy = Envoy::start(&config)?;
     let version = std::process::Command::new(paths::envoy_binary()?)
@@ -328,9 +352,11 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         .unwrap_or_default();
 
     println!();
-    println!("zerolayer demo: activation, lazy-auth and post-cache (Wasm, V8) inside real Envoy,");
     println!(
-        "with the observer verifying credentials and shipping audit records off the request path"
+        "zerolayer demo: activation, lazy-auth, post-cache and metering (Wasm, V8) inside real Envoy,"
+    );
+    println!(
+        "with the observer verifying credentials and shipping audit and usage records off the request path"
     );
     let version = version
         .split("version: ")
@@ -341,13 +367,17 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
     println!("  listener  {}", envoy.url("/"));
     println!("  backend   {}", backend.describe());
     println!(
-        "  config    envoy/post-cache.yaml; filters/{{activation,lazy-auth,post-cache}}/example.json"
+        "  config    envoy/zerolayer.yaml; filters/{{activation,lazy-auth,post-cache,metering}}/example.json"
     );
     println!(
         "  services  JWKS {}, API key introspection {}, audit sink {} (loopback stand-ins)",
         services.idp.addr(),
         services.api_keys.addr(),
         services.audit.addr()
+    );
+    println!(
+        "  usage     ClickHouse {} (real server, {DEMO_SAMPLE_PERCENT}% sample)",
+        clickhouse.url()
     );
     println!();
 
@@ -399,11 +429,30 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         std::thread::sleep(Duration::from_millis(100));
     }
     std::thread::sleep(Duration::from_millis(1200));
-    let auth_by_id = access_log_field(&envoy.access_log(), "auth");
-    let row =
-        |n: &str, what: &str, status: &str, auth: &str, obs: &str, cache: &str, leak: &str| {
-            println!("{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<22} {cache:<7} {leak}");
-        };
+    let log = envoy.access_log();
+    let auth_by_id = access_log_field(&log, "auth");
+    let usage_by_id = access_log_field(&log, "usage");
+    let truth = host_sim::reconcile::read_access_log(log.as_bytes())?;
+    // The sample is xxh3(x-request-id) mod 10000 < rate: known in advance.
+    let rate = Rate::from_percent(DEMO_SAMPLE_PERCENT).context("demo sample rate")?;
+    let sampled = truth
+        .rows
+        .iter()
+        .filter(|r| rate.includes(r.request_id.as_bytes()))
+        .count();
+    let shipped = wait_for_rows(&clickhouse, sampled)?;
+    let row = |n: &str,
+               what: &str,
+               status: &str,
+               auth: &str,
+               obs: &str,
+               cache: &str,
+               tokens: &str,
+               leak: &str| {
+        println!(
+            "{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<22} {cache:<7} {tokens:<11} {leak}"
+        );
+    };
     row(
         "#",
         "request",
@@ -411,6 +460,7 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         "identity (lazy-auth)",
         "observers (activation)",
         "cache",
+        "tokens",
         "internal",
     );
     let mut seen = Vec::new();
@@ -424,6 +474,16 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
             .get(id.as_str())
             .map(String::as_str)
             .unwrap_or("-");
+        let tokens = usage_by_id
+            .get(id.as_str())
+            .map(|u| tokens_of(u))
+            .unwrap_or_else(|| "-".into());
+        let in_sink = shipped.iter().any(|r| r["request_id"] == id.as_str());
+        let tokens_shown = if in_sink {
+            format!("{tokens}*")
+        } else {
+            tokens.clone()
+        };
         row(
             &(i + 1).to_string(),
             case.what,
@@ -431,6 +491,7 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
             or_dash(auth),
             or_dash(observers),
             reply.header("x-cache").unwrap_or("-"),
+            &tokens_shown,
             &backend.internal_headers_seen(id),
         );
         let outcome = if reply.status == 200 {
@@ -444,6 +505,8 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
             identity: auth.to_string(),
             cache: reply.header("x-cache").unwrap_or("-").to_string(),
             internal: backend.internal_headers_seen(id),
+            tokens,
+            shipped: in_sink,
         });
     }
     println!();
@@ -460,6 +523,12 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         "               MISS: stored after the response completed; HIT: answered from the gateway)"
     );
     println!(
+        "   tokens    = metering's input→output tokens, from the access log (every request); * = in the"
+    );
+    println!(
+        "               hash sample, full record shipped to ClickHouse (-: refused or served from the cache)"
+    );
+    println!(
         "   internal  = x-zerolayer-* headers the backend received (none: decisions never leave the gateway;\n               not reached: refused, or answered from the cache)"
     );
 
@@ -472,6 +541,33 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         audit.len()
     );
     for line in records {
+        println!("  {line}");
+    }
+    println!();
+    println!(
+        "Usage sink: {} of {} metered requests in ClickHouse ({DEMO_SAMPLE_PERCENT}% hash sample), shipped by the observer:",
+        shipped.len(),
+        truth.rows.len()
+    );
+    for r in &shipped {
+        println!(
+            "  {} tenant={} model={} tokens={}→{} weight={}",
+            r["request_id"].as_str().unwrap_or("?"),
+            r["tenant"].as_str().unwrap_or("?"),
+            r["model"].as_str().unwrap_or("?"),
+            r["input_tokens"],
+            r["output_tokens"],
+            r["sample_weight"]
+        );
+    }
+    let sample = host_sim::reconcile::fetch_sample(&clickhouse.url(), "zerolayer_usage")?;
+    let report = host_sim::reconcile::reconcile(&truth.rows, &sample, 0.0);
+    println!();
+    println!(
+        "Reconciliation (host-sim reconcile --threshold 0): the sample's estimate against the access log,"
+    );
+    println!("corrections making billed totals exact:");
+    for line in report.summary().lines() {
         println!("  {line}");
     }
     println!();
@@ -631,6 +727,36 @@ fn wait_for_verdicts(envoy: &Envoy, n: f64) -> Result<()> {
     }
 }
 
+/// Waits until ClickHouse holds `n` usage rows; returns them.
+fn wait_for_rows(clickhouse: &ClickHouse, n: usize) -> Result<Vec<Value>> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let rows = clickhouse.rows()?;
+        if rows.len() >= n {
+            return Ok(rows);
+        }
+        if std::time::Instant::now() > deadline {
+            bail!(
+                "{} of {n} sampled usage records reached ClickHouse in 10 s",
+                rows.len()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `input→output` from a usage entry of the access log (`missing` when
+/// the response carried none).
+fn tokens_of(usage: &str) -> String {
+    let Ok(u) = serde_json::from_str::<Value>(usage) else {
+        return "-".into();
+    };
+    if u["usage_missing"] == 1 {
+        return "missing".into();
+    }
+    format!("{}→{}", u["input_tokens"], u["output_tokens"])
+}
+
 /// `request_id → field` from Envoy's JSON access log.
 fn access_log_field(log: &str, field: &str) -> std::collections::HashMap<String, String> {
     log.lines()
@@ -733,7 +859,20 @@ mod tests {
                 "(not reached)"
             };
             assert_eq!(s.internal, expected, "{}", case.what);
+            // What reached the backend is metered (tokens from the access
+            // log); only metered requests can be in the sample.
+            let reached = s.status == 200 && s.cache != "HIT";
+            assert_eq!(
+                s.tokens.contains('→'),
+                reached,
+                "{}: {}",
+                case.what,
+                s.tokens
+            );
+            assert!(!s.shipped || reached, "{}", case.what);
         }
+        let shipped = seen.iter().filter(|s| s.shipped).count();
+        assert!(shipped > 0, "no record reached ClickHouse");
         Ok(())
     }
 }
