@@ -73,6 +73,35 @@ mod tests {
     }
 
     #[test]
+    fn buckets_are_uniform() {
+        // 200k ids shaped like real ones, in 100 bins of 100 buckets:
+        // Pearson's chi-square with 99 degrees of freedom stays under 148.2
+        // (p = 0.001) for a uniform hash.
+        const IDS: usize = 200_000;
+        let mut bins = [0u32; 100];
+        for i in 0..IDS {
+            let id = format!("0d9d1e52-5bd2-4f3c-9d1b-{i:012x}");
+            bins[usize::from(bucket(id.as_bytes()) / 100)] += 1;
+        }
+        let expected = IDS as f64 / 100.0;
+        let chi2: f64 = bins
+            .iter()
+            .map(|&n| (f64::from(n) - expected).powi(2) / expected)
+            .sum();
+        assert!(chi2 < 148.2, "chi-square {chi2:.1} over 100 bins");
+        // And a 1% rate takes 1% of them, within 4 standard errors.
+        let rate = Rate::from_percent(1.0).unwrap();
+        let taken = (0..IDS)
+            .filter(|i| rate.includes(format!("req-{i}").as_bytes()))
+            .count() as f64;
+        let sd = (IDS as f64 * 0.01 * 0.99).sqrt();
+        assert!(
+            (taken - IDS as f64 * 0.01).abs() < 4.0 * sd,
+            "{taken} of {IDS}"
+        );
+    }
+
+    #[test]
     fn rate_bounds() {
         assert!(Rate::ALL.includes(b"anything"));
         assert!(!Rate::NONE.includes(b"anything"));

@@ -101,9 +101,11 @@ impl MeteredStream {
         zerolayer_proxy::publish(internal::USAGE_PROPERTY, &record.log_entry());
         // Activation's `metering` observer asks for this request's full
         // record even outside the sample (it then weighs 0 in the estimate).
-        let forced = property(internal::OBSERVERS_PROPERTY)
-            .is_some_and(|list| list.split(|b| *b == b',').any(|o| o == b"metering"));
-        if (in_sample || forced) && plan.config.sink.is_some() {
+        let forced = || {
+            property(internal::OBSERVERS_PROPERTY)
+                .is_some_and(|list| list.split(|b| *b == b',').any(|o| o == b"metering"))
+        };
+        if plan.config.sink.is_some() && (in_sample || forced()) {
             let queued = plan.queue.post(&Job::Usage(record).encode());
             plan.meters.record_posted(queued);
         }
