@@ -206,6 +206,9 @@ pub struct HostOptions {
     pub virtual_start_ns: Option<u64>,
     /// Print module logs to stderr as they arrive.
     pub echo_logs: bool,
+    /// Kong: the shared queues the operator declared (`shm_queue` in the
+    /// `wasm{}` block); registering any other traps.
+    pub kong_queues: Vec<String>,
 }
 
 impl Default for HostOptions {
@@ -216,6 +219,7 @@ impl Default for HostOptions {
             // 2026-11-29 12:00:00 UTC: a fixed, known instant.
             virtual_start_ns: Some(1_795_953_600_000_000_000),
             echo_logs: false,
+            kong_queues: Vec::new(),
         }
     }
 }
@@ -293,6 +297,7 @@ impl Host {
         };
         let mut world = World::new(options.profile, clock);
         world.echo_logs = options.echo_logs;
+        world.kong_queues = options.kong_queues.clone();
         Ok(Host {
             _epochs: epochs,
             engine,

@@ -497,24 +497,34 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
     });
 
     // -- shared queues --
-    env!("proxy_register_shared_queue", |mut c: C<'_>,
-                                         np: i32,
-                                         nl: i32,
-                                         ret: i32|
-     -> i32 {
-        let r = (|| {
-            let name = read_str(&mut c, np, nl)?;
-            let state = c.data();
-            let root = state.root_of(state.current).ok_or(Status::BadArgument)?;
-            let id =
-                state
-                    .world
-                    .borrow_mut()
-                    .register_queue(&state.vm_id, &name, (state.index, root));
-            write_u32(&mut c, ret, id)
-        })();
-        done(r)
-    });
+    env!(
+        "proxy_register_shared_queue",
+        |mut c: C<'_>, np: i32, nl: i32, ret: i32| -> wasmtime::Result<i32> {
+            let mut undeclared = None;
+            let r = (|| {
+                let name = read_str(&mut c, np, nl)?;
+                let state = c.data();
+                let root = state.root_of(state.current).ok_or(Status::BadArgument)?;
+                let registered = state.world.borrow_mut().register_queue(
+                    &state.vm_id,
+                    &name,
+                    (state.index, root),
+                );
+                match registered {
+                    Ok(id) => write_u32(&mut c, ret, id),
+                    Err(message) => {
+                        undeclared = Some(message);
+                        Err(Status::InternalFailure)
+                    }
+                }
+            })();
+            if let Some(message) = undeclared {
+                // ngx_wasm_module fails the filter: an undeclared queue traps.
+                return Err(wasmtime::Error::msg(message));
+            }
+            Ok(done(r))
+        }
+    );
     env!("proxy_resolve_shared_queue", |mut c: C<'_>,
                                         vp: i32,
                                         vl: i32,

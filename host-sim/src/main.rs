@@ -22,7 +22,7 @@ use zerolayer_stub::{Fault, StubConfig};
 const USAGE: &str = "\
 usage:
   host-sim serve --chain FILE --upstream URL|stub [--listen ADDR] [--admin ADDR]
-                 [--profile envoy|kong] [--logs]
+                                  [--profile envoy|kong] [--kong-queues NAME,NAME…] [--logs]
       Run the chain in FILE (an Envoy bootstrap .yaml: its Wasm http_filters,
       bootstrap singletons and static clusters; or a JSON chain file) as a
       loopback proxy in front of URL (or a built-in GPU backend stub).
@@ -137,6 +137,10 @@ fn serve(args: &[String]) -> Result<()> {
         admin: args.addr("admin", "127.0.0.1:0")?,
         profile,
         echo_logs: args.flag("logs"),
+        kong_queues: args
+            .get("kong-queues")
+            .map(|list| list.split(',').map(str::to_string).collect())
+            .unwrap_or_default(),
     })?;
     eprintln!(
         "host-sim: serving {} → {upstream} (admin http://{})",

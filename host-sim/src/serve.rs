@@ -48,6 +48,8 @@ pub struct ServeOptions {
     pub profile: Profile,
     /// Print module logs to stderr.
     pub echo_logs: bool,
+    /// Kong: the declared shared queues (`shm_queue`).
+    pub kong_queues: Vec<String>,
 }
 
 /// Events from the Wasm thread to one stream's network task.
@@ -194,6 +196,7 @@ fn wasm_thread(
             workers: 1,
             virtual_start_ns: None,
             echo_logs: options.echo_logs,
+            kong_queues: options.kong_queues.clone(),
         })?;
         let mut clusters = HashMap::new();
         for (name, addr) in &options.chain.clusters {

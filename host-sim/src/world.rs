@@ -255,6 +255,8 @@ pub struct World {
     pub(crate) streams: HashMap<StreamId, StreamData>,
     /// Cluster names `dispatch_http_call` may target.
     pub(crate) clusters: std::collections::HashSet<String>,
+    /// Kong: the queues the operator declared (`shm_queue`).
+    pub(crate) kong_queues: Vec<String>,
 }
 
 impl World {
@@ -273,13 +275,14 @@ impl World {
             echo_logs: false,
             streams: HashMap::new(),
             clusters: std::collections::HashSet::new(),
+            kong_queues: Vec::new(),
         }
     }
 
     /// Reads shared data: value and CAS, or `NotFound`.
     pub(crate) fn get_shared(&self, vm_id: &str, key: &str) -> Result<(Vec<u8>, u32), Status> {
         self.shared_data
-            .get(vm_id)
+            .get(self.kv_namespace(vm_id))
             .and_then(|m| m.get(key))
             .cloned()
             .ok_or(Status::NotFound)
@@ -289,7 +292,8 @@ impl World {
     /// profile, only creates; a non-zero CAS must match the key's current one
     /// (a missing key is created whatever the CAS, as proxy-wasm-cpp-host does).
     pub(crate) fn set_shared(&mut self, vm_id: &str, key: &str, value: &[u8], cas: u32) -> Status {
-        let map = self.shared_data.entry(vm_id.to_string()).or_default();
+        let namespace = self.kv_namespace(vm_id).to_string();
+        let map = self.shared_data.entry(namespace).or_default();
         let current = map.get(key).map(|(_, c)| *c);
         match (cas, current) {
             (0, Some(_)) if self.profile == Profile::Kong => return Status::CasMismatch,
@@ -303,15 +307,42 @@ impl World {
         Status::Ok
     }
 
-    /// Registers (or re-owns) queue (`vm_id`, `name`); returns its id.
-    pub(crate) fn register_queue(&mut self, vm_id: &str, name: &str, owner: (VmIndex, u32)) -> u32 {
+    /// Shared data's namespace: Envoy keeps one per `vm_id`; Kong has one
+    /// key/value zone for the whole gateway (keys without `ns/`).
+    fn kv_namespace<'a>(&self, vm_id: &'a str) -> &'a str {
+        match self.profile {
+            Profile::Envoy => vm_id,
+            Profile::Kong => "",
+        }
+    }
+
+    /// Registers (or re-owns) queue (`vm_id`, `name`); returns its id. Kong
+    /// addresses queues by name alone, and only those the operator declared
+    /// (`shm_queue`): anything else is an error (ngx_wasm_module traps).
+    pub(crate) fn register_queue(
+        &mut self,
+        vm_id: &str,
+        name: &str,
+        owner: (VmIndex, u32),
+    ) -> Result<u32, String> {
+        let vm_id = match self.profile {
+            Profile::Envoy => vm_id,
+            Profile::Kong => {
+                if !self.kong_queues.iter().any(|q| q == name) {
+                    return Err(format!(
+                        "shared queue \"{name}\" is not declared (Kong: `shm_queue {name} <size>;` in the wasm{{}} block)"
+                    ));
+                }
+                ""
+            }
+        };
         if let Some(i) = self
             .queues
             .iter()
             .position(|q| q.vm_id == vm_id && q.name == name)
         {
             self.queues[i].owner = owner;
-            return queue_id(i);
+            return Ok(queue_id(i));
         }
         self.queues.push(Queue {
             vm_id: vm_id.to_string(),
@@ -319,7 +350,7 @@ impl World {
             owner,
             items: VecDeque::new(),
         });
-        queue_id(self.queues.len() - 1)
+        Ok(queue_id(self.queues.len() - 1))
     }
 
     pub(crate) fn resolve_queue(&self, vm_id: &str, name: &str) -> Option<u32> {
@@ -410,13 +441,27 @@ mod tests {
         assert_eq!(w.set_shared("vm", "k", b"2", 0), Status::CasMismatch);
         let (_, cas) = w.get_shared("vm", "k").unwrap();
         assert_eq!(w.set_shared("vm", "k", b"2", cas), Status::Ok);
+        // One key/value zone for the gateway: vm_ids do not separate keys.
+        assert_eq!(
+            w.get_shared("other", "k").map(|(v, _)| v),
+            Ok(b"2".to_vec())
+        );
+    }
+
+    #[test]
+    fn kong_queues_are_declared_and_named_alone() {
+        let mut w = World::new(Profile::Kong, Clock::Virtual(0));
+        assert!(w.register_queue("vm", "jobs", (0, 1)).is_err());
+        w.kong_queues.push("jobs".into());
+        let q = w.register_queue("vm", "jobs", (0, 1)).unwrap();
+        assert_eq!(w.register_queue("other-vm", "jobs", (1, 1)), Ok(q));
     }
 
     #[test]
     fn queues_are_addressed_by_vm_id_and_name_and_notify_the_last_owner() {
         let mut w = World::new(Profile::Envoy, Clock::Virtual(0));
-        let q = w.register_queue("observer", "jobs", (0, 1));
-        assert_eq!(w.register_queue("observer", "jobs", (3, 7)), q);
+        let q = w.register_queue("observer", "jobs", (0, 1)).unwrap();
+        assert_eq!(w.register_queue("observer", "jobs", (3, 7)), Ok(q));
         assert_eq!(w.resolve_queue("observer", "jobs"), Some(q));
         assert_eq!(w.resolve_queue("observer", "other"), None);
         assert_eq!(w.enqueue(q, b"a"), Status::Ok);

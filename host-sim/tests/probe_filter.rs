@@ -112,6 +112,7 @@ fn the_singleton_drains_its_queue_under_envoy_and_resolving_it_kills_the_vm_unde
     for profile in [Profile::Envoy, Profile::Kong] {
         let mut host = Host::with_options(HostOptions {
             profile,
+            kong_queues: vec!["probe-jobs".into()],
             ..Default::default()
         })?;
         host.add_singleton(singleton(500)?)?;

@@ -137,6 +137,7 @@ impl Pair {
             admin: "127.0.0.1:0".parse()?,
             profile: Profile::Envoy,
             echo_logs: false,
+            kong_queues: Vec::new(),
         })
         .context("starting host-sim serve")?;
         Ok(Pair {

@@ -12,6 +12,7 @@ pub mod fleet;
 pub mod mock;
 pub mod model;
 pub mod paths;
+pub mod sim;
 pub mod sse;
 pub mod tokens;
 pub mod upstream;

@@ -5,13 +5,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use host_sim::{ChainId, Host, PluginSpec};
-use zerolayer_e2e::paths;
+use zerolayer_e2e::{paths, sim};
 
 const RULES: &str = include_str!("../fixtures/activation-rules.json");
-const OBSERVERS: &str = "wasm.wasmx.zerolayer_observers";
+const OBSERVERS: &str = "wasmx.zerolayer_observers";
 
 fn host_with(rules: &str) -> Result<(Host, ChainId)> {
-    let mut host = Host::new()?;
+    let mut host = sim::host()?;
     let chain = host.add_chain(vec![
         PluginSpec::new("zerolayer.activation", paths::wasm("activation")?).configuration(rules),
     ])?;
@@ -40,7 +40,10 @@ fn decision_is_published_as_filter_state_and_forged_headers_are_removed() -> Res
     let upstream = s.upstream();
     assert!(upstream.complete);
     assert_eq!(upstream.header("x-zerolayer-observers"), None);
-    assert_eq!(observers(s.filter_state(OBSERVERS)), "audit,metering,cache");
+    assert_eq!(
+        observers(sim::published(&s, OBSERVERS)),
+        "audit,metering,cache"
+    );
     s.response_headers(
         &[(":status", "200"), ("x-zerolayer-debug", "from upstream")],
         true,
@@ -94,7 +97,7 @@ fn shutdown_flushes_what_the_last_tick_did_not() -> Result<()> {
 
 #[test]
 fn a_bad_configuration_is_refused_with_the_field_in_the_log() -> Result<()> {
-    let mut host = Host::new()?;
+    let mut host = sim::host()?;
     let err = host
         .add_chain(vec![
             PluginSpec::new("zerolayer.activation", paths::wasm("activation")?)
@@ -120,7 +123,7 @@ fn a_bad_configuration_is_refused_with_the_field_in_the_log() -> Result<()> {
 fn two_workers_have_their_own_vms_and_share_metrics() -> Result<()> {
     let mut host = Host::with_options(host_sim::HostOptions {
         workers: 2,
-        ..Default::default()
+        ..sim::options()?
     })?;
     let chain = host.add_chain(vec![
         PluginSpec::new("zerolayer.activation", paths::wasm("activation")?).configuration(RULES),

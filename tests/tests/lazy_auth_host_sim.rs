@@ -7,8 +7,8 @@ use anyhow::{Context, Result};
 use host_sim::{CallResponse, ChainId, ClusterTarget, Host, HostOptions, PluginSpec, Profile};
 use serde_json::{Value, json};
 use zerolayer_core::auth::identity::ParsedIdentity;
-use zerolayer_e2e::paths;
 use zerolayer_e2e::tokens::{self, HS_SECRET, issuer};
+use zerolayer_e2e::{paths, sim};
 
 /// host-sim's fixed virtual start (2026-11-29 12:00:00 UTC), seconds.
 const NOW: u64 = 1_795_953_600;
@@ -35,13 +35,16 @@ struct Gateway {
     chain: ChainId,
 }
 
-fn gateway_with(config: Value, profile: Profile) -> Result<Gateway> {
+fn gateway_with(mut config: Value, profile: Profile) -> Result<Gateway> {
     let mut host = Host::with_options(HostOptions {
         profile,
-        ..Default::default()
+        ..sim::options()?
     })?;
     host.set_cluster("keys", ClusterTarget::Manual);
     host.set_cluster("audit", ClusterTarget::Manual);
+    if profile == Profile::Kong {
+        config["observer"]["mode"] = json!("tick");
+    }
     let text = config.to_string();
     if profile == Profile::Envoy {
         host.add_singleton(
@@ -60,8 +63,13 @@ fn gateway_with(config: Value, profile: Profile) -> Result<Gateway> {
     Ok(Gateway { host, chain })
 }
 
+/// A gateway for this run's profile (`ZEROLAYER_HOST_PROFILE`).
+fn gateway_for(config: Value) -> Result<Gateway> {
+    gateway_with(config, sim::profile()?)
+}
+
 fn gateway() -> Result<Gateway> {
-    gateway_with(base_config(), Profile::Envoy)
+    gateway_for(base_config())
 }
 
 /// What a client saw.
@@ -129,6 +137,7 @@ fn a_valid_token_is_admitted_once_then_served_from_its_verdict() -> Result<()> {
         let first = gw.bearer(&token)?;
         assert!(first.upstream, "{first:?}");
         assert_eq!(first.auth.as_deref(), Some("unverified"));
+        sim::settle(&mut gw.host);
         // The observer verified it off the path; the next request is a cache hit.
         let second = gw.bearer(&token)?;
         assert!(second.upstream, "{second:?}");
@@ -164,6 +173,7 @@ fn forged_expired_and_wrong_audience_tokens_get_at_most_one_request() -> Result<
             first.upstream,
             "{what}: the first request is admitted lazily: {first:?}"
         );
+        sim::settle(&mut gw.host);
         for _ in 0..3 {
             let next = gw.bearer(&token)?;
             assert_eq!(next.status, Some(401), "{what}: {next:?}");
@@ -196,9 +206,10 @@ fn missing_credentials_are_refused_and_public_paths_need_none() -> Result<()> {
 fn verdicts_expire_after_their_ttl_and_are_rechecked() -> Result<()> {
     let mut config = base_config();
     config["verdict_max_ttl_secs"] = json!(60);
-    let mut gw = gateway_with(config, Profile::Envoy)?;
+    let mut gw = gateway_for(config)?;
     let token = issuer().es256(&good("u", "acme"));
     gw.bearer(&token)?;
+    sim::settle(&mut gw.host);
     assert_eq!(gw.bearer(&token)?.auth.as_deref(), Some("verified"));
     gw.host.advance(Duration::from_secs(61));
     // The verdict expired: the credential is unknown again; its exposure
@@ -217,6 +228,7 @@ fn api_keys_are_verified_by_introspection_off_path_then_synchronously() -> Resul
     // First request: admitted lazily; the observer asks the endpoint.
     let first = gw.request(&[("x-api-key", "sk-live-1")])?;
     assert!(first.upstream);
+    sim::settle(&mut gw.host);
     let calls = gw.host.callouts();
     assert_eq!(calls.len(), 1);
     assert_eq!(calls[0].cluster, "keys");
@@ -246,9 +258,8 @@ fn api_keys_are_verified_by_introspection_off_path_then_synchronously() -> Resul
         CallResponse::new(200, r#"{"active":true,"tenant":"globex","sub":"svc-1"}"#),
     )?;
     assert!(s.upstream().complete);
-    let identity = s
-        .filter_state("wasm.wasmx.zerolayer_auth")
-        .and_then(|v| ParsedIdentity::parse(&v));
+    let identity =
+        sim::published(&s, "wasmx.zerolayer_auth").and_then(|v| ParsedIdentity::parse(&v));
     assert_eq!(
         identity
             .and_then(|i| i.verified_tenant().map(str::to_string))
@@ -257,6 +268,7 @@ fn api_keys_are_verified_by_introspection_off_path_then_synchronously() -> Resul
     );
     // A revoked key: the observer learns it, the next request is refused.
     gw.request(&[("x-api-key", "sk-revoked")])?;
+    sim::settle(&mut gw.host);
     let token = gw
         .host
         .callouts()
@@ -279,6 +291,7 @@ fn a_dead_verifier_opens_the_breaker_and_unknown_keys_are_bounded_then_refused()
     // Three keys whose introspection fails: the breaker opens.
     for i in 0..3 {
         gw.request(&[("x-api-key", &format!("sk-{i}"))])?;
+        sim::settle(&mut gw.host);
         let token = gw
             .host
             .callouts()
@@ -340,7 +353,7 @@ fn a_tenant_with_failing_credentials_escalates_to_synchronous_checks() -> Result
 fn trusted_clients_verify_inline_and_never_go_lazy() -> Result<()> {
     let mut config = base_config();
     config["trusted_clients"] = json!([{"user_agent": "^internal-batch/"}]);
-    let mut gw = gateway_with(config, Profile::Envoy)?;
+    let mut gw = gateway_for(config)?;
     let forged = issuer().forged(&good("x", "acme"), 7);
     let seen = gw.request(&[
         ("authorization", &format!("Bearer {forged}")),

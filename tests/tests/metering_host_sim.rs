@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use host_sim::{CallResponse, ChainId, ClusterTarget, Host, PluginSpec};
 use serde_json::{Value, json};
-use zerolayer_e2e::paths;
+use zerolayer_e2e::{paths, sim};
 
 const ANTHROPIC_JSON: &str = r#"{"id":"msg_1","type":"message","model":"claude-test","content":[{"type":"text","text":"a \"usage\": {} trap"}],"usage":{"input_tokens":11,"output_tokens":7,"cache_read_input_tokens":3,"cache_creation_input_tokens":2}}"#;
 
@@ -57,15 +57,15 @@ fn gateway(config: Value) -> Result<Gateway> {
     gateway_with(config, None, ClusterTarget::Manual)
 }
 
-fn gateway_with(config: Value, activation: Option<Value>, sink: ClusterTarget) -> Result<Gateway> {
-    let mut host = Host::new()?;
+fn gateway_with(
+    mut config: Value,
+    activation: Option<Value>,
+    sink: ClusterTarget,
+) -> Result<Gateway> {
+    let mut host = sim::host()?;
     host.set_cluster("sink", sink);
     if config.get("sink").is_some() {
-        host.add_singleton(
-            PluginSpec::new("observer", paths::wasm("observer_service")?)
-                .vm_id("zerolayer")
-                .configuration(json!({"metering": config, "tick_ms": 100}).to_string()),
-        )?;
+        sim::observer(&mut host, "metering", &mut config, &[])?;
     }
     let mut chain = Vec::new();
     if let Some(rules) = activation {
@@ -150,10 +150,7 @@ impl Gateway {
             }
         }
         let client_body = s.client().text();
-        // Envoy keys filter state "wasm.<path>"; Kong keeps "wasmx.*" as is.
-        let usage = s
-            .filter_state("wasm.wasmx.zerolayer_usage")
-            .or_else(|| s.filter_state("wasmx.zerolayer_usage"))
+        let usage = sim::published(&s, "wasmx.zerolayer_usage")
             .map(|v| serde_json::from_slice(&v))
             .transpose()?;
         Ok(Seen {
@@ -459,6 +456,7 @@ fn records_ship_in_batches_by_size_and_by_age() -> Result<()> {
     for i in 0..7 {
         gw.plain("acme", &format!("r-{i}"))?;
     }
+    sim::settle(&mut gw.host);
     // Two full batches left at once; the seventh record waits for its age.
     let calls = gw.host.callouts();
     assert_eq!(calls.len(), 1, "one batch in flight at a time");
@@ -512,6 +510,7 @@ fn a_failing_sink_is_retried_with_backoff_behind_a_breaker_and_nothing_is_lost()
     for i in 0..2 {
         gw.plain("acme", &format!("r-{i}"))?;
     }
+    sim::settle(&mut gw.host);
     let mut attempts = Vec::new();
     // Three failures: after 500 ms, then 1000 ms; then the breaker opens.
     for _ in 0..3 {
@@ -543,7 +542,7 @@ fn a_failing_sink_is_retried_with_backoff_behind_a_breaker_and_nothing_is_lost()
         .respond(calls[0].token, CallResponse::new(200, ""))?;
     let calls = gw.host.callouts();
     assert_eq!(calls.len(), 0, "r-late waits for its age");
-    gw.host.advance(Duration::from_millis(1100));
+    gw.host.advance(Duration::from_millis(1300));
     let calls = gw.host.callouts();
     assert_eq!(rows(&calls[0].body)?[0]["request_id"], "r-late");
     gw.host
@@ -603,7 +602,7 @@ fn the_sample_is_the_same_requests_everywhere_and_activation_can_force_a_record(
         gw.plain("acme", id)?;
     }
     gw.plain("vip", "vip-request")?;
-    gw.host.advance(Duration::from_millis(1100));
+    gw.host.advance(Duration::from_millis(1500));
     let calls = gw.host.callouts();
     let shipped = rows(&calls.first().context("no batch")?.body)?;
     let expected: Vec<&String> = ids
@@ -638,7 +637,7 @@ fn the_sample_is_the_same_requests_everywhere_and_activation_can_force_a_record(
 
 #[test]
 fn bad_configuration_is_refused_with_one_line_naming_the_field() -> Result<()> {
-    let mut host = Host::new()?;
+    let mut host = sim::host()?;
     let spec = metering_spec(&json!({"sampling": {"environments": {"prod": 250}}}))?;
     assert!(host.add_chain(vec![spec]).is_err());
     let logs = host.logs_containing("metering: invalid configuration");
@@ -657,6 +656,7 @@ fn kong_profile_ships_records_from_the_filters_tick() -> Result<()> {
     config["observer"] = json!({"mode": "tick"});
     let mut host = Host::with_options(HostOptions {
         profile: Profile::Kong,
+        kong_queues: vec!["zerolayer.jobs.metering".into()],
         ..Default::default()
     })?;
     host.set_cluster("sink", ClusterTarget::Manual);

@@ -7,8 +7,8 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use host_sim::{ChainId, Host, PluginSpec, StreamId};
 use serde_json::{Value, json};
-use zerolayer_e2e::paths;
 use zerolayer_e2e::tokens::{self, issuer};
+use zerolayer_e2e::{paths, sim};
 
 const VM_ID: &str = "zerolayer.cache";
 const SECRET: &str = "zerolayer-test-cache-secret-0123456789abcdef";
@@ -43,7 +43,7 @@ struct Gateway {
 }
 
 fn gateway(config: Value) -> Result<Gateway> {
-    let mut host = Host::new()?;
+    let mut host = sim::host()?;
     let chain = host.add_chain(vec![cache_spec(&config)?])?;
     Ok(Gateway { host, chain })
 }
@@ -313,12 +313,13 @@ fn entries_expire_with_their_ttl_on_virtual_time() -> Result<()> {
 
 #[test]
 fn tenants_never_see_each_others_entries_and_unverified_requests_bypass() -> Result<()> {
-    let lazy = json!({
+    let mut lazy = json!({
         "credentials": [{"header": "authorization", "scheme": "Bearer", "kind": "jwt"}],
         "jwt": {"keys": issuer().jwks()["keys"], "issuers": ["https://idp.test"], "audiences": ["zerolayer"]},
         "unknown": "sync",
     });
-    let mut host = Host::new()?;
+    sim::observer_mode(&mut lazy);
+    let mut host = sim::host()?;
     let chain = host.add_chain(vec![
         PluginSpec::new("lazy-auth", paths::wasm("lazy_auth")?)
             .vm_id("zerolayer")
@@ -491,7 +492,7 @@ fn a_missing_or_short_secret_refuses_the_configuration() -> Result<()> {
         ),
         (Some("too-short"), "at least 32 are required"),
     ] {
-        let mut host = Host::new()?;
+        let mut host = sim::host()?;
         let mut spec = PluginSpec::new("post-cache", paths::wasm("post_cache")?)
             .vm_id(VM_ID)
             .configuration(config(json!({})).to_string());
@@ -559,16 +560,16 @@ fn only_if_cached_answers_504_on_a_miss_and_the_entry_on_a_hit() -> Result<()> {
 /// A gateway with the fleet tier: post-cache plus the observer singleton
 /// writing to a real Redis through webdis.
 fn fleet_gateway(webdis: std::net::SocketAddr) -> Result<Gateway> {
-    let cache = config(json!({
+    let mut cache = config(json!({
         "fleet": {"cluster": "webdis", "path": "/", "timeout_ms": 500},
     }));
-    let mut host = Host::new()?;
+    let mut host = sim::host()?;
     host.set_cluster("webdis", host_sim::ClusterTarget::Http(webdis));
-    host.add_singleton(
-        PluginSpec::new("observer", paths::wasm("observer_service")?)
-            .vm_id("zerolayer")
-            .configuration(json!({"post_cache": cache, "tick_ms": 100}).to_string())
-            .env("ZEROLAYER_CACHE_SECRET", SECRET),
+    sim::observer(
+        &mut host,
+        "post_cache",
+        &mut cache,
+        &[("ZEROLAYER_CACHE_SECRET", SECRET)],
     )?;
     let chain = host.add_chain(vec![cache_spec(&cache)?])?;
     Ok(Gateway { host, chain })

@@ -59,10 +59,17 @@ fn main() -> ExitCode {
 
 /// Runs `cargo <args>` in the workspace root, failing on a non-zero exit.
 pub fn cargo(args: &[&str]) -> Result<()> {
+    cargo_with_env(args, &[])
+}
+
+/// `cargo <args>` with extra environment variables.
+pub fn cargo_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    step(&format!("cargo {}", args.join(" ")));
+    let shown: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+    step(&format!("{}cargo {}", shown.concat(), args.join(" ")));
     let status = Command::new(&cargo)
         .args(args)
+        .envs(env.iter().copied())
         .current_dir(zerolayer_e2e::paths::root())
         .status()
         .with_context(|| format!("running {cargo}"))?;
@@ -107,9 +114,24 @@ fn test() -> Result<()> {
         "warnings",
     ])?;
     cargo(&["test", "--locked", "--workspace"])?;
+    // The filters' host-sim suites again, under Kong's host limits.
+    step("the filters' host-sim suites under the kong profile");
+    let mut kong = vec!["test", "--locked", "--package", "zerolayer-e2e"];
+    for suite in KONG_SUITES {
+        kong.extend(["--test", suite]);
+    }
+    cargo_with_env(&kong, &[(zerolayer_e2e::sim::PROFILE_ENV, "kong")])?;
     step("all tests passed");
     Ok(())
 }
+
+/// The host-sim suites that run under both host profiles.
+const KONG_SUITES: &[&str] = &[
+    "activation_host_sim",
+    "lazy_auth_host_sim",
+    "post_cache_host_sim",
+    "metering_host_sim",
+];
 
 /// Core logic natively, the filters in host-sim, and real Envoy (same-run
 /// baselines: plain Envoy, a trivial Wasm filter, `jwt_authn`).

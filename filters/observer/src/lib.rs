@@ -28,7 +28,7 @@ mod shipper;
 use proxy_wasm::hostcalls;
 use serde::Deserialize;
 use zerolayer_core::ConfigError;
-use zerolayer_core::auth::config::{LazyAuthConfig, ObserverLink};
+use zerolayer_core::auth::config::{LazyAuthConfig, ObserverLink, ObserverMode};
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::event::{AuditRecord, Job};
 use zerolayer_core::metering::MeteringConfig;
@@ -267,8 +267,16 @@ impl Observer {
     /// (owns) the job queue. `who` names it in log lines.
     pub fn configure(config: &ObserverConfig, who: &str) -> Result<Observer, String> {
         let link = config.link();
-        let queue = hostcalls::register_shared_queue(&link.queue)
-            .map_err(|s| format!("cannot register queue {}: {s:?}", link.queue))?;
+        // In tick mode every filter embeds its own observer, configured for
+        // that filter only: each owns its own queue, or one filter's
+        // observer would drain (and drop) another's jobs. Kong shares queues
+        // by name across the whole gateway, so the name says whose it is.
+        let queue_name = match link.mode {
+            ObserverMode::Singleton => link.queue.clone(),
+            ObserverMode::Tick => format!("{}.{who}", link.queue),
+        };
+        let queue = hostcalls::register_shared_queue(&queue_name)
+            .map_err(|s| format!("cannot register queue {queue_name}: {s:?}"))?;
         let auth = config.lazy_auth.as_ref().map(AuthWorker::new).transpose()?;
         let fleet = config
             .post_cache
@@ -300,8 +308,7 @@ impl Observer {
             work.push(format!("usage sink on cluster {}", usage.cluster()));
         }
         log::info!(
-            "{who}: observer on queue {} ({})",
-            link.queue,
+            "{who}: observer on queue {queue_name} ({})",
             work.join(", ")
         );
         Ok(Observer {
@@ -342,7 +349,10 @@ impl Observer {
                 Some(Job::Audit(record)) => {
                     self.counters.add(counter::JOBS_AUDIT, 1);
                     match &mut self.audit {
-                        Some(audit) => audit.push(audit_line(&record), now_ms(), &self.counters),
+                        Some(audit) => {
+                            audit.push(audit_line(&record), now_ms(), &self.counters);
+                            audit.maybe_flush(now_ms(), &mut self.calls, &self.counters);
+                        }
                         None => self.counters.add(counter::AUDIT_DROPPED, 1),
                     }
                 }
@@ -353,6 +363,9 @@ impl Observer {
                             let mut line = Vec::with_capacity(256);
                             record.write_sink_row(&mut line);
                             usage.push(line, now_ms(), &self.counters);
+                            // A full batch leaves before the rest of a
+                            // burst can overflow the buffer.
+                            usage.maybe_flush(now_ms(), &mut self.calls, &self.counters);
                         }
                         None => self.counters.add(counter::USAGE_DROPPED, 1),
                     }
