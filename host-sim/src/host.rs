@@ -209,6 +209,10 @@ pub struct HostOptions {
     /// Kong: the shared queues the operator declared (`shm_queue` in the
     /// `wasm{}` block); registering any other traps.
     pub kong_queues: Vec<String>,
+    /// Kong: play Kong Gateway's build of ngx_wasm_module, whose host
+    /// properties live under `kong.` (`kong.ctx.shared.*` per request)
+    /// instead of `wasmx.`.
+    pub kong_gateway: bool,
 }
 
 impl Default for HostOptions {
@@ -220,6 +224,7 @@ impl Default for HostOptions {
             virtual_start_ns: Some(1_795_953_600_000_000_000),
             echo_logs: false,
             kong_queues: Vec::new(),
+            kong_gateway: false,
         }
     }
 }
@@ -298,6 +303,7 @@ impl Host {
         let mut world = World::new(options.profile, clock);
         world.echo_logs = options.echo_logs;
         world.kong_queues = options.kong_queues.clone();
+        world.kong_gateway = options.kong_gateway;
         Ok(Host {
             _epochs: epochs,
             engine,

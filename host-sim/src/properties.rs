@@ -9,7 +9,10 @@
 //! serialized form; a one-segment path reads back (Envoy keys it
 //! `wasm.<segment>`), a multi-segment one does not (checked against Envoy
 //! 1.40). Under the Kong profile segments are joined with dots and only
-//! `wasmx.*` is writable, as in ngx_wasm_module.
+//! host properties are writable: `wasmx.*` as in ngx_wasm_module, or —
+//! modelling Kong Gateway's build (`NGX_WASM_HOST_PROPERTY_NAMESPACE=kong`,
+//! `HostOptions::kong_gateway`) — `kong.ctx.shared.*`, with `kong.version`
+//! readable and `wasmx.*` unknown.
 
 use crate::abi::{Headers, Status, decode_path, encode_pairs};
 use crate::vm::VmState;
@@ -43,8 +46,23 @@ pub(crate) fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
     let data = world.streams.get(&stream)?;
     let profile = world.profile;
     let now = world.clock.now_ns();
+    if profile == Profile::Kong && world.kong_gateway {
+        let dotted = parts.join(".");
+        if dotted == "kong.version" {
+            return Some(KONG_VERSION.as_bytes().to_vec());
+        }
+        return dotted
+            .starts_with(KONG_SHARED)
+            .then(|| data.filter_state.get(&dotted).cloned())
+            .flatten();
+    }
     attribute(data, &parts, now).or_else(|| filter_state(data, profile, path, &parts))
 }
+
+/// The version Kong Gateway's `kong.version` property answers.
+const KONG_VERSION: &str = "3.9.1";
+/// Kong Gateway's per-request namespace (`kong.ctx.shared`).
+const KONG_SHARED: &str = "kong.ctx.shared.";
 
 fn attribute(data: &StreamData, parts: &[&str], now_ns: u64) -> Option<Vec<u8>> {
     let req = &data.request_headers;
@@ -106,13 +124,18 @@ pub(crate) fn set(state: &VmState, path: &[u8], value: Vec<u8>) -> Result<(), St
     let (stream, _) = state.current_stream().ok_or(Status::BadArgument)?;
     let mut world = state.world.borrow_mut();
     let profile = world.profile;
+    let host_namespace = if world.kong_gateway {
+        KONG_SHARED
+    } else {
+        "wasmx."
+    };
     let data = world.streams.get_mut(&stream).ok_or(Status::NotFound)?;
     let key = match profile {
         // Envoy keys filter state "wasm." + the serialized path, NULs and all.
         Profile::Envoy => format!("wasm.{}", String::from_utf8_lossy(path)),
         Profile::Kong => {
             let dotted = decode_path(path).join(".");
-            if !dotted.starts_with("wasmx.") {
+            if !dotted.starts_with(host_namespace) {
                 return Err(Status::NotFound);
             }
             dotted

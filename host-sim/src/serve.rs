@@ -197,6 +197,7 @@ fn wasm_thread(
             virtual_start_ns: None,
             echo_logs: options.echo_logs,
             kong_queues: options.kong_queues.clone(),
+            kong_gateway: false,
         })?;
         let mut clusters = HashMap::new();
         for (name, addr) in &options.chain.clusters {

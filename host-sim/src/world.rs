@@ -257,6 +257,8 @@ pub struct World {
     pub(crate) clusters: std::collections::HashSet<String>,
     /// Kong: the queues the operator declared (`shm_queue`).
     pub(crate) kong_queues: Vec<String>,
+    /// Kong: Kong Gateway's build (host properties under `kong.`).
+    pub(crate) kong_gateway: bool,
 }
 
 impl World {
@@ -276,6 +278,7 @@ impl World {
             streams: HashMap::new(),
             clusters: std::collections::HashSet::new(),
             kong_queues: Vec::new(),
+            kong_gateway: false,
         }
     }
 

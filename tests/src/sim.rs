@@ -41,6 +41,8 @@ pub fn options() -> Result<HostOptions> {
     Ok(HostOptions {
         profile: profile()?,
         kong_queues: KONG_QUEUES.iter().map(|q| q.to_string()).collect(),
+        // Kong Gateway's build: hand-offs through `kong.ctx.shared.*`.
+        kong_gateway: true,
         ..Default::default()
     })
 }
@@ -93,10 +95,15 @@ pub fn settle(host: &mut Host) {
 }
 
 /// A property published for later filters and the access log, by path
-/// (`wasmx.zerolayer_usage`): Envoy's filter state `wasm.<path>`, Kong's
-/// `wasmx.*` host property.
+/// (`wasmx.zerolayer_usage`): Envoy's filter state `wasm.<path>`,
+/// ngx_wasm_module's `wasmx.*` host property, or Kong Gateway's
+/// `kong.ctx.shared.*`.
 pub fn published(stream: &StreamHandle<'_>, path: &str) -> Option<Vec<u8>> {
     stream
         .filter_state(&format!("wasm.{path}"))
         .or_else(|| stream.filter_state(path))
+        .or_else(|| {
+            let name = path.strip_prefix("wasmx.")?;
+            stream.filter_state(&format!("kong.ctx.shared.{name}"))
+        })
 }

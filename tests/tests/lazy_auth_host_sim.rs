@@ -97,11 +97,8 @@ impl Gateway {
             s.response_headers(&[(":status", "200")], true);
         }
         // Envoy keys filter state "wasm.<path>"; Kong keeps "wasmx.*" as is.
-        let text = |k: &str| {
-            s.filter_state(&format!("wasm.{k}"))
-                .or_else(|| s.filter_state(k))
-                .map(|v| String::from_utf8_lossy(&v).into_owned())
-        };
+        let text =
+            |k: &str| sim::published(&s, k).map(|v| String::from_utf8_lossy(&v).into_owned());
         let identity =
             text("wasmx.zerolayer_auth").and_then(|t| ParsedIdentity::parse(t.as_bytes()));
         Ok(Seen {

@@ -138,12 +138,7 @@ impl HttpContext for ActivationStream {
 
         let decision = plan.rules.evaluate(&request);
         let published = render(&plan.rules, decision.observers);
-        if let Err(status) = hostcalls::set_property(
-            vec![internal::OBSERVERS_PROPERTY],
-            Some(published.as_bytes()),
-        ) {
-            log::warn!("activation: could not publish the decision: {status:?}");
-        }
+        zerolayer_proxy::publish(internal::OBSERVERS_PROPERTY, published.as_bytes());
         plan.counters.decision(&decision);
         self.decision = Some(decision);
         Action::Continue

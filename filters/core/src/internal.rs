@@ -6,12 +6,33 @@
 //! - Envoy stores it as per-stream filter state (`wasm.wasmx.…`), readable by
 //!   later Wasm filters, by `%FILTER_STATE(…)%` in access logs and by route
 //!   header formatters; it never becomes a header, so it cannot leak upstream.
-//! - Kong (ngx_wasm_module) joins path segments with dots and keeps
-//!   `wasmx.*` host properties per request, shared by the filter chain.
-//! - host-sim implements both behaviours.
+//! - ngx_wasm_module joins path segments with dots and keeps `wasmx.*` host
+//!   properties per request, shared by the filter chain.
+//! - Kong Gateway builds ngx_wasm_module with the host namespace `kong`:
+//!   there the same values go to `kong.ctx.shared.<name>`
+//!   ([`kong_handoff_path`]); `zerolayer_proxy` picks the namespace per host.
+//! - host-sim implements all three.
 //!
 //! A two-segment path (`["wasmx", "x"]`) does not round-trip in Envoy, which is
 //! why the dot is inside the one segment.
+
+/// Prefix of the hand-off properties (`wasmx.zerolayer_*`).
+pub const HANDOFF_PREFIX: &str = "wasmx.";
+
+/// Kong Gateway builds ngx_wasm_module with the host-property namespace
+/// `kong`: there `wasmx.*` is no host property, and per-request values live
+/// in `kong.ctx.shared.*` (readable by Kong's Lua plugins and log formats).
+pub const KONG_HANDOFF_PREFIX: &str = "kong.ctx.shared.";
+
+/// A property only Kong Gateway answers: how a filter learns which of the
+/// two hand-off namespaces its host has.
+pub const KONG_VERSION_PROPERTY: &str = "kong.version";
+
+/// `path` (a `wasmx.*` hand-off property) as Kong Gateway names it.
+pub fn kong_handoff_path(path: &str) -> Option<String> {
+    path.strip_prefix(HANDOFF_PREFIX)
+        .map(|name| format!("{KONG_HANDOFF_PREFIX}{name}"))
+}
 
 /// Property holding the activation decision as a comma list of observer names.
 pub const OBSERVERS_PROPERTY: &str = "wasmx.zerolayer_observers";
@@ -49,6 +70,15 @@ pub fn is_internal_header(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kong_names_the_hand_off_under_its_shared_context() {
+        assert_eq!(
+            kong_handoff_path(USAGE_PROPERTY).as_deref(),
+            Some("kong.ctx.shared.zerolayer_usage")
+        );
+        assert_eq!(kong_handoff_path("request.path"), None);
+    }
 
     #[test]
     fn internal_header_names() {

@@ -15,6 +15,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use zerolayer_core::ConfigError;
 use zerolayer_core::auth::config::ObserverLink;
+use zerolayer_core::internal;
 use zerolayer_core::metrics::PendingCounters;
 
 /// Reads the plugin configuration and parses it with `parse`; on error logs
@@ -85,15 +86,64 @@ pub fn set_response_header(name: &str, value: &str) {
     let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
 }
 
+/// Where the host keeps the values filters hand to later filters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Handoff {
+    /// Not asked yet.
+    Unknown,
+    /// `wasmx.*`: Envoy (filter state) and ngx_wasm_module's default.
+    Wasmx,
+    /// `kong.ctx.shared.*`: Kong Gateway's build of ngx_wasm_module.
+    KongShared,
+}
+
+thread_local! {
+    static HANDOFF: Cell<Handoff> = const { Cell::new(Handoff::Unknown) };
+}
+
+/// The host's hand-off namespace, learned once per VM from whether
+/// `kong.version` answers (only Kong Gateway has it).
+fn handoff() -> Handoff {
+    HANDOFF.with(|h| {
+        if h.get() == Handoff::Unknown {
+            let kong = matches!(
+                hostcalls::get_property(vec![internal::KONG_VERSION_PROPERTY]),
+                Ok(Some(_))
+            );
+            h.set(if kong {
+                Handoff::KongShared
+            } else {
+                Handoff::Wasmx
+            });
+        }
+        h.get()
+    })
+}
+
+/// `path` as this host names it: hand-off properties move to
+/// `kong.ctx.shared.*` in Kong Gateway, everything else stays.
+fn host_path(path: &str) -> std::borrow::Cow<'_, str> {
+    if path.starts_with(internal::HANDOFF_PREFIX)
+        && handoff() == Handoff::KongShared
+        && let Some(kong) = internal::kong_handoff_path(path)
+    {
+        return std::borrow::Cow::Owned(kong);
+    }
+    std::borrow::Cow::Borrowed(path)
+}
+
 /// Reads a property (filter state or an Envoy attribute).
 pub fn property(path: &str) -> Option<Vec<u8>> {
-    hostcalls::get_property(vec![path]).ok().flatten()
+    hostcalls::get_property(vec![&host_path(path)])
+        .ok()
+        .flatten()
 }
 
 /// Publishes a value to later filters of the same request, as a one-segment
 /// property (see `zerolayer_core::internal`).
 pub fn publish(path: &str, value: &[u8]) {
-    if let Err(status) = hostcalls::set_property(vec![path], Some(value)) {
+    let path = host_path(path);
+    if let Err(status) = hostcalls::set_property(vec![&path], Some(value)) {
         log::warn!("could not publish {path}: {status:?}");
     }
 }
