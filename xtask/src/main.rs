@@ -3,6 +3,7 @@
 //! Python 3 needs nothing else.
 
 mod demo;
+mod fuzz;
 mod setup;
 
 use std::process::{Command, ExitCode};
@@ -22,6 +23,9 @@ usage: cargo xtask <command>
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
   bench                  run the benchmarks: core logic, the filters in host-sim,
                          and load against real Envoy with same-run baselines
+  fuzz [--seconds N] [--target NAME] [--seed N]
+                         run the parsers under libFuzzer (nightly, cargo-fuzz;
+                         installed on first use) from the committed corpus
 ";
 
 /// Filter crates built as `.wasm`.
@@ -42,6 +46,7 @@ fn main() -> ExitCode {
         Some("setup") => setup::all(),
         Some("build-wasm") => build_wasm(),
         Some("bench") => bench(),
+        Some("fuzz") => fuzz::run(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             print!("{USAGE}");
             Ok(())
@@ -121,6 +126,10 @@ fn test() -> Result<()> {
         kong.extend(["--test", suite]);
     }
     cargo_with_env(&kong, &[(zerolayer_e2e::sim::PROFILE_ENV, "kong")])?;
+    // The parsers under libFuzzer for a few seconds each, from the
+    // committed corpus, with a fixed seed (long runs: `cargo xtask fuzz`).
+    step("fuzzing each parser briefly (cargo xtask fuzz --seconds 10 --seed 1)");
+    fuzz::run(&["--seconds", "10", "--seed", "1"].map(String::from))?;
     step("all tests passed");
     Ok(())
 }

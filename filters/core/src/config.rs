@@ -52,7 +52,14 @@ pub fn from_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ConfigError> {
     let mut de = serde_json::Deserializer::from_slice(bytes);
     let value: T = serde_path_to_error::deserialize(&mut de).map_err(|err| {
         let path = err.path().to_string();
-        let path = if path == "." { ROOT.to_string() } else { path };
+        // serde_path_to_error shows the document as "." and a member named
+        // "" as nothing: keep every error's path visible (found by fuzzing:
+        // fuzz/regressions/rules_config).
+        let path = match path.as_str() {
+            "." | "" => ROOT.to_string(),
+            p if p.ends_with('.') => format!("{p}\"\""),
+            _ => path,
+        };
         ConfigError::new(path, err.into_inner().to_string())
     })?;
     de.end()
