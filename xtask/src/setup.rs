@@ -29,6 +29,8 @@ const DEBIAN_PACKAGES: &[(&str, &str, &str)] = &[
         "/usr/sbin/clickhouse-server",
         "18.16.1+ds-7.3",
     ),
+    // The load generator of the Envoy load benchmark (`envoy_load`).
+    ("wrk", "/usr/bin/wrk", "4.1.0-3"),
 ];
 
 /// Everything.

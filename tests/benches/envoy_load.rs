@@ -1,0 +1,1311 @@
+//! Load against real Envoy (V8), every configuration in the same run with the
+//! same load tool: plain Envoy; each zerolayer filter alone; the full chain
+//! of `envoy/zerolayer.yaml` with the observer; Envoy's native `jwt_authn` in
+//! place of lazy-auth; and one and four trivial Wasm filters, the floor any
+//! Wasm filter pays. All configurations share the shipped listener (its JSON
+//! access log included) and differ only in their HTTP filters and observer.
+//!
+//! The backend is the GPU backend stub's answer to the bench request,
+//! replayed by an upstream Envoy (`direct_response`): the stub itself waits on
+//! tokio's millisecond timer even with zero delays, which would bound every
+//! configuration alike (both are measured alone first, same run).
+//!
+//! Envoy runs with one worker thread (`--concurrency 1`) pinned to CPU 0;
+//! wrk, the upstream and the loopback sinks run on CPU 1. Per round, each
+//! configuration gets a loaded phase (`wrk -t1 -c16`: requests/s and Envoy's
+//! CPU per request, from `/proc/<pid>/stat`) and a one-connection phase
+//! (`wrk -t1 -c1`: latency without queueing); rounds are interleaved. Prints
+//! a table with ratios to plain Envoy and writes
+//! `target/bench/envoy_load.{json,svg}`; a complete run copies the chart to
+//! `docs/envoy_load.svg`, which BENCHMARKS.md shows. `ZEROLAYER_LOAD_ROUNDS`
+//! and `ZEROLAYER_LOAD_SECS` shorten a development run (not copied).
+#![allow(missing_docs)]
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use serde_json::{Value as Json, json};
+use serde_yaml::Value as Yaml;
+use zerolayer_e2e::tokens::{self, issuer};
+use zerolayer_e2e::{Envoy, EnvoyConfig, MockServer, paths};
+use zerolayer_stub::{Stub, StubConfig};
+
+/// Interleaved rounds over all configurations.
+const ROUNDS: usize = 3;
+/// Seconds of each loaded phase (`-c16`).
+const LOADED_SECS: u64 = 5;
+/// Seconds of each one-connection phase (`-c1`).
+const SINGLE_SECS: u64 = 2;
+/// Connections of the loaded phase.
+const CONNECTIONS: u32 = 16;
+/// Seconds of load before the first round (V8 tiers up, verdicts and cache
+/// entries are in place).
+const WARM_UP_SECS: u64 = 2;
+const CACHE_SECRET: &str = "zerolayer-bench-cache-secret-0123456789abcdef";
+/// Not in activation's premium tenants: metering samples it at the
+/// configured 1% instead of recording every request.
+const TENANT: &str = "initech";
+const PATH: &str = "/v1/messages";
+/// One fixed request (wrk sends the same bytes every time): temperature 0,
+/// so post-cache may store and replay it.
+const BODY: &str = r#"{"model":"claude-bench","max_tokens":64,"temperature":0,"messages":[{"role":"user","content":"Say hello to the gateway."}]}"#;
+/// Where Envoy's worker runs; the load generator and upstreams get the other.
+const ENVOY_CPU: usize = 0;
+const CLIENT_CPU: usize = 1;
+
+/// What a configuration's answers must look like before it is measured.
+#[derive(Clone, Copy, PartialEq)]
+enum Expect {
+    /// 200 from the backend (no cache hit).
+    Backend,
+    /// 200 replayed by post-cache (`x-cache: HIT`).
+    CacheHit,
+}
+
+/// The request variants.
+#[derive(Clone, Copy, PartialEq)]
+enum Request {
+    /// The fixed request.
+    Plain,
+    /// The same with `cache-control: no-store` (activation turns the cache
+    /// off: every filter runs and the request reaches the backend).
+    NoStore,
+}
+
+/// One configuration under test.
+struct Variant {
+    key: &'static str,
+    label: &'static str,
+    /// Bar colour in the chart.
+    group: Group,
+    /// HTTP filters before the router.
+    filters: Vec<Yaml>,
+    /// The observer singleton's configuration, when it runs.
+    observer: Option<Json>,
+    request: Request,
+    expect: Expect,
+}
+
+impl Variant {
+    /// A variant sending the fixed request to the backend, no observer.
+    fn new(key: &'static str, label: &'static str, group: Group, filters: Vec<Yaml>) -> Self {
+        Variant {
+            key,
+            label,
+            group,
+            filters,
+            observer: None,
+            request: Request::Plain,
+            expect: Expect::Backend,
+        }
+    }
+
+    fn observer(mut self, config: Json) -> Self {
+        self.observer = Some(config);
+        self
+    }
+
+    fn request(mut self, request: Request) -> Self {
+        self.request = request;
+        self
+    }
+
+    fn expect(mut self, expect: Expect) -> Self {
+        self.expect = expect;
+        self
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Group {
+    Baseline,
+    Filter,
+    Chain,
+    Native,
+}
+
+impl Group {
+    fn colour(self) -> &'static str {
+        match self {
+            Group::Baseline => "#9aa5b1",
+            Group::Filter => "#3b82c4",
+            Group::Chain => "#1d3f72",
+            Group::Native => "#d9822b",
+        }
+    }
+}
+
+/// One wrk run, with Envoy's CPU time over it.
+#[derive(Clone, Debug, serde::Serialize)]
+struct Phase {
+    connections: u32,
+    requests: u64,
+    seconds: f64,
+    rps: f64,
+    p50_us: f64,
+    p99_us: f64,
+    envoy_cpu_secs: f64,
+}
+
+/// A configuration's numbers: medians over rounds, and the rounds.
+#[derive(Clone, Debug, serde::Serialize)]
+struct Summary {
+    key: String,
+    label: String,
+    /// Loaded phase: requests/s.
+    rps: f64,
+    /// Loaded phase: Envoy CPU per request, in µs.
+    cpu_us_per_request: f64,
+    /// Loaded phase: Envoy CPU time / wall time (1.0 = its core busy).
+    envoy_core_busy: f64,
+    /// Loaded phase latency (mostly queueing at 16 connections).
+    loaded_p50_us: f64,
+    loaded_p99_us: f64,
+    /// One connection: latency without queueing.
+    p50_us: f64,
+    p99_us: f64,
+    /// One connection: Envoy CPU µs per request.
+    single_cpu_us_per_request: f64,
+    /// Envoy's connection and request counters over the whole run.
+    connections: Json,
+    loaded: Vec<Phase>,
+    single: Vec<Phase>,
+}
+
+/// How long a run measures.
+struct Plan {
+    rounds: usize,
+    loaded_secs: u64,
+    single_secs: u64,
+}
+
+impl Plan {
+    fn from_env() -> Result<Self> {
+        let secs = |default| env_number("ZEROLAYER_LOAD_SECS", default);
+        Ok(Plan {
+            rounds: usize::try_from(env_number("ZEROLAYER_LOAD_ROUNDS", ROUNDS as u64)?)?,
+            loaded_secs: secs(LOADED_SECS)?,
+            single_secs: secs(SINGLE_SECS)?,
+        })
+    }
+
+    /// The run BENCHMARKS.md reports, not a shortened one.
+    fn complete(&self) -> bool {
+        self.rounds == ROUNDS && self.loaded_secs == LOADED_SECS && self.single_secs == SINGLE_SECS
+    }
+}
+
+/// The loopback services the filters' observer talks to.
+struct Services {
+    idp: MockServer,
+    api_keys: MockServer,
+    audit: MockServer,
+    usage: MockServer,
+}
+
+impl Services {
+    fn start() -> Result<Self> {
+        let jwks = issuer().jwks().to_string();
+        Ok(Services {
+            idp: MockServer::start(move |_| (200, jwks.clone()))?,
+            api_keys: MockServer::start(|_| (200, r#"{"active":false}"#.to_string()))?,
+            audit: MockServer::start(|_| (204, String::new()))?,
+            usage: MockServer::start(|_| (200, String::new()))?,
+        })
+    }
+
+    fn point(&self, config: EnvoyConfig) -> Result<EnvoyConfig> {
+        config
+            .point_cluster("idp", self.idp.addr())?
+            .point_cluster("api_keys", self.api_keys.addr())?
+            .point_cluster("audit", self.audit.addr())?
+            .point_cluster("clickhouse", self.usage.addr())
+    }
+
+    /// What the sinks received: the observer's background work happened.
+    fn shipped(&self) -> Json {
+        let count = |m: &MockServer| {
+            let seen = m.seen();
+            let records: usize = seen.iter().map(|r| r.body.lines().count()).sum();
+            json!({"batches": seen.len(), "records": records})
+        };
+        json!({"audit": count(&self.audit), "usage": count(&self.usage)})
+    }
+}
+
+fn main() -> Result<()> {
+    let plan = Plan::from_env()?;
+    let wrk = wrk_binary()?;
+    let envoy_binary = paths::envoy_binary()?;
+    for name in [
+        "activation",
+        "lazy_auth",
+        "post_cache",
+        "metering",
+        "observer_service",
+        "probe",
+    ] {
+        paths::wasm(name)?;
+    }
+    let machine = machine(&envoy_binary);
+    // Children (the upstream, wrk, Envoy until re-pinned) inherit this
+    // process's CPU.
+    let pinned = cpus() >= 2 && pin(std::process::id(), CLIENT_CPU);
+    if !pinned {
+        eprintln!("note: not pinned to CPUs (needs 2 CPUs and taskset); numbers are noisier");
+    }
+
+    let dir = tempfile::tempdir()?;
+    let shipped = Shipped::load(dir.path())?;
+    let variants = shipped.variants()?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_secs();
+    let bearer = format!(
+        "Bearer {}",
+        issuer().rs256(&tokens::claims("bench", TENANT, now, 3600))
+    );
+    let scripts = [Request::Plain, Request::NoStore]
+        .map(|r| write_script(dir.path(), r, &bearer))
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
+    let script = |r: Request| &scripts[usize::from(r == Request::NoStore)];
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .proxy(None)
+        .build()
+        .into();
+
+    // The stub answers the bench request once; an upstream Envoy replays
+    // that answer under load (see the top of this file).
+    let stub = Stub::start(
+        StubConfig::default()
+            .ttft(Duration::ZERO)
+            .itl(Duration::ZERO),
+    )?;
+    let answer = StubAnswer::capture(&agent, &stub)?;
+    let replay = EnvoyConfig::load(&answer.replay_config(dir.path())?)?.for_run(stub.addr())?;
+    let replay =
+        Envoy::start(&replay).context("starting the upstream Envoy replaying the stub's answer")?;
+    let mut upstreams = Vec::new();
+    for (name, url) in [
+        (
+            "GPU backend stub (no delay)",
+            format!("http://{}{PATH}", stub.addr()),
+        ),
+        ("upstream Envoy replaying its answer", replay.url(PATH)),
+    ] {
+        let loaded = run_wrk(
+            &wrk,
+            &url,
+            script(Request::Plain),
+            CONNECTIONS,
+            WARM_UP_SECS,
+        )?;
+        let single = run_wrk(&wrk, &url, script(Request::Plain), 1, WARM_UP_SECS)?;
+        eprintln!(
+            "{name}, directly: p50 {:.0} µs at 1 connection, {:.0} requests/s at {CONNECTIONS}",
+            single.p50_us, loaded.rps
+        );
+        upstreams.push(json!({"upstream": name, "loaded": loaded, "single": single}));
+    }
+
+    let services = Services::start()?;
+    eprintln!("starting {} Envoys (one worker each)", variants.len());
+    let mut running = Vec::new();
+    for v in &variants {
+        let before = envoy_children();
+        let config = EnvoyConfig::load(&shipped.write_variant(v)?)?.for_run(replay.listener())?;
+        let config = services
+            .point(config)?
+            .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
+        let envoy = Envoy::start(&config).with_context(|| format!("starting {}", v.label))?;
+        let new: Vec<u32> = envoy_children().difference(&before).copied().collect();
+        let [pid] = new[..] else {
+            bail!("{}: expected one new Envoy process, found {new:?}", v.label);
+        };
+        ensure!(
+            !pinned || pin(pid, ENVOY_CPU),
+            "could not pin Envoy {pid} to CPU {ENVOY_CPU}"
+        );
+        check(&agent, &envoy, v, &bearer).with_context(|| format!("checking {}", v.label))?;
+        run_wrk(
+            &wrk,
+            &envoy.url(PATH),
+            script(v.request),
+            CONNECTIONS,
+            WARM_UP_SECS,
+        )
+        .with_context(|| format!("warming up {}", v.label))?;
+        running.push((envoy, pid));
+    }
+
+    let load_before = load_average();
+    eprintln!(
+        "measuring: {} rounds × {} configurations × ({} s at {CONNECTIONS} connections + {} s at 1); load average {load_before}",
+        plan.rounds,
+        variants.len(),
+        plan.loaded_secs,
+        plan.single_secs
+    );
+    let mut loaded: Vec<Vec<Phase>> = vec![Vec::new(); variants.len()];
+    let mut single: Vec<Vec<Phase>> = vec![Vec::new(); variants.len()];
+    let tick = clock_ticks();
+    for round in 0..plan.rounds {
+        // Rotate the order so no configuration always runs first.
+        for i in (0..variants.len()).map(|i| (i + round) % variants.len()) {
+            let (v, (envoy, pid)) = (&variants[i], &running[i]);
+            for (connections, secs, out) in [
+                (CONNECTIONS, plan.loaded_secs, &mut loaded[i]),
+                (1, plan.single_secs, &mut single[i]),
+            ] {
+                let cpu = cpu_ticks(*pid)?;
+                let mut phase =
+                    run_wrk(&wrk, &envoy.url(PATH), script(v.request), connections, secs)
+                        .with_context(|| format!("loading {}", v.label))?;
+                phase.envoy_cpu_secs = (cpu_ticks(*pid)? - cpu) as f64 / tick;
+                out.push(phase);
+            }
+        }
+        eprintln!("round {} of {} done", round + 1, plan.rounds);
+    }
+    let load_after = load_average();
+    let sinks = services.shipped();
+    let mut reuse = Vec::new();
+    for (v, (envoy, _)) in variants.iter().zip(&running) {
+        reuse.push(connection_reuse(&agent, envoy, v).with_context(|| v.label)?);
+    }
+
+    let summaries: Vec<Summary> = variants
+        .iter()
+        .zip(loaded.into_iter().zip(single))
+        .zip(reuse)
+        .map(|((v, (l, s)), reuse)| summarize(v, l, s, reuse))
+        .collect();
+    print_table(&summaries);
+    println!(
+        "(Envoy {}, one worker on CPU {ENVOY_CPU}; wrk -t1 -c{CONNECTIONS} {} s and -c1 {} s × {} rounds on CPU {CLIENT_CPU}; load average {load_before} before, {load_after} after)",
+        machine["envoy"].as_str().unwrap_or("?"),
+        plan.loaded_secs,
+        plan.single_secs,
+        plan.rounds
+    );
+    println!(
+        "(the observers shipped {} audit records in {} batches and {} sampled usage records in {} batches)",
+        sinks["audit"]["records"],
+        sinks["audit"]["batches"],
+        sinks["usage"]["records"],
+        sinks["usage"]["batches"]
+    );
+
+    let report = json!({
+        "machine": machine,
+        "method": {
+            "envoy_concurrency": 1,
+            "pinned": pinned,
+            "envoy_cpu": ENVOY_CPU,
+            "client_cpu": CLIENT_CPU,
+            "wrk": format!(
+                "wrk -t1 -c{CONNECTIONS} -d{}s --latency, then wrk -t1 -c1 -d{}s --latency",
+                plan.loaded_secs, plan.single_secs
+            ),
+            "rounds": plan.rounds,
+            "warm_up_secs": WARM_UP_SECS,
+            "request": {"method": "POST", "path": PATH, "body": BODY, "tenant": TENANT, "credential": "Bearer JWT (RS256)"},
+            "backend": "the answer of zerolayer-stub (no delay) to the request, replayed by an upstream Envoy (direct_response)",
+            "upstreams_alone": upstreams,
+            "sinks": sinks,
+            "load_average_before": load_before,
+            "load_average_after": load_after,
+            "complete": plan.complete(),
+        },
+        "results": summaries,
+    });
+    let out_dir = paths::root().join("target/bench");
+    std::fs::create_dir_all(&out_dir)?;
+    let json_path = out_dir.join("envoy_load.json");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&report)?)?;
+    let svg_path = out_dir.join("envoy_load.svg");
+    let svg = chart(&variants, &summaries, &machine, &load_before);
+    std::fs::write(&svg_path, svg)?;
+    println!("wrote {} and {}", json_path.display(), svg_path.display());
+    if plan.complete() {
+        let docs = paths::root().join("docs/envoy_load.svg");
+        std::fs::create_dir_all(paths::root().join("docs"))?;
+        std::fs::copy(&svg_path, &docs)?;
+        println!("copied the chart to {}", docs.display());
+    } else {
+        println!("(a shortened run: docs/envoy_load.svg left as it was)");
+    }
+    Ok(())
+}
+
+/// The stub's answer to the bench request.
+struct StubAnswer {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl StubAnswer {
+    fn capture(agent: &ureq::Agent, stub: &Stub) -> Result<Self> {
+        let mut reply = agent
+            .post(format!("http://{}{PATH}", stub.addr()))
+            .header("content-type", "application/json")
+            .send(BODY)?;
+        let status = reply.status().as_u16();
+        ensure!(
+            status == 200,
+            "the stub answered the bench request with {status}"
+        );
+        let headers = ["content-type", "cache-control"]
+            .into_iter()
+            .filter_map(|name| {
+                let value = reply.headers().get(name)?.to_str().ok()?;
+                Some((name.to_string(), value.to_string()))
+            })
+            .collect();
+        let body = reply.body_mut().read_to_string()?;
+        ensure!(
+            body.contains("\"usage\""),
+            "the stub's answer has no usage: {body}"
+        );
+        Ok(StubAnswer {
+            status,
+            headers,
+            body,
+        })
+    }
+
+    /// An Envoy bootstrap answering every request with this answer.
+    fn replay_config(&self, dir: &Path) -> Result<PathBuf> {
+        let headers: Vec<Json> = self
+            .headers
+            .iter()
+            .map(|(k, v)| {
+                json!({"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"})
+            })
+            .collect();
+        let doc = json!({
+            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+            "static_resources": {
+                "listeners": [{
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                    "filter_chains": [{"filters": [{
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                            "stat_prefix": "replay",
+                            "route_config": {"virtual_hosts": [{
+                                "name": "all",
+                                "domains": ["*"],
+                                "routes": [{
+                                    "match": {"prefix": "/"},
+                                    "direct_response": {"status": self.status, "body": {"inline_string": self.body}},
+                                    "response_headers_to_add": headers,
+                                }],
+                            }]},
+                            // The answer leaves once the request body is
+                            // in: answering earlier makes Envoy close the
+                            // connection, and every request would pay a
+                            // new upstream connection.
+                            "http_filters": [{
+                                "name": "envoy.filters.http.buffer",
+                                "typed_config": {
+                                    "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer",
+                                    "max_request_bytes": 1_048_576,
+                                },
+                            }, {
+                                "name": "envoy.filters.http.router",
+                                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+                            }],
+                        },
+                    }]}],
+                }],
+                "clusters": [],
+            },
+        });
+        let path = dir.join("replay.yaml");
+        std::fs::write(&path, serde_yaml::to_string(&doc)?)?;
+        Ok(path)
+    }
+}
+
+/// The shipped bootstrap, adapted once for the run, from which every
+/// variant takes its listener, clusters and filters.
+struct Shipped {
+    doc: Yaml,
+    dir: PathBuf,
+    activation: Json,
+    lazy_auth: Json,
+    post_cache: Json,
+    metering: Json,
+}
+
+impl Shipped {
+    fn load(dir: &Path) -> Result<Self> {
+        let mut config = EnvoyConfig::shipped("zerolayer.yaml")?;
+        // The test identity provider's issuer; verdicts and cache entries
+        // that outlive the run (no expiry, so no re-verification, mid-run).
+        let mut lazy_auth: Json =
+            serde_json::from_str(&config.wasm_filter_config("zerolayer.lazy_auth")?)?;
+        lazy_auth["jwt"]["issuers"] = json!(["https://idp.test"]);
+        lazy_auth["verdict_max_ttl_secs"] = json!(3600);
+        config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy_auth.to_string())?;
+        let mut post_cache: Json =
+            serde_json::from_str(&config.wasm_filter_config("zerolayer.post_cache")?)?;
+        post_cache["ttl"]["default_ttl_secs"] = json!(3600);
+        config.set_wasm_filter_config("zerolayer.post_cache", &post_cache.to_string())?;
+        let metering: Json =
+            serde_json::from_str(&config.wasm_filter_config("zerolayer.metering")?)?;
+        let activation: Json =
+            serde_json::from_str(&config.wasm_filter_config("zerolayer.activation")?)?;
+        let path = config.write(dir)?;
+        let doc = serde_yaml::from_str(&std::fs::read_to_string(&path)?)?;
+        Ok(Shipped {
+            doc,
+            dir: dir.to_path_buf(),
+            activation,
+            lazy_auth,
+            post_cache,
+            metering,
+        })
+    }
+
+    fn http_filters(doc: &mut Yaml) -> Result<&mut Vec<Yaml>> {
+        doc.get_mut("static_resources")
+            .and_then(|v| v.get_mut("listeners"))
+            .and_then(|v| v.get_mut(0))
+            .and_then(|v| v.get_mut("filter_chains"))
+            .and_then(|v| v.get_mut(0))
+            .and_then(|v| v.get_mut("filters"))
+            .and_then(|v| v.get_mut(0))
+            .and_then(|v| v.get_mut("typed_config"))
+            .and_then(|v| v.get_mut("http_filters"))
+            .and_then(Yaml::as_sequence_mut)
+            .ok_or_else(|| anyhow!("envoy/zerolayer.yaml: no http_filters in the first listener"))
+    }
+
+    /// The shipped filter `name`, optionally with another configuration.
+    fn filter(&self, name: &str, config: Option<&Json>) -> Result<Yaml> {
+        let mut doc = self.doc.clone();
+        let mut filter = Self::http_filters(&mut doc)?
+            .iter()
+            .find(|f| f.get("name").and_then(Yaml::as_str) == Some(name))
+            .cloned()
+            .ok_or_else(|| anyhow!("envoy/zerolayer.yaml: no HTTP filter {name}"))?;
+        if let Some(config) = config {
+            let value = filter
+                .get_mut("typed_config")
+                .and_then(|v| v.get_mut("config"))
+                .and_then(|v| v.get_mut("configuration"))
+                .and_then(|v| v.get_mut("value"))
+                .ok_or_else(|| anyhow!("{name}: no configuration value"))?;
+            *value = Yaml::from(config.to_string());
+        }
+        Ok(filter)
+    }
+
+    fn observer(&self, lazy_auth: bool, metering: bool) -> Json {
+        let mut config = json!({"tick_ms": 200});
+        if lazy_auth {
+            config["lazy_auth"] = self.lazy_auth.clone();
+        }
+        if metering {
+            config["metering"] = self.metering.clone();
+        }
+        config
+    }
+
+    fn variants(&self) -> Result<Vec<Variant>> {
+        use Group::{Baseline, Chain, Filter, Native};
+        let chain = [
+            "zerolayer.activation",
+            "zerolayer.lazy_auth",
+            "zerolayer.post_cache",
+            "zerolayer.metering",
+        ]
+        .into_iter()
+        .map(|name| self.filter(name, None))
+        .collect::<Result<Vec<_>>>()?;
+        // The shipped chain audits every request (activation's defaults):
+        // the same chain without, to show what that costs.
+        let mut no_audit = self.activation.clone();
+        no_audit["defaults"] = json!([]);
+        let mut chain_no_audit = chain.clone();
+        chain_no_audit[0] = self.filter("zerolayer.activation", Some(&no_audit))?;
+        // Alone, post-cache has no verified tenant to key by: the shared
+        // namespace, so it serves hits (its hit path is what is measured).
+        let mut shared = self.post_cache.clone();
+        shared["namespace"] = json!("shared");
+        let one = |name| self.filter(name, None).map(|f| vec![f]);
+        Ok(vec![
+            Variant::new("a", "plain Envoy (no HTTP filters)", Baseline, vec![]),
+            Variant::new(
+                "b1",
+                "activation alone",
+                Filter,
+                one("zerolayer.activation")?,
+            ),
+            Variant::new(
+                "b2",
+                "lazy-auth alone (known RS256 JWT) + observer",
+                Filter,
+                one("zerolayer.lazy_auth")?,
+            )
+            .observer(self.observer(true, false)),
+            Variant::new(
+                "b3",
+                "post-cache alone (hit)",
+                Filter,
+                vec![self.filter("zerolayer.post_cache", Some(&shared))?],
+            )
+            .expect(Expect::CacheHit),
+            Variant::new(
+                "b4",
+                "metering alone (1% sampled) + observer",
+                Filter,
+                one("zerolayer.metering")?,
+            )
+            .observer(self.observer(false, true)),
+            Variant::new(
+                "c",
+                "full chain + observer, to the backend (no-store)",
+                Chain,
+                chain.clone(),
+            )
+            .observer(self.observer(true, true))
+            .request(Request::NoStore),
+            Variant::new(
+                "c-no-audit",
+                "full chain + observer, audit off, to the backend",
+                Chain,
+                chain_no_audit,
+            )
+            .observer(self.observer(true, true))
+            .request(Request::NoStore),
+            Variant::new("c-hit", "full chain + observer, cache hit", Chain, chain)
+                .observer(self.observer(true, true))
+                .expect(Expect::CacheHit),
+            Variant::new(
+                "d",
+                "jwt_authn RS256 (native, every request)",
+                Native,
+                vec![jwt_authn(false)?],
+            ),
+            Variant::new(
+                "d-cache",
+                "jwt_authn RS256 + its JWT cache (native)",
+                Native,
+                vec![jwt_authn(true)?],
+            ),
+            Variant::new("e", "1 trivial Wasm filter", Baseline, vec![trivial(1)?]),
+            Variant::new(
+                "f",
+                "4 trivial Wasm filters (4 VMs)",
+                Baseline,
+                (1..=4).map(trivial).collect::<Result<_>>()?,
+            ),
+        ])
+    }
+
+    /// Writes `variant`'s bootstrap: the shipped one with its filters before
+    /// the router and its observer (or none).
+    fn write_variant(&self, variant: &Variant) -> Result<PathBuf> {
+        let mut doc = self.doc.clone();
+        let filters = Self::http_filters(&mut doc)?;
+        let router = filters
+            .last()
+            .cloned()
+            .ok_or_else(|| anyhow!("envoy/zerolayer.yaml: no router"))?;
+        *filters = variant.filters.clone();
+        filters.push(router);
+        let map = doc
+            .as_mapping_mut()
+            .ok_or_else(|| anyhow!("envoy/zerolayer.yaml is not a map"))?;
+        match &variant.observer {
+            None => {
+                map.remove("bootstrap_extensions");
+            }
+            Some(config) => {
+                let value = map
+                    .get_mut("bootstrap_extensions")
+                    .and_then(|v| v.get_mut(0))
+                    .and_then(|v| v.get_mut("typed_config"))
+                    .and_then(|v| v.get_mut("config"))
+                    .and_then(|v| v.get_mut("configuration"))
+                    .and_then(|v| v.get_mut("value"))
+                    .ok_or_else(|| anyhow!("envoy/zerolayer.yaml: no observer service"))?;
+                *value = Yaml::from(config.to_string());
+            }
+        }
+        let path = self.dir.join(format!("load-{}.yaml", variant.key));
+        std::fs::write(&path, serde_yaml::to_string(&doc)?)?;
+        Ok(path)
+    }
+}
+
+/// Envoy's `jwt_authn` verifying the test issuer's RS256 tokens against its
+/// JWKS inline (as in the `envoy_auth` bench); `cache` turns on its JWT cache.
+fn jwt_authn(cache: bool) -> Result<Yaml> {
+    let mut provider = json!({
+        "issuer": "https://idp.test",
+        "audiences": ["zerolayer"],
+        "forward": true,
+        "local_jwks": {"inline_string": issuer().jwks().to_string()},
+    });
+    if cache {
+        provider["jwt_cache_config"] = json!({"jwt_cache_size": 1000});
+    }
+    let filter = json!({
+        "name": "envoy.filters.http.jwt_authn",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {"test": provider},
+            "rules": [{"match": {"prefix": "/"}, "requires": {"provider_name": "test"}}],
+        },
+    });
+    Ok(serde_yaml::to_value(filter)?)
+}
+
+/// Trivial Wasm filter number `n` (the probe without actions), in its own VM
+/// as each zerolayer filter is.
+fn trivial(n: usize) -> Result<Yaml> {
+    let filter = json!({
+        "name": format!("trivial{n}"),
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": format!("trivial{n}"),
+                "vm_config": {
+                    "vm_id": format!("trivial{n}"),
+                    "runtime": "envoy.wasm.runtime.v8",
+                    "code": {"local": {"filename": paths::wasm("probe")?.display().to_string()}},
+                },
+                "configuration": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": r#"{"role":"filter"}"#,
+                },
+            },
+        },
+    });
+    Ok(serde_yaml::to_value(filter)?)
+}
+
+/// Checks that `variant` answers the bench request with 200 (and a cache hit
+/// where one is expected), after letting lazy-auth verify the token once.
+fn check(agent: &ureq::Agent, envoy: &Envoy, variant: &Variant, bearer: &str) -> Result<()> {
+    let send = || -> Result<(u16, String)> {
+        let mut request = agent
+            .post(envoy.url(PATH))
+            .header("content-type", "application/json")
+            .header("authorization", bearer)
+            .header("x-tenant-id", TENANT);
+        if variant.request == Request::NoStore {
+            request = request.header("cache-control", "no-store");
+        }
+        let mut reply = request.send(BODY)?;
+        let label = reply
+            .headers()
+            .get("x-cache")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-")
+            .to_string();
+        let status = reply.status().as_u16();
+        let _ = reply.body_mut().read_to_vec()?;
+        Ok((status, label))
+    };
+    let (status, _) = send()?;
+    ensure!(status == 200, "the first request answered {status}");
+    // The observer verifies the token in the background; post-cache stores
+    // the response once it completed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let (status, label) = send()?;
+        ensure!(status == 200, "answered {status}");
+        let ok = match variant.expect {
+            Expect::CacheHit => label == "HIT",
+            Expect::Backend => label != "HIT",
+        };
+        if ok {
+            return Ok(());
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "x-cache was {label} for 10 s (expected {})",
+            if variant.expect == Expect::CacheHit {
+                "HIT"
+            } else {
+                "no hit"
+            }
+        );
+    }
+}
+
+/// Envoy's downstream and upstream connection and request counters; fails
+/// when connections were not reused (each request paying a new connection
+/// would measure TCP set-up, not the filters).
+fn connection_reuse(agent: &ureq::Agent, envoy: &Envoy, variant: &Variant) -> Result<Json> {
+    let text = agent
+        .get(envoy.admin_url("/stats"))
+        .call()?
+        .body_mut()
+        .read_to_string()?;
+    let counter = |name: &str| -> u64 {
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix(name)?
+                    .strip_prefix(": ")?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0)
+    };
+    let reuse = json!({
+        "downstream_connections": counter("http.llm_gateway.downstream_cx_total"),
+        "downstream_requests": counter("http.llm_gateway.downstream_rq_total"),
+        "upstream_connections": counter("cluster.llm_backend.upstream_cx_total"),
+        "upstream_requests": counter("cluster.llm_backend.upstream_rq_total"),
+    });
+    let mut pairs = vec![(
+        "downstream",
+        "downstream_connections",
+        "downstream_requests",
+    )];
+    if variant.expect == Expect::Backend {
+        pairs.push(("upstream", "upstream_connections", "upstream_requests"));
+    }
+    for (side, connections, requests) in pairs {
+        let (cx, rq) = (
+            reuse[connections].as_u64().unwrap_or(0),
+            reuse[requests].as_u64().unwrap_or(0),
+        );
+        ensure!(
+            rq >= 100 * cx.max(1),
+            "{side} connections were not reused: {rq} requests over {cx} connections"
+        );
+    }
+    Ok(reuse)
+}
+
+/// Writes the wrk script for `request` (POST, JSON body, the bearer token,
+/// the tenant header): wrk formats it once and sends the same bytes.
+fn write_script(dir: &Path, request: Request, bearer: &str) -> Result<PathBuf> {
+    let mut lua = String::new();
+    writeln!(lua, "wrk.method = \"POST\"")?;
+    writeln!(lua, "wrk.path = \"{PATH}\"")?;
+    writeln!(lua, "wrk.body = [==[{BODY}]==]")?;
+    writeln!(lua, "wrk.headers[\"content-type\"] = \"application/json\"")?;
+    writeln!(lua, "wrk.headers[\"authorization\"] = \"{bearer}\"")?;
+    writeln!(lua, "wrk.headers[\"x-tenant-id\"] = \"{TENANT}\"")?;
+    if request == Request::NoStore {
+        writeln!(lua, "wrk.headers[\"cache-control\"] = \"no-store\"")?;
+    }
+    let name = match request {
+        Request::Plain => "request.lua",
+        Request::NoStore => "request-no-store.lua",
+    };
+    let path = dir.join(name);
+    std::fs::write(&path, lua)?;
+    Ok(path)
+}
+
+/// `/usr/bin/wrk` (installed by `cargo xtask setup`), or `wrk` on PATH.
+fn wrk_binary() -> Result<PathBuf> {
+    let debian = PathBuf::from("/usr/bin/wrk");
+    if debian.is_file() {
+        return Ok(debian);
+    }
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|dir| dir.join("wrk"))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            anyhow!("wrk not found: install it with `cargo xtask setup` (apt-get install wrk)")
+        })
+}
+
+/// Runs wrk against `url` and parses its report; fails on any non-2xx/3xx
+/// answer or socket error.
+fn run_wrk(wrk: &Path, url: &str, script: &Path, connections: u32, secs: u64) -> Result<Phase> {
+    let output = Command::new(wrk)
+        .args(["-t1", &format!("-c{connections}"), &format!("-d{secs}s")])
+        .args(["--latency", "--timeout", "5s", "-s"])
+        .arg(script)
+        .arg(url)
+        .stdin(Stdio::null())
+        .output()
+        .context("running wrk")?;
+    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    ensure!(
+        output.status.success(),
+        "wrk failed ({}):\n{text}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    parse_wrk(&text, connections).with_context(|| format!("wrk's report:\n{text}"))
+}
+
+fn parse_wrk(text: &str, connections: u32) -> Result<Phase> {
+    let mut phase = Phase {
+        connections,
+        requests: 0,
+        seconds: 0.0,
+        rps: 0.0,
+        p50_us: f64::NAN,
+        p99_us: f64::NAN,
+        envoy_cpu_secs: 0.0,
+    };
+    for line in text.lines().map(str::trim) {
+        if let Some(n) = line.strip_prefix("Non-2xx or 3xx responses:") {
+            bail!("{} answers were not 2xx/3xx", n.trim());
+        }
+        if line.starts_with("Socket errors:") {
+            bail!("{line}");
+        }
+        if let Some(v) = line.strip_prefix("50%") {
+            phase.p50_us = duration_us(v.trim())?;
+        } else if let Some(v) = line.strip_prefix("99%") {
+            phase.p99_us = duration_us(v.trim())?;
+        } else if let Some(v) = line.strip_prefix("Requests/sec:") {
+            phase.rps = v.trim().parse()?;
+        } else if let Some((n, rest)) = line.split_once(" requests in ") {
+            phase.requests = n.trim().parse()?;
+            let secs = rest.split(',').next().unwrap_or_default();
+            phase.seconds = duration_us(secs.trim())? / 1e6;
+        }
+    }
+    ensure!(
+        phase.requests > 0 && phase.p50_us.is_finite() && phase.p99_us.is_finite(),
+        "incomplete report"
+    );
+    Ok(phase)
+}
+
+/// wrk's durations (`123.45us`, `1.20ms`, `5.00s`, `2.00m`) in µs.
+fn duration_us(text: &str) -> Result<f64> {
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .ok_or_else(|| anyhow!("no unit in {text:?}"))?;
+    let (number, unit) = text.split_at(split);
+    let number: f64 = number
+        .parse()
+        .with_context(|| format!("parsing {text:?}"))?;
+    let scale = match unit {
+        "us" => 1.0,
+        "ms" => 1e3,
+        "s" => 1e6,
+        "m" => 60e6,
+        "h" => 3600e6,
+        other => bail!("unknown unit {other:?} in {text:?}"),
+    };
+    Ok(number * scale)
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// Each number is the median over rounds (one disturbed round does not
+/// move it); the rounds themselves are kept in the JSON.
+fn summarize(variant: &Variant, loaded: Vec<Phase>, single: Vec<Phase>, reuse: Json) -> Summary {
+    let over = |phases: &[Phase], f: fn(&Phase) -> f64| median(phases.iter().map(f).collect());
+    let cpu_per_request = |p: &Phase| p.envoy_cpu_secs * 1e6 / p.requests.max(1) as f64;
+    Summary {
+        key: variant.key.to_string(),
+        label: variant.label.to_string(),
+        rps: over(&loaded, |p| p.rps),
+        cpu_us_per_request: over(&loaded, cpu_per_request),
+        envoy_core_busy: over(&loaded, |p| p.envoy_cpu_secs / p.seconds.max(1e-9)),
+        loaded_p50_us: over(&loaded, |p| p.p50_us),
+        loaded_p99_us: over(&loaded, |p| p.p99_us),
+        p50_us: over(&single, |p| p.p50_us),
+        p99_us: over(&single, |p| p.p99_us),
+        single_cpu_us_per_request: over(&single, cpu_per_request),
+        connections: reuse,
+        loaded,
+        single,
+    }
+}
+
+fn print_table(rows: &[Summary]) {
+    let Some(base) = rows.first() else { return };
+    println!();
+    println!(
+        "{:<11} {:<49} │ {:>8} {:>8} {:>8} │ {:>8} {:>6} {:>9} {:>6} {:>5} │ {:>8} {:>8}",
+        "",
+        "configuration",
+        "p50 (1c)",
+        "p99 (1c)",
+        "+p50",
+        "req/s",
+        "×(a)",
+        "CPU µs/rq",
+        "×(a)",
+        "busy",
+        "p50 16c",
+        "p99 16c"
+    );
+    for r in rows {
+        println!(
+            "{:<11} {:<49} │ {:>6.0}µs {:>6.0}µs {:>+6.0}µs │ {:>8.0} {:>6.2} {:>9.1} {:>6.2} {:>4.0}% │ {:>6.0}µs {:>6.0}µs",
+            r.key,
+            r.label,
+            r.p50_us,
+            r.p99_us,
+            r.p50_us - base.p50_us,
+            r.rps,
+            r.rps / base.rps,
+            r.cpu_us_per_request,
+            r.cpu_us_per_request / base.cpu_us_per_request,
+            r.envoy_core_busy * 100.0,
+            r.loaded_p50_us,
+            r.loaded_p99_us
+        );
+    }
+}
+
+/// A number the chart shows per configuration.
+type Metric = fn(&Summary) -> f64;
+
+/// A horizontal bar chart: Envoy CPU µs per request (loaded) and p50 latency
+/// (one connection) per configuration, with plain Envoy's value marked.
+fn chart(variants: &[Variant], rows: &[Summary], machine: &Json, load: &str) -> String {
+    let (label_w, panel_w, gap, row_h, top) = (390.0, 300.0, 60.0, 24.0, 70.0);
+    let width = label_w + 2.0 * panel_w + gap + 40.0;
+    let height = top + rows.len() as f64 * row_h + 60.0;
+    let mut svg = String::new();
+    let _ = writeln!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(
+        svg,
+        r##"<rect width="100%" height="100%" fill="#ffffff"/><text x="10" y="22" font-size="15" font-weight="bold">zerolayer in real Envoy (V8): cost per configuration, same run</text>"##
+    );
+    let _ = writeln!(
+        svg,
+        r##"<text x="10" y="40" fill="#444">{}; Envoy {} (1 worker); wrk -t1 -c{CONNECTIONS} for CPU, -c1 for p50; load average {}</text>"##,
+        escape(machine["cpu"].as_str().unwrap_or("?")),
+        escape(machine["envoy"].as_str().unwrap_or("?")),
+        escape(load)
+    );
+    let panels: [(&str, Metric); 2] = [
+        ("Envoy CPU µs per request (16 connections)", |r| {
+            r.cpu_us_per_request
+        }),
+        ("p50 latency µs (1 connection)", |r| r.p50_us),
+    ];
+    for (p, (title, value)) in panels.iter().enumerate() {
+        let x0 = label_w + p as f64 * (panel_w + gap);
+        let max = rows.iter().map(value).fold(1.0_f64, f64::max) * 1.15;
+        let scale = panel_w / max;
+        let _ = writeln!(
+            svg,
+            r#"<text x="{x0}" y="{}" font-weight="bold">{}</text>"#,
+            top - 12.0,
+            escape(title)
+        );
+        for (i, r) in rows.iter().enumerate() {
+            let y = top + i as f64 * row_h;
+            let v = value(r);
+            let colour = variants.get(i).map_or("#888888", |v| v.group.colour());
+            let _ = writeln!(
+                svg,
+                r#"<rect x="{x0}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{colour}"/><text x="{:.1}" y="{:.1}">{v:.1}</text>"#,
+                y + 3.0,
+                (v * scale).max(0.5),
+                row_h - 6.0,
+                x0 + v * scale + 4.0,
+                y + row_h / 2.0 + 4.0
+            );
+        }
+        if let Some(base) = rows.first() {
+            let x = x0 + value(base) * scale;
+            let _ = writeln!(
+                svg,
+                r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#333" stroke-dasharray="4 3"/>"##,
+                top - 4.0,
+                top + rows.len() as f64 * row_h
+            );
+        }
+    }
+    for (i, r) in rows.iter().enumerate() {
+        let y = top + i as f64 * row_h + row_h / 2.0 + 4.0;
+        let _ = writeln!(
+            svg,
+            r#"<text x="10" y="{y:.1}">({}) {}</text>"#,
+            escape(&r.key),
+            escape(&r.label)
+        );
+    }
+    let legend_y = top + rows.len() as f64 * row_h + 30.0;
+    let mut x = 10.0;
+    for (name, group) in [
+        ("baselines", Group::Baseline),
+        ("zerolayer filter alone", Group::Filter),
+        ("full chain", Group::Chain),
+        ("Envoy native jwt_authn", Group::Native),
+    ] {
+        let _ = writeln!(
+            svg,
+            r#"<rect x="{x}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{legend_y}">{name}</text>"#,
+            legend_y - 10.0,
+            group.colour(),
+            x + 16.0
+        );
+        x += 190.0;
+    }
+    let _ = writeln!(
+        svg,
+        r##"<text x="{x}" y="{legend_y}" fill="#444">dashed: plain Envoy (a)</text>"##
+    );
+    svg.push_str("</svg>\n");
+    svg
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+/// PIDs of this process's children named `envoy`.
+fn envoy_children() -> BTreeSet<u32> {
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return BTreeSet::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+                let comm = stat
+                    .split_once('(')
+                    .and_then(|(_, rest)| rest.rsplit_once(')'))
+                    .map(|(comm, _)| comm);
+                let ppid = stat_fields(&stat).and_then(|f| f.get(1)?.parse::<u32>().ok());
+                comm == Some("envoy") && ppid == Some(me)
+            })
+        })
+        .collect()
+}
+
+/// The fields of `/proc/<pid>/stat` after `(comm)`: state is 0, ppid 1,
+/// utime 11, stime 12.
+fn stat_fields(stat: &str) -> Option<Vec<&str>> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some(rest.split_whitespace().collect())
+}
+
+/// utime + stime of `pid` (all its threads, ended ones included), in ticks.
+fn cpu_ticks(pid: u32) -> Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("reading /proc/{pid}/stat (did Envoy exit?)"))?;
+    let fields = stat_fields(&stat).ok_or_else(|| anyhow!("unparsable /proc/{pid}/stat"))?;
+    let field = |i: usize| -> Result<u64> {
+        Ok(fields
+            .get(i)
+            .ok_or_else(|| anyhow!("short /proc/{pid}/stat"))?
+            .parse()?)
+    };
+    Ok(field(11)? + field(12)?)
+}
+
+/// Clock ticks per second (`getconf CLK_TCK`; 100 on Linux).
+fn clock_ticks() -> f64 {
+    command_output("getconf", &["CLK_TCK"])
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// Pins every thread of `pid` to `cpu`.
+fn pin(pid: u32, cpu: usize) -> bool {
+    Command::new("taskset")
+        .args(["-a", "-p", "-c", &cpu.to_string(), &pid.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+fn command_output(program: &str, args: &[&str]) -> Option<String> {
+    let output = Command::new(program).args(args).output().ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_string())
+}
+
+/// What the numbers were measured on.
+fn machine(envoy: &Path) -> Json {
+    let cpu = command_output("lscpu", &[])
+        .and_then(|text| {
+            text.lines()
+                .find_map(|l| l.strip_prefix("Model name:").map(|m| m.trim().to_string()))
+        })
+        .unwrap_or_else(|| "?".into());
+    let version = Command::new(envoy)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| {
+            let text = String::from_utf8_lossy(&o.stdout).into_owned();
+            text.split_whitespace()
+                .find(|w| w.contains("/1."))
+                .and_then(|w| w.split('/').nth(1).map(str::to_string))
+        })
+        .unwrap_or_else(|| "?".into());
+    json!({
+        "cpus": cpus(),
+        "cpu": format!("{} × {cpu}", cpus()),
+        "kernel": command_output("uname", &["-r"]).unwrap_or_default(),
+        "envoy": version,
+        "wrk": wrk_version(),
+    })
+}
+
+/// wrk's first `-v` line (wrk exits with 1 after printing it).
+fn wrk_version() -> String {
+    wrk_binary()
+        .ok()
+        .and_then(|wrk| Command::new(wrk).arg("-v").output().ok())
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(str::to_string)
+        })
+        .unwrap_or_default()
+}
+
+fn env_number(name: &str, default: u64) -> Result<u64> {
+    match std::env::var(name) {
+        Ok(v) => v
+            .parse()
+            .with_context(|| format!("{name}={v:?} is not a number")),
+        Err(_) => Ok(default),
+    }
+}
