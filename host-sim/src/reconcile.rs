@@ -334,6 +334,15 @@ pub fn reconcile(truth: &[TruthRow], sample: &[SampleRow], threshold: f64) -> Re
 }
 
 impl Report {
+    /// What `tenant` is billed for `measure`, summed over its hours.
+    pub fn billed(&self, tenant: &str, measure: Measure) -> f64 {
+        self.groups
+            .iter()
+            .filter(|g| g.tenant == tenant)
+            .map(|g| g.get(measure).billed())
+            .sum()
+    }
+
     /// Per tenant, in name order.
     pub fn tenants(&self) -> Vec<TenantTotals> {
         let mut out: Vec<TenantTotals> = vec![];
@@ -683,16 +692,6 @@ mod tests {
         ]
     }
 
-    /// Billed per (tenant, measure) summed over the tenant's hours.
-    fn billed(report: &Report, tenant: &str, m: Measure) -> f64 {
-        report
-            .groups
-            .iter()
-            .filter(|g| g.tenant == tenant)
-            .map(|g| g.get(m).billed())
-            .sum()
-    }
-
     #[test]
     fn an_exact_sample_at_weight_one_needs_no_correction() {
         let log = log();
@@ -700,8 +699,8 @@ mod tests {
         let report = reconcile(&log, &sample, 0.0);
         assert_eq!(report.corrections, vec![]);
         assert_eq!(report.groups.len(), 3, "acme has two hours, globex one");
-        assert_eq!(billed(&report, "acme", Measure::InputTokens), 117.0);
-        assert_eq!(billed(&report, "acme", Measure::Requests), 3.0);
+        assert_eq!(report.billed("acme", Measure::InputTokens), 117.0);
+        assert_eq!(report.billed("acme", Measure::Requests), 3.0);
         assert_eq!(report.sample_rows, 4);
     }
 
@@ -732,7 +731,7 @@ mod tests {
         assert!(report.corrections.iter().all(|c| c.tenant == "acme"));
         assert_eq!(report.corrections[1].estimate, 12.0);
         assert_eq!(report.corrections[1].truth, 112);
-        assert_eq!(billed(&report, "acme", Measure::InputTokens), 117.0);
+        assert_eq!(report.billed("acme", Measure::InputTokens), 117.0);
     }
 
     #[test]
@@ -785,7 +784,7 @@ mod tests {
         assert_eq!(output_corrections(1000, 0.0), Vec::<f64>::new());
         // Within the threshold the estimate is billed, not the truth.
         let report = reconcile(&log, &with_output(1002), 0.003);
-        assert_eq!(billed(&report, "acme", Measure::OutputTokens), 1002.0);
+        assert_eq!(report.billed("acme", Measure::OutputTokens), 1002.0);
 
         // A zero truth is corrected whatever the threshold; zero on both sides is not.
         let nothing = vec![truth("acme", AT, "r-1", 0, 0)];

@@ -172,7 +172,11 @@ fn main() -> Result<()> {
             );
         }
     }
-    std::thread::sleep(Duration::from_secs(2));
+    // Every queued record shipped: the observers have caught up.
+    for envoy in [&sampled, &every] {
+        let queued = envoy.wait_metric(r#"zerolayer_metering_records{outcome="queued"}"#, 1.0)?;
+        envoy.wait_metric(r#"zerolayer_metering_records{outcome="shipped"}"#, queued)?;
+    }
     println!(
         "(ClickHouse holds {} sampled records; backend: the GPU stub answering at once)",
         clickhouse.rows()?.len()

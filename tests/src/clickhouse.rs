@@ -15,12 +15,13 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
 use crate::client::Client;
 use crate::model::free_port;
+use crate::wait;
 
 /// The metering sample table.
 pub const USAGE_TABLE: &str = "zerolayer_usage";
@@ -215,25 +216,29 @@ impl ClickHouse {
 
     fn wait_ready(&mut self) -> Result<()> {
         let url = format!("{}/ping", self.url());
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
+        wait::until("`Ok.` from /ping", READY_TIMEOUT, || {
             if let Some(child) = self.child.as_mut()
                 && let Some(status) = child.try_wait()?
             {
                 bail!("it exited with {status}");
             }
-            if self
+            Ok(self
                 .client
                 .get(&url, &[])
                 .is_ok_and(|r| r.status == 200 && r.body.trim() == "Ok.")
-            {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!("no `Ok.` from /ping after {READY_TIMEOUT:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+                .then_some(()))
+        })
+    }
+
+    /// Waits until the usage table holds at least `n` rows; returns them.
+    pub fn wait_rows(&self, n: usize, timeout: Duration) -> Result<Vec<serde_json::Value>> {
+        let mut seen = 0;
+        wait::until(&format!("{n} usage rows in ClickHouse"), timeout, || {
+            let rows = self.rows()?;
+            seen = rows.len();
+            Ok((rows.len() >= n).then_some(rows))
+        })
+        .with_context(|| format!("{seen} rows arrived"))
     }
 }
 

@@ -566,20 +566,21 @@ impl Envoy {
     /// Polls until `series` reaches at least `want` (counters are flushed on
     /// the filters' tick) and returns its value; fails after 10 s.
     pub fn wait_metric(&self, series: &str, want: f64) -> Result<f64> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let value = self.metric(series)?;
-            if value.is_some_and(|v| v >= want) {
-                return Ok(value.unwrap_or_default());
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "{series} is {value:?}, wanted {want}; prometheus:\n{}",
-                    self.prometheus()?
-                );
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let mut last = None;
+        crate::wait::until(
+            &format!("{series} ≥ {want}"),
+            Duration::from_secs(10),
+            || {
+                last = self.metric(series)?;
+                Ok(last.filter(|v| *v >= want))
+            },
+        )
+        .with_context(|| {
+            format!(
+                "it is {last:?}; prometheus:\n{}",
+                self.prometheus().unwrap_or_default()
+            )
+        })
     }
 
     /// Envoy's own log so far.

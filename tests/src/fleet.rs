@@ -4,12 +4,13 @@
 
 use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
 use crate::client::Client;
 use crate::model::free_port;
+use crate::wait;
 
 /// How long each server may take to accept connections.
 const READY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -131,17 +132,12 @@ impl Drop for RedisFleet {
 
 /// Waits until something accepts on `port`, or `child` exits.
 fn wait_tcp(port: u16, child: &mut Child) -> Result<()> {
-    let deadline = Instant::now() + READY_TIMEOUT;
-    loop {
+    wait::until(&format!("a listener on port {port}"), READY_TIMEOUT, || {
         if let Some(status) = child.try_wait()? {
             bail!("exited with {status}");
         }
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("nothing accepts on port {port} after {READY_TIMEOUT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        Ok(TcpStream::connect(("127.0.0.1", port))
+            .is_ok()
+            .then_some(()))
+    })
 }

@@ -16,6 +16,7 @@ pub mod sim;
 pub mod sse;
 pub mod tokens;
 pub mod upstream;
+pub mod wait;
 
 pub use client::{Client, Reply};
 pub use envoy::{Envoy, EnvoyConfig};

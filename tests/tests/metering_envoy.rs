@@ -5,13 +5,13 @@
 //! down for a while costs no request and no record.
 
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use host_sim::reconcile::{self, Measure};
 use serde_json::{Value, json};
 use zerolayer_e2e::clickhouse::ClickHouse;
-use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer, paths};
+use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer, paths, wait};
 use zerolayer_stub::{Stub, StubConfig};
 
 /// Envoy from the shipped config, in front of `backend`, shipping to
@@ -136,34 +136,27 @@ fn reported_usage(body: &str) -> Result<(u64, u64)> {
 
 /// Waits until ClickHouse holds `n` rows.
 fn wait_rows(clickhouse: &ClickHouse, n: usize, envoy: &Envoy) -> Result<Vec<Value>> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let rows = clickhouse.rows()?;
-        if rows.len() >= n {
-            return Ok(rows);
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "{} of {n} rows in ClickHouse after 20 s\n{}\n{}",
-                rows.len(),
+    clickhouse
+        .wait_rows(n, Duration::from_secs(20))
+        .with_context(|| {
+            format!(
+                "{}\n{}",
                 envoy.prometheus().unwrap_or_default(),
                 envoy.log()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+            )
+        })
 }
 
 /// Waits until the access log has `n` lines with usage.
 fn access_log(envoy: &Envoy, n: usize) -> Result<reconcile::AccessLog> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let log = reconcile::read_access_log(envoy.access_log().as_bytes())?;
-        if log.rows.len() >= n || Instant::now() > deadline {
-            return Ok(log);
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait::until(
+        &format!("{n} usage lines in the access log"),
+        Duration::from_secs(10),
+        || {
+            let log = reconcile::read_access_log(envoy.access_log().as_bytes())?;
+            Ok((log.rows.len() >= n).then_some(log))
+        },
+    )
 }
 
 #[test]
@@ -220,14 +213,7 @@ fn sampled_rows_land_and_reconcile_to_the_access_log_exactly() -> Result<()> {
     let sample = reconcile::fetch_sample(&clickhouse.url(), "zerolayer_usage")?;
     let report = reconcile::reconcile(&log.rows, &sample, 0.0);
     for tenant in ["acme", "globex"] {
-        let billed = |m: Measure| -> f64 {
-            report
-                .groups
-                .iter()
-                .filter(|g| g.tenant == tenant)
-                .map(|g| g.get(m).billed())
-                .sum()
-        };
+        let billed = |m: Measure| report.billed(tenant, m);
         let (input, output) = truth[tenant];
         assert_eq!(
             billed(Measure::InputTokens),
@@ -264,8 +250,8 @@ fn a_sink_down_for_a_while_costs_no_request_and_no_record() -> Result<()> {
     clickhouse.stop();
     // Every request still succeeds (traffic fails on any non-200).
     traffic(&envoy, "acme", 24)?;
+    // Down long enough for the breaker to open (3 failed batches).
     envoy.wait_metric("zerolayer_metering_batches_failed", 3.0)?;
-    std::thread::sleep(Duration::from_millis(500));
     clickhouse.restart()?;
 
     let rows = wait_rows(&clickhouse, 32, &envoy)?;

@@ -4,10 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, ModelServer, paths};
+use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, ModelServer, paths, wait};
 use zerolayer_stub::{Stub, StubConfig};
 
 const SECRET: &str = "zerolayer-e2e-cache-secret-0123456789abcdef";
@@ -202,13 +202,11 @@ fn interrupted_streams_are_not_cached() -> Result<()> {
             assert_ne!(reply.header("x-cache"), Some("HIT"));
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while stub.requests().len() < 2 {
-        if Instant::now() > deadline {
-            bail!("the second request never reached the backend");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait::until(
+        "the second request at the backend",
+        Duration::from_secs(5),
+        || Ok((stub.requests().len() >= 2).then_some(())),
+    )?;
     gw.envoy
         .wait_metric(r#"zerolayer_cache_bypass{reason="incomplete"}"#, 2.0)?;
     Ok(())
@@ -288,13 +286,10 @@ fn two_gateways_share_responses_through_redis() -> Result<()> {
         let first = a.post(path, &body)?;
         assert_eq!(first.header("x-cache"), Some("MISS"), "{path}");
         // The observer writes to Redis after the response, off the path.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while fleet.keys()? == keys_before {
-            if Instant::now() > deadline {
-                bail!("nothing reached Redis:\n{}", a.envoy.log());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait::until("a new key in Redis", Duration::from_secs(5), || {
+            Ok((fleet.keys()? != keys_before).then_some(()))
+        })
+        .with_context(|| a.envoy.log())?;
         let served = stub.requests().len();
         let second = b.post(path, &body)?;
         assert_eq!(

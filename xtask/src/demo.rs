@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use zerolayer_core::sampling::Rate;
 use zerolayer_e2e::clickhouse::ClickHouse;
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, ModelServer, paths};
+use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, ModelServer, paths, wait};
 use zerolayer_stub::{Stub, StubConfig};
 
 use crate::{setup, step};
@@ -424,11 +424,12 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
 
     // The access log and the counters reach us from Envoy's 1 s flush and
     // the filters' ticks, off the request path.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while envoy.access_log().lines().count() < sent.len() && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    std::thread::sleep(Duration::from_millis(1200));
+    wait::until(
+        "every request in the access log",
+        Duration::from_secs(10),
+        || Ok((envoy.access_log().lines().count() >= sent.len()).then_some(())),
+    )?;
+    envoy.wait_metric("zerolayer_activation_requests", sent.len() as f64)?;
     let log = envoy.access_log();
     let auth_by_id = access_log_field(&log, "auth");
     let usage_by_id = access_log_field(&log, "usage");
@@ -440,7 +441,7 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         .iter()
         .filter(|r| rate.includes(r.request_id.as_bytes()))
         .count();
-    let shipped = wait_for_rows(&clickhouse, sampled)?;
+    let shipped = clickhouse.wait_rows(sampled, Duration::from_secs(10))?;
     let row = |n: &str,
                what: &str,
                status: &str,
@@ -706,43 +707,17 @@ fn request_id(n: usize, what: &str) -> String {
 /// Waits until the observer has concluded `n` verifications (valid or
 /// invalid verdicts, as counted in Envoy's stats).
 fn wait_for_verdicts(envoy: &Envoy, n: f64) -> Result<()> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let count = |outcome: &str| -> Result<f64> {
-            Ok(envoy
-                .metric(&format!("zerolayer_auth_verdicts{{outcome=\"{outcome}\"}}"))?
-                .unwrap_or(0.0))
-        };
-        let done = count("valid")? + count("invalid")?;
-        if done >= n {
-            return Ok(());
-        }
-        if std::time::Instant::now() > deadline {
-            bail!(
-                "the observer concluded {done} verifications in 10 s, wanted {n}; is it running?\n{}",
-                envoy.log()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Waits until ClickHouse holds `n` usage rows; returns them.
-fn wait_for_rows(clickhouse: &ClickHouse, n: usize) -> Result<Vec<Value>> {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let rows = clickhouse.rows()?;
-        if rows.len() >= n {
-            return Ok(rows);
-        }
-        if std::time::Instant::now() > deadline {
-            bail!(
-                "{} of {n} sampled usage records reached ClickHouse in 10 s",
-                rows.len()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let count = |outcome: &str| -> Result<f64> {
+        Ok(envoy
+            .metric(&format!("zerolayer_auth_verdicts{{outcome=\"{outcome}\"}}"))?
+            .unwrap_or(0.0))
+    };
+    wait::until(
+        &format!("{n} verifications by the observer"),
+        Duration::from_secs(10),
+        || Ok((count("valid")? + count("invalid")? >= n).then_some(())),
+    )
+    .with_context(|| format!("is it running?\n{}", envoy.log()))
 }
 
 /// `input→output` from a usage entry of the access log (`missing` when

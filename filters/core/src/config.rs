@@ -80,6 +80,20 @@ pub fn invalid_regex(pattern: &str, err: &regex::Error) -> String {
     format!("invalid regex {}: {reason}", quoted(pattern))
 }
 
+/// Whether `b` may appear in an HTTP field name (RFC 9110 `tchar`).
+pub fn is_token_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
+}
+
+/// Whether `name` is a header name as HTTP/2 and Envoy carry it: non-empty,
+/// token characters, no upper case.
+pub fn is_lowercase_header_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| is_token_byte(b) && !b.is_ascii_uppercase())
+}
+
 /// Quotes a value for an error message the way JSON would, so empty strings
 /// and whitespace stay visible.
 pub fn quoted(value: &str) -> String {

@@ -110,16 +110,7 @@ impl SseParser {
         if line.first() == Some(&b':') {
             return;
         }
-        let (field, value) = match line.iter().position(|&b| b == b':') {
-            Some(colon) => {
-                let value = line.get(colon + 1..).unwrap_or_default();
-                (
-                    line.get(..colon).unwrap_or_default(),
-                    value.strip_prefix(b" ").unwrap_or(value),
-                )
-            }
-            None => (line, &b""[..]),
-        };
+        let (field, value) = field_and_value(line);
         match field {
             b"event" => {
                 self.event.clear();
@@ -134,6 +125,21 @@ impl SseParser {
             }
             _ => {}
         }
+    }
+}
+
+/// A non-comment line's field and value: split at the first `:`, one
+/// leading space of the value dropped; a line without `:` is all field.
+pub(crate) fn field_and_value(line: &[u8]) -> (&[u8], &[u8]) {
+    match line.iter().position(|&b| b == b':') {
+        Some(colon) => {
+            let value = line.get(colon + 1..).unwrap_or_default();
+            (
+                line.get(..colon).unwrap_or_default(),
+                value.strip_prefix(b" ").unwrap_or(value),
+            )
+        }
+        None => (line, &b""[..]),
     }
 }
 

@@ -328,6 +328,8 @@ impl Observer {
 
     /// Handles the jobs waiting in the queue (up to a budget).
     pub fn drain(&mut self) {
+        // One clock read per wake-up: the jobs of a burst arrive together.
+        let now = now_ms();
         let mut drained = 0u64;
         for _ in 0..DRAIN_BUDGET {
             let item = match hostcalls::dequeue_shared_queue(self.queue) {
@@ -350,8 +352,7 @@ impl Observer {
                     self.counters.add(counter::JOBS_AUDIT, 1);
                     match &mut self.audit {
                         Some(audit) => {
-                            audit.push(audit_line(&record), now_ms(), &self.counters);
-                            audit.maybe_flush(now_ms(), &mut self.calls, &self.counters);
+                            audit.push(audit_line(&record), now, &mut self.calls, &self.counters)
                         }
                         None => self.counters.add(counter::AUDIT_DROPPED, 1),
                     }
@@ -362,10 +363,7 @@ impl Observer {
                         Some(usage) => {
                             let mut line = Vec::with_capacity(256);
                             record.write_sink_row(&mut line);
-                            usage.push(line, now_ms(), &self.counters);
-                            // A full batch leaves before the rest of a
-                            // burst can overflow the buffer.
-                            usage.maybe_flush(now_ms(), &mut self.calls, &self.counters);
+                            usage.push(line, now, &mut self.calls, &self.counters);
                         }
                         None => self.counters.add(counter::USAGE_DROPPED, 1),
                     }
@@ -388,8 +386,6 @@ impl Observer {
         }
         if drained > 0 {
             self.counters.queue_depth.record(drained);
-            // A full batch goes now, not at the next tick.
-            self.flush_sinks();
         }
     }
 

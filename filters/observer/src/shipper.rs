@@ -82,13 +82,24 @@ impl Shipper {
         &self.config.endpoint.cluster
     }
 
-    /// Buffers one JSON line (ending with a newline).
-    pub(crate) fn push(&mut self, line: Vec<u8>, now_ms: u64, counters: &ObserverMetrics) {
+    /// Buffers one JSON line (ending with a newline); a batch that is now
+    /// full leaves at once, before the rest of a burst can overflow the
+    /// buffer (batches by age leave on tick).
+    pub(crate) fn push(
+        &mut self,
+        line: Vec<u8>,
+        now_ms: u64,
+        calls: &mut Calls,
+        counters: &ObserverMetrics,
+    ) {
         if self.buffer.len() >= self.config.buffer_max {
             self.dropped(1, counters);
             return;
         }
         self.buffer.push_back((now_ms, line));
+        if self.buffer.len() >= self.config.batch_max {
+            self.maybe_flush(now_ms, calls, counters);
+        }
     }
 
     fn dropped(&mut self, n: u64, counters: &ObserverMetrics) {

@@ -7,7 +7,7 @@ use super::pattern::Pattern;
 use super::schema::{
     ActivationConfig, Condition, HeaderCondition, HoursRange, InList, PathCondition, WeekdayRange,
 };
-use crate::config::{ConfigError, from_json, invalid_regex, quoted};
+use crate::config::{ConfigError, from_json, invalid_regex, is_token_byte, quoted};
 use crate::observers::{BUILTIN, MAX_OBSERVERS, ObserverNames, ObserverSet};
 use crate::sampling::Rate;
 
@@ -134,7 +134,7 @@ impl Compiler {
             Condition::Method(list) => {
                 let at = format!("{at}.method.in");
                 for (i, m) in list.values.iter().enumerate() {
-                    if m.is_empty() || !m.bytes().all(is_token_char) {
+                    if m.is_empty() || !m.bytes().all(is_token_byte) {
                         return Err(ConfigError::new(
                             format!("{at}[{i}]"),
                             format!("invalid method {}", quoted(m)),
@@ -287,14 +287,10 @@ fn regex(pattern: &str, at: &str) -> Result<Pattern, ConfigError> {
     Pattern::new(pattern).map_err(|err| ConfigError::new(at, invalid_regex(pattern, &err)))
 }
 
-fn is_token_char(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
-}
-
 /// A valid header name, lower-cased (HTTP/2 and Envoy use lower case).
 fn header_name(name: &str, at: &str) -> Result<Box<str>, ConfigError> {
     let body = name.strip_prefix(':').unwrap_or(name);
-    if body.is_empty() || !body.bytes().all(is_token_char) {
+    if body.is_empty() || !body.bytes().all(is_token_byte) {
         return Err(ConfigError::new(
             at,
             format!("invalid header name {}", quoted(name)),

@@ -7,7 +7,7 @@ use super::credential::{CredentialKind, CredentialSource};
 use super::escalation::EscalationConfig;
 use super::policy::{Policy, UnknownPolicy, VerifierDown};
 use crate::breaker::BreakerConfig;
-use crate::config::{ConfigError, invalid_regex, quoted};
+use crate::config::{ConfigError, invalid_regex, is_token_byte, quoted};
 
 /// Where filters reach the observer.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -334,11 +334,7 @@ impl LazyAuthConfig {
             ));
         }
         for (i, source) in self.credentials.iter().enumerate() {
-            let valid_name = !source.header.is_empty()
-                && source
-                    .header
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+            let valid_name = !source.header.is_empty() && source.header.bytes().all(is_token_byte);
             if !valid_name {
                 return Err(ConfigError::new(
                     format!("credentials[{i}].header"),

@@ -6,7 +6,7 @@ use serde::Deserialize;
 use super::control::TtlPolicy;
 use super::key::CacheKey;
 use crate::auth::config::{Endpoint, ObserverLink};
-use crate::config::{ConfigError, quoted};
+use crate::config::{ConfigError, is_lowercase_header_name, quoted};
 
 /// Whose cache a request reads and fills.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -201,11 +201,7 @@ impl PostCacheConfig {
             return Err(ConfigError::new("max_request_bytes", "must be at least 1"));
         }
         for (i, name) in self.stored_headers.iter().enumerate() {
-            let valid = !name.is_empty()
-                && name.bytes().all(|b| {
-                    b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b)
-                });
-            if !valid {
+            if !is_lowercase_header_name(name) {
                 return Err(ConfigError::new(
                     format!("stored_headers[{i}]"),
                     format!("not a lowercase header name: {}", quoted(name)),

@@ -7,7 +7,7 @@ use serde::Deserialize;
 
 use super::labels::LabelLimits;
 use crate::auth::config::ObserverLink;
-use crate::config::{ConfigError, quoted};
+use crate::config::{ConfigError, is_lowercase_header_name, quoted};
 use crate::sampling::Rate;
 use crate::sink::SinkConfig;
 
@@ -102,17 +102,13 @@ impl MeteringConfig {
         if self.environment.is_empty() {
             return Err(ConfigError::new("environment", "must not be empty"));
         }
-        if let Some(header) = &self.tenant_header {
-            let valid = !header.is_empty()
-                && header.bytes().all(|b| {
-                    b.is_ascii_lowercase() || b.is_ascii_digit() || b"!#$%&'*+-.^_`|~".contains(&b)
-                });
-            if !valid {
-                return Err(ConfigError::new(
-                    "tenant_header",
-                    format!("not a lowercase header name: {}", quoted(header)),
-                ));
-            }
+        if let Some(header) = &self.tenant_header
+            && !is_lowercase_header_name(header)
+        {
+            return Err(ConfigError::new(
+                "tenant_header",
+                format!("not a lowercase header name: {}", quoted(header)),
+            ));
         }
         self.labels.check("labels")?;
         if let Some(sink) = &self.sink {

@@ -289,16 +289,7 @@ fn is_usage_only(event: &[u8], scratch: &mut Vec<u8>) -> bool {
     scratch.clear();
     let mut any = false;
     for (line, _) in Lines(event) {
-        let (field, value) = match line.iter().position(|&b| b == b':') {
-            Some(colon) => {
-                let value = line.get(colon + 1..).unwrap_or_default();
-                (
-                    line.get(..colon).unwrap_or_default(),
-                    value.strip_prefix(b" ").unwrap_or(value),
-                )
-            }
-            None => (line, &b""[..]),
-        };
+        let (field, value) = crate::sse::field_and_value(line);
         if field == b"data" {
             if any {
                 scratch.push(b'\n');
