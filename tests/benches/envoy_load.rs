@@ -14,8 +14,13 @@
 //! wrk, the upstream and the loopback sinks run on CPU 1. Per round, each
 //! configuration gets a loaded phase (`wrk -t1 -c16`: requests/s and Envoy's
 //! CPU per request, from `/proc/<pid>/stat`) and a one-connection phase
-//! (`wrk -t1 -c1`: latency without queueing); rounds are interleaved. Prints
-//! a table with ratios to plain Envoy and writes
+//! (`wrk -t1 -c1`: latency without queueing); rounds are interleaved. The
+//! run fails on a missing wrk or Envoy, any answer that is not 2xx (or not a
+//! cache hit where one is meant), connections that were not reused, and
+//! lazy-auth off its cached-verdict path: then it would measure something
+//! else.
+//!
+//! Prints a table with ratios to plain Envoy and writes
 //! `target/bench/envoy_load.{json,svg}`; a complete run copies the chart to
 //! `docs/envoy_load.svg`, which BENCHMARKS.md shows. `ZEROLAYER_LOAD_ROUNDS`
 //! and `ZEROLAYER_LOAD_SECS` shorten a development run (not copied).
@@ -25,13 +30,13 @@ use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::{Value as Json, json};
 use serde_yaml::Value as Yaml;
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{Envoy, EnvoyConfig, MockServer, paths};
+use zerolayer_e2e::{Envoy, EnvoyConfig, MockServer, paths, wait};
 use zerolayer_stub::{Stub, StubConfig};
 
 /// Interleaved rounds over all configurations.
@@ -170,8 +175,9 @@ struct Summary {
     p99_us: f64,
     /// One connection: Envoy CPU µs per request.
     single_cpu_us_per_request: f64,
-    /// Envoy's connection and request counters over the whole run.
-    connections: Json,
+    /// Envoy's connection and request counters over the whole run, and
+    /// lazy-auth's decisions where it runs.
+    counters: Json,
     loaded: Vec<Phase>,
     single: Vec<Phase>,
 }
@@ -375,16 +381,26 @@ fn main() -> Result<()> {
     }
     let load_after = load_average();
     let sinks = services.shipped();
-    let mut reuse = Vec::new();
+    // Counters reach Envoy's stats on the filters' tick: read them once
+    // they stopped moving.
+    wait::settled("the filters' counters", Duration::from_secs(15), || {
+        running
+            .iter()
+            .map(|(envoy, _)| auth_decisions(envoy))
+            .collect::<Result<Vec<Json>>>()
+    })?;
+    let mut counters = Vec::new();
     for (v, (envoy, _)) in variants.iter().zip(&running) {
-        reuse.push(connection_reuse(&agent, envoy, v).with_context(|| v.label)?);
+        let mut c = connection_reuse(&agent, envoy, v).with_context(|| v.label)?;
+        c["auth_decisions"] = auth_decisions(envoy).with_context(|| v.label)?;
+        counters.push(c);
     }
 
     let summaries: Vec<Summary> = variants
         .iter()
         .zip(loaded.into_iter().zip(single))
-        .zip(reuse)
-        .map(|((v, (l, s)), reuse)| summarize(v, l, s, reuse))
+        .zip(counters)
+        .map(|((v, (l, s)), counters)| summarize(v, l, s, counters))
         .collect();
     print_table(&summaries);
     println!(
@@ -823,28 +839,20 @@ fn check(agent: &ureq::Agent, envoy: &Envoy, variant: &Variant, bearer: &str) ->
     ensure!(status == 200, "the first request answered {status}");
     // The observer verifies the token in the background; post-cache stores
     // the response once it completed.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        std::thread::sleep(Duration::from_millis(200));
+    let expected = if variant.expect == Expect::CacheHit {
+        "x-cache: HIT"
+    } else {
+        "no cache hit"
+    };
+    wait::until(expected, Duration::from_secs(10), || {
         let (status, label) = send()?;
         ensure!(status == 200, "answered {status}");
-        let ok = match variant.expect {
+        Ok(match variant.expect {
             Expect::CacheHit => label == "HIT",
             Expect::Backend => label != "HIT",
-        };
-        if ok {
-            return Ok(());
         }
-        ensure!(
-            Instant::now() < deadline,
-            "x-cache was {label} for 10 s (expected {})",
-            if variant.expect == Expect::CacheHit {
-                "HIT"
-            } else {
-                "no hit"
-            }
-        );
-    }
+        .then_some(()))
+    })
 }
 
 /// Envoy's downstream and upstream connection and request counters; fails
@@ -892,6 +900,37 @@ fn connection_reuse(agent: &ureq::Agent, envoy: &Envoy, variant: &Variant) -> Re
         );
     }
     Ok(reuse)
+}
+
+/// lazy-auth's decisions by outcome (`null` where it does not run); fails
+/// unless nearly all came from the cached verdict (the known-token path
+/// this run means to measure).
+fn auth_decisions(envoy: &Envoy) -> Result<Json> {
+    let text = envoy.prometheus()?;
+    let mut outcomes = serde_json::Map::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("zerolayer_auth_decisions{outcome=\"") else {
+            continue;
+        };
+        if let Some((outcome, value)) = rest.split_once("\"} ")
+            && let Ok(value) = value.trim().parse::<f64>()
+        {
+            outcomes.insert(outcome.to_string(), json!(value));
+        }
+    }
+    if outcomes.is_empty() {
+        return Ok(Json::Null);
+    }
+    let total: f64 = outcomes.values().filter_map(Json::as_f64).sum();
+    let cached = outcomes
+        .get("valid_cached")
+        .and_then(Json::as_f64)
+        .unwrap_or(0.0);
+    ensure!(
+        cached >= 0.99 * total,
+        "lazy-auth decided {cached} of {total} requests from a cached verdict: {outcomes:?}"
+    );
+    Ok(Json::Object(outcomes))
 }
 
 /// Writes the wrk script for `request` (POST, JSON body, the bearer token,
@@ -1020,7 +1059,7 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 /// Each number is the median over rounds (one disturbed round does not
 /// move it); the rounds themselves are kept in the JSON.
-fn summarize(variant: &Variant, loaded: Vec<Phase>, single: Vec<Phase>, reuse: Json) -> Summary {
+fn summarize(variant: &Variant, loaded: Vec<Phase>, single: Vec<Phase>, counters: Json) -> Summary {
     let over = |phases: &[Phase], f: fn(&Phase) -> f64| median(phases.iter().map(f).collect());
     let cpu_per_request = |p: &Phase| p.envoy_cpu_secs * 1e6 / p.requests.max(1) as f64;
     Summary {
@@ -1034,7 +1073,7 @@ fn summarize(variant: &Variant, loaded: Vec<Phase>, single: Vec<Phase>, reuse: J
         p50_us: over(&single, |p| p.p50_us),
         p99_us: over(&single, |p| p.p99_us),
         single_cpu_us_per_request: over(&single, cpu_per_request),
-        connections: reuse,
+        counters,
         loaded,
         single,
     }
