@@ -62,6 +62,9 @@ fn gateway() -> Result<Gateway> {
         "%FILTER_STATE(wasm.wasmx.zerolayer_auth:PLAIN)%",
     )?;
     let envoy = Envoy::start(&config)?;
+    // Ready once the observer holds the issuer's keys: before that, a token
+    // past its unverified allowance cannot be verified inline and gets 503.
+    envoy.wait_metric(r#"zerolayer_auth_jwks_fetches{outcome="ok"}"#, 1.0)?;
     Ok(Gateway {
         upstream,
         keys,
