@@ -83,6 +83,69 @@ impl Client {
     }
 }
 
+/// A response whose body may have been cut off.
+#[derive(Debug, Clone)]
+pub struct Partial {
+    /// Status and headers, with the body as far as it arrived (lossy text).
+    pub reply: Reply,
+    /// Why reading the body stopped early, if it did.
+    pub cut: Option<String>,
+}
+
+impl Client {
+    /// Like [`Client::send`], but a body that breaks off (the connection
+    /// reset mid-stream) is returned as far as it came, with the reason.
+    pub fn send_partial(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Result<Partial> {
+        use std::io::Read;
+        let mut request = ureq::http::Request::builder().method(method).uri(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request
+            .body(body.to_string())
+            .context("building the request")?;
+        let mut response = self
+            .agent
+            .run(request)
+            .with_context(|| format!("{method} {url}"))?;
+        let status = response.status().as_u16();
+        let headers = response
+            .headers()
+            .iter()
+            .map(|(n, v)| {
+                (
+                    n.as_str().to_string(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            })
+            .collect();
+        let mut bytes = Vec::new();
+        let mut reader = response.body_mut().as_reader();
+        let mut chunk = [0u8; 4096];
+        let cut = loop {
+            match reader.read(&mut chunk) {
+                Ok(0) => break None,
+                Ok(n) => bytes.extend_from_slice(&chunk[..n]),
+                Err(err) => break Some(err.to_string()),
+            }
+        };
+        Ok(Partial {
+            reply: Reply {
+                status,
+                headers,
+                body: String::from_utf8_lossy(&bytes).into_owned(),
+            },
+            cut,
+        })
+    }
+}
+
 fn reply(mut response: ureq::http::Response<ureq::Body>) -> Result<Reply> {
     let status = response.status().as_u16();
     let headers = response

@@ -191,6 +191,12 @@ impl EnvoyConfig {
             .ok_or_else(|| anyhow!("filter {filter}: configuration.value is not a string"))
     }
 
+    /// [`EnvoyConfig::wasm_filter_config`], parsed.
+    pub fn wasm_filter_json(&self, filter: &str) -> Result<serde_json::Value> {
+        serde_json::from_str(&self.wasm_filter_config(filter)?)
+            .with_context(|| format!("filter {filter}: configuration.value is not JSON"))
+    }
+
     /// Replaces the JSON configuration of the Wasm filter named `filter`.
     pub fn set_wasm_filter_config(&mut self, filter: &str, json: &str) -> Result<()> {
         *self.wasm_config_value(filter)? = Value::from(json);
@@ -253,6 +259,45 @@ impl EnvoyConfig {
         }
         if routes == 0 {
             bail!("no routes in {}", self.name);
+        }
+        Ok(())
+    }
+
+    /// Sets every route's upstream timeout (how long Envoy waits for the
+    /// backend's whole response).
+    pub fn set_route_timeout(&mut self, timeout: Duration) -> Result<()> {
+        let mut routes = 0;
+        for vhost in self.virtual_hosts_mut()? {
+            for route in vhost
+                .get_mut("routes")
+                .and_then(Value::as_sequence_mut)
+                .into_iter()
+                .flatten()
+            {
+                if let Some(action) = route.get_mut("route").and_then(Value::as_mapping_mut) {
+                    action.insert(
+                        Value::from("timeout"),
+                        Value::from(format!("{}s", timeout.as_secs_f64())),
+                    );
+                    routes += 1;
+                }
+            }
+        }
+        if routes == 0 {
+            bail!("no routes in {}", self.name);
+        }
+        Ok(())
+    }
+
+    /// Removes the bootstrap Wasm services (the observer): how a test shows
+    /// what the filters do when it is gone.
+    pub fn remove_services(&mut self) -> Result<()> {
+        let map = self
+            .doc
+            .as_mapping_mut()
+            .ok_or_else(|| anyhow!("{} is not a map", self.name))?;
+        if map.remove("bootstrap_extensions").is_none() {
+            bail!("{}: no bootstrap_extensions", self.name);
         }
         Ok(())
     }
@@ -593,7 +638,8 @@ impl Envoy {
         std::fs::read_to_string(self.dir.path().join("access.log")).unwrap_or_default()
     }
 
-    fn log_tail(&self, lines: usize) -> String {
+    /// The last `lines` lines of Envoy's own log.
+    pub fn log_tail(&self, lines: usize) -> String {
         let log = self.log();
         let all: Vec<&str> = log.lines().collect();
         all[all.len().saturating_sub(lines)..].join("\n")

@@ -21,7 +21,8 @@ const INSTALL_HINT: &str = "install with `cargo xtask setup` (the test command d
 /// Redis with webdis in front of it.
 pub struct RedisFleet {
     redis: Child,
-    webdis: Child,
+    /// `None` while stopped.
+    webdis: Option<Child>,
     webdis_addr: SocketAddr,
     dir: tempfile::TempDir,
 }
@@ -65,22 +66,28 @@ impl RedisFleet {
         });
         let config_path = dir.path().join("webdis.json");
         std::fs::write(&config_path, config.to_string())?;
-        let mut webdis = match Command::new("webdis")
-            .arg(&config_path)
-            .current_dir(dir.path())
+        let mut fleet = RedisFleet {
+            redis,
+            webdis: None,
+            webdis_addr: SocketAddr::from(([127, 0, 0, 1], webdis_port)),
+            dir,
+        };
+        fleet.start_webdis()?;
+        Ok(fleet)
+    }
+
+    /// Spawns webdis from its config and waits until it answers `/PING`.
+    fn start_webdis(&mut self) -> Result<()> {
+        let mut webdis = Command::new("webdis")
+            .arg(self.dir.path().join("webdis.json"))
+            .current_dir(self.dir.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-        {
-            Ok(child) => child,
-            Err(err) => {
-                let _ = redis.kill();
-                bail!("starting webdis ({INSTALL_HINT}): {err}");
-            }
-        };
-        let webdis_addr = SocketAddr::from(([127, 0, 0, 1], webdis_port));
-        let ready = wait_tcp(webdis_port, &mut webdis).and_then(|()| {
-            let reply = Client::new().get(&format!("http://{webdis_addr}/PING"), &[])?;
+            .with_context(|| format!("starting webdis ({INSTALL_HINT})"))?;
+        let addr = self.webdis_addr;
+        let ready = wait_tcp(addr.port(), &mut webdis).and_then(|()| {
+            let reply = Client::new().get(&format!("http://{addr}/PING"), &[])?;
             if reply.status != 200 {
                 bail!(
                     "webdis answered /PING with {}: {}",
@@ -90,19 +97,30 @@ impl RedisFleet {
             }
             Ok(())
         });
-        let fleet = RedisFleet {
-            redis,
-            webdis,
-            webdis_addr,
-            dir,
-        };
+        self.webdis = Some(webdis);
         if let Err(err) = ready {
+            self.stop_webdis();
             bail!(
                 "webdis did not come up: {err:#}\n{}",
-                std::fs::read_to_string(fleet.dir.path().join("webdis.log")).unwrap_or_default()
+                std::fs::read_to_string(self.dir.path().join("webdis.log")).unwrap_or_default()
             );
         }
-        Ok(fleet)
+        Ok(())
+    }
+
+    /// Kills webdis (as a crash would): the fleet tier is unreachable until
+    /// [`restart_webdis`](Self::restart_webdis). Redis keeps its data.
+    pub fn stop_webdis(&mut self) {
+        if let Some(mut child) = self.webdis.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts webdis again on the same port.
+    pub fn restart_webdis(&mut self) -> Result<()> {
+        self.stop_webdis();
+        self.start_webdis()
     }
 
     /// webdis's address (the Envoy cluster the fleet tier calls).
@@ -123,10 +141,9 @@ impl RedisFleet {
 
 impl Drop for RedisFleet {
     fn drop(&mut self) {
-        for child in [&mut self.webdis, &mut self.redis] {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        self.stop_webdis();
+        let _ = self.redis.kill();
+        let _ = self.redis.wait();
     }
 }
 

@@ -1,0 +1,245 @@
+//! The whole zerolayer chain in real Envoy, as shipped in
+//! `envoy/zerolayer.yaml` (activation → lazy-auth → post-cache → metering,
+//! the observer singleton), with every service it calls on loopback: the GPU
+//! backend stub, the identity provider, the API key introspection endpoint,
+//! the audit sink, ClickHouse for usage records and, optionally, Redis +
+//! webdis for the fleet cache tier. Reliability tests and the soak start it;
+//! each service can be broken and mended while Envoy runs.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use serde_json::{Value, json};
+use zerolayer_stub::{Stub, StubConfig};
+
+use crate::clickhouse::ClickHouse;
+use crate::fleet::RedisFleet;
+use crate::tokens::{self, issuer};
+use crate::{Client, Envoy, EnvoyConfig, MockServer, Reply};
+
+/// The post-cache secret the chain runs with.
+pub const CACHE_SECRET: &str = "zerolayer-e2e-cache-secret-0123456789abcdef";
+
+/// The API key the introspection endpoint knows (tenant `globex`).
+pub const GOOD_API_KEY: &str = "sk-chain-globex";
+
+/// How to start the chain.
+#[derive(Debug, Clone)]
+pub struct ChainOptions {
+    /// The backend stub's defaults (faults per request via `x-stub-*`).
+    pub stub: StubConfig,
+    /// Whether the fleet tier (Redis + webdis) is on.
+    pub fleet: bool,
+    /// Metering's sample rate, percent.
+    pub sample_percent: f64,
+    /// The route's upstream timeout (the shipped 300 s when `None`).
+    pub route_timeout: Option<Duration>,
+    /// Whether the observer singleton runs (off: "the observer is gone").
+    pub observer: bool,
+}
+
+impl Default for ChainOptions {
+    fn default() -> Self {
+        ChainOptions {
+            stub: StubConfig::default(),
+            fleet: false,
+            sample_percent: 100.0,
+            route_timeout: None,
+            observer: true,
+        }
+    }
+}
+
+/// The running chain and everything it talks to.
+pub struct Chain {
+    /// Envoy running `envoy/zerolayer.yaml`.
+    pub envoy: Envoy,
+    /// The GPU backend stub.
+    pub stub: Stub,
+    /// The JWKS endpoint.
+    pub idp: MockServer,
+    /// The API key introspection endpoint.
+    pub api_keys: MockServer,
+    /// The audit sink.
+    pub audit: MockServer,
+    /// The usage sink.
+    pub clickhouse: ClickHouse,
+    /// The fleet cache tier, when on.
+    pub fleet: Option<RedisFleet>,
+    /// A client for the listener.
+    pub client: Client,
+}
+
+/// The introspection endpoint's normal answers: [`GOOD_API_KEY`] is active.
+pub fn introspect(request: &crate::SeenRequest) -> (u16, String) {
+    match request.header("x-api-key") {
+        Some(GOOD_API_KEY) => (
+            200,
+            r#"{"active":true,"tenant":"globex","sub":"batch"}"#.into(),
+        ),
+        _ => (200, r#"{"active":false}"#.into()),
+    }
+}
+
+impl Chain {
+    /// Starts every service, then Envoy; returns once the observer holds the
+    /// issuer's keys (when it runs), so JWTs verify from the first request.
+    pub fn start(options: ChainOptions) -> Result<Chain> {
+        crate::paths::wasm("post_cache")?;
+        let stub = Stub::start(options.stub.clone()).context("starting the backend stub")?;
+        let jwks = issuer().jwks().to_string();
+        let idp = MockServer::start(move |_| (200, jwks.clone()))?;
+        let api_keys = MockServer::start(introspect)?;
+        let audit = MockServer::start(|_| (204, String::new()))?;
+        let clickhouse = ClickHouse::start()?;
+        clickhouse.create_usage_table()?;
+        let fleet = options.fleet.then(RedisFleet::start).transpose()?;
+
+        let mut config = EnvoyConfig::shipped("zerolayer.yaml")?
+            .for_run(stub.addr())?
+            .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET)
+            .point_cluster("idp", idp.addr())?
+            .point_cluster("api_keys", api_keys.addr())?
+            .point_cluster("audit", audit.addr())?
+            .point_cluster("clickhouse", clickhouse.addr())?;
+        if let Some(fleet) = &fleet {
+            config = config.add_cluster("webdis", fleet.webdis())?;
+        }
+        if let Some(timeout) = options.route_timeout {
+            config.set_route_timeout(timeout)?;
+        }
+        let mut lazy = config.wasm_filter_json("zerolayer.lazy_auth")?;
+        lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
+        lazy["audit"]["flush_ms"] = json!(200);
+        config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
+        let mut post = config.wasm_filter_json("zerolayer.post_cache")?;
+        if fleet.is_some() {
+            post["fleet"] = json!({"cluster": "webdis", "path": "/", "timeout_ms": 500});
+        }
+        config.set_wasm_filter_config("zerolayer.post_cache", &post.to_string())?;
+        let mut metering = config.wasm_filter_json("zerolayer.metering")?;
+        metering["sampling"] = json!({"percent": options.sample_percent});
+        metering["sink"]["flush_ms"] = json!(200);
+        metering["sink"]["backoff_ms"] = json!(100);
+        metering["sink"]["max_backoff_ms"] = json!(1000);
+        metering["sink"]["breaker"] = json!({"failures": 5, "open_secs": 1});
+        config.set_wasm_filter_config("zerolayer.metering", &metering.to_string())?;
+        let mut service = json!({"lazy_auth": lazy, "metering": metering, "tick_ms": 100});
+        if fleet.is_some() {
+            service["post_cache"] = post;
+        }
+        config.set_service_config("zerolayer.observer", &service.to_string())?;
+        if !options.observer {
+            config.remove_services()?;
+        }
+        let envoy = Envoy::start(&config)?;
+        if options.observer {
+            envoy.wait_metric(r#"zerolayer_auth_jwks_fetches{outcome="ok"}"#, 1.0)?;
+        }
+        Ok(Chain {
+            envoy,
+            stub,
+            idp,
+            api_keys,
+            audit,
+            clickhouse,
+            fleet,
+            client: Client::new(),
+        })
+    }
+
+    /// `Bearer <ES256 JWT>` for `subject` of `tenant`, valid for an hour.
+    pub fn bearer(subject: &str, tenant: &str) -> String {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        format!(
+            "Bearer {}",
+            issuer().es256(&tokens::claims(subject, tenant, now, 3600))
+        )
+    }
+
+    /// A [`Chain::bearer`] the observer has verified: one warm-up request
+    /// (`x-request-id: warm-up-<subject>`) reaches the backend first, since
+    /// post-cache bypasses requests whose tenant is not yet verified.
+    pub fn verified_bearer(&self, subject: &str, tenant: &str) -> Result<String> {
+        const VALID: &str = r#"zerolayer_auth_verdicts{outcome="valid"}"#;
+        let bearer = Self::bearer(subject, tenant);
+        let before = self.envoy.metric(VALID)?.unwrap_or(0.0);
+        let id = format!("warm-up-{subject}");
+        let reply = self.post(
+            "/v1/messages",
+            &[("authorization", &bearer), ("x-request-id", &id)],
+            &anthropic(&id, false),
+        )?;
+        anyhow::ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
+        self.envoy.wait_metric(VALID, before + 1.0)?;
+        Ok(bearer)
+    }
+
+    /// Backend requests whose `x-request-id` starts with `prefix`.
+    pub fn backend_requests(&self, prefix: &str) -> usize {
+        self.stub
+            .requests()
+            .iter()
+            .filter(|r| {
+                r.header("x-request-id")
+                    .is_some_and(|i| i.starts_with(prefix))
+            })
+            .count()
+    }
+
+    /// POSTs `body` to `path` with JSON content type and `headers`.
+    pub fn post(&self, path: &str, headers: &[(&str, &str)], body: &str) -> Result<Reply> {
+        let mut all = headers.to_vec();
+        all.push(("content-type", "application/json"));
+        self.client.send("POST", &self.envoy.url(path), &all, body)
+    }
+
+    /// The access log so far, by `x-request-id` (lines without one skipped).
+    pub fn access_log_by_id(&self) -> HashMap<String, Value> {
+        self.envoy
+            .access_log()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter_map(|v| Some((v["request_id"].as_str()?.to_string(), v)))
+            .collect()
+    }
+
+    /// Waits until the access log holds `n` lines (Envoy flushes it every
+    /// 200 ms in tests) and returns them by request id.
+    pub fn wait_access_log(&self, n: usize) -> Result<HashMap<String, Value>> {
+        crate::wait::until(
+            &format!("{n} lines in the access log"),
+            Duration::from_secs(10),
+            || Ok((self.envoy.access_log().lines().count() >= n).then_some(())),
+        )?;
+        Ok(self.access_log_by_id())
+    }
+}
+
+/// An Anthropic Messages body at temperature 0 (cacheable).
+pub fn anthropic(prompt: &str, stream: bool) -> String {
+    json!({
+        "model": "claude-test",
+        "max_tokens": 16,
+        "temperature": 0,
+        "stream": stream,
+        "messages": [{"role": "user", "content": prompt}],
+    })
+    .to_string()
+}
+
+/// An OpenAI Chat Completions body at temperature 0 (cacheable).
+pub fn openai(prompt: &str, stream: bool) -> String {
+    json!({
+        "model": "gpt-test",
+        "max_tokens": 16,
+        "temperature": 0,
+        "stream": stream,
+        "messages": [{"role": "user", "content": prompt}],
+    })
+    .to_string()
+}

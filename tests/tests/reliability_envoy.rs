@@ -1,0 +1,357 @@
+//! Faults end to end in real Envoy, with the whole chain as shipped
+//! (`envoy/zerolayer.yaml`): a failing, disconnecting or stalling backend, a
+//! verifier, fleet cache or observer that goes away. For each: what the
+//! client gets, that no request outlives its timeout, that nothing is lost
+//! without being counted, and that the chain recovers when the fault ends.
+//! The metering sink going down is `metering_envoy.rs`'s
+//! `a_sink_down_for_a_while_costs_no_request_and_no_record`.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use serde_json::Value;
+use zerolayer_e2e::chain::{self, Chain, ChainOptions, GOOD_API_KEY, anthropic, openai};
+use zerolayer_e2e::wait;
+
+/// The usage entry metering left in the access log for request `id`.
+fn usage(log: &std::collections::HashMap<String, Value>, id: &str) -> Result<Value> {
+    let line = log
+        .get(id)
+        .with_context(|| format!("{id}: not in the access log"))?;
+    let text = line["usage"]
+        .as_str()
+        .with_context(|| format!("{id}: no usage in {line}"))?;
+    serde_json::from_str(text).with_context(|| format!("{id}: usage {text:?}"))
+}
+
+#[test]
+fn backend_errors_reach_the_client_unchanged_and_are_neither_cached_nor_lost() -> Result<()> {
+    let chain = Chain::start(ChainOptions::default())?;
+    let bearer = chain.verified_bearer("alice", "acme")?;
+    let mut ids = Vec::new();
+    for (fault, status) in [("429", 429), ("500", 500), ("503", 503)] {
+        for attempt in 0..2 {
+            let id = format!("fault-{fault}-{attempt}");
+            let reply = chain.post(
+                "/v1/messages",
+                &[
+                    ("authorization", &bearer),
+                    ("x-stub-fault", fault),
+                    ("x-request-id", &id),
+                ],
+                &anthropic(&format!("a request the backend fails with {fault}"), false),
+            )?;
+            assert_eq!(reply.status, status, "{id}: {}", reply.body);
+            // Neither served from nor written to the cache.
+            assert_eq!(reply.header("x-cache"), Some("MISS"), "{id}");
+            if status != 500 {
+                assert!(
+                    reply.header("retry-after").is_some(),
+                    "{id}: retry-after lost"
+                );
+            }
+            let body: Value = serde_json::from_str(&reply.body)
+                .with_context(|| format!("{id}: the backend's error body: {}", reply.body))?;
+            assert_eq!(body["type"], "error", "{id}: {body}");
+            ids.push(id);
+        }
+        let reached = chain.backend_requests(&format!("fault-{fault}-"));
+        assert_eq!(reached, 2, "{fault}: an error was answered from the cache");
+    }
+    // Every failed request is metered as such: usage missing, never zero.
+    let log = chain.wait_access_log(ids.len() + 1)?;
+    for id in &ids {
+        let usage = usage(&log, id)?;
+        assert_eq!(usage["usage_missing"], 1, "{id}: {usage}");
+        assert_eq!(
+            usage["status"].to_string(),
+            id.split('-').nth(1).unwrap_or_default(),
+            "{id}: {usage}"
+        );
+    }
+    chain.envoy.wait_metric(
+        r#"zerolayer_metering_usage{result="missing"}"#,
+        ids.len() as f64,
+    )?;
+    // The VMs are unharmed: the next request is served and cached.
+    let ok = chain.post(
+        "/v1/messages",
+        &[("authorization", &bearer)],
+        &anthropic("after the faults", false),
+    )?;
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    Ok(())
+}
+
+#[test]
+fn a_backend_that_disconnects_mid_stream_is_neither_cached_nor_billed_as_complete() -> Result<()> {
+    let chain = Chain::start(ChainOptions::default())?;
+    let bearer = chain.verified_bearer("alice", "acme")?;
+    let body = openai("a stream the backend drops", true);
+    for attempt in 0..2 {
+        let id = format!("cut-{attempt}");
+        let partial = chain.client.send_partial(
+            "POST",
+            &chain.envoy.url("/v1/chat/completions"),
+            &[
+                ("authorization", &bearer),
+                ("content-type", "application/json"),
+                ("x-stub-fault", "disconnect-after:3"),
+                ("x-request-id", &id),
+            ],
+            &body,
+        )?;
+        assert_eq!(partial.reply.status, 200, "{id}");
+        assert_eq!(partial.reply.header("x-cache"), Some("MISS"), "{id}");
+        assert!(
+            partial.cut.is_some() || !partial.reply.body.contains("[DONE]"),
+            "{id}: the client was shown a complete stream: {}",
+            partial.reply.body
+        );
+    }
+    assert_eq!(
+        chain.backend_requests("cut-"),
+        2,
+        "the cut stream was replayed from the cache"
+    );
+    let log = chain.wait_access_log(3)?;
+    for id in ["cut-0", "cut-1"] {
+        let usage = usage(&log, id)?;
+        assert_eq!(
+            usage["usage_missing"], 1,
+            "{id}: billed as complete: {usage}"
+        );
+    }
+    chain
+        .envoy
+        .wait_metric(r#"zerolayer_cache_bypass{reason="incomplete"}"#, 2.0)?;
+    // The same request, complete this time, is stored and then a hit.
+    for want in ["MISS", "HIT"] {
+        let reply = chain.post("/v1/chat/completions", &[("authorization", &bearer)], &body)?;
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.header("x-cache"), Some(want), "{}", reply.body);
+        if want == "MISS" {
+            chain.envoy.wait_metric("zerolayer_cache_stored", 1.0)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_stalled_backend_is_cut_at_the_route_timeout_for_the_holder_and_its_followers() -> Result<()> {
+    const TIMEOUT: Duration = Duration::from_secs(2);
+    // Generous: the bound under test is "ends at the timeout, not never".
+    const SLACK: Duration = Duration::from_secs(5);
+    let chain = Chain::start(ChainOptions {
+        route_timeout: Some(TIMEOUT),
+        ..ChainOptions::default()
+    })?;
+    let bearer = chain.verified_bearer("alice", "acme")?;
+    // Three identical requests: one holds the cache lease, two wait on it.
+    let body = anthropic("a request the backend never finishes", false);
+    let started = Instant::now();
+    let replies: Vec<Result<zerolayer_e2e::client::Partial>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3)
+            .map(|n| {
+                let chain = &chain;
+                let bearer = &bearer;
+                let body = &body;
+                s.spawn(move || {
+                    let id = format!("stall-{n}");
+                    chain.client.send_partial(
+                        "POST",
+                        &chain.envoy.url("/v1/messages"),
+                        &[
+                            ("authorization", bearer),
+                            ("content-type", "application/json"),
+                            ("x-stub-fault", "stall-after:0"),
+                            ("x-request-id", &id),
+                        ],
+                        body,
+                    )
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client thread"))
+            .collect()
+    });
+    let elapsed = started.elapsed();
+    for reply in replies {
+        let reply = reply?;
+        assert_eq!(reply.reply.status, 504, "{}", reply.reply.body);
+    }
+    assert!(
+        elapsed < TIMEOUT * 2 + SLACK,
+        "requests outlived the route timeout: {elapsed:?}"
+    );
+    // Streamed: the headers went out, so the stream is cut, not a 504.
+    let partial = chain.client.send_partial(
+        "POST",
+        &chain.envoy.url("/v1/messages"),
+        &[
+            ("authorization", &bearer),
+            ("content-type", "application/json"),
+            ("x-stub-fault", "stall-after:2"),
+            ("x-request-id", "stall-streamed"),
+        ],
+        &anthropic("a stream the backend stalls", true),
+    )?;
+    assert_eq!(partial.reply.status, 200);
+    assert!(
+        partial.cut.is_some() || !partial.reply.body.contains("message_stop"),
+        "a stalled stream looked complete: {}",
+        partial.reply.body
+    );
+    let log = chain.wait_access_log(5)?;
+    let streamed = usage(&log, "stall-streamed")?;
+    assert_eq!(streamed["usage_missing"], 1, "{streamed}");
+    // Nothing stalled was cached; the lease was released for the next one.
+    let reply = chain.post("/v1/messages", &[("authorization", &bearer)], &body)?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-cache"), Some("MISS"));
+    Ok(())
+}
+
+#[test]
+fn a_verifier_outage_refuses_unknown_keys_keeps_known_ones_and_heals() -> Result<()> {
+    let chain = Chain::start(ChainOptions::default())?;
+    let bearer = chain.verified_bearer("alice", "acme")?;
+    let send = |id: &str, credential: (&str, &str)| -> Result<u16> {
+        Ok(chain
+            .post(
+                "/v1/messages",
+                &[credential, ("x-request-id", id)],
+                &anthropic(id, false),
+            )?
+            .status)
+    };
+    // A key verified before the outage.
+    let known = ("x-api-key", GOOD_API_KEY);
+    assert_eq!(send("known-0", known)?, 200);
+    wait::until("the known key verified", Duration::from_secs(10), || {
+        // The warm-up JWT's verdict, then the key's.
+        Ok((chain
+            .envoy
+            .metric(r#"zerolayer_auth_verdicts{outcome="valid"}"#)?
+            >= Some(2.0))
+        .then_some(()))
+    })?;
+    chain.api_keys.set_handler(|_| (503, "down".to_string()));
+    // During the outage: known credentials keep working (verdicts, inline
+    // JWTs); an unknown key gets its one lazy request, then a clear 503.
+    assert_eq!(send("known-1", known)?, 200);
+    assert_eq!(send("jwt-1", ("authorization", &bearer))?, 200);
+    let unknown = ("x-api-key", "sk-new-during-outage");
+    assert_eq!(send("new-0", unknown)?, 200);
+    let refused = chain.post(
+        "/v1/messages",
+        &[unknown, ("x-request-id", "new-1")],
+        &anthropic("new-1", false),
+    )?;
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert!(refused.body.contains("retry later"), "{}", refused.body);
+    // The outage ends: the same key is verified (here: refused as inactive,
+    // which the endpoint says of every key but the good one).
+    chain.api_keys.set_handler(chain::introspect);
+    wait::until(
+        "the unknown key verified after the outage",
+        Duration::from_secs(40),
+        || {
+            let status = send("new-after", unknown)?;
+            Ok((status == 401).then_some(()))
+        },
+    )
+    .with_context(|| chain.envoy.log_tail(30))?;
+    Ok(())
+}
+
+#[test]
+fn the_fleet_tier_going_away_costs_no_request_and_every_write_is_counted() -> Result<()> {
+    let mut chain = Chain::start(ChainOptions {
+        fleet: true,
+        ..ChainOptions::default()
+    })?;
+    let bearer = chain.verified_bearer("alice", "acme")?;
+    let post = |chain: &Chain, prompt: &str| {
+        chain.post(
+            "/v1/messages",
+            &[("authorization", &bearer)],
+            &anthropic(prompt, false),
+        )
+    };
+    let first = post(&chain, "before the outage")?;
+    assert_eq!(first.header("x-cache"), Some("MISS"));
+    chain
+        .envoy
+        .wait_metric(r#"zerolayer_cache_fleet_writes{outcome="ok"}"#, 1.0)?;
+    chain
+        .fleet
+        .as_mut()
+        .context("the fleet runs")?
+        .stop_webdis();
+    // Local cache still answers; new responses are served and cached
+    // locally; fleet reads fail as misses, fleet writes fail and are counted.
+    for n in 0..3 {
+        let reply = post(&chain, &format!("during the outage {n}"))?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-cache"), Some("MISS"));
+        let again = post(&chain, &format!("during the outage {n}"))?;
+        assert_eq!(again.header("x-cache"), Some("HIT"));
+    }
+    assert_eq!(
+        post(&chain, "before the outage")?.header("x-cache"),
+        Some("HIT")
+    );
+    chain
+        .envoy
+        .wait_metric(r#"zerolayer_cache_fleet_writes{outcome="failed"}"#, 3.0)?;
+    let fleet = chain.fleet.as_mut().context("the fleet runs")?;
+    fleet.restart_webdis()?;
+    let keys = fleet.keys()?;
+    let reply = post(&chain, "after the outage")?;
+    assert_eq!(reply.status, 200);
+    wait::until(
+        "a fleet write after the outage",
+        Duration::from_secs(15),
+        || Ok((chain.fleet.as_ref().map(|f| f.keys()).transpose()? > Some(keys)).then_some(())),
+    )
+    .with_context(|| chain.envoy.log_tail(30))?;
+    Ok(())
+}
+
+#[test]
+fn without_the_observer_requests_are_served_and_lost_work_is_counted() -> Result<()> {
+    let chain = Chain::start(ChainOptions {
+        observer: false,
+        ..ChainOptions::default()
+    })?;
+    // API keys are verified on the request path instead of being queued.
+    for n in 0..3 {
+        let reply = chain.post(
+            "/v1/messages",
+            &[("x-api-key", GOOD_API_KEY)],
+            &anthropic(&format!("no observer {n}"), false),
+        )?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+    }
+    let refused = chain.post(
+        "/v1/messages",
+        &[("x-api-key", "sk-unknown")],
+        &anthropic("no observer, bad key", false),
+    )?;
+    assert_eq!(refused.status, 401, "{}", refused.body);
+    // JWTs need the keys the observer fetches: a clear 503, never open.
+    let jwt = chain.post(
+        "/v1/messages",
+        &[("authorization", &Chain::bearer("alice", "acme"))],
+        &anthropic("no observer, jwt", false),
+    )?;
+    assert_eq!(jwt.status, 503, "{}", jwt.body);
+    // Every usage record that had nowhere to go is counted.
+    chain
+        .envoy
+        .wait_metric(r#"zerolayer_metering_records{outcome="lost"}"#, 3.0)?;
+    Ok(())
+}
