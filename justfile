@@ -19,3 +19,7 @@ build-wasm:
 # Criterion benchmarks.
 bench:
     cargo xtask bench
+
+# The whole chain in real Envoy under steady load (default 10 minutes).
+soak *args:
+    cargo xtask soak {{args}}

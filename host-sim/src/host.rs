@@ -213,6 +213,10 @@ pub struct HostOptions {
     /// properties live under `kong.` (`kong.ctx.shared.*` per request)
     /// instead of `wasmx.`.
     pub kong_gateway: bool,
+    /// Kong: each declared queue's capacity, bytes (its `shm_queue` size;
+    /// entries take a 4-byte prefix). Enqueueing past it traps, as
+    /// ngx_wasm_module does ("could not enqueue (queue is full)").
+    pub kong_queue_bytes: usize,
 }
 
 impl Default for HostOptions {
@@ -225,6 +229,7 @@ impl Default for HostOptions {
             echo_logs: false,
             kong_queues: Vec::new(),
             kong_gateway: false,
+            kong_queue_bytes: 4 * 1024 * 1024,
         }
     }
 }
@@ -304,6 +309,7 @@ impl Host {
         world.echo_logs = options.echo_logs;
         world.kong_queues = options.kong_queues.clone();
         world.kong_gateway = options.kong_gateway;
+        world.kong_queue_bytes = options.kong_queue_bytes;
         Ok(Host {
             _epochs: epochs,
             engine,

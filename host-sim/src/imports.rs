@@ -571,17 +571,24 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
                                         id: i32,
                                         ptr: i32,
                                         len: i32|
-     -> i32 {
+     -> wasmtime::Result<i32> {
+        let mut full = None;
         let r = (|| {
             let item = read(&mut c, ptr, len)?;
-            let status = c.data().world.borrow_mut().enqueue(id as u32, &item);
-            if status == Status::Ok {
-                Ok(())
-            } else {
-                Err(status)
+            match c.data().world.borrow_mut().enqueue(id as u32, &item) {
+                Ok(Status::Ok) => Ok(()),
+                Ok(status) => Err(status),
+                Err(message) => {
+                    full = Some(message);
+                    Err(Status::InternalFailure)
+                }
             }
         })();
-        done(r)
+        if let Some(message) = full {
+            // ngx_wasm_module traps the filter on a full queue.
+            return Err(wasmtime::Error::msg(message));
+        }
+        Ok(done(r))
     });
 
     // -- stream control --

@@ -198,6 +198,7 @@ fn wasm_thread(
             echo_logs: options.echo_logs,
             kong_queues: options.kong_queues.clone(),
             kong_gateway: false,
+            ..HostOptions::default()
         })?;
         let mut clusters = HashMap::new();
         for (name, addr) in &options.chain.clusters {

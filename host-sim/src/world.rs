@@ -259,6 +259,8 @@ pub struct World {
     pub(crate) kong_queues: Vec<String>,
     /// Kong: Kong Gateway's build (host properties under `kong.`).
     pub(crate) kong_gateway: bool,
+    /// Kong: capacity of each declared queue, bytes.
+    pub(crate) kong_queue_bytes: usize,
 }
 
 impl World {
@@ -279,6 +281,7 @@ impl World {
             clusters: std::collections::HashSet::new(),
             kong_queues: Vec::new(),
             kong_gateway: false,
+            kong_queue_bytes: usize::MAX,
         }
     }
 
@@ -369,11 +372,22 @@ impl World {
     }
 
     /// Enqueues and, on Envoy, schedules `on_queue_ready` for the owner.
-    pub(crate) fn enqueue(&mut self, id: u32, item: &[u8]) -> Status {
+    /// `Err` on Kong when the queue is full: ngx_wasm_module traps.
+    pub(crate) fn enqueue(&mut self, id: u32, item: &[u8]) -> Result<Status, String> {
         let profile = self.profile;
+        let capacity = self.kong_queue_bytes;
         let Some(queue) = self.queue_mut(id) else {
-            return Status::NotFound;
+            return Ok(Status::NotFound);
         };
+        if profile == Profile::Kong {
+            let occupied: usize = queue.items.iter().map(|i| 4 + i.len()).sum();
+            if occupied + 4 + item.len() > capacity {
+                return Err(format!(
+                    "could not enqueue (queue is full): shared queue \"{}\" holds {occupied} of {capacity} bytes",
+                    queue.name
+                ));
+            }
+        }
         queue.items.push_back(item.to_vec());
         let (vm, root_context) = queue.owner;
         if profile == Profile::Envoy {
@@ -383,7 +397,7 @@ impl World {
                 queue: id,
             });
         }
-        Status::Ok
+        Ok(Status::Ok)
     }
 
     pub(crate) fn dispatch(&mut self, mut callout: Callout) -> u32 {
@@ -467,7 +481,7 @@ mod tests {
         assert_eq!(w.register_queue("observer", "jobs", (3, 7)), Ok(q));
         assert_eq!(w.resolve_queue("observer", "jobs"), Some(q));
         assert_eq!(w.resolve_queue("observer", "other"), None);
-        assert_eq!(w.enqueue(q, b"a"), Status::Ok);
+        assert_eq!(w.enqueue(q, b"a"), Ok(Status::Ok));
         assert!(matches!(
             w.events.pop_front(),
             Some(Event::QueueReady {
@@ -476,6 +490,6 @@ mod tests {
                 ..
             })
         ));
-        assert_eq!(w.enqueue(99, b"a"), Status::NotFound);
+        assert_eq!(w.enqueue(99, b"a"), Ok(Status::NotFound));
     }
 }

@@ -582,6 +582,23 @@ impl Envoy {
         format!("http://{}{}", self.admin, path)
     }
 
+    /// The Envoy process's id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Envoy's resident memory (`VmRSS`), bytes.
+    pub fn rss_bytes(&self) -> Result<u64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))?;
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| anyhow!("no VmRSS in /proc/{}/status", self.pid()))?;
+        Ok(kib * 1024)
+    }
+
     /// The listener's address.
     pub fn listener(&self) -> SocketAddr {
         self.listener

@@ -678,3 +678,77 @@ fn kong_profile_ships_records_from_the_filters_tick() -> Result<()> {
     assert_eq!(ids, [json!("k-0"), json!("k-1")]);
     Ok(())
 }
+
+/// More usage records (~50 bytes each) than 64 KiB hold.
+const BURST: usize = 1500;
+
+/// Kong with its queue declared at `queue_bytes` and metering's observer
+/// on tick, bounded at `max_queued_bytes`; the sink never answers.
+fn kong_gateway(queue_bytes: usize, max_queued_bytes: u64) -> Result<Gateway> {
+    use host_sim::{HostOptions, Profile};
+    let mut config =
+        metering_config(json!({"sink": sink(json!({"batch_max": 100000, "buffer_max": 100000}))}));
+    config["observer"] = json!({"mode": "tick", "max_queued_bytes": max_queued_bytes});
+    let mut host = Host::with_options(HostOptions {
+        profile: Profile::Kong,
+        kong_queues: vec!["zerolayer.jobs.metering".into()],
+        kong_queue_bytes: queue_bytes,
+        ..Default::default()
+    })?;
+    host.set_cluster("sink", ClusterTarget::Manual);
+    let chain = host.add_chain(vec![metering_spec(&config)?])?;
+    Ok(Gateway { host, chain })
+}
+
+#[test]
+fn a_full_kong_queue_refuses_records_counted_as_lost_instead_of_trapping() -> Result<()> {
+    const BOUND: u64 = 64 * 1024;
+    // Declared a little above the bound, as kong/kong.conf advises.
+    let mut gw = kong_gateway(80 * 1024, BOUND)?;
+    // Between two ticks, more records than the bound holds.
+    for i in 0..BURST {
+        gw.plain("acme", &format!("burst-{i}"))?;
+    }
+    assert!(
+        gw.host.failed_vms().is_empty(),
+        "the queue overflowed: {:?}",
+        gw.host.failed_vms()
+    );
+    gw.flush();
+    let queued = gw.counter("zerolayer_metering_records_outcome=queued");
+    let lost = gw.counter("zerolayer_metering_records_outcome=lost");
+    assert_eq!(queued + lost, BURST as u64);
+    assert!(lost > 0 && queued > 100, "queued {queued}, lost {lost}");
+    assert_eq!(
+        gw.counter("zerolayer_metering_requests_tenant=acme_model=claude-test"),
+        BURST as u64,
+        "every request metered"
+    );
+    // The tick drained the queue: records are accepted again.
+    for i in 0..10 {
+        gw.plain("acme", &format!("after-{i}"))?;
+    }
+    gw.flush();
+    assert_eq!(
+        gw.counter("zerolayer_metering_records_outcome=queued"),
+        queued + 10
+    );
+    assert_eq!(gw.counter("zerolayer_metering_records_outcome=lost"), lost);
+    Ok(())
+}
+
+#[test]
+fn without_the_bound_a_full_kong_queue_traps_which_is_why_it_exists() -> Result<()> {
+    // The bound set above the declared size: the host's limit is reached
+    // first, and ngx_wasm_module traps the filter.
+    let mut gw = kong_gateway(16 * 1024, 1024 * 1024)?;
+    for i in 0..BURST {
+        gw.plain("acme", &format!("burst-{i}"))?;
+    }
+    let failed = gw.host.failed_vms();
+    assert!(
+        failed.iter().any(|f| f.contains("queue is full")),
+        "host-sim's Kong queue never filled: {failed:?}"
+    );
+    Ok(())
+}

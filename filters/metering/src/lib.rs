@@ -125,6 +125,7 @@ impl RootContext for MeteringRoot {
             queue: ObserverQueue::new(
                 config.observer.clone(),
                 self.observer.as_ref().map(Observer::queue),
+                "metering",
             ),
             config,
         }));

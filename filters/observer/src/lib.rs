@@ -254,6 +254,9 @@ impl ObserverMetrics {
 /// The observer's state.
 pub struct Observer {
     queue: u32,
+    /// Tick mode: the key of the queue's backlog count, which producers
+    /// raise and the drain lowers (`zerolayer_core::queue`).
+    backlog: Option<String>,
     auth: Option<AuthWorker>,
     audit: Option<Shipper>,
     usage: Option<Shipper>,
@@ -271,10 +274,7 @@ impl Observer {
         // that filter only: each owns its own queue, or one filter's
         // observer would drain (and drop) another's jobs. Kong shares queues
         // by name across the whole gateway, so the name says whose it is.
-        let queue_name = match link.mode {
-            ObserverMode::Singleton => link.queue.clone(),
-            ObserverMode::Tick => format!("{}.{who}", link.queue),
-        };
+        let queue_name = link.queue_name(who);
         let queue = hostcalls::register_shared_queue(&queue_name)
             .map_err(|s| format!("cannot register queue {queue_name}: {s:?}"))?;
         let auth = config.lazy_auth.as_ref().map(AuthWorker::new).transpose()?;
@@ -313,6 +313,8 @@ impl Observer {
         );
         Ok(Observer {
             queue,
+            backlog: (link.mode == ObserverMode::Tick)
+                .then(|| zerolayer_core::queue::backlog_key(&queue_name)),
             audit: config
                 .lazy_auth
                 .as_ref()
@@ -331,15 +333,21 @@ impl Observer {
         // One clock read per wake-up: the jobs of a burst arrive together.
         let now = now_ms();
         let mut drained = 0u64;
+        let mut drained_bytes = 0u64;
+        let mut emptied = false;
         for _ in 0..DRAIN_BUDGET {
             let item = match hostcalls::dequeue_shared_queue(self.queue) {
                 Ok(Some(item)) => item,
-                Ok(None) => break,
+                Ok(None) => {
+                    emptied = true;
+                    break;
+                }
                 Err(status) => {
                     log::warn!("observer: dequeue failed: {status:?}");
                     break;
                 }
             };
+            drained_bytes += zerolayer_core::queue::queued_size(item.len());
             match Job::decode(&item) {
                 Some(Job::Verify(job)) => {
                     self.counters.add(counter::JOBS_VERIFY, 1);
@@ -386,6 +394,15 @@ impl Observer {
         }
         if drained > 0 {
             self.counters.queue_depth.record(drained);
+            if let Some(key) = &self.backlog {
+                if emptied {
+                    // Exact again: what producers counted but had not yet
+                    // enqueued is forgotten (bounded by one job each).
+                    zerolayer_proxy::shared_put(key, &zerolayer_core::queue::encode_backlog(0));
+                } else {
+                    zerolayer_proxy::release_backlog(key, drained_bytes);
+                }
+            }
         }
     }
 

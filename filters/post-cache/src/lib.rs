@@ -146,6 +146,7 @@ impl RootContext for CacheRoot {
             queue: ObserverQueue::new(
                 config.observer.clone(),
                 self.observer.as_ref().map(Observer::queue),
+                "post-cache",
             ),
             waiters: RefCell::new(Vec::new()),
             config,

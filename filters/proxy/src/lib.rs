@@ -14,9 +14,10 @@ use std::time::{Duration, UNIX_EPOCH};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use zerolayer_core::ConfigError;
-use zerolayer_core::auth::config::ObserverLink;
+use zerolayer_core::auth::config::{ObserverLink, ObserverMode};
 use zerolayer_core::internal;
 use zerolayer_core::metrics::PendingCounters;
+use zerolayer_core::queue;
 
 /// Reads the plugin configuration and parses it with `parse`; on error logs
 /// one line naming the field (`<filter>: invalid configuration: <path>:
@@ -151,17 +152,26 @@ pub fn publish(path: &str, value: &[u8]) {
 /// The observer's job queue as a filter reaches it: owned (tick mode, the
 /// filter's root registered it) or resolved on first use (singleton mode:
 /// the observer service may configure after the filters).
+/// In tick mode, posts are bounded by `observer.max_queued_bytes` (see
+/// `zerolayer_core::queue`): the host's queue may be a fixed-size ring that
+/// traps when full (Kong).
 pub struct ObserverQueue {
     link: ObserverLink,
     id: Cell<Option<u32>>,
+    /// The backlog counter's shared-data key (tick mode).
+    backlog: Option<String>,
 }
 
 impl ObserverQueue {
-    /// A queue reached through `link`; `owned` when this VM registered it.
-    pub fn new(link: ObserverLink, owned: Option<u32>) -> ObserverQueue {
+    /// The queue `filter` reaches through `link`; `owned` when this VM
+    /// registered it.
+    pub fn new(link: ObserverLink, owned: Option<u32>, filter: &str) -> ObserverQueue {
+        let backlog =
+            (link.mode == ObserverMode::Tick).then(|| queue::backlog_key(&link.queue_name(filter)));
         ObserverQueue {
             link,
             id: Cell::new(owned),
+            backlog,
         }
     }
 
@@ -180,11 +190,51 @@ impl ObserverQueue {
         }
     }
 
-    /// Posts `job`; returns whether it was queued.
+    /// Posts `job`; returns whether it was queued (not: no observer, or
+    /// the queue is at its bound).
     pub fn post(&self, job: &[u8]) -> bool {
-        self.get()
-            .is_some_and(|q| hostcalls::enqueue_shared_queue(q, Some(job)).is_ok())
+        let Some(q) = self.get() else {
+            return false;
+        };
+        if let Some(key) = &self.backlog
+            && !reserve_backlog(key, job.len(), self.link.max_queued_bytes)
+        {
+            return false;
+        }
+        if hostcalls::enqueue_shared_queue(q, Some(job)).is_ok() {
+            return true;
+        }
+        if let Some(key) = &self.backlog {
+            release_backlog(key, queue::queued_size(job.len()));
+        }
+        false
     }
+}
+
+/// Counts a job of `len` bytes into the backlog at `key` unless it would
+/// pass `max_bytes`; returns whether it was counted.
+fn reserve_backlog(key: &str, len: usize, max_bytes: u64) -> bool {
+    for _ in 0..8 {
+        let (current, cas) = shared_get(key);
+        let Some(next) = queue::admit(queue::decode_backlog(current.as_deref()), len, max_bytes)
+        else {
+            return false;
+        };
+        match hostcalls::set_shared_data(key, Some(&queue::encode_backlog(next)), cas) {
+            Ok(()) => return true,
+            Err(Status::CasMismatch) => continue,
+            Err(_) => return false,
+        }
+    }
+    false
+}
+
+/// Takes `bytes` off the backlog at `key` (the observer drained them).
+pub fn release_backlog(key: &str, bytes: u64) {
+    let _ = shared_update(key, |current| {
+        let left = queue::decode_backlog(current).saturating_sub(bytes);
+        (queue::encode_backlog(left).to_vec(), ())
+    });
 }
 
 /// Answers the request with `{"error":{"type":…,"message":…}}`.

@@ -25,6 +25,43 @@ pub struct ObserverLink {
     /// notifications).
     #[serde(default)]
     pub mode: ObserverMode,
+    /// Tick mode: bytes of jobs that may wait in the queue (each counted
+    /// with a 4-byte prefix); a job past it is refused and counted as lost.
+    /// Keep it below the queue's declared size (Kong's `shm_queue`), whose
+    /// overflow traps the filter.
+    #[serde(default = "default_max_queued_bytes")]
+    pub max_queued_bytes: u64,
+}
+
+impl ObserverLink {
+    /// The queue's name: the configured one for the singleton, which every
+    /// filter shares; `<queue>.<filter>` in tick mode, where each filter's
+    /// own observer owns one.
+    pub fn queue_name(&self, filter: &str) -> String {
+        match self.mode {
+            ObserverMode::Singleton => self.queue.clone(),
+            ObserverMode::Tick => format!("{}.{filter}", self.queue),
+        }
+    }
+
+    /// Checks the bound (the field named as `observer.max_queued_bytes`).
+    pub fn validate(&self) -> Result<(), crate::ConfigError> {
+        if self.max_queued_bytes < MIN_QUEUED_BYTES {
+            return Err(crate::ConfigError::new(
+                "observer.max_queued_bytes",
+                format!("must be at least {MIN_QUEUED_BYTES}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The smallest queue bound accepted (a few large jobs).
+pub const MIN_QUEUED_BYTES: u64 = 64 * 1024;
+
+fn default_max_queued_bytes() -> u64 {
+    // Half the smallest queue `kong/kong.conf` declares (4 MiB).
+    2 * 1024 * 1024
 }
 
 /// How the observer runs.
@@ -52,6 +89,7 @@ impl Default for ObserverLink {
             vm_id: default_vm_id(),
             queue: default_queue(),
             mode: ObserverMode::default(),
+            max_queued_bytes: default_max_queued_bytes(),
         }
     }
 }
@@ -392,6 +430,7 @@ impl LazyAuthConfig {
         if self.observer.queue.is_empty() {
             return Err(ConfigError::new("observer.queue", "must not be empty"));
         }
+        self.observer.validate()?;
         if let Some(audit) = &self.audit {
             audit.check("audit")?;
         }

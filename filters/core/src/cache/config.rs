@@ -235,6 +235,19 @@ impl PostCacheConfig {
                 ),
             ));
         }
+        self.observer.validate()?;
+        // A fleet write carries a whole entry: it must fit the queue bound.
+        if self.fleet.is_some()
+            && self.observer.max_queued_bytes < u64::from(self.max_entry_bytes) + 4096
+        {
+            return Err(ConfigError::new(
+                "observer.max_queued_bytes",
+                format!(
+                    "must hold one fleet write: at least max_entry_bytes + 4096 ({})",
+                    u64::from(self.max_entry_bytes) + 4096
+                ),
+            ));
+        }
         if let Some(fleet) = &self.fleet
             && !fleet.endpoint.path.starts_with('/')
         {

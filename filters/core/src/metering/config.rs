@@ -99,6 +99,7 @@ impl MeteringConfig {
     /// Checks what serde cannot.
     pub fn check(&self) -> Result<(), ConfigError> {
         self.sampling_plan()?;
+        self.observer.validate()?;
         if self.environment.is_empty() {
             return Err(ConfigError::new("environment", "must not be empty"));
         }

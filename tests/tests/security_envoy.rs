@@ -1,0 +1,248 @@
+//! Security end to end in real Envoy with the whole chain as shipped: tenant
+//! isolation of the cache (also against forged identities and internal
+//! headers), bad tokens under concurrent load, and hostile sizes and bodies.
+
+use std::collections::HashMap;
+
+use anyhow::{Context, Result};
+use serde_json::json;
+use zerolayer_e2e::chain::{Chain, ChainOptions, anthropic};
+use zerolayer_e2e::tokens::{self, issuer};
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Headers a client might send to pass as another tenant or switch
+/// observers on; the chain must ignore and strip every one.
+const FORGED_INTERNAL: [(&str, &str); 4] = [
+    ("x-zerolayer-tenant", "acme"),
+    ("x-zerolayer-auth", "verified;tenant=acme;sub=alice"),
+    ("x-zerolayer-observers", "cache,metering,auth_audit"),
+    ("x-zerolayer-debug", "1"),
+];
+
+#[test]
+fn a_tenant_never_receives_another_tenants_cache_entry() -> Result<()> {
+    let chain = Chain::start(ChainOptions::default())?;
+    let alice = chain.verified_bearer("alice", "acme")?;
+    let bob = chain.verified_bearer("bob", "globex")?;
+    let body = anthropic("the same question from two tenants", false);
+    let send = |id: &str, extra: &[(&str, &str)]| {
+        let mut headers = vec![("x-request-id", id)];
+        headers.extend_from_slice(extra);
+        chain.post("/v1/messages", &headers, &body)
+    };
+    assert_eq!(
+        send("acme-0", &[("authorization", &alice)])?.header("x-cache"),
+        Some("MISS")
+    );
+    chain.envoy.wait_metric("zerolayer_cache_stored", 1.0)?;
+    assert_eq!(
+        send("acme-1", &[("authorization", &alice)])?.header("x-cache"),
+        Some("HIT")
+    );
+    // Bob sends the same request with every internal header claiming acme:
+    // a miss of his own, from the backend; then his own entry is a hit.
+    let mut bob_forging = vec![("authorization", bob.as_str())];
+    bob_forging.extend_from_slice(&FORGED_INTERNAL);
+    let reply = send("globex-0", &bob_forging)?;
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        reply.header("x-cache"),
+        Some("MISS"),
+        "acme's entry served to globex"
+    );
+    assert_eq!(reply.header("x-zerolayer-debug"), None);
+    assert_eq!(chain.backend_requests("globex-0"), 1);
+    chain.envoy.wait_metric("zerolayer_cache_stored", 2.0)?;
+    let reply = send("globex-1", &[("authorization", &bob)])?;
+    assert_eq!(reply.header("x-cache"), Some("HIT"));
+    assert_eq!(chain.backend_requests("acme-"), 1);
+    // A forged token claiming acme is never served acme's entry: its one
+    // lazily admitted request bypasses the cache, then it is refused.
+    let forged = issuer().forged(&tokens::claims("mallory", "acme", now(), 3600), 7);
+    let forged = format!("Bearer {forged}");
+    let first = send("forged-0", &[("authorization", &forged)])?;
+    assert_ne!(first.header("x-cache"), Some("HIT"), "{}", first.body);
+    zerolayer_e2e::wait::until(
+        "the forged token refused",
+        std::time::Duration::from_secs(10),
+        || Ok((send("forged-n", &[("authorization", &forged)])?.status == 401).then_some(())),
+    )?;
+    // No internal header ever reached the backend.
+    for request in chain.stub.requests() {
+        let leaked: Vec<_> = request
+            .headers
+            .iter()
+            .filter(|(name, _)| name.starts_with("x-zerolayer-"))
+            .collect();
+        assert!(leaked.is_empty(), "leaked to the backend: {leaked:?}");
+    }
+    Ok(())
+}
+
+#[test]
+fn forged_expired_and_wrong_audience_tokens_under_concurrent_load() -> Result<()> {
+    const THREADS: usize = 4;
+    const BAD_PER_THREAD: usize = 25;
+    const ROUNDS: usize = 3;
+    let chain = Chain::start(ChainOptions {
+        sample_percent: 0.0,
+        ..ChainOptions::default()
+    })?;
+    let valid = chain.verified_bearer("alice", "acme")?;
+    let t = now();
+    // Per thread: forged, expired and wrong-audience tokens, each sent
+    // ROUNDS times, interleaved with a valid token's requests.
+    let bad: Vec<Vec<(String, String)>> = (0..THREADS)
+        .map(|thread| {
+            (0..BAD_PER_THREAD)
+                .map(|n| {
+                    let id = format!("bad-{thread}-{n}");
+                    let claims = tokens::claims(&id, "acme", t, 3600);
+                    let token = match n % 3 {
+                        0 => issuer().forged(&claims, (thread * 1000 + n) as u64),
+                        1 => issuer().es256(&tokens::claims(&id, "acme", t - 7200, 3600)),
+                        _ => {
+                            let mut claims = claims;
+                            claims["aud"] = json!("another-service");
+                            issuer().es256(&claims)
+                        }
+                    };
+                    (id, format!("Bearer {token}"))
+                })
+                .collect()
+        })
+        .collect();
+    let statuses: Vec<Result<(HashMap<u16, usize>, usize)>> = std::thread::scope(|s| {
+        let handles: Vec<_> = bad
+            .iter()
+            .enumerate()
+            .map(|(thread, tokens)| {
+                let chain = &chain;
+                let valid = &valid;
+                s.spawn(move || -> Result<(HashMap<u16, usize>, usize)> {
+                    let mut bad_statuses = HashMap::new();
+                    let mut valid_ok = 0;
+                    for round in 0..ROUNDS {
+                        for (id, bearer) in tokens {
+                            let request_id = format!("{id}-{round}");
+                            let reply = chain.post(
+                                "/v1/messages",
+                                &[("authorization", bearer), ("x-request-id", &request_id)],
+                                &anthropic(&request_id, false),
+                            )?;
+                            *bad_statuses.entry(reply.status).or_insert(0) += 1;
+                            let reply = chain.post(
+                                "/v1/messages",
+                                &[("authorization", valid)],
+                                &anthropic(&format!("valid {thread} {round} {id}"), false),
+                            )?;
+                            anyhow::ensure!(reply.status == 200, "valid token: {}", reply.body);
+                            valid_ok += 1;
+                        }
+                    }
+                    Ok((bad_statuses, valid_ok))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client thread"))
+            .collect()
+    });
+    let mut bad_statuses: HashMap<u16, usize> = HashMap::new();
+    let mut valid_ok = 0;
+    for result in statuses {
+        let (statuses, ok) = result?;
+        valid_ok += ok;
+        for (status, n) in statuses {
+            *bad_statuses.entry(status).or_insert(0) += n;
+        }
+    }
+    assert_eq!(valid_ok, THREADS * BAD_PER_THREAD * ROUNDS);
+    // Each bad token: at most its one lazily admitted request reached the
+    // backend; every other was refused.
+    for (id, _) in bad.iter().flatten() {
+        let reached = chain.backend_requests(&format!("{id}-"));
+        assert!(reached <= 1, "{id}: {reached} requests reached the backend");
+    }
+    let admitted = bad_statuses.get(&200).copied().unwrap_or(0);
+    assert!(
+        admitted <= THREADS * BAD_PER_THREAD,
+        "bad tokens admitted {admitted} times: {bad_statuses:?}"
+    );
+    let other: usize = bad_statuses
+        .iter()
+        .filter(|(s, _)| **s != 200 && **s != 401)
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(other, 0, "unexpected statuses: {bad_statuses:?}");
+    eprintln!("bad tokens: {bad_statuses:?}; valid requests: {valid_ok} all 200");
+    Ok(())
+}
+
+#[test]
+fn oversized_and_malformed_requests_get_clear_errors_and_harm_nothing() -> Result<()> {
+    let chain = Chain::start(ChainOptions::default())?;
+    let bearer = chain.verified_bearer("alice", "acme")?;
+    // Headers past Envoy's limit (60 KiB): refused before any filter runs.
+    let huge = "a".repeat(100 * 1024);
+    let reply = chain.post(
+        "/v1/messages",
+        &[("authorization", &bearer), ("x-padding", &huge)],
+        &anthropic("huge header", false),
+    )?;
+    assert_eq!(reply.status, 431, "{}", reply.body);
+    // A body past the cache's limit (1 MiB) and Envoy's buffer: refused
+    // with 413, never buffered without bound.
+    let big = anthropic(&"x".repeat(2 * 1024 * 1024), false);
+    let reply = chain.post("/v1/messages", &[("authorization", &bearer)], &big)?;
+    assert_eq!(reply.status, 413, "{}", reply.body);
+    // Malformed JSON: not cached, passed to the backend, whose 400 the
+    // client sees; metered as usage missing.
+    for (id, body) in [
+        (
+            "malformed-0",
+            "{\"model\": \"claude-test\", \"messages\": [".to_string(),
+        ),
+        ("malformed-1", "not json at all".to_string()),
+        (
+            "malformed-2",
+            "{\"model\": 7, \"messages\": {}}".to_string(),
+        ),
+    ] {
+        let reply = chain.post(
+            "/v1/messages",
+            &[("authorization", &bearer), ("x-request-id", id)],
+            &body,
+        )?;
+        assert_eq!(reply.status, 400, "{id}: {}", reply.body);
+        assert_eq!(reply.header("x-cache"), Some("BYPASS"), "{id}");
+    }
+    // Nothing of this hurt the VMs: a normal request is served and cached.
+    for want in ["MISS", "HIT"] {
+        let reply = chain.post(
+            "/v1/messages",
+            &[("authorization", &bearer)],
+            &anthropic("after the hostile requests", false),
+        )?;
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-cache"), Some(want));
+        if want == "MISS" {
+            chain.envoy.wait_metric("zerolayer_cache_stored", 1.0)?;
+        }
+    }
+    let log = chain.envoy.log();
+    assert!(
+        !log.contains("panicked") && !log.contains("Wasm VM failed"),
+        "a VM failed:\n{}",
+        chain.envoy.log_tail(40)
+    );
+    let _ = chain.wait_access_log(7).context("access log")?;
+    Ok(())
+}
