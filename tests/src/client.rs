@@ -68,16 +68,9 @@ impl Client {
         headers: &[(&str, &str)],
         body: &str,
     ) -> Result<Reply> {
-        let mut request = ureq::http::Request::builder().method(method).uri(url);
-        for (name, value) in headers {
-            request = request.header(*name, *value);
-        }
-        let request = request
-            .body(body.to_string())
-            .context("building the request")?;
         reply(
             self.agent
-                .run(request)
+                .run(request(method, url, headers, body)?)
                 .with_context(|| format!("{method} {url}"))?,
         )
     }
@@ -102,51 +95,32 @@ impl Client {
         headers: &[(&str, &str)],
         body: &str,
     ) -> Result<Partial> {
-        use std::io::Read;
-        let mut request = ureq::http::Request::builder().method(method).uri(url);
-        for (name, value) in headers {
-            request = request.header(*name, *value);
-        }
-        let request = request
-            .body(body.to_string())
-            .context("building the request")?;
-        let mut response = self
+        let response = self
             .agent
-            .run(request)
+            .run(request(method, url, headers, body)?)
             .with_context(|| format!("{method} {url}"))?;
-        let status = response.status().as_u16();
-        let headers = response
-            .headers()
-            .iter()
-            .map(|(n, v)| {
-                (
-                    n.as_str().to_string(),
-                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
-                )
-            })
-            .collect();
-        let mut bytes = Vec::new();
-        let mut reader = response.body_mut().as_reader();
-        let mut chunk = [0u8; 4096];
-        let cut = loop {
-            match reader.read(&mut chunk) {
-                Ok(0) => break None,
-                Ok(n) => bytes.extend_from_slice(&chunk[..n]),
-                Err(err) => break Some(err.to_string()),
-            }
-        };
-        Ok(Partial {
-            reply: Reply {
-                status,
-                headers,
-                body: String::from_utf8_lossy(&bytes).into_owned(),
-            },
-            cut,
-        })
+        Ok(read(response))
     }
 }
 
-fn reply(mut response: ureq::http::Response<ureq::Body>) -> Result<Reply> {
+fn request(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Result<ureq::http::Request<String>> {
+    let mut request = ureq::http::Request::builder().method(method).uri(url);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request
+        .body(body.to_string())
+        .context("building the request")
+}
+
+/// Reads status, headers and as much of the body as arrives.
+fn read(mut response: ureq::http::Response<ureq::Body>) -> Partial {
+    use std::io::Read;
     let status = response.status().as_u16();
     let headers = response
         .headers()
@@ -158,13 +132,30 @@ fn reply(mut response: ureq::http::Response<ureq::Body>) -> Result<Reply> {
             )
         })
         .collect();
-    let body = response
-        .body_mut()
-        .read_to_string()
-        .context("reading the body")?;
-    Ok(Reply {
-        status,
-        headers,
-        body,
-    })
+    let mut bytes = Vec::new();
+    let mut reader = response.body_mut().as_reader();
+    let mut chunk = [0u8; 4096];
+    let cut = loop {
+        match reader.read(&mut chunk) {
+            Ok(0) => break None,
+            Ok(n) => bytes.extend_from_slice(&chunk[..n]),
+            Err(err) => break Some(err.to_string()),
+        }
+    };
+    Partial {
+        reply: Reply {
+            status,
+            headers,
+            body: String::from_utf8_lossy(&bytes).into_owned(),
+        },
+        cut,
+    }
+}
+
+fn reply(response: ureq::http::Response<ureq::Body>) -> Result<Reply> {
+    let partial = read(response);
+    match partial.cut {
+        Some(err) => Err(anyhow::anyhow!("reading the body: {err}")),
+        None => Ok(partial.reply),
+    }
 }

@@ -237,54 +237,47 @@ impl EnvoyConfig {
             "{{header: {{key: {key}, value: {}}}, append_action: OVERWRITE_IF_EXISTS_OR_ADD}}",
             serde_json::to_string(value)?
         ))?;
-        let mut routes = 0;
-        for vhost in self.virtual_hosts_mut()? {
-            for route in vhost
-                .get_mut("routes")
-                .and_then(Value::as_sequence_mut)
-                .into_iter()
-                .flatten()
-            {
-                let map = route
-                    .as_mapping_mut()
-                    .ok_or_else(|| anyhow!("route is not a map"))?;
-                let list = map
-                    .entry(Value::from("request_headers_to_add"))
-                    .or_insert_with(|| Value::Sequence(vec![]));
-                list.as_sequence_mut()
-                    .ok_or_else(|| anyhow!("request_headers_to_add is not a list"))?
-                    .push(header.clone());
-                routes += 1;
-            }
-        }
-        if routes == 0 {
-            bail!("no routes in {}", self.name);
+        for route in self.routes_mut()? {
+            let map = route
+                .as_mapping_mut()
+                .ok_or_else(|| anyhow!("route is not a map"))?;
+            let list = map
+                .entry(Value::from("request_headers_to_add"))
+                .or_insert_with(|| Value::Sequence(vec![]));
+            list.as_sequence_mut()
+                .ok_or_else(|| anyhow!("request_headers_to_add is not a list"))?
+                .push(header.clone());
         }
         Ok(())
+    }
+
+    /// Every route of every virtual host (at least one).
+    fn routes_mut(&mut self) -> Result<Vec<&mut Value>> {
+        let name = self.name.clone();
+        let routes: Vec<&mut Value> = self
+            .virtual_hosts_mut()?
+            .into_iter()
+            .filter_map(|vhost| vhost.get_mut("routes").and_then(Value::as_sequence_mut))
+            .flatten()
+            .collect();
+        if routes.is_empty() {
+            bail!("no routes in {name}");
+        }
+        Ok(routes)
     }
 
     /// Sets every route's upstream timeout (how long Envoy waits for the
     /// backend's whole response).
     pub fn set_route_timeout(&mut self, timeout: Duration) -> Result<()> {
-        let mut routes = 0;
-        for vhost in self.virtual_hosts_mut()? {
-            for route in vhost
-                .get_mut("routes")
-                .and_then(Value::as_sequence_mut)
-                .into_iter()
-                .flatten()
-            {
-                if let Some(action) = route.get_mut("route").and_then(Value::as_mapping_mut) {
-                    action.insert(
-                        Value::from("timeout"),
-                        Value::from(format!("{}s", timeout.as_secs_f64())),
-                    );
-                    routes += 1;
-                }
-            }
-        }
-        if routes == 0 {
-            bail!("no routes in {}", self.name);
+        for route in self.routes_mut()? {
+            let action = route
+                .get_mut("route")
+                .and_then(Value::as_mapping_mut)
+                .ok_or_else(|| anyhow!("a route without a route action"))?;
+            action.insert(
+                Value::from("timeout"),
+                Value::from(format!("{}s", timeout.as_secs_f64())),
+            );
         }
         Ok(())
     }

@@ -10,7 +10,7 @@ use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, ModelServer, paths, wait};
 use zerolayer_stub::{Stub, StubConfig};
 
-const SECRET: &str = "zerolayer-e2e-cache-secret-0123456789abcdef";
+use zerolayer_e2e::chain::{CACHE_SECRET as SECRET, anthropic, openai};
 
 fn now() -> u64 {
     std::time::SystemTime::now()
@@ -76,28 +76,6 @@ fn gateway_with(
         client: Client::new(),
         bearer: format!("Bearer {token}"),
     })
-}
-
-fn anthropic(prompt: &str, stream: bool) -> String {
-    json!({
-        "model": "claude-test",
-        "max_tokens": 16,
-        "temperature": 0,
-        "stream": stream,
-        "messages": [{"role": "user", "content": prompt}],
-    })
-    .to_string()
-}
-
-fn openai(prompt: &str, stream: bool) -> String {
-    json!({
-        "model": "gpt-test",
-        "max_tokens": 16,
-        "temperature": 0,
-        "stream": stream,
-        "messages": [{"role": "user", "content": prompt}],
-    })
-    .to_string()
 }
 
 impl Gateway {
