@@ -37,6 +37,9 @@ pub struct ChainOptions {
     pub route_timeout: Option<Duration>,
     /// Whether the observer singleton runs (off: "the observer is gone").
     pub observer: bool,
+    /// The fused filter (`envoy/zerolayer-fused.yaml`) instead of the four
+    /// separate ones; same stage configurations either way.
+    pub fused: bool,
 }
 
 impl Default for ChainOptions {
@@ -47,6 +50,7 @@ impl Default for ChainOptions {
             sample_percent: 100.0,
             route_timeout: None,
             observer: true,
+            fused: false,
         }
     }
 }
@@ -96,7 +100,16 @@ impl Chain {
         clickhouse.create_usage_table()?;
         let fleet = options.fleet.then(RedisFleet::start).transpose()?;
 
-        let mut config = EnvoyConfig::shipped("zerolayer.yaml")?
+        // The stages' configurations come from the separate filters' file;
+        // the fused file embeds the same (tests/tests/fused_envoy.rs).
+        let separate = EnvoyConfig::shipped("zerolayer.yaml")?;
+        let file = if options.fused {
+            crate::paths::wasm("fused")?;
+            "zerolayer-fused.yaml"
+        } else {
+            "zerolayer.yaml"
+        };
+        let mut config = EnvoyConfig::shipped(file)?
             .for_run(stub.addr())?
             .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET)
             .point_cluster("idp", idp.addr())?
@@ -109,22 +122,33 @@ impl Chain {
         if let Some(timeout) = options.route_timeout {
             config.set_route_timeout(timeout)?;
         }
-        let mut lazy = config.wasm_filter_json("zerolayer.lazy_auth")?;
+        let activation = separate.wasm_filter_json("zerolayer.activation")?;
+        let mut lazy = separate.wasm_filter_json("zerolayer.lazy_auth")?;
         lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
         lazy["audit"]["flush_ms"] = json!(200);
-        config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
-        let mut post = config.wasm_filter_json("zerolayer.post_cache")?;
+        let mut post = separate.wasm_filter_json("zerolayer.post_cache")?;
         if fleet.is_some() {
             post["fleet"] = json!({"cluster": "webdis", "path": "/", "timeout_ms": 500});
         }
-        config.set_wasm_filter_config("zerolayer.post_cache", &post.to_string())?;
-        let mut metering = config.wasm_filter_json("zerolayer.metering")?;
+        let mut metering = separate.wasm_filter_json("zerolayer.metering")?;
         metering["sampling"] = json!({"percent": options.sample_percent});
         metering["sink"]["flush_ms"] = json!(200);
         metering["sink"]["backoff_ms"] = json!(100);
         metering["sink"]["max_backoff_ms"] = json!(1000);
         metering["sink"]["breaker"] = json!({"failures": 5, "open_secs": 1});
-        config.set_wasm_filter_config("zerolayer.metering", &metering.to_string())?;
+        if options.fused {
+            let sections = json!({
+                "activation": activation,
+                "lazy_auth": lazy,
+                "post_cache": post,
+                "metering": metering,
+            });
+            config.set_wasm_filter_config("zerolayer", &sections.to_string())?;
+        } else {
+            config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
+            config.set_wasm_filter_config("zerolayer.post_cache", &post.to_string())?;
+            config.set_wasm_filter_config("zerolayer.metering", &metering.to_string())?;
+        }
         let mut service = json!({"lazy_auth": lazy, "metering": metering, "tick_ms": 100});
         if fleet.is_some() {
             service["post_cache"] = post;

@@ -106,6 +106,12 @@ fn build_wasm() -> Result<()> {
     for filter in FILTERS {
         args.extend(["--package", filter]);
     }
+    cargo(&args)?;
+    // The fused filter in a cargo run of its own: it builds the stages with
+    // their `stage` feature (no entry point of their own), which must not
+    // reach the standalone filters above.
+    args.truncate(6);
+    args.extend(["--package", "zerolayer-fused"]);
     cargo(&args)
 }
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
+use proxy_wasm::types::{Action, ContextType, MapType};
 use zerolayer_core::activation::{Decision, RuleSet};
 use zerolayer_core::internal;
 
@@ -31,12 +31,13 @@ use request::HostRequest;
 const COUNTER_FLUSH_PERIOD: Duration = Duration::from_secs(1);
 
 /// The module's entry point (`_initialize`): registers the root context.
+#[cfg(not(feature = "stage"))]
 #[allow(missing_docs)]
 mod entry {
     use super::*;
 
     proxy_wasm::main! {{
-        proxy_wasm::set_log_level(LogLevel::Info);
+        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
         proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(ActivationRoot::default()) });
     }}
 }
@@ -49,7 +50,7 @@ struct Plan {
 
 /// The plugin's root context: owns the configuration.
 #[derive(Default)]
-struct ActivationRoot {
+pub struct ActivationRoot {
     plan: Option<Rc<Plan>>,
 }
 
@@ -65,10 +66,7 @@ impl Context for ActivationRoot {
 
 impl RootContext for ActivationRoot {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let config = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
-            Ok(Some(bytes)) => bytes,
-            _ => Vec::new(),
-        };
+        let config = zerolayer_proxy::fused::plugin_configuration();
         let rules = match RuleSet::from_json(&config) {
             Ok(rules) => rules,
             Err(err) => {
@@ -85,7 +83,7 @@ impl RootContext for ActivationRoot {
             rules.observers().all().count(),
             render(&rules, rules.defaults()),
         );
-        if let Err(status) = hostcalls::set_tick_period(COUNTER_FLUSH_PERIOD) {
+        if let Err(status) = zerolayer_proxy::fused::set_tick_period(COUNTER_FLUSH_PERIOD) {
             log::warn!("activation: no tick ({status:?}); counters flush at shutdown only");
         }
         self.plan = Some(Rc::new(Plan { rules, counters }));

@@ -302,7 +302,7 @@ impl Stream {
             return;
         };
         if self.concluded(verdict, reason) == Action::Continue {
-            let _ = hostcalls::resume_http_request();
+            let _ = zerolayer_proxy::fused::resume_request();
         }
     }
 

@@ -19,9 +19,8 @@ mod metrics;
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, LogLevel};
+use proxy_wasm::types::{Action, ContextType};
 use zerolayer_core::auth::config::{LazyAuthConfig, ObserverMode};
 use zerolayer_core::auth::jwt::Validation;
 use zerolayer_core::auth::policy::Policy;
@@ -36,12 +35,13 @@ use metrics::Metrics;
 const TICK: Duration = Duration::from_millis(200);
 
 /// The module's entry point (`_initialize`): registers the root context.
+#[cfg(not(feature = "stage"))]
 #[allow(missing_docs)]
 mod entry {
     use super::*;
 
     proxy_wasm::main! {{
-        proxy_wasm::set_log_level(LogLevel::Info);
+        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
         proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(AuthRoot::default()) });
     }}
 }
@@ -60,7 +60,7 @@ pub(crate) struct Plan {
 
 /// The plugin's root context.
 #[derive(Default)]
-struct AuthRoot {
+pub struct AuthRoot {
     plan: Option<Rc<Plan>>,
     /// The observer, embedded in tick mode.
     observer: Option<Observer>,
@@ -138,7 +138,7 @@ impl RootContext for AuthRoot {
             plan.config.observer.mode,
         );
         self.plan = Some(Rc::new(plan));
-        if let Err(status) = hostcalls::set_tick_period(TICK) {
+        if let Err(status) = zerolayer_proxy::fused::set_tick_period(TICK) {
             log::warn!("lazy-auth: no tick ({status:?}); counters flush at shutdown only");
         }
         true

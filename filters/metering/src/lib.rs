@@ -22,9 +22,8 @@ mod stream;
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel};
+use proxy_wasm::types::ContextType;
 use zerolayer_core::auth::config::ObserverMode;
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_core::metering::config::SamplingPlan;
@@ -35,12 +34,13 @@ use meters::Meters;
 use stream::MeteredStream;
 
 /// The module's entry point (`_initialize`): registers the root context.
+#[cfg(not(feature = "stage"))]
 #[allow(missing_docs)]
 mod entry {
     use super::*;
 
     proxy_wasm::main! {{
-        proxy_wasm::set_log_level(LogLevel::Info);
+        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
         proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(MeteringRoot::default()) });
     }}
 }
@@ -56,7 +56,7 @@ pub(crate) struct Plan {
 
 /// The plugin's root context.
 #[derive(Default)]
-struct MeteringRoot {
+pub struct MeteringRoot {
     plan: Option<Rc<Plan>>,
     /// The observer, embedded in tick mode (shipping records).
     observer: Option<Observer>,
@@ -129,7 +129,7 @@ impl RootContext for MeteringRoot {
             ),
             config,
         }));
-        if let Err(status) = hostcalls::set_tick_period(Duration::from_millis(200)) {
+        if let Err(status) = zerolayer_proxy::fused::set_tick_period(Duration::from_millis(200)) {
             log::warn!("metering: no tick ({status:?}); metrics are reported at shutdown only");
         }
         true

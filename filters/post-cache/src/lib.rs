@@ -25,9 +25,8 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel};
+use proxy_wasm::types::ContextType;
 use zerolayer_core::auth::config::ObserverMode;
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::cache::key::CacheKey;
@@ -39,12 +38,13 @@ use shelf::{Shelf, serve};
 use stream::CacheStream;
 
 /// The module's entry point (`_initialize`): registers the root context.
+#[cfg(not(feature = "stage"))]
 #[allow(missing_docs)]
 mod entry {
     use super::*;
 
     proxy_wasm::main! {{
-        proxy_wasm::set_log_level(LogLevel::Info);
+        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
         proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(CacheRoot::default()) });
     }}
 }
@@ -75,7 +75,7 @@ pub(crate) struct Waiter {
 
 /// The plugin's root context.
 #[derive(Default)]
-struct CacheRoot {
+pub struct CacheRoot {
     plan: Option<Rc<Plan>>,
     /// The observer, embedded in tick mode (fleet writes).
     observer: Option<Observer>,
@@ -151,7 +151,7 @@ impl RootContext for CacheRoot {
             waiters: RefCell::new(Vec::new()),
             config,
         }));
-        if let Err(status) = hostcalls::set_tick_period(tick) {
+        if let Err(status) = zerolayer_proxy::fused::set_tick_period(tick) {
             log::warn!(
                 "post-cache: no tick ({status:?}); waiting followers fall back to their lease expiry"
             );
@@ -193,7 +193,7 @@ fn wake_followers(plan: &Plan) {
             return false;
         }
         let end = if let Some(hit) = plan.shelf.lookup(&w.key, now, w.max_age) {
-            if hostcalls::set_effective_context(w.context_id).is_ok() {
+            if zerolayer_proxy::fused::set_effective_context(w.context_id).is_ok() {
                 serve(&hit);
             }
             WaitEnd::Hit
@@ -204,8 +204,10 @@ fn wake_followers(plan: &Plan) {
         } else {
             return true;
         };
-        if end != WaitEnd::Hit && hostcalls::set_effective_context(w.context_id).is_ok() {
-            let _ = hostcalls::resume_http_request();
+        if end != WaitEnd::Hit
+            && zerolayer_proxy::fused::set_effective_context(w.context_id).is_ok()
+        {
+            let _ = zerolayer_proxy::fused::resume_request();
         }
         w.outcome.set(Some(end));
         plan.metrics.wait_ended(end);

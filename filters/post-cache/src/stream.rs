@@ -301,7 +301,7 @@ impl CacheStream {
             plan.metrics.fleet_read(FleetRead::Error);
         }
         if self.missed(plan, miss, now_ms) == Action::Continue {
-            let _ = hostcalls::resume_http_request();
+            let _ = zerolayer_proxy::fused::resume_request();
         }
     }
 

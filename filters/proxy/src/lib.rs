@@ -12,11 +12,13 @@ use std::cell::Cell;
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use proxy_wasm::types::{MapType, MetricType, Status};
 use zerolayer_core::ConfigError;
 use zerolayer_core::auth::config::{ObserverLink, ObserverMode};
 use zerolayer_core::internal;
 use zerolayer_core::metrics::PendingCounters;
+
+pub mod fused;
 use zerolayer_core::queue;
 
 /// Reads the plugin configuration and parses it with `parse`; on error logs
@@ -26,11 +28,7 @@ pub fn load_config<T>(
     filter: &str,
     parse: impl FnOnce(&[u8]) -> Result<T, ConfigError>,
 ) -> Option<T> {
-    let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
-        Ok(Some(bytes)) => bytes,
-        _ => Vec::new(),
-    };
-    match parse(&bytes) {
+    match parse(&fused::plugin_configuration()) {
         Ok(config) => Some(config),
         Err(err) => {
             log::error!("{filter}: invalid configuration: {err}");

@@ -1,0 +1,343 @@
+//! zerolayer fused: the whole chain — activation → lazy-auth → post-cache →
+//! metering — in one filter instance, so a request pays the host's
+//! per-filter cost once instead of four times. The stages are the separate
+//! filters' own root and stream contexts, composed, not copied: the same
+//! configuration schemas (one object with a section per stage), the same
+//! metrics, the same behaviour (`tests/tests/fused.rs` compares them).
+//!
+//! Lifecycle, top to bottom: configuration (each stage configured from its
+//! section; sections left out are stages left out) → request headers, body
+//! and callout answers through the [`Pipeline`] → response back through the
+//! stages that saw the request → log → tick (each stage at its own period;
+//! streams a stage resumed from its root continue through the stages after
+//! it).
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+mod pipeline;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::{Rc, Weak};
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType};
+use zerolayer_proxy::fused;
+
+pub use pipeline::{Pipeline, StageStream};
+
+/// The module's entry point (`_initialize`): registers the root context.
+#[allow(missing_docs)]
+mod entry {
+    use super::*;
+
+    proxy_wasm::main! {{
+        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
+        zerolayer_proxy::fused::enable();
+        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(FusedRoot::default()) });
+    }}
+}
+
+/// A stage of the chain, in chain order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// `activation`.
+    Activation,
+    /// `lazy_auth`.
+    LazyAuth,
+    /// `post_cache`.
+    PostCache,
+    /// `metering`.
+    Metering,
+}
+
+impl Stage {
+    /// Every stage, in the order requests meet them.
+    pub const ALL: [Stage; 4] = [
+        Stage::Activation,
+        Stage::LazyAuth,
+        Stage::PostCache,
+        Stage::Metering,
+    ];
+
+    /// The stage's section in the configuration.
+    pub fn section(self) -> &'static str {
+        match self {
+            Stage::Activation => "activation",
+            Stage::LazyAuth => "lazy_auth",
+            Stage::PostCache => "post_cache",
+            Stage::Metering => "metering",
+        }
+    }
+
+    /// A new root context of the stage's filter.
+    fn root(self) -> Box<dyn RootContext> {
+        match self {
+            Stage::Activation => Box::new(zerolayer_activation::ActivationRoot::default()),
+            Stage::LazyAuth => Box::new(zerolayer_lazy_auth::AuthRoot::default()),
+            Stage::PostCache => Box::new(zerolayer_post_cache::CacheRoot::default()),
+            Stage::Metering => Box::new(zerolayer_metering::MeteringRoot::default()),
+        }
+    }
+
+    /// Whether the separate filter runs with Envoy's default for a pause on
+    /// request headers (the body withheld too); post-cache and metering are
+    /// configured with `allow_on_headers_stop_iteration: true`.
+    fn headers_pause_withholds_body(self) -> bool {
+        matches!(self, Stage::Activation | Stage::LazyAuth)
+    }
+}
+
+/// The stages' sections of the configuration, in chain order; unknown
+/// sections are an error naming them.
+pub fn sections(config: &[u8]) -> Result<Vec<(Stage, Vec<u8>)>, String> {
+    let value: serde_json::Value =
+        serde_json::from_slice(config).map_err(|e| format!("not JSON: {e}"))?;
+    let object = value
+        .as_object()
+        .ok_or("expected an object with a section per stage")?;
+    if let Some(unknown) = object
+        .keys()
+        .find(|k| !Stage::ALL.iter().any(|s| s.section() == k.as_str()))
+    {
+        return Err(format!(
+            "{unknown}: unknown stage (expected activation, lazy_auth, post_cache, metering)"
+        ));
+    }
+    let stages: Vec<(Stage, Vec<u8>)> = Stage::ALL
+        .iter()
+        .filter_map(|s| {
+            object
+                .get(s.section())
+                .map(|v| (*s, v.to_string().into_bytes()))
+        })
+        .collect();
+    if stages.is_empty() {
+        return Err(
+            "no stage configured (sections: activation, lazy_auth, post_cache, metering)".into(),
+        );
+    }
+    Ok(stages)
+}
+
+/// A configured stage's root and its tick.
+struct StageRoot {
+    stage: Stage,
+    root: Box<dyn RootContext>,
+    tick: Option<Duration>,
+    next_tick_ms: u64,
+}
+
+/// Streams by context id, so that a stage resuming one from its root (a
+/// post-cache follower) reaches the stages after it.
+type Streams = Rc<RefCell<HashMap<u32, Weak<RefCell<Pipeline>>>>>;
+
+/// The fused filter's root context: the stages' roots.
+#[derive(Default)]
+pub struct FusedRoot {
+    stages: Vec<StageRoot>,
+    streams: Streams,
+}
+
+impl FusedRoot {
+    /// Continues the streams stages asked to resume.
+    fn resume_requested(&self) {
+        for id in fused::take_resumes() {
+            let pipeline = self.streams.borrow().get(&id).and_then(Weak::upgrade);
+            let Some(pipeline) = pipeline else {
+                continue;
+            };
+            // The stages' host calls act on that stream.
+            if fused::set_effective_context(id).is_err() {
+                continue;
+            }
+            if pipeline.borrow_mut().resume() {
+                let _ = hostcalls::resume_http_request();
+            }
+        }
+    }
+}
+
+impl Context for FusedRoot {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        headers: usize,
+        body_size: usize,
+        trailers: usize,
+    ) {
+        // Each stage's root knows its own callouts and ignores the others.
+        for stage in &mut self.stages {
+            stage
+                .root
+                .on_http_call_response(token, headers, body_size, trailers);
+        }
+        self.resume_requested();
+    }
+
+    fn on_done(&mut self) -> bool {
+        for stage in &mut self.stages {
+            let _ = stage.root.on_done();
+        }
+        true
+    }
+}
+
+impl RootContext for FusedRoot {
+    fn on_configure(&mut self, size: usize) -> bool {
+        let config = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+            Ok(Some(bytes)) => bytes,
+            _ => Vec::new(),
+        };
+        let sections = match sections(&config) {
+            Ok(sections) => sections,
+            Err(err) => {
+                log::error!("zerolayer: invalid configuration: {err}");
+                return false;
+            }
+        };
+        let mut stages = Vec::with_capacity(sections.len());
+        for (stage, section) in sections {
+            let mut root = stage.root();
+            // The stage logs its own error, naming the field.
+            let (ok, tick) = fused::configure_stage(section, || root.on_configure(size));
+            if !ok {
+                log::error!(
+                    "zerolayer: invalid configuration: {}: refused (see the line above)",
+                    stage.section()
+                );
+                return false;
+            }
+            stages.push(StageRoot {
+                stage,
+                root,
+                tick,
+                next_tick_ms: 0,
+            });
+        }
+        let names: Vec<&str> = stages.iter().map(|s| s.stage.section()).collect();
+        log::info!("zerolayer: fused filter with stages {}", names.join(" → "));
+        if let Some(tick) = stages.iter().filter_map(|s| s.tick).min()
+            && let Err(status) = hostcalls::set_tick_period(tick)
+        {
+            log::warn!("zerolayer: no tick ({status:?}); counters flush at shutdown only");
+        }
+        self.stages = stages;
+        true
+    }
+
+    fn on_tick(&mut self) {
+        let now = zerolayer_proxy::now_ms();
+        for stage in &mut self.stages {
+            let Some(tick) = stage.tick else {
+                continue;
+            };
+            if now >= stage.next_tick_ms {
+                stage.next_tick_ms = now + tick.as_millis() as u64;
+                stage.root.on_tick();
+            }
+        }
+        self.resume_requested();
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let stages = self
+            .stages
+            .iter()
+            .filter_map(|s| {
+                Some(StageStream {
+                    context: s.root.create_http_context(context_id)?,
+                    headers_pause_withholds_body: s.stage.headers_pause_withholds_body(),
+                })
+            })
+            .collect();
+        let pipeline = Rc::new(RefCell::new(Pipeline::new(stages)));
+        self.streams
+            .borrow_mut()
+            .insert(context_id, Rc::downgrade(&pipeline));
+        Some(Box::new(FusedStream {
+            id: context_id,
+            pipeline,
+            streams: self.streams.clone(),
+        }))
+    }
+}
+
+/// One request through the stages.
+struct FusedStream {
+    id: u32,
+    pipeline: Rc<RefCell<Pipeline>>,
+    streams: Streams,
+}
+
+impl FusedStream {
+    /// Runs `step` on the pipeline as this stream, then continues the
+    /// stream if a stage resumed it meanwhile (a callout answered).
+    fn step<T>(&mut self, step: impl FnOnce(&mut Pipeline) -> T) -> T {
+        fused::enter_stream(self.id);
+        let result = step(&mut self.pipeline.borrow_mut());
+        for id in fused::take_resumes() {
+            // Stages resume the stream they run in; nothing else can ask here.
+            if id == self.id {
+                let go = self.pipeline.borrow_mut().resume();
+                if go {
+                    let _ = hostcalls::resume_http_request();
+                }
+            }
+        }
+        result
+    }
+}
+
+impl Drop for FusedStream {
+    fn drop(&mut self) {
+        self.streams.borrow_mut().remove(&self.id);
+    }
+}
+
+impl Context for FusedStream {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        headers: usize,
+        body_size: usize,
+        trailers: usize,
+    ) {
+        self.step(|p| p.http_call_response(token, headers, body_size, trailers));
+    }
+
+    fn on_done(&mut self) -> bool {
+        self.step(Pipeline::done);
+        true
+    }
+}
+
+impl HttpContext for FusedStream {
+    fn on_http_request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+        self.step(|p| p.request_headers(num_headers, end_of_stream))
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.step(|p| p.request_body(body_size, end_of_stream))
+    }
+
+    fn on_http_response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+        self.step(|p| p.response_headers(num_headers, end_of_stream))
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.step(|p| p.response_body(body_size, end_of_stream))
+    }
+
+    fn on_log(&mut self) {
+        self.step(Pipeline::log);
+    }
+}

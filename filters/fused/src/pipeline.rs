@@ -1,0 +1,171 @@
+//! One request through the stages, as Envoy would take it through the same
+//! stages configured as separate filters: request callbacks in order,
+//! response callbacks in reverse, a stage that pauses stops the stages after
+//! it until it resumes, and a local response goes back only through the
+//! stages that saw the request.
+
+use proxy_wasm::traits::HttpContext;
+use proxy_wasm::types::Action;
+
+/// One stage's part of the request.
+pub struct StageStream {
+    /// The stage's own stream context.
+    pub context: Box<dyn HttpContext>,
+    /// Whether a pause on request headers also withholds the body, as
+    /// Envoy's default for a Wasm filter does; stages configured with
+    /// `allow_on_headers_stop_iteration` get the body while paused.
+    pub headers_pause_withholds_body: bool,
+}
+
+/// Where request iteration stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    /// Stage `i` paused on the request headers.
+    Headers(usize),
+    /// Stage `i` paused on the request body.
+    Body(usize),
+}
+
+/// The request's progress through the stages.
+pub struct Pipeline {
+    stages: Vec<StageStream>,
+    /// How many stages got the request headers (and so the response).
+    decoded: usize,
+    stopped: Option<Stop>,
+    /// The request headers callback's arguments.
+    headers: (usize, bool),
+    /// The latest request body callback's arguments, once the body came.
+    body: Option<(usize, bool)>,
+}
+
+impl Pipeline {
+    /// A request about to enter `stages`.
+    pub fn new(stages: Vec<StageStream>) -> Pipeline {
+        Pipeline {
+            stages,
+            decoded: 0,
+            stopped: None,
+            headers: (0, false),
+            body: None,
+        }
+    }
+
+    /// Request headers: every stage in turn until one pauses.
+    pub fn request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+        self.headers = (num_headers, end_of_stream);
+        self.run(0)
+    }
+
+    /// Request body: the stages that may see it, then onwards.
+    pub fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.body = Some((body_size, end_of_stream));
+        if let Some(Stop::Headers(i)) = self.stopped
+            && self.stages[i].headers_pause_withholds_body
+        {
+            // Envoy buffers the body until that stage resumes.
+            return Action::Pause;
+        }
+        self.run(0)
+    }
+
+    /// A stage resumed the request: the stages after it run, and whether
+    /// the request may now continue to the upstream is returned.
+    pub fn resume(&mut self) -> bool {
+        let Some(stop) = self.stopped.take() else {
+            return false;
+        };
+        let next = match stop {
+            Stop::Headers(i) => {
+                // Withheld until now: the body reaches the resumed stage.
+                if self.stages[i].headers_pause_withholds_body
+                    && let Some((size, eos)) = self.body
+                    && self.stages[i].context.on_http_request_body(size, eos) == Action::Pause
+                {
+                    self.stopped = Some(Stop::Body(i));
+                    return false;
+                }
+                i + 1
+            }
+            Stop::Body(i) => i + 1,
+        };
+        self.run(next) == Action::Continue
+    }
+
+    /// Runs the request callbacks from stage `start` on.
+    fn run(&mut self, start: usize) -> Action {
+        for i in start..self.stages.len() {
+            let stage = &mut self.stages[i];
+            if self.decoded <= i {
+                self.decoded = i + 1;
+                let (n, eos) = self.headers;
+                if stage.context.on_http_request_headers(n, eos) == Action::Pause {
+                    self.stopped = Some(Stop::Headers(i));
+                    // Paused with the body to come (or withheld): wait.
+                    // Otherwise the stage gets the body it paused for.
+                    if stage.headers_pause_withholds_body || self.body.is_none() {
+                        return Action::Pause;
+                    }
+                }
+            }
+            if let Some((size, eos)) = self.body
+                && stage.context.on_http_request_body(size, eos) == Action::Pause
+            {
+                self.stopped = Some(Stop::Body(i));
+                return Action::Pause;
+            }
+        }
+        self.stopped = None;
+        Action::Continue
+    }
+
+    /// Response headers: back through the stages that saw the request.
+    pub fn response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+        for i in (0..self.decoded).rev() {
+            let stage = &mut self.stages[i].context;
+            if stage.on_http_response_headers(num_headers, end_of_stream) == Action::Pause {
+                return Action::Pause;
+            }
+        }
+        Action::Continue
+    }
+
+    /// Response body: back through the stages that saw the request.
+    pub fn response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        for i in (0..self.decoded).rev() {
+            let stage = &mut self.stages[i].context;
+            if stage.on_http_response_body(body_size, end_of_stream) == Action::Pause {
+                return Action::Pause;
+            }
+        }
+        Action::Continue
+    }
+
+    /// A callout's answer: each stage checks whether the token is its own.
+    pub fn http_call_response(
+        &mut self,
+        token: u32,
+        headers: usize,
+        body_size: usize,
+        trailers: usize,
+    ) {
+        for stage in &mut self.stages {
+            stage
+                .context
+                .on_http_call_response(token, headers, body_size, trailers);
+        }
+    }
+
+    /// The access log: every stage, as Envoy logs every filter.
+    pub fn log(&mut self) {
+        for stage in &mut self.stages {
+            stage.context.on_log();
+        }
+    }
+
+    /// The stream is done: every stage.
+    pub fn done(&mut self) {
+        for stage in &mut self.stages {
+            let _ = stage.context.on_done();
+        }
+    }
+}

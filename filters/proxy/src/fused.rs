@@ -1,0 +1,100 @@
+//! The few host calls whose meaning changes when a filter runs as a stage of
+//! the fused `zerolayer.wasm` instead of as its own filter. Stages call these
+//! instead of `hostcalls`; outside the fused build they are the host calls.
+//!
+//! In the fused build one filter instance runs every stage, so a stage must
+//! not resume the stream itself (later stages would never see the request),
+//! must read its own section of the combined configuration, and must tell the
+//! fused root how often it wants its tick. The fused filter switches this
+//! module into fused mode and acts on what the stages asked for.
+
+use std::cell::{Cell, RefCell};
+use std::time::Duration;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, Status};
+
+thread_local! {
+    static FUSED: Cell<bool> = const { Cell::new(false) };
+    /// The configuration section the stage being configured reads.
+    static CONFIGURATION: RefCell<Option<Vec<u8>>> = const { RefCell::new(None) };
+    /// The tick period the stage being configured asked for.
+    static TICK: Cell<Option<Duration>> = const { Cell::new(None) };
+    /// The stream host calls currently act on (fused mode).
+    static EFFECTIVE: Cell<u32> = const { Cell::new(0) };
+    /// Streams a stage asked to resume, in order.
+    static RESUMES: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Switches this VM into fused mode (the fused filter's entry point).
+pub fn enable() {
+    FUSED.with(|f| f.set(true));
+}
+
+/// Whether this VM runs the fused filter.
+pub fn is_fused() -> bool {
+    FUSED.with(Cell::get)
+}
+
+/// The plugin configuration: the host's, or in fused mode the section of
+/// the stage being configured.
+pub fn plugin_configuration() -> Vec<u8> {
+    if let Some(section) = CONFIGURATION.with(|c| c.borrow().clone()) {
+        return section;
+    }
+    match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+        Ok(Some(bytes)) => bytes,
+        _ => Vec::new(),
+    }
+}
+
+/// Asks for the root's tick every `period`; in fused mode the fused root
+/// records it and ticks the stage that often.
+pub fn set_tick_period(period: Duration) -> Result<(), Status> {
+    if is_fused() {
+        TICK.with(|t| t.set(Some(period)));
+        return Ok(());
+    }
+    hostcalls::set_tick_period(period)
+}
+
+/// Lets the stream continue after a pause; in fused mode the fused filter
+/// first runs the stages after the one that paused.
+pub fn resume_request() -> Result<(), Status> {
+    if is_fused() {
+        let id = EFFECTIVE.with(Cell::get);
+        RESUMES.with(|r| r.borrow_mut().push(id));
+        return Ok(());
+    }
+    hostcalls::resume_http_request()
+}
+
+/// Makes `context_id` the stream later host calls act on (and, in fused
+/// mode, the one a [`resume_request`] resumes).
+pub fn set_effective_context(context_id: u32) -> Result<(), Status> {
+    EFFECTIVE.with(|e| e.set(context_id));
+    hostcalls::set_effective_context(context_id)
+}
+
+/// Fused root: configures a stage with `section` as its configuration and
+/// returns what it returned and the tick period it asked for.
+pub fn configure_stage(
+    section: Vec<u8>,
+    configure: impl FnOnce() -> bool,
+) -> (bool, Option<Duration>) {
+    CONFIGURATION.with(|c| *c.borrow_mut() = Some(section));
+    TICK.with(|t| t.set(None));
+    let ok = configure();
+    CONFIGURATION.with(|c| *c.borrow_mut() = None);
+    (ok, TICK.with(Cell::take))
+}
+
+/// Fused filter: the host is about to call into stream `context_id`.
+pub fn enter_stream(context_id: u32) {
+    EFFECTIVE.with(|e| e.set(context_id));
+}
+
+/// Fused filter: the streams stages asked to resume since the last call.
+pub fn take_resumes() -> Vec<u32> {
+    RESUMES.with(|r| std::mem::take(&mut *r.borrow_mut()))
+}
