@@ -211,6 +211,9 @@ struct Services {
     api_keys: MockServer,
     audit: MockServer,
     usage: MockServer,
+    /// The HTTP authorization service `ext_authz` asks on every request
+    /// (what lazy-auth's cached verdict replaces): allows everything.
+    authz: MockServer,
 }
 
 impl Services {
@@ -221,6 +224,7 @@ impl Services {
             api_keys: MockServer::start(|_| (200, r#"{"active":false}"#.to_string()))?,
             audit: MockServer::start(|_| (204, String::new()))?,
             usage: MockServer::start(|_| (200, String::new()))?,
+            authz: MockServer::start(|_| (200, String::new()))?,
         })
     }
 
@@ -229,7 +233,8 @@ impl Services {
             .point_cluster("idp", self.idp.addr())?
             .point_cluster("api_keys", self.api_keys.addr())?
             .point_cluster("audit", self.audit.addr())?
-            .point_cluster("clickhouse", self.usage.addr())
+            .point_cluster("clickhouse", self.usage.addr())?
+            .add_cluster("ext_authz", self.authz.addr())
     }
 
     /// What the sinks received: the observer's background work happened.
@@ -254,6 +259,7 @@ fn main() -> Result<()> {
         "metering",
         "observer_service",
         "probe",
+        "fused",
     ] {
         paths::wasm(name)?;
     }
@@ -403,6 +409,10 @@ fn main() -> Result<()> {
         .map(|((v, (l, s)), counters)| summarize(v, l, s, counters))
         .collect();
     print_table(&summaries);
+    let targets = targets(&summaries);
+    for line in &targets {
+        println!("{line}");
+    }
     println!(
         "(Envoy {}, one worker on CPU {ENVOY_CPU}; wrk -t1 -c{CONNECTIONS} {} s and -c1 {} s × {} rounds on CPU {CLIENT_CPU}; load average {load_before} before, {load_after} after)",
         machine["envoy"].as_str().unwrap_or("?"),
@@ -440,6 +450,7 @@ fn main() -> Result<()> {
             "complete": plan.complete(),
         },
         "results": summaries,
+        "targets": targets,
     });
     let out_dir = paths::root().join("target/bench");
     std::fs::create_dir_all(&out_dir)?;
@@ -458,6 +469,67 @@ fn main() -> Result<()> {
         println!("(a shortened run: docs/envoy_load.svg left as it was)");
     }
     Ok(())
+}
+
+/// The design targets as ratios within this run (Envoy CPU per request
+/// above plain Envoy's = a configuration's overhead).
+fn targets(summaries: &[Summary]) -> Vec<String> {
+    let get = |key: &str| summaries.iter().find(|s| s.key == key);
+    let (Some(plain), Some(trivial1), Some(trivial4)) = (get("a"), get("e"), get("f")) else {
+        return vec!["targets: baselines missing".into()];
+    };
+    let overhead = |s: &Summary| s.cpu_us_per_request - plain.cpu_us_per_request;
+    let mut lines = Vec::new();
+    let mut check = |what: &str, value: f64, want: &str, ok: bool| {
+        lines.push(format!(
+            "target {what}: {value:.2} (want {want}) {}",
+            if ok { "met" } else { "MISSED" }
+        ));
+    };
+    if let Some(fused) = get("c-fused") {
+        let r = overhead(fused) / overhead(trivial1);
+        check("fused overhead / 1 trivial filter's", r, "≤ 2", r <= 2.0);
+        let r = fused.rps / plain.rps;
+        check("fused throughput / plain Envoy's", r, "≥ 0.80", r >= 0.80);
+        if let Some(chain) = get("c") {
+            let r = overhead(fused) / overhead(chain);
+            check("fused overhead / separate chain's", r, "< 1", r < 1.0);
+        }
+    }
+    if let Some(chain) = get("c") {
+        let r = overhead(chain) / overhead(trivial4);
+        check(
+            "separate chain overhead / 4 trivial filters'",
+            r,
+            "≤ 1.25",
+            r <= 1.25,
+        );
+    }
+    if let (Some(lazy), Some(authz)) = (get("b2"), get("g")) {
+        let r = overhead(authz) / overhead(lazy);
+        check(
+            "ext_authz overhead / lazy-auth known token's",
+            r,
+            "≥ 5",
+            r >= 5.0,
+        );
+    }
+    if let (Some(lazy), Some(jwt)) = (get("b2"), get("d")) {
+        let r = overhead(jwt) / overhead(lazy);
+        check(
+            "jwt_authn overhead / lazy-auth known token's",
+            r,
+            "> 1",
+            r > 1.0,
+        );
+    }
+    if let (Some(one_vm), Some(chain)) = (get("c-one-vm"), get("c")) {
+        lines.push(format!(
+            "measured: separate chain in one VM / in four VMs, overhead {:.2}",
+            overhead(one_vm) / overhead(chain)
+        ));
+    }
+    lines
 }
 
 /// The stub's answer to the bench request.
@@ -626,6 +698,44 @@ impl Shipped {
         Ok(filter)
     }
 
+    /// The fused filter with the same stage configurations as the chain:
+    /// lazy-auth's filter entry (the observer's VM) carrying the fused
+    /// module, every section, and post-cache's settings.
+    fn fused(&self) -> Result<Yaml> {
+        let mut filter = self.filter("zerolayer.lazy_auth", None)?;
+        let config = filter
+            .get_mut("typed_config")
+            .and_then(|v| v.get_mut("config"))
+            .ok_or_else(|| anyhow!("lazy-auth: no Wasm config"))?;
+        let sections = json!({
+            "activation": self.activation,
+            "lazy_auth": self.lazy_auth,
+            "post_cache": self.post_cache,
+            "metering": self.metering,
+        });
+        let wasm = paths::wasm("fused")?.display().to_string();
+        let patch: Yaml = serde_yaml::to_value(json!({
+            "name": "zerolayer",
+            "root_id": "zerolayer",
+            "allow_on_headers_stop_iteration": true,
+            "vm_config": {
+                "vm_id": "zerolayer",
+                "runtime": "envoy.wasm.runtime.v8",
+                "environment_variables": {"host_env_keys": ["ZEROLAYER_CACHE_SECRET"]},
+                "code": {"local": {"filename": wasm}},
+            },
+            "configuration": {
+                "@type": "type.googleapis.com/google.protobuf.StringValue",
+                "value": sections.to_string(),
+            },
+        }))?;
+        *config = patch;
+        if let Some(map) = filter.as_mapping_mut() {
+            map.insert(Yaml::from("name"), Yaml::from("zerolayer"));
+        }
+        Ok(filter)
+    }
+
     fn observer(&self, lazy_auth: bool, metering: bool) -> Json {
         let mut config = json!({"tick_ms": 200});
         if lazy_auth {
@@ -659,6 +769,21 @@ impl Shipped {
         let mut shared = self.post_cache.clone();
         shared["namespace"] = json!("shared");
         let one = |name| self.filter(name, None).map(|f| vec![f]);
+        // The same four filters sharing the observer's VM.
+        let chain_one_vm = chain
+            .iter()
+            .cloned()
+            .map(|mut f| {
+                let vm_id = f
+                    .get_mut("typed_config")
+                    .and_then(|v| v.get_mut("config"))
+                    .and_then(|v| v.get_mut("vm_config"))
+                    .and_then(|v| v.get_mut("vm_id"))
+                    .ok_or_else(|| anyhow!("a chain filter without vm_config.vm_id"))?;
+                *vm_id = Yaml::from("zerolayer");
+                Ok(f)
+            })
+            .collect::<Result<Vec<_>>>()?;
         Ok(vec![
             Variant::new("a", "plain Envoy (no HTTP filters)", Baseline, vec![]),
             Variant::new(
@@ -719,6 +844,36 @@ impl Shipped {
                 Native,
                 vec![jwt_authn(true)?],
             ),
+            Variant::new(
+                "g",
+                "ext_authz calling an HTTP API-key service (native)",
+                Native,
+                vec![ext_authz()?],
+            ),
+            Variant::new(
+                "c-fused",
+                "fused filter + observer, to the backend (no-store)",
+                Chain,
+                vec![self.fused()?],
+            )
+            .observer(self.observer(true, true))
+            .request(Request::NoStore),
+            Variant::new(
+                "c-fused-hit",
+                "fused filter + observer, cache hit",
+                Chain,
+                vec![self.fused()?],
+            )
+            .observer(self.observer(true, true))
+            .expect(Expect::CacheHit),
+            Variant::new(
+                "c-one-vm",
+                "full chain, the four filters in one VM (vm_id), to the backend",
+                Chain,
+                chain_one_vm,
+            )
+            .observer(self.observer(true, true))
+            .request(Request::NoStore),
             Variant::new("e", "1 trivial Wasm filter", Baseline, vec![trivial(1)?]),
             Variant::new(
                 "f",
@@ -783,6 +938,25 @@ fn jwt_authn(cache: bool) -> Result<Yaml> {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
             "providers": {"test": provider},
             "rules": [{"match": {"prefix": "/"}, "requires": {"provider_name": "test"}}],
+        },
+    });
+    Ok(serde_yaml::to_value(filter)?)
+}
+
+/// Envoy's `ext_authz` asking the `ext_authz` cluster over HTTP on every
+/// request, forwarding the credential headers.
+fn ext_authz() -> Result<Yaml> {
+    let filter = json!({
+        "name": "envoy.filters.http.ext_authz",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz",
+            "transport_api_version": "V3",
+            "http_service": {
+                "server_uri": {"uri": "http://ext-authz", "cluster": "ext_authz", "timeout": "1s"},
+                "authorization_request": {"allowed_headers": {"patterns": [
+                    {"exact": "authorization"}, {"exact": "x-api-key"}
+                ]}},
+            },
         },
     });
     Ok(serde_yaml::to_value(filter)?)

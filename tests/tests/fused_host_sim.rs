@@ -302,7 +302,10 @@ fn the_fused_filter_behaves_as_the_separate_chain_in_host_sim() -> Result<()> {
         .iter()
         .filter(|(_, v)| v.unwrap_or(0) > 0)
         .collect();
-    assert!(counted.len() >= 8, "counters mostly absent: {separate_counters:?}");
+    assert!(
+        counted.len() >= 8,
+        "counters mostly absent: {separate_counters:?}"
+    );
     // The scenario exercised what it claims.
     let by = |n: &str| &separate.iter().find(|(k, _)| k == n).expect("case").1;
     assert_eq!(by("jwt-hit").x_cache.as_deref(), Some("HIT"));

@@ -228,11 +228,30 @@ impl Backend {
     }
 }
 
+/// Which Envoy configuration the demo runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// `envoy/zerolayer.yaml`: four filters.
+    Separate,
+    /// `envoy/zerolayer-fused.yaml`: one filter instance.
+    Fused,
+}
+
+impl Form {
+    fn file(self) -> &'static str {
+        match self {
+            Form::Separate => "zerolayer.yaml",
+            Form::Fused => "zerolayer-fused.yaml",
+        }
+    }
+}
+
 /// Runs the demo.
 pub fn run(args: &[String]) -> Result<()> {
     let mut upstream_url = None;
     let mut real_model = false;
     let mut keep_running = false;
+    let mut form = Form::Separate;
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
         match arg.as_str() {
@@ -241,8 +260,9 @@ pub fn run(args: &[String]) -> Result<()> {
             }
             "--real-model" => real_model = true,
             "--keep-running" => keep_running = true,
+            "--fused" => form = Form::Fused,
             other => bail!(
-                "unknown demo option {other:?} (try --real-model, --upstream URL, --keep-running)"
+                "unknown demo option {other:?} (try --real-model, --upstream URL, --fused, --keep-running)"
             ),
         }
     }
@@ -262,7 +282,7 @@ pub fn run(args: &[String]) -> Result<()> {
                 .itl(Duration::from_millis(20)),
         )?),
     };
-    let seen = session(&backend, keep_running)?;
+    let seen = session(&backend, keep_running, form)?;
     let admitted = seen.iter().filter(|s| s.status == 200).count();
     let verified = seen
         .iter()
@@ -307,15 +327,24 @@ const DEMO_SAMPLE_PERCENT: f64 = 50.0;
 
 /// Starts the services and Envoy in front of `backend`, sends the cases and
 /// prints what happened.
-fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
+fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen>> {
     let services = Services::start()?;
     step("starting ClickHouse (metering's usage sink)");
     let clickhouse = ClickHouse::start()?;
     clickhouse.create_usage_table()?;
-    step(
-        "starting Envoy with envoy/zerolayer.yaml (activation, lazy-auth, post-cache, metering, observer)",
-    );
-    let mut config = EnvoyConfig::shipped("zerolayer.yaml")?
+    let file = form.file();
+    step(&format!(
+        "starting Envoy with envoy/{file} (activation, lazy-auth, post-cache, metering{}, observer)",
+        if form == Form::Fused {
+            " as one filter"
+        } else {
+            ""
+        }
+    ));
+    // The stages' configurations as the separate filters ship them (the
+    // fused file embeds the same).
+    let separate = EnvoyConfig::shipped("zerolayer.yaml")?;
+    let mut config = EnvoyConfig::shipped(file)?
         .for_run(backend.addr())?
         // The cache key's secret comes from Envoy's environment; a
         // deployment sets its own.
@@ -324,22 +353,30 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
         .point_cluster("api_keys", services.api_keys.addr())?
         .point_cluster("audit", services.audit.addr())?
         .point_cluster("clickhouse", clickhouse.addr())?;
-    let mut rules: Value =
-        serde_json::from_str(&config.wasm_filter_config("zerolayer.activation")?)?;
+    let mut rules = separate.wasm_filter_json("zerolayer.activation")?;
     rules["debug_response_header"] = Value::Bool(true);
-    config.set_wasm_filter_config("zerolayer.activation", &rules.to_string())?;
     // The demo identity provider's issuer; audit batches flushed quickly.
-    let mut lazy: Value = serde_json::from_str(&config.wasm_filter_config("zerolayer.lazy_auth")?)?;
+    let mut lazy = separate.wasm_filter_json("zerolayer.lazy_auth")?;
     lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
     lazy["audit"]["flush_ms"] = json!(200);
-    config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
+    let post = separate.wasm_filter_json("zerolayer.post_cache")?;
     // Half the requests sampled, so the demo shows both sides; records
     // shipped quickly.
-    let mut metering: Value =
-        serde_json::from_str(&config.wasm_filter_config("zerolayer.metering")?)?;
+    let mut metering = separate.wasm_filter_json("zerolayer.metering")?;
     metering["sampling"] = json!({"percent": DEMO_SAMPLE_PERCENT});
     metering["sink"]["flush_ms"] = json!(200);
-    config.set_wasm_filter_config("zerolayer.metering", &metering.to_string())?;
+    match form {
+        Form::Separate => {
+            config.set_wasm_filter_config("zerolayer.activation", &rules.to_string())?;
+            config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
+            config.set_wasm_filter_config("zerolayer.post_cache", &post.to_string())?;
+            config.set_wasm_filter_config("zerolayer.metering", &metering.to_string())?;
+        }
+        Form::Fused => {
+            let sections = json!({"activation": rules, "lazy_auth": lazy, "post_cache": post, "metering": metering});
+            config.set_wasm_filter_config("zerolayer", &sections.to_string())?;
+        }
+    }
     config.set_service_config(
         "zerolayer.observer",
         &json!({"lazy_auth": lazy, "metering": metering, "tick_ms": 100}).to_string(),
@@ -367,7 +404,8 @@ fn session(backend: &Backend, keep_running: bool) -> Result<Vec<Seen>> {
     println!("  listener  {}", envoy.url("/"));
     println!("  backend   {}", backend.describe());
     println!(
-        "  config    envoy/zerolayer.yaml; filters/{{activation,lazy-auth,post-cache,metering}}/example.json"
+        "  config    envoy/{}; filters/{{activation,lazy-auth,post-cache,metering}}/example.json",
+        form.file()
     );
     println!(
         "  services  JWKS {}, API key introspection {}, audit sink {} (loopback stand-ins)",
@@ -785,11 +823,19 @@ mod tests {
 
     /// The demo's story holds in real Envoy: refusals, lazy admission,
     /// verification off the path, forged credentials cut off, the cache
-    /// only for verified tenants, nothing internal reaching the backend.
+    /// only for verified tenants, nothing internal reaching the backend;
+    /// with four filters and, `--fused`, with one.
     #[test]
     fn the_demo_tells_what_it_claims() -> Result<()> {
+        for form in [Form::Separate, Form::Fused] {
+            the_demo_tells_what_it_claims_as(form)?;
+        }
+        Ok(())
+    }
+
+    fn the_demo_tells_what_it_claims_as(form: Form) -> Result<()> {
         let backend = Backend::Stub(Stub::start(StubConfig::default())?);
-        let seen = session(&backend, false)?;
+        let seen = session(&backend, false, form)?;
         let what: Vec<(&str, u16, &str, &str)> = CASES
             .iter()
             .zip(&seen)
@@ -825,7 +871,7 @@ mod tests {
             ("same unknown API key", 401, "-", "-"),
             ("forged internal header", 200, alice, "HIT"),
         ];
-        assert_eq!(what, want);
+        assert_eq!(what, want, "{form:?}");
         for (case, s) in CASES.iter().zip(&seen) {
             // Refused and cached requests never reach the backend.
             let expected = if s.status == 200 && s.cache != "HIT" {

