@@ -448,6 +448,8 @@ fn audit_records_reach_the_sink_when_activation_asks_and_never_carry_the_credent
     gw.bearer(&token)?;
     gw.request(&[])?;
     gw.request(&[("x-quiet", "1")])?;
+    // lazy-auth enqueues its audit records together on its tick (200 ms);
+    // the observer ships them on its flush.
     gw.host.advance(Duration::from_millis(300));
     let lines: Vec<Value> = shipped
         .borrow()
@@ -469,6 +471,8 @@ fn audit_records_reach_the_sink_when_activation_asks_and_never_carry_the_credent
             "the credential leaked into an audit record"
         );
     }
+    // The observer reports its counters on its next tick.
+    gw.host.advance(Duration::from_millis(200));
     assert_eq!(gw.counter("zerolayer_audit_records_outcome=shipped"), 3);
     Ok(())
 }

@@ -26,6 +26,9 @@ pub enum Job {
     CacheWrite(CacheWrite),
     /// A request's usage record for the metering sink.
     Usage(UsageRecord),
+    /// Audit records a filter VM gathered (one enqueue, and one wake-up of
+    /// the observer, per batch instead of per request).
+    AuditBatch(Vec<AuditRecord>),
 }
 
 /// A post-cache entry to write to the fleet tier (Redis), off the request path.
@@ -119,6 +122,7 @@ impl fmt::Debug for Job {
             Job::Outcome(o) => o.fmt(f),
             Job::CacheWrite(w) => w.fmt(f),
             Job::Usage(u) => u.fmt(f),
+            Job::AuditBatch(records) => write!(f, "AuditBatch({} records)", records.len()),
         }
     }
 }
@@ -166,6 +170,21 @@ mod tests {
         });
         assert_eq!(Job::decode(&write.encode()), Some(write.clone()));
         assert!(format!("{write:?}").contains("<100 bytes>"));
+        let batch = Job::AuditBatch(vec![
+            AuditRecord {
+                at_ms: 1,
+                hash_prefix: "0123456789abcdef".into(),
+                tenant: Some("acme".into()),
+                verified: true,
+                decision: "valid_cached".into(),
+                reason: "cached".into(),
+                latency_us: 3,
+                request_id: "r-1".into(),
+            };
+            3
+        ]);
+        assert_eq!(Job::decode(&batch.encode()), Some(batch.clone()));
+        assert_eq!(format!("{batch:?}"), "AuditBatch(3 records)");
         assert_eq!(Job::decode(b""), None);
         assert_eq!(Job::decode(&[1, 200, 3]), None);
     }

@@ -408,7 +408,7 @@ impl Stream {
         if !audited {
             return;
         }
-        let record = Job::Audit(AuditRecord {
+        let record = AuditRecord {
             at_ms: self.started_us / 1000,
             hash_prefix: self
                 .credential
@@ -423,9 +423,14 @@ impl Stream {
             request_id: request_header("x-request-id")
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
                 .unwrap_or_default(),
-        });
-        if !plan.queue.post(&record.encode()) {
-            plan.metrics.lost();
+        };
+        let full = {
+            let mut batch = plan.audit_batch.borrow_mut();
+            batch.push(record);
+            batch.len() >= crate::AUDIT_BATCH
+        };
+        if full {
+            plan.flush_audit();
         }
     }
 }

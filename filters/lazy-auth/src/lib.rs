@@ -56,6 +56,31 @@ pub(crate) struct Plan {
     /// The observer's job queue.
     pub queue: ObserverQueue,
     pub metrics: Metrics,
+    /// Audit records of this VM's requests, enqueued together on tick or
+    /// when [`AUDIT_BATCH`] are waiting: an enqueue (and the observer's
+    /// wake-up) per request cost as much as the rest of the filter.
+    pub audit_batch: std::cell::RefCell<Vec<zerolayer_core::event::AuditRecord>>,
+}
+
+/// Audit records enqueued together at most.
+pub(crate) const AUDIT_BATCH: usize = 64;
+
+impl Plan {
+    /// Enqueues the waiting audit records as one job (counted as lost,
+    /// each, if the observer cannot take it).
+    pub(crate) fn flush_audit(&self) {
+        let records = std::mem::take(&mut *self.audit_batch.borrow_mut());
+        if records.is_empty() {
+            return;
+        }
+        let n = records.len() as u64;
+        if !self
+            .queue
+            .post(&zerolayer_core::event::Job::AuditBatch(records).encode())
+        {
+            self.metrics.lost_n(n);
+        }
+    }
 }
 
 /// The plugin's root context.
@@ -81,6 +106,7 @@ impl Context for AuthRoot {
 
     fn on_done(&mut self) -> bool {
         if let Some(plan) = &self.plan {
+            plan.flush_audit();
             plan.metrics.flush();
         }
         if let Some(observer) = &self.observer {
@@ -128,6 +154,7 @@ impl RootContext for AuthRoot {
                 "lazy-auth",
             ),
             metrics: Metrics::define(),
+            audit_batch: std::cell::RefCell::new(Vec::new()),
             config,
         };
         log::info!(
@@ -146,6 +173,7 @@ impl RootContext for AuthRoot {
 
     fn on_tick(&mut self) {
         if let Some(plan) = &self.plan {
+            plan.flush_audit();
             plan.metrics.flush();
         }
         if let Some(observer) = &mut self.observer {

@@ -68,6 +68,10 @@ impl Metrics {
         self.0.add(LOST, 1);
     }
 
+    pub(crate) fn lost_n(&self, n: u64) {
+        self.0.add(LOST, n);
+    }
+
     pub(crate) fn flush(&self) {
         self.0.flush();
     }

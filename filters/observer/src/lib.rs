@@ -365,6 +365,24 @@ impl Observer {
                         None => self.counters.add(counter::AUDIT_DROPPED, 1),
                     }
                 }
+                Some(Job::AuditBatch(records)) => {
+                    self.counters.add(counter::JOBS_AUDIT, records.len() as u64);
+                    match &mut self.audit {
+                        Some(audit) => {
+                            for record in &records {
+                                audit.push(
+                                    audit_line(record),
+                                    now,
+                                    &mut self.calls,
+                                    &self.counters,
+                                );
+                            }
+                        }
+                        None => self
+                            .counters
+                            .add(counter::AUDIT_DROPPED, records.len() as u64),
+                    }
+                }
                 Some(Job::Usage(record)) => {
                     self.counters.add(counter::JOBS_USAGE, 1);
                     match &mut self.usage {
