@@ -1,8 +1,9 @@
 //! Time spent inside the filters' request-headers callback per request, in
 //! host-sim (wasmtime, Cranelift), host calls included: lazy-auth on a known
 //! token (the hot path), activation with ten rules, and a trivial filter
-//! (the probe without actions) as the floor every filter pays; and metering's
-//! whole per-request cost (every callback) for a JSON and an SSE response.
+//! (the probe without actions) as the floor every filter pays; metering's
+//! whole per-request cost (every callback) for a JSON and an SSE response;
+//! post-cache's for a hit and for a miss that is then stored.
 #![allow(missing_docs)]
 
 use std::time::Duration;
@@ -226,5 +227,87 @@ fn metering(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, lazy_auth, baselines, metering);
+/// Time in all of post-cache's callbacks for `n` requests with bodies from
+/// `body(i)`: a hit is answered from the request body callback; a miss goes
+/// upstream and is stored after the response.
+fn time_in_post_cache(
+    host: &mut Host,
+    chain: ChainId,
+    body: &dyn Fn(u64) -> String,
+    start: u64,
+    n: u64,
+) -> Duration {
+    let request = [
+        (":method", "POST"),
+        (":path", "/v1/messages"),
+        (":authority", "gw"),
+        ("content-type", "application/json"),
+    ];
+    let reply = r#"{"id":"msg_1","type":"message","model":"claude-bench","content":[{"type":"text","text":"hello there, how can I help you today?"}],"usage":{"input_tokens":11,"output_tokens":64}}"#;
+    host.reset_callback_times();
+    for i in start..start + n {
+        let text = body(i);
+        let Ok(mut s) = host.stream(chain) else {
+            continue;
+        };
+        s.request_headers(&request, false);
+        s.request_body(text.as_bytes(), true);
+        if s.upstream().complete {
+            s.response_headers(
+                &[(":status", "200"), ("content-type", "application/json")],
+                false,
+            );
+            s.response_body(reply.as_bytes(), true);
+        }
+    }
+    host.callback_times()
+        .into_iter()
+        .filter(|(name, _, _, _)| name == "post-cache")
+        .map(|(_, _, _, t)| t)
+        .sum()
+}
+
+fn post_cache(c: &mut Criterion) {
+    let mut host = Host::new().unwrap_or_else(|e| panic!("{e:#}"));
+    let config = json!({
+        "secret_env": "ZEROLAYER_CACHE_SECRET",
+        "namespace": "shared",
+        "max_entries": 1024,
+        "ttl": {"default_ttl_secs": 3600},
+    });
+    let chain = host
+        .add_chain(vec![
+            PluginSpec::new("post-cache", wasm("post_cache"))
+                .configuration(config.to_string())
+                .env(
+                    "ZEROLAYER_CACHE_SECRET",
+                    "zerolayer-bench-cache-secret-0123456789abcdef",
+                )
+                .allow_on_headers_stop_iteration(true),
+        ])
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let body = |i: u64| {
+        format!(
+            r#"{{"model":"claude-bench","max_tokens":64,"temperature":0,"messages":[{{"role":"user","content":"Say hello to the gateway, number {i}."}}]}}"#
+        )
+    };
+    let same = |_: u64| body(0);
+    // The entry the hits are served from.
+    time_in_post_cache(&mut host, chain, &same, 0, 1);
+    let mut group = c.benchmark_group("hot_path");
+    group.bench_function("post_cache_hit", |b| {
+        b.iter_custom(|n| time_in_post_cache(&mut host, chain, &same, 0, n))
+    });
+    let mut next = 1;
+    group.bench_function("post_cache_miss_then_store", |b| {
+        b.iter_custom(|n| {
+            let t = time_in_post_cache(&mut host, chain, &body, next, n);
+            next += n;
+            t
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, lazy_auth, baselines, metering, post_cache);
 criterion_main!(benches);

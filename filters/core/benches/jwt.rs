@@ -13,6 +13,7 @@ use rand_chacha::ChaCha20Rng;
 use rand_chacha::rand_core::SeedableRng;
 use rsa::signature::{SignatureEncoding, Signer};
 use sha2::Sha256;
+use zerolayer_core::auth::credential::TokenHash;
 use zerolayer_core::auth::jwt::{self, KeySet, Validation, VerifyingKey};
 
 const NOW: u64 = 1_800_000_000;
@@ -116,6 +117,16 @@ fn verify(c: &mut Criterion) {
     c.bench_function("jwt/peek", |b| {
         b.iter(|| jwt::peek(black_box(rs256.as_bytes())).map(|t| t.claims().exp()))
     });
+
+    // The hot path's whole per-request credential work: the SHA-256 that
+    // names the verdict, next to the RS256 verification it replaces.
+    let mut group = c.benchmark_group("token_hash");
+    group.bench_function("rs256_jwt", |b| {
+        b.iter(|| TokenHash::of(black_box(rs256.as_bytes())))
+    });
+    let api_key = b"sk-live-4f9c2a7e1b3d5f6a8c0e2b4d6f8a1c3e";
+    group.bench_function("api_key", |b| b.iter(|| TokenHash::of(black_box(api_key))));
+    group.finish();
 }
 
 criterion_group!(benches, verify);
