@@ -244,6 +244,25 @@ impl Chain {
     }
 }
 
+/// Runs `client(i)` for `i` in `0..n` on `n` threads at once and returns
+/// their results in order (a panicking client is an error, not a panic).
+pub fn concurrently<T: Send>(
+    n: usize,
+    client: impl Fn(usize) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    std::thread::scope(|s| {
+        let client = &client;
+        let handles: Vec<_> = (0..n).map(|i| s.spawn(move || client(i))).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a client thread panicked")))
+            })
+            .collect()
+    })
+}
+
 /// An Anthropic Messages body at temperature 0 (cacheable).
 pub fn anthropic(prompt: &str, stream: bool) -> String {
     json!({

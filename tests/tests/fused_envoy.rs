@@ -195,29 +195,18 @@ fn scenario(chain: &Chain) -> Result<BTreeMap<String, Observed>> {
     let mut stampedes = Vec::new();
     for (name, fault) in [("stampede", "none"), ("stampede-429", "429")] {
         let body = anthropic(name, false);
-        let replies: Vec<Result<zerolayer_e2e::Reply>> = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..5)
-                .map(|n| {
-                    let (body, alice) = (&body, &alice);
-                    s.spawn(move || {
-                        let id = format!("{name}-{n}");
-                        chain.post(
-                            "/v1/messages",
-                            &[
-                                ("authorization", alice),
-                                ("x-stub-ttft-ms", "300"),
-                                ("x-stub-fault", fault),
-                                ("x-request-id", &id),
-                            ],
-                            body,
-                        )
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("client thread"))
-                .collect()
+        let replies = chain::concurrently(5, |n| {
+            let id = format!("{name}-{n}");
+            chain.post(
+                "/v1/messages",
+                &[
+                    ("authorization", &alice),
+                    ("x-stub-ttft-ms", "300"),
+                    ("x-stub-fault", fault),
+                    ("x-request-id", &id),
+                ],
+                &body,
+            )
         });
         let mut outcomes = Vec::new();
         for reply in replies {

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, ModelServer, paths, wait};
@@ -130,18 +130,7 @@ fn identical_concurrent_requests_reach_the_backend_once() -> Result<()> {
     let stub = Stub::start(StubConfig::default().ttft(Duration::from_millis(800)))?;
     let gw = gateway(stub.addr(), |_| {})?;
     let body = anthropic("stampede", false);
-    let replies: Vec<Result<zerolayer_e2e::Reply>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..20)
-            .map(|_| scope.spawn(|| gw.post("/v1/messages", &body)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| match h.join() {
-                Ok(r) => r,
-                Err(_) => bail!("a client thread panicked"),
-            })
-            .collect()
-    });
+    let replies = zerolayer_e2e::chain::concurrently(20, |_| gw.post("/v1/messages", &body));
     let mut labels = Vec::new();
     let mut bodies = std::collections::BTreeSet::new();
     for reply in replies {

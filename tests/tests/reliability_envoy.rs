@@ -150,32 +150,19 @@ fn a_stalled_backend_is_cut_at_the_route_timeout_for_the_holder_and_its_follower
     // Three identical requests: one holds the cache lease, two wait on it.
     let body = anthropic("a request the backend never finishes", false);
     let started = Instant::now();
-    let replies: Vec<Result<zerolayer_e2e::client::Partial>> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..3)
-            .map(|n| {
-                let chain = &chain;
-                let bearer = &bearer;
-                let body = &body;
-                s.spawn(move || {
-                    let id = format!("stall-{n}");
-                    chain.client.send_partial(
-                        "POST",
-                        &chain.envoy.url("/v1/messages"),
-                        &[
-                            ("authorization", bearer),
-                            ("content-type", "application/json"),
-                            ("x-stub-fault", "stall-after:0"),
-                            ("x-request-id", &id),
-                        ],
-                        body,
-                    )
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("client thread"))
-            .collect()
+    let replies = chain::concurrently(3, |n| {
+        let id = format!("stall-{n}");
+        chain.client.send_partial(
+            "POST",
+            &chain.envoy.url("/v1/messages"),
+            &[
+                ("authorization", &bearer),
+                ("content-type", "application/json"),
+                ("x-stub-fault", "stall-after:0"),
+                ("x-request-id", &id),
+            ],
+            &body,
+        )
     });
     let elapsed = started.elapsed();
     for reply in replies {

@@ -118,42 +118,28 @@ fn forged_expired_and_wrong_audience_tokens_under_concurrent_load() -> Result<()
                 .collect()
         })
         .collect();
-    let statuses: Vec<Result<(HashMap<u16, usize>, usize)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = bad
-            .iter()
-            .enumerate()
-            .map(|(thread, tokens)| {
-                let chain = &chain;
-                let valid = &valid;
-                s.spawn(move || -> Result<(HashMap<u16, usize>, usize)> {
-                    let mut bad_statuses = HashMap::new();
-                    let mut valid_ok = 0;
-                    for round in 0..ROUNDS {
-                        for (id, bearer) in tokens {
-                            let request_id = format!("{id}-{round}");
-                            let reply = chain.post(
-                                "/v1/messages",
-                                &[("authorization", bearer), ("x-request-id", &request_id)],
-                                &anthropic(&request_id, false),
-                            )?;
-                            *bad_statuses.entry(reply.status).or_insert(0) += 1;
-                            let reply = chain.post(
-                                "/v1/messages",
-                                &[("authorization", valid)],
-                                &anthropic(&format!("valid {thread} {round} {id}"), false),
-                            )?;
-                            anyhow::ensure!(reply.status == 200, "valid token: {}", reply.body);
-                            valid_ok += 1;
-                        }
-                    }
-                    Ok((bad_statuses, valid_ok))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("client thread"))
-            .collect()
+    let statuses = zerolayer_e2e::chain::concurrently(THREADS, |thread| {
+        let mut bad_statuses: HashMap<u16, usize> = HashMap::new();
+        let mut valid_ok = 0;
+        for round in 0..ROUNDS {
+            for (id, bearer) in &bad[thread] {
+                let request_id = format!("{id}-{round}");
+                let reply = chain.post(
+                    "/v1/messages",
+                    &[("authorization", bearer), ("x-request-id", &request_id)],
+                    &anthropic(&request_id, false),
+                )?;
+                *bad_statuses.entry(reply.status).or_insert(0) += 1;
+                let reply = chain.post(
+                    "/v1/messages",
+                    &[("authorization", &valid)],
+                    &anthropic(&format!("valid {thread} {round} {id}"), false),
+                )?;
+                anyhow::ensure!(reply.status == 200, "valid token: {}", reply.body);
+                valid_ok += 1;
+            }
+        }
+        Ok((bad_statuses, valid_ok))
     });
     let mut bad_statuses: HashMap<u16, usize> = HashMap::new();
     let mut valid_ok = 0;
