@@ -300,6 +300,7 @@ impl FusedStream {
 impl Drop for FusedStream {
     fn drop(&mut self) {
         self.streams.borrow_mut().remove(&self.id);
+        fused::leave_stream(self.id);
     }
 }
 

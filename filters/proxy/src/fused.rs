@@ -24,6 +24,44 @@ thread_local! {
     static EFFECTIVE: Cell<u32> = const { Cell::new(0) };
     /// Streams a stage asked to resume, in order.
     static RESUMES: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    /// Hand-off values the stages published, by stream: later stages read
+    /// them here instead of asking the host (a property read per hand-off
+    /// per stage is a host call each).
+    static HANDOFFS: RefCell<Vec<(u32, String, Vec<u8>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Fused mode: remembers hand-off `path` = `value` for the current stream.
+pub(crate) fn remember_handoff(path: &str, value: &[u8]) {
+    if !is_fused() || !path.starts_with(zerolayer_core::internal::HANDOFF_PREFIX) {
+        return;
+    }
+    let id = EFFECTIVE.with(Cell::get);
+    HANDOFFS.with(|h| {
+        let mut h = h.borrow_mut();
+        match h.iter_mut().find(|(i, p, _)| *i == id && p == path) {
+            Some(entry) => entry.2 = value.to_vec(),
+            None => h.push((id, path.to_string(), value.to_vec())),
+        }
+    });
+}
+
+/// Fused mode: a hand-off value a stage published for the current stream.
+pub(crate) fn handoff(path: &str) -> Option<Vec<u8>> {
+    if !is_fused() {
+        return None;
+    }
+    let id = EFFECTIVE.with(Cell::get);
+    HANDOFFS.with(|h| {
+        h.borrow()
+            .iter()
+            .find(|(i, p, _)| *i == id && p == path)
+            .map(|(_, _, v)| v.clone())
+    })
+}
+
+/// Fused filter: stream `context_id` is gone; forgets its hand-offs.
+pub fn leave_stream(context_id: u32) {
+    HANDOFFS.with(|h| h.borrow_mut().retain(|(i, _, _)| *i != context_id));
 }
 
 /// Switches this VM into fused mode (the fused filter's entry point).

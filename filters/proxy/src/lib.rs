@@ -133,6 +133,9 @@ fn host_path(path: &str) -> std::borrow::Cow<'_, str> {
 
 /// Reads a property (filter state or an Envoy attribute).
 pub fn property(path: &str) -> Option<Vec<u8>> {
+    if let Some(value) = fused::handoff(path) {
+        return Some(value);
+    }
     hostcalls::get_property(vec![&host_path(path)])
         .ok()
         .flatten()
@@ -141,6 +144,7 @@ pub fn property(path: &str) -> Option<Vec<u8>> {
 /// Publishes a value to later filters of the same request, as a one-segment
 /// property (see `zerolayer_core::internal`).
 pub fn publish(path: &str, value: &[u8]) {
+    fused::remember_handoff(path, value);
     let path = host_path(path);
     if let Err(status) = hostcalls::set_property(vec![&path], Some(value)) {
         log::warn!("could not publish {path}: {status:?}");
