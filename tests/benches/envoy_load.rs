@@ -23,7 +23,8 @@
 //! Prints a table with ratios to plain Envoy and writes
 //! `target/bench/envoy_load.{json,svg}`; a complete run copies the chart to
 //! `docs/envoy_load.svg`, which BENCHMARKS.md shows. `ZEROLAYER_LOAD_ROUNDS`
-//! and `ZEROLAYER_LOAD_SECS` shorten a development run (not copied).
+//! and `ZEROLAYER_LOAD_SECS` shorten a development run, `ZEROLAYER_LOAD_ONLY`
+//! (comma-separated keys) narrows it (neither is copied).
 #![allow(missing_docs)]
 
 use std::collections::BTreeSet;
@@ -187,6 +188,8 @@ struct Plan {
     rounds: usize,
     loaded_secs: u64,
     single_secs: u64,
+    /// Only these configurations (`ZEROLAYER_LOAD_ONLY=a,e,c-fused`).
+    only: Option<Vec<String>>,
 }
 
 impl Plan {
@@ -196,12 +199,18 @@ impl Plan {
             rounds: usize::try_from(env_number("ZEROLAYER_LOAD_ROUNDS", ROUNDS as u64)?)?,
             loaded_secs: secs(LOADED_SECS)?,
             single_secs: secs(SINGLE_SECS)?,
+            only: std::env::var("ZEROLAYER_LOAD_ONLY")
+                .ok()
+                .map(|keys| keys.split(',').map(|k| k.trim().to_string()).collect()),
         })
     }
 
     /// The run BENCHMARKS.md reports, not a shortened one.
     fn complete(&self) -> bool {
-        self.rounds == ROUNDS && self.loaded_secs == LOADED_SECS && self.single_secs == SINGLE_SECS
+        self.rounds == ROUNDS
+            && self.loaded_secs == LOADED_SECS
+            && self.single_secs == SINGLE_SECS
+            && self.only.is_none()
     }
 }
 
@@ -273,7 +282,14 @@ fn main() -> Result<()> {
 
     let dir = tempfile::tempdir()?;
     let shipped = Shipped::load(dir.path())?;
-    let variants = shipped.variants()?;
+    let mut variants = shipped.variants()?;
+    if let Some(only) = &plan.only {
+        variants.retain(|v| only.iter().any(|k| k == v.key));
+        ensure!(
+            !variants.is_empty(),
+            "ZEROLAYER_LOAD_ONLY={only:?} names no configuration"
+        );
+    }
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_secs();

@@ -129,7 +129,7 @@ impl HttpContext for ActivationStream {
         // A client must never choose its own observers: drop every internal
         // header it sent before anything reads the request.
         for name in request.forbidden_headers() {
-            if hostcalls::remove_map_value(MapType::HttpRequestHeaders, name).is_ok() {
+            if zerolayer_proxy::remove_request_header(name) {
                 plan.counters.forged_header();
             }
         }

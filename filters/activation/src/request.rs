@@ -4,7 +4,6 @@ use std::cell::Cell;
 use std::time::UNIX_EPOCH;
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::MapType;
 use zerolayer_core::activation::{HeaderSlot, RequestFacts, RuleSet};
 use zerolayer_core::internal::is_internal_header;
 
@@ -27,7 +26,7 @@ pub(crate) struct HostRequest {
 impl HostRequest {
     /// Reads the request headers and finds the ones `rules` use.
     pub(crate) fn read(rules: &RuleSet) -> Self {
-        let headers = hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default();
+        let headers = zerolayer_proxy::request_headers();
         let find = |name: &str| {
             headers
                 .iter()

@@ -323,6 +323,9 @@ impl Context for FusedStream {
 
 impl HttpContext for FusedStream {
     fn on_http_request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+        // One read of the headers for every stage (they ask for ~a dozen).
+        fused::enter_stream(self.id);
+        fused::read_request_headers();
         self.step(|p| p.request_headers(num_headers, end_of_stream))
     }
 

@@ -59,9 +59,48 @@ pub(crate) fn handoff(path: &str) -> Option<Vec<u8>> {
     })
 }
 
-/// Fused filter: stream `context_id` is gone; forgets its hand-offs.
+/// Fused filter: stream `context_id` is gone; forgets its hand-offs and
+/// request headers.
 pub fn leave_stream(context_id: u32) {
     HANDOFFS.with(|h| h.borrow_mut().retain(|(i, _, _)| *i != context_id));
+    HEADERS.with(|h| h.borrow_mut().retain(|(i, _)| *i != context_id));
+}
+
+/// Header pairs, as the host gives them.
+type Headers = Vec<(String, Vec<u8>)>;
+
+thread_local! {
+    /// The request headers, read once per stream for all stages.
+    static HEADERS: RefCell<Vec<(u32, Headers)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Fused filter: reads the current stream's request headers once, for
+/// every stage's [`crate::request_header`] and [`crate::request_headers`].
+pub fn read_request_headers() {
+    let id = EFFECTIVE.with(Cell::get);
+    let headers = hostcalls::get_map_bytes(proxy_wasm::types::MapType::HttpRequestHeaders)
+        .unwrap_or_default();
+    HEADERS.with(|h| {
+        let mut h = h.borrow_mut();
+        h.retain(|(i, _)| *i != id);
+        h.push((id, headers));
+    });
+}
+
+/// Runs `f` on the current stream's request headers, if read.
+pub(crate) fn with_request_headers<T>(
+    f: impl FnOnce(&mut Vec<(String, Vec<u8>)>) -> T,
+) -> Option<T> {
+    if !is_fused() {
+        return None;
+    }
+    let id = EFFECTIVE.with(Cell::get);
+    HEADERS.with(|h| {
+        h.borrow_mut()
+            .iter_mut()
+            .find(|(i, _)| *i == id)
+            .map(|(_, headers)| f(headers))
+    })
 }
 
 /// Switches this VM into fused mode (the fused filter's entry point).

@@ -61,14 +61,41 @@ fn now() -> Duration {
 
 /// A request header's value.
 pub fn request_header(name: &str) -> Option<Vec<u8>> {
+    let read = |headers: &mut Vec<(String, Vec<u8>)>| {
+        headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
+    };
+    if let Some(value) = fused::with_request_headers(read) {
+        return value;
+    }
     hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
         .ok()
         .flatten()
 }
 
+/// Every request header, in order.
+pub fn request_headers() -> Vec<(String, Vec<u8>)> {
+    fused::with_request_headers(|headers| headers.clone()).unwrap_or_else(|| {
+        hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
+    })
+}
+
 /// Sets (replacing) a request header.
 pub fn set_request_header(name: &str, value: &[u8]) {
     let _ = hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value));
+    fused::with_request_headers(|headers| {
+        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        headers.push((name.to_string(), value.to_vec()));
+    });
+}
+
+/// Removes a request header; returns whether the host removed it.
+pub fn remove_request_header(name: &str) -> bool {
+    let removed = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name).is_ok();
+    fused::with_request_headers(|headers| headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name)));
+    removed
 }
 
 /// A response header's value, as text (`None` if absent or not UTF-8).
