@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType};
+use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
 use zerolayer_proxy::fused;
 
 pub use pipeline::{Pipeline, StageStream};
@@ -325,7 +325,7 @@ impl HttpContext for FusedStream {
     fn on_http_request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
         // One read of the headers for every stage (they ask for ~a dozen).
         fused::enter_stream(self.id);
-        fused::read_request_headers();
+        fused::read_headers(MapType::HttpRequestHeaders);
         self.step(|p| p.request_headers(num_headers, end_of_stream))
     }
 
@@ -334,6 +334,8 @@ impl HttpContext for FusedStream {
     }
 
     fn on_http_response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+        fused::enter_stream(self.id);
+        fused::read_headers(MapType::HttpResponseHeaders);
         self.step(|p| p.response_headers(num_headers, end_of_stream))
     }
 

@@ -12,7 +12,7 @@ use std::cell::{Cell, RefCell};
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, Status};
+use proxy_wasm::types::{BufferType, MapType, Status};
 
 thread_local! {
     static FUSED: Cell<bool> = const { Cell::new(false) };
@@ -60,37 +60,35 @@ pub(crate) fn handoff(path: &str) -> Option<Vec<u8>> {
 }
 
 /// Fused filter: stream `context_id` is gone; forgets its hand-offs and
-/// request headers.
+/// headers.
 pub fn leave_stream(context_id: u32) {
     HANDOFFS.with(|h| h.borrow_mut().retain(|(i, _, _)| *i != context_id));
-    HEADERS.with(|h| h.borrow_mut().retain(|(i, _)| *i != context_id));
+    HEADERS.with(|h| h.borrow_mut().retain(|(i, _, _)| *i != context_id));
 }
 
 /// Header pairs, as the host gives them.
 type Headers = Vec<(String, Vec<u8>)>;
 
 thread_local! {
-    /// The request headers, read once per stream for all stages.
-    static HEADERS: RefCell<Vec<(u32, Headers)>> = const { RefCell::new(Vec::new()) };
+    /// The request and response headers, each read once per stream for
+    /// all stages: (stream, map, pairs).
+    static HEADERS: RefCell<Vec<(u32, MapType, Headers)>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Fused filter: reads the current stream's request headers once, for
-/// every stage's [`crate::request_header`] and [`crate::request_headers`].
-pub fn read_request_headers() {
+/// Fused filter: reads the current stream's `map` (request or response
+/// headers) once, for every stage's header reads.
+pub fn read_headers(map: MapType) {
     let id = EFFECTIVE.with(Cell::get);
-    let headers = hostcalls::get_map_bytes(proxy_wasm::types::MapType::HttpRequestHeaders)
-        .unwrap_or_default();
+    let headers = hostcalls::get_map_bytes(map).unwrap_or_default();
     HEADERS.with(|h| {
         let mut h = h.borrow_mut();
-        h.retain(|(i, _)| *i != id);
-        h.push((id, headers));
+        h.retain(|(i, m, _)| !(*i == id && *m == map));
+        h.push((id, map, headers));
     });
 }
 
-/// Runs `f` on the current stream's request headers, if read.
-pub(crate) fn with_request_headers<T>(
-    f: impl FnOnce(&mut Vec<(String, Vec<u8>)>) -> T,
-) -> Option<T> {
+/// Runs `f` on the current stream's copy of `map`, if read.
+pub(crate) fn with_headers<T>(map: MapType, f: impl FnOnce(&mut Headers) -> T) -> Option<T> {
     if !is_fused() {
         return None;
     }
@@ -98,8 +96,8 @@ pub(crate) fn with_request_headers<T>(
     HEADERS.with(|h| {
         h.borrow_mut()
             .iter_mut()
-            .find(|(i, _)| *i == id)
-            .map(|(_, headers)| f(headers))
+            .find(|(i, m, _)| *i == id && *m == map)
+            .map(|(_, _, headers)| f(headers))
     })
 }
 

@@ -59,57 +59,64 @@ fn now() -> Duration {
         .unwrap_or_default()
 }
 
-/// A request header's value.
-pub fn request_header(name: &str) -> Option<Vec<u8>> {
+/// Header `name` of `map`: from the fused filter's copy when there is one.
+fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
     let read = |headers: &mut Vec<(String, Vec<u8>)>| {
         headers
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
             .map(|(_, v)| v.clone())
     };
-    if let Some(value) = fused::with_request_headers(read) {
+    if let Some(value) = fused::with_headers(map, read) {
         return value;
     }
-    hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-        .ok()
-        .flatten()
+    hostcalls::get_map_value_bytes(map, name).ok().flatten()
 }
 
-/// Every request header, in order.
-pub fn request_headers() -> Vec<(String, Vec<u8>)> {
-    fused::with_request_headers(|headers| headers.clone()).unwrap_or_else(|| {
-        hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()
-    })
-}
-
-/// Sets (replacing) a request header.
-pub fn set_request_header(name: &str, value: &[u8]) {
-    let _ = hostcalls::set_map_value_bytes(MapType::HttpRequestHeaders, name, Some(value));
-    fused::with_request_headers(|headers| {
+/// Sets (replacing) header `name` of `map`, and the fused filter's copy.
+fn set_header(map: MapType, name: &str, value: &[u8]) {
+    let _ = hostcalls::set_map_value_bytes(map, name, Some(value));
+    fused::with_headers(map, |headers| {
         headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
         headers.push((name.to_string(), value.to_vec()));
     });
 }
 
+/// A request header's value.
+pub fn request_header(name: &str) -> Option<Vec<u8>> {
+    header(MapType::HttpRequestHeaders, name)
+}
+
+/// Every request header, in order.
+pub fn request_headers() -> Vec<(String, Vec<u8>)> {
+    fused::with_headers(MapType::HttpRequestHeaders, |headers| headers.clone()).unwrap_or_else(
+        || hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default(),
+    )
+}
+
+/// Sets (replacing) a request header.
+pub fn set_request_header(name: &str, value: &[u8]) {
+    set_header(MapType::HttpRequestHeaders, name, value);
+}
+
 /// Removes a request header; returns whether the host removed it.
 pub fn remove_request_header(name: &str) -> bool {
     let removed = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name).is_ok();
-    fused::with_request_headers(|headers| headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name)));
+    fused::with_headers(MapType::HttpRequestHeaders, |headers| {
+        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name))
+    });
     removed
 }
 
 /// A response header's value, as text (`None` if absent or not UTF-8).
 pub fn response_header(name: &str) -> Option<String> {
     // The SDK's text getter panics on non-UTF-8 values: read bytes.
-    hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name)
-        .ok()
-        .flatten()
-        .and_then(|v| String::from_utf8(v).ok())
+    header(MapType::HttpResponseHeaders, name).and_then(|v| String::from_utf8(v).ok())
 }
 
 /// Sets (replacing) a response header.
 pub fn set_response_header(name: &str, value: &str) {
-    let _ = hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value));
+    set_header(MapType::HttpResponseHeaders, name, value.as_bytes());
 }
 
 /// Where the host keeps the values filters hand to later filters.
