@@ -1,4 +1,5 @@
-//! The fused filter against the separate chain in host-sim, on virtual time:
+//! The fused filter against the separate chain in host-sim, on virtual time
+//! (run under both host profiles, like the filters' own suites):
 //! the same requests through both (the shipped stage configurations, every
 //! unknown credential verified on the request path so API keys take the
 //! paused-callout path), compared request by request and by counters.
@@ -26,6 +27,9 @@ fn stages() -> Result<Value> {
     lazy["audit"] = Value::Null;
     let mut metering = shipped.wasm_filter_json("zerolayer.metering")?;
     metering["sampling"] = json!({"percent": 100});
+    // Kong: no singleton; each stage's observer runs on its tick.
+    sim::observer_mode(&mut lazy);
+    sim::observer_mode(&mut metering);
     Ok(json!({
         "activation": shipped.wasm_filter_json("zerolayer.activation")?,
         "lazy_auth": lazy,
@@ -36,7 +40,7 @@ fn stages() -> Result<Value> {
 
 fn gateway(fused: bool) -> Result<(Host, ChainId)> {
     let stages = stages()?;
-    let mut host = Host::new()?;
+    let mut host = sim::host()?;
     let jwks = issuer().jwks().to_string();
     host.set_cluster(
         "idp",
@@ -62,14 +66,16 @@ fn gateway(fused: bool) -> Result<(Host, ChainId)> {
         "clickhouse",
         ClusterTarget::Handler(Box::new(|_| CallResponse::new(200, ""))),
     );
-    host.add_singleton(
-        PluginSpec::new("observer", paths::wasm("observer_service")?)
-            .vm_id("zerolayer")
-            .configuration(
-                json!({"lazy_auth": stages["lazy_auth"], "metering": stages["metering"], "tick_ms": 100})
-                    .to_string(),
-            ),
-    )?;
+    if !sim::kong() {
+        host.add_singleton(
+            PluginSpec::new("observer", paths::wasm("observer_service")?)
+                .vm_id("zerolayer")
+                .configuration(
+                    json!({"lazy_auth": stages["lazy_auth"], "metering": stages["metering"], "tick_ms": 100})
+                        .to_string(),
+                ),
+        )?;
+    }
     let specs = if fused {
         vec![
             PluginSpec::new("zerolayer", paths::wasm("fused")?)

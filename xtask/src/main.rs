@@ -191,6 +191,7 @@ const KONG_SUITES: &[&str] = &[
     "lazy_auth_host_sim",
     "post_cache_host_sim",
     "metering_host_sim",
+    "fused_host_sim",
 ];
 
 /// Core logic natively, the filters in host-sim, and real Envoy (same-run
