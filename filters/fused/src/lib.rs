@@ -3,7 +3,9 @@
 //! per-filter cost once instead of four times. The stages are the separate
 //! filters' own root and stream contexts, composed, not copied: the same
 //! configuration schemas (one object with a section per stage), the same
-//! metrics, the same behaviour (`tests/tests/fused.rs` compares them).
+//! metrics, the same behaviour (`tests/tests/fused_envoy.rs` and
+//! `fused_host_sim.rs` compare them). What the stages would each ask the
+//! host again (request and response headers, hand-off values) they share.
 //!
 //! Lifecycle, top to bottom: configuration (each stage configured from its
 //! section; sections left out are stages left out) → request headers, body
