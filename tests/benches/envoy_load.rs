@@ -6,9 +6,10 @@
 //! access log included) and differ only in their HTTP filters and observer.
 //!
 //! The backend is the GPU backend stub's answer to the bench request,
-//! replayed by an upstream Envoy (`direct_response`): the stub itself waits on
-//! tokio's millisecond timer even with zero delays, which would bound every
-//! configuration alike (both are measured alone first, same run).
+//! replayed by an upstream Envoy (`direct_response`): until 2026-11-29 the
+//! stub waited on tokio's millisecond timer even with zero delays, which
+//! bounded every configuration alike; it no longer does, and both are
+//! measured alone first, same run, so the next change can switch to it.
 //!
 //! Envoy runs with one worker thread (`--concurrency 1`) pinned to CPU 0;
 //! wrk, the upstream and the loopback sinks run on CPU 1. Per round, each

@@ -250,14 +250,14 @@ async fn handle(
         match options.fault {
             Some(fault @ (Fault::DisconnectAfter(n) | Fault::StallAfter(n))) => {
                 let sent = usize::try_from(n).unwrap_or(usize::MAX).min(tokens);
-                sleep_until(schedule.after_tokens(sent)).await;
+                wait_until(schedule.after_tokens(sent)).await;
                 if let Fault::StallAfter(_) = fault {
                     std::future::pending::<()>().await;
                 }
                 Err(Dropped("x-stub-fault disconnect-after"))
             }
             _ => {
-                sleep_until(schedule.after_tokens(tokens)).await;
+                wait_until(schedule.after_tokens(tokens)).await;
                 let body = Full::new(provider.body(&reply))
                     .map_err(|never: Infallible| match never {})
                     .boxed_unsync();
@@ -320,11 +320,20 @@ fn event_stream(plan: StreamPlan, schedule: Schedule, fault: Option<Fault>) -> B
 
 type FrameSender = mpsc::Sender<Result<Frame<Bytes>, Dropped>>;
 
+/// Waits until `deadline`, without touching tokio's timer when it has
+/// already passed: the timer's millisecond granularity would otherwise add
+/// ~1 ms to every zero-delay answer.
+async fn wait_until(deadline: Instant) {
+    if Instant::now() < deadline {
+        sleep_until(deadline).await;
+    }
+}
+
 async fn produce(events: FrameSender, plan: StreamPlan, schedule: Schedule, fault: Option<Fault>) {
     let cut = fault
         .and_then(Fault::cut_after)
         .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
-    sleep_until(schedule.token(0)).await;
+    wait_until(schedule.token(0)).await;
     for event in plan.lead {
         if events.send(Ok(Frame::data(event))).await.is_err() {
             return; // the client went away
@@ -334,7 +343,7 @@ async fn produce(events: FrameSender, plan: StreamPlan, schedule: Schedule, faul
         if cut == Some(index) {
             break;
         }
-        sleep_until(schedule.token(index)).await;
+        wait_until(schedule.token(index)).await;
         if events.send(Ok(Frame::data(event))).await.is_err() {
             return;
         }
