@@ -262,6 +262,7 @@ impl RootContext for FusedRoot {
             })
             .collect();
         let pipeline = Rc::new(RefCell::new(Pipeline::new(stages)));
+        fused::open_stream(context_id);
         self.streams
             .borrow_mut()
             .insert(context_id, Rc::downgrade(&pipeline));
@@ -325,10 +326,11 @@ impl Context for FusedStream {
 
 impl HttpContext for FusedStream {
     fn on_http_request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
-        // One read of the headers for every stage (they ask for ~a dozen).
-        fused::enter_stream(self.id);
-        fused::read_headers(MapType::HttpRequestHeaders);
-        self.step(|p| p.request_headers(num_headers, end_of_stream))
+        self.step(|p| {
+            // One read of the headers for every stage (they ask for ~a dozen).
+            fused::read_headers(MapType::HttpRequestHeaders);
+            p.request_headers(num_headers, end_of_stream)
+        })
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
@@ -336,9 +338,10 @@ impl HttpContext for FusedStream {
     }
 
     fn on_http_response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
-        fused::enter_stream(self.id);
-        fused::read_headers(MapType::HttpResponseHeaders);
-        self.step(|p| p.response_headers(num_headers, end_of_stream))
+        self.step(|p| {
+            fused::read_headers(MapType::HttpResponseHeaders);
+            p.response_headers(num_headers, end_of_stream)
+        })
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {

@@ -28,7 +28,7 @@ mod shipper;
 use proxy_wasm::hostcalls;
 use serde::Deserialize;
 use zerolayer_core::ConfigError;
-use zerolayer_core::auth::config::{LazyAuthConfig, ObserverLink, ObserverMode};
+use zerolayer_core::auth::config::{LazyAuthConfig, ObserverLink};
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::event::{AuditRecord, Job};
 use zerolayer_core::metering::MeteringConfig;
@@ -313,8 +313,7 @@ impl Observer {
         );
         Ok(Observer {
             queue,
-            backlog: (link.mode == ObserverMode::Tick)
-                .then(|| zerolayer_core::queue::backlog_key(&queue_name)),
+            backlog: link.backlog_key(who),
             audit: config
                 .lazy_auth
                 .as_ref()
@@ -356,33 +355,9 @@ impl Observer {
                         None => self.counters.add(counter::VERIFY_DROPPED, 1),
                     }
                 }
-                Some(Job::Audit(record)) => {
-                    self.counters.add(counter::JOBS_AUDIT, 1);
-                    match &mut self.audit {
-                        Some(audit) => {
-                            audit.push(audit_line(&record), now, &mut self.calls, &self.counters)
-                        }
-                        None => self.counters.add(counter::AUDIT_DROPPED, 1),
-                    }
-                }
-                Some(Job::AuditBatch(records)) => {
-                    self.counters.add(counter::JOBS_AUDIT, records.len() as u64);
-                    match &mut self.audit {
-                        Some(audit) => {
-                            for record in &records {
-                                audit.push(
-                                    audit_line(record),
-                                    now,
-                                    &mut self.calls,
-                                    &self.counters,
-                                );
-                            }
-                        }
-                        None => self
-                            .counters
-                            .add(counter::AUDIT_DROPPED, records.len() as u64),
-                    }
-                }
+                // One record (filters before batching) or a VM's batch.
+                Some(Job::Audit(record)) => self.audit(std::slice::from_ref(&record), now),
+                Some(Job::AuditBatch(records)) => self.audit(&records, now),
                 Some(Job::Usage(record)) => {
                     self.counters.add(counter::JOBS_USAGE, 1);
                     match &mut self.usage {
@@ -421,6 +396,19 @@ impl Observer {
                     zerolayer_proxy::release_backlog(key, drained_bytes);
                 }
             }
+        }
+    }
+
+    /// Hands audit records to the audit sink (dropped, counted, without one).
+    fn audit(&mut self, records: &[AuditRecord], now: u64) {
+        let n = records.len() as u64;
+        self.counters.add(counter::JOBS_AUDIT, n);
+        let Some(audit) = &mut self.audit else {
+            self.counters.add(counter::AUDIT_DROPPED, n);
+            return;
+        };
+        for record in records {
+            audit.push(audit_line(record), now, &mut self.calls, &self.counters);
         }
     }
 

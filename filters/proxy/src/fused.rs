@@ -9,6 +9,7 @@
 //! module into fused mode and acts on what the stages asked for.
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
@@ -24,81 +25,90 @@ thread_local! {
     static EFFECTIVE: Cell<u32> = const { Cell::new(0) };
     /// Streams a stage asked to resume, in order.
     static RESUMES: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
-    /// Hand-off values the stages published, by stream: later stages read
-    /// them here instead of asking the host (a property read per hand-off
-    /// per stage is a host call each).
-    static HANDOFFS: RefCell<Vec<(u32, String, Vec<u8>)>> = const { RefCell::new(Vec::new()) };
-}
-
-/// Fused mode: remembers hand-off `path` = `value` for the current stream.
-pub(crate) fn remember_handoff(path: &str, value: &[u8]) {
-    if !is_fused() || !path.starts_with(zerolayer_core::internal::HANDOFF_PREFIX) {
-        return;
-    }
-    let id = EFFECTIVE.with(Cell::get);
-    HANDOFFS.with(|h| {
-        let mut h = h.borrow_mut();
-        match h.iter_mut().find(|(i, p, _)| *i == id && p == path) {
-            Some(entry) => entry.2 = value.to_vec(),
-            None => h.push((id, path.to_string(), value.to_vec())),
-        }
-    });
-}
-
-/// Fused mode: a hand-off value a stage published for the current stream.
-pub(crate) fn handoff(path: &str) -> Option<Vec<u8>> {
-    if !is_fused() {
-        return None;
-    }
-    let id = EFFECTIVE.with(Cell::get);
-    HANDOFFS.with(|h| {
-        h.borrow()
-            .iter()
-            .find(|(i, p, _)| *i == id && p == path)
-            .map(|(_, _, v)| v.clone())
-    })
-}
-
-/// Fused filter: stream `context_id` is gone; forgets its hand-offs and
-/// headers.
-pub fn leave_stream(context_id: u32) {
-    HANDOFFS.with(|h| h.borrow_mut().retain(|(i, _, _)| *i != context_id));
-    HEADERS.with(|h| h.borrow_mut().retain(|(i, _, _)| *i != context_id));
+    /// What the stages share per stream, by stream: found by id, so the
+    /// cost of a read does not grow with the streams in flight.
+    static STREAMS: RefCell<HashMap<u32, Shared>> = RefCell::new(HashMap::new());
 }
 
 /// Header pairs, as the host gives them.
 type Headers = Vec<(String, Vec<u8>)>;
 
-thread_local! {
-    /// The request and response headers, each read once per stream for
-    /// all stages: (stream, map, pairs).
-    static HEADERS: RefCell<Vec<(u32, MapType, Headers)>> = const { RefCell::new(Vec::new()) };
+/// What the stages of one stream would each ask the host for again.
+#[derive(Default)]
+struct Shared {
+    /// Hand-off values (`wasmx.*` paths) the stages published.
+    handoffs: Vec<(String, Vec<u8>)>,
+    /// The request headers, once read.
+    request_headers: Option<Headers>,
+    /// The response headers, once read.
+    response_headers: Option<Headers>,
+}
+
+impl Shared {
+    fn headers(&mut self, map: MapType) -> &mut Option<Headers> {
+        match map {
+            MapType::HttpResponseHeaders => &mut self.response_headers,
+            _ => &mut self.request_headers,
+        }
+    }
+}
+
+/// Runs `f` on the current stream's shared state, if it has any (fused
+/// mode only).
+fn with_shared<T>(f: impl FnOnce(&mut Shared) -> T) -> Option<T> {
+    if !is_fused() {
+        return None;
+    }
+    let id = EFFECTIVE.with(Cell::get);
+    STREAMS.with(|s| s.borrow_mut().get_mut(&id).map(f))
+}
+
+/// Fused filter: the host is about to call into stream `context_id` for
+/// the first time; its stages start sharing from here.
+pub fn open_stream(context_id: u32) {
+    STREAMS.with(|s| s.borrow_mut().insert(context_id, Shared::default()));
+}
+
+/// Fused mode: remembers hand-off `path` = `value` for the current stream.
+pub(crate) fn remember_handoff(path: &str, value: &[u8]) {
+    if !path.starts_with(zerolayer_core::internal::HANDOFF_PREFIX) {
+        return;
+    }
+    with_shared(
+        |shared| match shared.handoffs.iter_mut().find(|(p, _)| p == path) {
+            Some(entry) => entry.1 = value.to_vec(),
+            None => shared.handoffs.push((path.to_string(), value.to_vec())),
+        },
+    );
+}
+
+/// Fused mode: a hand-off value a stage published for the current stream.
+pub(crate) fn handoff(path: &str) -> Option<Vec<u8>> {
+    with_shared(|shared| {
+        shared
+            .handoffs
+            .iter()
+            .find(|(p, _)| p == path)
+            .map(|(_, v)| v.clone())
+    })
+    .flatten()
+}
+
+/// Fused filter: stream `context_id` is gone; forgets what its stages shared.
+pub fn leave_stream(context_id: u32) {
+    STREAMS.with(|s| s.borrow_mut().remove(&context_id));
 }
 
 /// Fused filter: reads the current stream's `map` (request or response
 /// headers) once, for every stage's header reads.
 pub fn read_headers(map: MapType) {
-    let id = EFFECTIVE.with(Cell::get);
     let headers = hostcalls::get_map_bytes(map).unwrap_or_default();
-    HEADERS.with(|h| {
-        let mut h = h.borrow_mut();
-        h.retain(|(i, m, _)| !(*i == id && *m == map));
-        h.push((id, map, headers));
-    });
+    with_shared(|shared| *shared.headers(map) = Some(headers));
 }
 
 /// Runs `f` on the current stream's copy of `map`, if read.
 pub(crate) fn with_headers<T>(map: MapType, f: impl FnOnce(&mut Headers) -> T) -> Option<T> {
-    if !is_fused() {
-        return None;
-    }
-    let id = EFFECTIVE.with(Cell::get);
-    HEADERS.with(|h| {
-        h.borrow_mut()
-            .iter_mut()
-            .find(|(i, m, _)| *i == id && *m == map)
-            .map(|(_, _, headers)| f(headers))
-    })
+    with_shared(|shared| shared.headers(map).as_mut().map(f)).flatten()
 }
 
 /// Switches this VM into fused mode (the fused filter's entry point).

@@ -14,7 +14,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{MapType, MetricType, Status};
 use zerolayer_core::ConfigError;
-use zerolayer_core::auth::config::{ObserverLink, ObserverMode};
+use zerolayer_core::auth::config::ObserverLink;
 use zerolayer_core::internal;
 use zerolayer_core::metrics::PendingCounters;
 
@@ -202,8 +202,7 @@ impl ObserverQueue {
     /// The queue `filter` reaches through `link`; `owned` when this VM
     /// registered it.
     pub fn new(link: ObserverLink, owned: Option<u32>, filter: &str) -> ObserverQueue {
-        let backlog =
-            (link.mode == ObserverMode::Tick).then(|| queue::backlog_key(&link.queue_name(filter)));
+        let backlog = link.backlog_key(filter);
         ObserverQueue {
             link,
             id: Cell::new(owned),
@@ -250,19 +249,13 @@ impl ObserverQueue {
 /// Counts a job of `len` bytes into the backlog at `key` unless it would
 /// pass `max_bytes`; returns whether it was counted.
 fn reserve_backlog(key: &str, len: usize, max_bytes: u64) -> bool {
-    for _ in 0..8 {
-        let (current, cas) = shared_get(key);
-        let Some(next) = queue::admit(queue::decode_backlog(current.as_deref()), len, max_bytes)
-        else {
-            return false;
-        };
-        match hostcalls::set_shared_data(key, Some(&queue::encode_backlog(next)), cas) {
-            Ok(()) => return true,
-            Err(Status::CasMismatch) => continue,
-            Err(_) => return false,
+    shared_update_if(key, |current| {
+        match queue::admit(queue::decode_backlog(current), len, max_bytes) {
+            Some(next) => (Some(queue::encode_backlog(next).to_vec()), true),
+            None => (None, false),
         }
-    }
-    false
+    })
+    .unwrap_or(false)
 }
 
 /// Takes `bytes` off the backlog at `key` (the observer drained them).
@@ -314,9 +307,24 @@ pub fn shared_update<T>(
     key: &str,
     mut update: impl FnMut(Option<&[u8]>) -> (Vec<u8>, T),
 ) -> Option<T> {
+    shared_update_if(key, |current| {
+        let (next, result) = update(current);
+        (Some(next), result)
+    })
+}
+
+/// [`shared_update`] where `update` may leave the value as it is (`None`:
+/// nothing is written, its result is returned at once).
+pub fn shared_update_if<T>(
+    key: &str,
+    mut update: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, T),
+) -> Option<T> {
     for _ in 0..8 {
         let (current, cas) = shared_get(key);
         let (next, result) = update(current.as_deref());
+        let Some(next) = next else {
+            return Some(result);
+        };
         match hostcalls::set_shared_data(key, Some(&next), cas) {
             Ok(()) => return Some(result),
             Err(Status::CasMismatch) => continue,

@@ -44,10 +44,21 @@ impl ObserverLink {
         }
     }
 
-    /// Checks the bound (the field named as `observer.max_queued_bytes`).
-    pub fn validate(&self) -> Result<(), crate::ConfigError> {
+    /// The shared-data key producers and the drain keep `filter`'s queue
+    /// backlog under, in tick mode (where the host's queue may be a
+    /// fixed-size ring, see [`crate::queue`]); `None` for the singleton.
+    pub fn backlog_key(&self, filter: &str) -> Option<String> {
+        (self.mode == ObserverMode::Tick)
+            .then(|| crate::queue::backlog_key(&self.queue_name(filter)))
+    }
+
+    /// Checks what serde cannot (fields named as `observer.*`).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.queue.is_empty() {
+            return Err(ConfigError::new("observer.queue", "must not be empty"));
+        }
         if self.max_queued_bytes < MIN_QUEUED_BYTES {
-            return Err(crate::ConfigError::new(
+            return Err(ConfigError::new(
                 "observer.max_queued_bytes",
                 format!("must be at least {MIN_QUEUED_BYTES}"),
             ));
@@ -426,9 +437,6 @@ impl LazyAuthConfig {
                     invalid_regex(&client.user_agent, &err),
                 ));
             }
-        }
-        if self.observer.queue.is_empty() {
-            return Err(ConfigError::new("observer.queue", "must not be empty"));
         }
         self.observer.validate()?;
         if let Some(audit) = &self.audit {
