@@ -5,6 +5,7 @@
 //! the counters both forms report.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
@@ -28,22 +29,28 @@ struct Observed {
     tokens: String,
 }
 
-/// An API key whose introspection takes 150 ms (the mock answers one at a
-/// time, so the filter's call may wait for the observer's: within the 500 ms
-/// timeout): its second request arrives
-/// while the observer still verifies the first, so lazy-auth checks it on
-/// the request path (a paused callout, resumed when it answers).
-const SLOW_KEY: &str = "sk-slow-globex";
+/// An API key whose first introspection (the observer's, off the path)
+/// fails: no verdict, so its second request, past its one unverified
+/// request, is checked on the request path (a paused callout, resumed when
+/// it answers), and that check succeeds.
+const FLAKY_KEY: &str = "sk-flaky-globex";
 
-fn introspect(request: &zerolayer_e2e::SeenRequest) -> (u16, String) {
-    if request.header("x-api-key") == Some(SLOW_KEY) {
-        std::thread::sleep(Duration::from_millis(150));
-        return (
+/// The introspection endpoint: [`FLAKY_KEY`] fails once, then is active.
+fn introspection() -> impl Fn(&zerolayer_e2e::SeenRequest) -> (u16, String) + Send + Sync + 'static
+{
+    let calls = AtomicUsize::new(0);
+    move |request| {
+        if request.header("x-api-key") != Some(FLAKY_KEY) {
+            return chain::introspect(request);
+        }
+        if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            return (503, "verifier overloaded".into());
+        }
+        (
             200,
-            r#"{"active":true,"tenant":"globex","sub":"slow"}"#.into(),
-        );
+            r#"{"active":true,"tenant":"globex","sub":"flaky"}"#.into(),
+        )
     }
-    chain::introspect(request)
 }
 
 fn shape(body: &str, content_type: Option<&str>) -> String {
@@ -72,7 +79,7 @@ fn shape(body: &str, content_type: Option<&str>) -> String {
 /// The scenario: every path through the chain, in an order that makes each
 /// step's outcome independent of timing.
 fn scenario(chain: &Chain) -> Result<BTreeMap<String, Observed>> {
-    chain.api_keys.set_handler(introspect);
+    chain.api_keys.set_handler(introspection());
     let alice = chain.verified_bearer("alice", "acme")?;
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
@@ -167,24 +174,29 @@ fn scenario(chain: &Chain) -> Result<BTreeMap<String, Observed>> {
         &[("authorization", &forged)],
         &anthropic("fused forged", false),
     )?;
-    let slow = [("x-api-key", SLOW_KEY)];
+    let flaky = [("x-api-key", FLAKY_KEY)];
     send(
-        "slow-key-0",
+        "flaky-key-0",
         "/v1/messages",
-        &slow,
-        &anthropic("fused slow 0", false),
+        &flaky,
+        &anthropic("fused flaky 0", false),
+    )?;
+    wait::until(
+        "the observer's (failing) introspection of the flaky key",
+        Duration::from_secs(10),
+        || Ok(chain.api_keys.find("x-api-key", FLAKY_KEY).map(|_| ())),
     )?;
     send(
-        "slow-key-1",
+        "flaky-key-1",
         "/v1/messages",
-        &slow,
-        &anthropic("fused slow 1", false),
+        &flaky,
+        &anthropic("fused flaky 1", false),
     )?;
     send(
-        "slow-key-2",
+        "flaky-key-2",
         "/v1/messages",
-        &slow,
-        &anthropic("fused slow 1", false),
+        &flaky,
+        &anthropic("fused flaky 1", false),
     )?;
     send("health", "/healthz", &[], "{}")?;
     // Stampede: five identical requests at once, a slow backend. One goes
@@ -321,15 +333,15 @@ fn the_fused_filter_behaves_as_the_separate_chain() -> Result<()> {
     assert_eq!(expected["missing"].status, 401);
     // Verified on the request path: paused, resumed, through the later stages.
     assert_eq!(
-        expected["slow-key-1"].status, 200,
+        expected["flaky-key-1"].status, 200,
         "{:?}",
-        expected["slow-key-1"]
+        expected["flaky-key-1"]
     );
     assert_eq!(
-        expected["slow-key-1"].auth,
-        "verified tenant=globex subject=slow"
+        expected["flaky-key-1"].auth,
+        "verified tenant=globex subject=flaky"
     );
-    assert_eq!(expected["slow-key-1"].x_cache.as_deref(), Some("MISS"));
+    assert_eq!(expected["flaky-key-1"].x_cache.as_deref(), Some("MISS"));
     assert_eq!(
         expected["stampede"].x_cache.as_deref(),
         Some("200 HIT,200 HIT,200 HIT,200 HIT,200 MISS"),

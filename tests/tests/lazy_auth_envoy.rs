@@ -2,13 +2,13 @@
 //! endpoint, an API key introspection endpoint and an echo upstream.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{Client, EchoUpstream, Envoy, EnvoyConfig, MockServer, paths};
+use zerolayer_e2e::{Client, EchoUpstream, Envoy, EnvoyConfig, MockServer, paths, wait};
 
 struct Gateway {
     upstream: EchoUpstream,
@@ -90,20 +90,20 @@ impl Gateway {
 
     /// Sends until `want` comes back (the observer verifies asynchronously).
     fn until(&self, case: &str, token: &str, want: u16) -> Result<()> {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let status = self.bearer(case, token)?;
-            if status == want {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "{case}: still {status}, wanted {want}\n{}",
-                    self.envoy.log()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait::until(&format!("{case}: {want}"), Duration::from_secs(10), || {
+            Ok((self.bearer(case, token)? == want).then_some(()))
+        })
+        .with_context(|| self.envoy.log())
+    }
+
+    /// The identity the upstream saw on the latest request of `case`.
+    fn latest_identity(&self, case: &str) -> Option<ParsedIdentity> {
+        self.upstream
+            .seen()
+            .into_iter()
+            .rev()
+            .find(|r| r.header("x-test-case") == Some(case))
+            .and_then(|r| identity(&r))
     }
 }
 
@@ -116,31 +116,11 @@ fn valid_invalid_expired_forged_and_missing_credentials() -> Result<()> {
     for (case, token) in [("es256", &es), ("rs256", &rs)] {
         assert_eq!(gw.bearer(case, token)?, 200, "{case}");
         // Verified off the path: later requests carry the verified tenant.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
+        let id = wait::until(&format!("{case} verified"), Duration::from_secs(10), || {
             assert_eq!(gw.bearer(case, token)?, 200, "{case}");
-            let seen: Vec<_> = gw
-                .upstream
-                .seen()
-                .into_iter()
-                .filter(|r| r.header("x-test-case") == Some(case))
-                .collect();
-            if let Some(id) = seen.last().and_then(identity)
-                && id.state == "verified"
-            {
-                assert_eq!(id.verified_tenant(), Some("acme"));
-                break;
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "{case} never verified: {:?}",
-                    seen.iter()
-                        .map(|r| r.header("x-test-auth"))
-                        .collect::<Vec<_>>()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            Ok(gw.latest_identity(case).filter(|id| id.state == "verified"))
+        })?;
+        assert_eq!(id.verified_tenant(), Some("acme"));
     }
     let forged = issuer().forged(&tokens::claims("x", "acme", t, 3600), 1);
     let expired = issuer().es256(&tokens::claims("x", "acme", t - 7200, 3600));
@@ -227,34 +207,17 @@ fn an_attack_of_a_thousand_forged_tokens_gets_at_most_one_request_per_token() ->
 fn api_keys_are_verified_by_introspection_and_an_outage_is_refused_not_opened() -> Result<()> {
     let gw = gateway()?;
     assert_eq!(gw.send("good-1", &[("x-api-key", "sk-good")])?, 200);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
+    wait::until("sk-good verified", Duration::from_secs(10), || {
         assert_eq!(gw.send("good-n", &[("x-api-key", "sk-good")])?, 200);
-        let last = gw
-            .upstream
-            .seen()
-            .into_iter()
-            .rev()
-            .find(|r| r.header("x-test-case") == Some("good-n"));
-        if last
-            .and_then(|r| identity(&r))
-            .is_some_and(|id| id.verified_tenant() == Some("globex"))
-        {
-            break;
-        }
-        if Instant::now() > deadline {
-            bail!("sk-good never verified");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        Ok(gw
+            .latest_identity("good-n")
+            .filter(|id| id.verified_tenant() == Some("globex"))
+            .map(|_| ()))
+    })?;
     // An unknown key is refused once the endpoint says so.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while gw.send("bad", &[("x-api-key", "sk-bad")])? != 401 {
-        if Instant::now() > deadline {
-            bail!("sk-bad never refused");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait::until("sk-bad refused", Duration::from_secs(10), || {
+        Ok((gw.send("bad", &[("x-api-key", "sk-bad")])? == 401).then_some(()))
+    })?;
     // The introspection service goes down: new keys get at most their
     // lazy request, then 503 (never unchecked access).
     gw.keys.set_handler(|_| (503, "down".into()));

@@ -1,6 +1,6 @@
 //! Soak: the whole chain in real Envoy under steady load, bounded in time
 //! (`ZEROLAYER_SOAK_SECS`, default 60) and count
-//! (`ZEROLAYER_SOAK_MAX_REQUESTS`, default 40,000), loopback only. Three
+//! (`ZEROLAYER_SOAK_MAX_REQUESTS`, default 120,000), loopback only. Three
 //! tenants (two by JWT, one by API key), both providers, streamed and not,
 //! half the prompts repeated (cache hits), half new (stores and, past the
 //! cache's 1,024 entries, evictions); 10% of usage sampled to ClickHouse.
@@ -12,7 +12,7 @@
 //! `cargo xtask soak --seconds N` runs it longer.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
@@ -22,6 +22,8 @@ use zerolayer_stub::StubConfig;
 
 const SAMPLE_PERCENT: f64 = 10.0;
 const CLIENTS: usize = 4;
+/// Envoy's RSS is read every this many requests.
+const RSS_EVERY: usize = 200;
 
 fn env_number(name: &str, default: u64) -> Result<u64> {
     match std::env::var(name) {
@@ -35,7 +37,7 @@ fn env_number(name: &str, default: u64) -> Result<u64> {
 #[test]
 fn the_whole_chain_under_steady_load_stays_bounded_loses_nothing_and_reconciles() -> Result<()> {
     let seconds = env_number("ZEROLAYER_SOAK_SECS", 60)?;
-    let max_requests = env_number("ZEROLAYER_SOAK_MAX_REQUESTS", 40_000)? as usize;
+    let max_requests = env_number("ZEROLAYER_SOAK_MAX_REQUESTS", 120_000)? as usize;
     let chain = Chain::start(ChainOptions {
         stub: StubConfig::default()
             .ttft(Duration::ZERO)
@@ -54,70 +56,56 @@ fn the_whole_chain_under_steady_load_stays_bounded_loses_nothing_and_reconciles(
     let failures = Mutex::new(Vec::<String>::new());
     let completed = AtomicUsize::new(0);
     let hits = AtomicUsize::new(0);
-    let done = AtomicBool::new(false);
     let rss = Mutex::new(Vec::<(Duration, u64)>::new());
     let started = Instant::now();
     let deadline = started + Duration::from_secs(seconds);
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            while !done.load(Ordering::Relaxed) {
-                if let Ok(bytes) = chain.envoy.rss_bytes() {
-                    rss.lock().expect("rss").push((started.elapsed(), bytes));
-                }
-                std::thread::sleep(Duration::from_millis(500));
+    let clients = zerolayer_e2e::chain::concurrently(CLIENTS, |client| -> Result<()> {
+        loop {
+            let n = sent.fetch_add(1, Ordering::Relaxed);
+            if n >= max_requests || Instant::now() >= deadline {
+                return Ok(());
             }
-        });
-        let clients: Vec<_> = (0..CLIENTS)
-            .map(|client| {
-                let (chain, credentials, sent, completed, failures, hits) =
-                    (&chain, &credentials, &sent, &completed, &failures, &hits);
-                s.spawn(move || {
-                    loop {
-                        let n = sent.fetch_add(1, Ordering::Relaxed);
-                        if n >= max_requests || Instant::now() >= deadline {
-                            break;
-                        }
-                        let (name, value) = &credentials[n % credentials.len()];
-                        // Half repeat one of 64 prompts, half are new.
-                        let prompt = if n % 2 == 0 {
-                            format!("a popular question {}", (n / 2) % 64)
-                        } else {
-                            format!("a new question {n} from client {client}")
-                        };
-                        let stream = n % 4 < 2;
-                        let (path, body) = if n % 3 == 0 {
-                            ("/v1/chat/completions", openai(&prompt, stream))
-                        } else {
-                            ("/v1/messages", anthropic(&prompt, stream))
-                        };
-                        let id = format!("soak-{n}");
-                        let reply =
-                            chain.post(path, &[(name, value), ("x-request-id", &id)], &body);
-                        completed.fetch_add(1, Ordering::Relaxed);
-                        match reply {
-                            Ok(reply) if reply.status == 200 => {
-                                if reply.header("x-cache") == Some("HIT") {
-                                    hits.fetch_add(1, Ordering::Relaxed);
-                                }
-                            }
-                            Ok(reply) => failures
-                                .lock()
-                                .expect("failures")
-                                .push(format!("{id}: {} {}", reply.status, reply.body)),
-                            Err(err) => failures
-                                .lock()
-                                .expect("failures")
-                                .push(format!("{id}: {err:#}")),
-                        }
+            // Envoy's memory, every RSS_EVERY requests (a /proc read).
+            if n.is_multiple_of(RSS_EVERY) {
+                let bytes = chain.envoy.rss_bytes()?;
+                rss.lock().expect("rss").push((started.elapsed(), bytes));
+            }
+            let (name, value) = &credentials[n % credentials.len()];
+            // Half repeat one of 64 prompts, half are new.
+            let prompt = if n.is_multiple_of(2) {
+                format!("a popular question {}", (n / 2) % 64)
+            } else {
+                format!("a new question {n} from client {client}")
+            };
+            let stream = n % 4 < 2;
+            let (path, body) = if n.is_multiple_of(3) {
+                ("/v1/chat/completions", openai(&prompt, stream))
+            } else {
+                ("/v1/messages", anthropic(&prompt, stream))
+            };
+            let id = format!("soak-{n}");
+            let reply = chain.post(path, &[(name, value), ("x-request-id", &id)], &body);
+            completed.fetch_add(1, Ordering::Relaxed);
+            match reply {
+                Ok(reply) if reply.status == 200 => {
+                    if reply.header("x-cache") == Some("HIT") {
+                        hits.fetch_add(1, Ordering::Relaxed);
                     }
-                })
-            })
-            .collect();
-        for client in clients {
-            client.join().expect("client thread");
+                }
+                Ok(reply) => failures
+                    .lock()
+                    .expect("failures")
+                    .push(format!("{id}: {} {}", reply.status, reply.body)),
+                Err(err) => failures
+                    .lock()
+                    .expect("failures")
+                    .push(format!("{id}: {err:#}")),
+            }
         }
-        done.store(true, Ordering::Relaxed);
     });
+    for client in clients {
+        client?;
+    }
     let elapsed = started.elapsed();
     let total = completed.load(Ordering::Relaxed);
     let failures = failures.into_inner().expect("failures");
