@@ -98,9 +98,7 @@ fn main() -> Result<()> {
         "credentials": [{"header": "authorization", "scheme": "Bearer", "kind": "jwt"}],
         "jwt": {"keys": issuer().jwks()["keys"], "issuers": ["https://idp.test"], "audiences": ["zerolayer"]},
     });
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_secs();
+    let now = tokens::now();
     let token = issuer().rs256(&tokens::claims("bench", "acme", now, 3600));
     let bearer = format!("Bearer {token}");
     let configs = [

@@ -37,6 +37,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::{Value as Json, json};
 use serde_yaml::Value as Yaml;
+use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{Envoy, EnvoyConfig, MockServer, paths, wait};
 use zerolayer_stub::{Stub, StubConfig};
@@ -217,9 +218,8 @@ impl Plan {
 
 /// The loopback services the filters' observer talks to.
 struct Services {
-    idp: MockServer,
-    api_keys: MockServer,
-    audit: MockServer,
+    /// JWKS, introspection (every key inactive), audit sink.
+    auth: AuthServices,
     usage: MockServer,
     /// The HTTP authorization service `ext_authz` asks on every request
     /// (what lazy-auth's cached verdict replaces): allows everything.
@@ -228,21 +228,16 @@ struct Services {
 
 impl Services {
     fn start() -> Result<Self> {
-        let jwks = issuer().jwks().to_string();
         Ok(Services {
-            idp: MockServer::start(move |_| (200, jwks.clone()))?,
-            api_keys: MockServer::start(|_| (200, r#"{"active":false}"#.to_string()))?,
-            audit: MockServer::start(|_| (204, String::new()))?,
+            auth: AuthServices::start(|_| (200, r#"{"active":false}"#.to_string()))?,
             usage: MockServer::start(|_| (200, String::new()))?,
             authz: MockServer::start(|_| (200, String::new()))?,
         })
     }
 
     fn point(&self, config: EnvoyConfig) -> Result<EnvoyConfig> {
-        config
-            .point_cluster("idp", self.idp.addr())?
-            .point_cluster("api_keys", self.api_keys.addr())?
-            .point_cluster("audit", self.audit.addr())?
+        self.auth
+            .point(config)?
             .point_cluster("clickhouse", self.usage.addr())?
             .add_cluster("ext_authz", self.authz.addr())
     }
@@ -254,7 +249,7 @@ impl Services {
             let records: usize = seen.iter().map(|r| r.body.lines().count()).sum();
             json!({"batches": seen.len(), "records": records})
         };
-        json!({"audit": count(&self.audit), "usage": count(&self.usage)})
+        json!({"audit": count(&self.auth.audit), "usage": count(&self.usage)})
     }
 }
 
@@ -291,9 +286,7 @@ fn main() -> Result<()> {
             "ZEROLAYER_LOAD_ONLY={only:?} names no configuration"
         );
     }
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_secs();
+    let now = tokens::now();
     let bearer = format!(
         "Bearer {}",
         issuer().rs256(&tokens::claims("bench", TENANT, now, 3600))

@@ -61,18 +61,47 @@ pub struct Chain {
     pub envoy: Envoy,
     /// The GPU backend stub.
     pub stub: Stub,
-    /// The JWKS endpoint.
-    pub idp: MockServer,
-    /// The API key introspection endpoint.
-    pub api_keys: MockServer,
-    /// The audit sink.
-    pub audit: MockServer,
+    /// The JWKS endpoint, the introspection endpoint, the audit sink.
+    pub services: AuthServices,
     /// The usage sink.
     pub clickhouse: ClickHouse,
     /// The fleet cache tier, when on.
     pub fleet: Option<RedisFleet>,
     /// A client for the listener.
     pub client: Client,
+}
+
+/// The services lazy-auth and its observer call, as loopback stand-ins: the
+/// test issuer's JWKS, an API key introspection endpoint, an audit sink.
+pub struct AuthServices {
+    /// The JWKS endpoint (cluster `idp`).
+    pub idp: MockServer,
+    /// The introspection endpoint (cluster `api_keys`).
+    pub api_keys: MockServer,
+    /// The audit sink (cluster `audit`, answers 204).
+    pub audit: MockServer,
+}
+
+impl AuthServices {
+    /// Starts all three; `introspect` answers the introspection calls.
+    pub fn start(
+        introspect: impl Fn(&crate::SeenRequest) -> (u16, String) + Send + Sync + 'static,
+    ) -> Result<AuthServices> {
+        let jwks = issuer().jwks().to_string();
+        Ok(AuthServices {
+            idp: MockServer::start(move |_| (200, jwks.clone()))?,
+            api_keys: MockServer::start(introspect)?,
+            audit: MockServer::start(|_| (204, String::new()))?,
+        })
+    }
+
+    /// Points `config`'s `idp`, `api_keys` and `audit` clusters at them.
+    pub fn point(&self, config: EnvoyConfig) -> Result<EnvoyConfig> {
+        config
+            .point_cluster("idp", self.idp.addr())?
+            .point_cluster("api_keys", self.api_keys.addr())?
+            .point_cluster("audit", self.audit.addr())
+    }
 }
 
 /// The introspection endpoint's normal answers: [`GOOD_API_KEY`] is active.
@@ -92,10 +121,7 @@ impl Chain {
     pub fn start(options: ChainOptions) -> Result<Chain> {
         crate::paths::wasm("post_cache")?;
         let stub = Stub::start(options.stub.clone()).context("starting the backend stub")?;
-        let jwks = issuer().jwks().to_string();
-        let idp = MockServer::start(move |_| (200, jwks.clone()))?;
-        let api_keys = MockServer::start(introspect)?;
-        let audit = MockServer::start(|_| (204, String::new()))?;
+        let services = AuthServices::start(introspect)?;
         let clickhouse = ClickHouse::start()?;
         clickhouse.create_usage_table()?;
         let fleet = options.fleet.then(RedisFleet::start).transpose()?;
@@ -109,12 +135,9 @@ impl Chain {
         } else {
             "zerolayer.yaml"
         };
-        let mut config = EnvoyConfig::shipped(file)?
-            .for_run(stub.addr())?
+        let mut config = services
+            .point(EnvoyConfig::shipped(file)?.for_run(stub.addr())?)?
             .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET)
-            .point_cluster("idp", idp.addr())?
-            .point_cluster("api_keys", api_keys.addr())?
-            .point_cluster("audit", audit.addr())?
             .point_cluster("clickhouse", clickhouse.addr())?;
         if let Some(fleet) = &fleet {
             config = config.add_cluster("webdis", fleet.webdis())?;
@@ -164,9 +187,7 @@ impl Chain {
         Ok(Chain {
             envoy,
             stub,
-            idp,
-            api_keys,
-            audit,
+            services,
             clickhouse,
             fleet,
             client: Client::new(),
@@ -175,10 +196,7 @@ impl Chain {
 
     /// `Bearer <ES256 JWT>` for `subject` of `tenant`, valid for an hour.
     pub fn bearer(subject: &str, tenant: &str) -> String {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
+        let now = tokens::now();
         format!(
             "Bearer {}",
             issuer().es256(&tokens::claims(subject, tenant, now, 3600))

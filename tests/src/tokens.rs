@@ -48,6 +48,14 @@ fn b64(bytes: &[u8]) -> String {
     URL_SAFE_NO_PAD.encode(bytes)
 }
 
+/// Unix seconds now (the clock tokens are issued against).
+pub fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
 /// Claims for `sub` of `tenant`, valid from `now` for `ttl_secs`.
 pub fn claims(sub: &str, tenant: &str, now: u64, ttl_secs: i64) -> Value {
     json!({

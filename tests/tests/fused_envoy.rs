@@ -79,11 +79,9 @@ fn shape(body: &str, content_type: Option<&str>) -> String {
 /// The scenario: every path through the chain, in an order that makes each
 /// step's outcome independent of timing.
 fn scenario(chain: &Chain) -> Result<BTreeMap<String, Observed>> {
-    chain.api_keys.set_handler(introspection());
+    chain.services.api_keys.set_handler(introspection());
     let alice = chain.verified_bearer("alice", "acme")?;
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_secs();
+    let t = tokens::now();
     let forged = format!(
         "Bearer {}",
         issuer().forged(&tokens::claims("mallory", "acme", t, 3600), 3)
@@ -184,7 +182,13 @@ fn scenario(chain: &Chain) -> Result<BTreeMap<String, Observed>> {
     wait::until(
         "the observer's (failing) introspection of the flaky key",
         Duration::from_secs(10),
-        || Ok(chain.api_keys.find("x-api-key", FLAKY_KEY).map(|_| ())),
+        || {
+            Ok(chain
+                .services
+                .api_keys
+                .find("x-api-key", FLAKY_KEY)
+                .map(|_| ()))
+        },
     )?;
     send(
         "flaky-key-1",

@@ -23,13 +23,6 @@ fn identity(request: &zerolayer_e2e::SeenRequest) -> Option<ParsedIdentity> {
     ParsedIdentity::parse(request.header("x-test-auth")?.as_bytes())
 }
 
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 fn gateway() -> Result<Gateway> {
     paths::wasm("lazy_auth")?;
     paths::wasm("observer_service")?;
@@ -110,7 +103,7 @@ impl Gateway {
 #[test]
 fn valid_invalid_expired_forged_and_missing_credentials() -> Result<()> {
     let gw = gateway()?;
-    let t = now();
+    let t = tokens::now();
     let es = issuer().es256(&tokens::claims("u1", "acme", t, 3600));
     let rs = issuer().rs256(&tokens::claims("u2", "acme", t, 3600));
     for (case, token) in [("es256", &es), ("rs256", &rs)] {
@@ -161,7 +154,7 @@ fn valid_invalid_expired_forged_and_missing_credentials() -> Result<()> {
 #[test]
 fn an_attack_of_a_thousand_forged_tokens_gets_at_most_one_request_per_token() -> Result<()> {
     let gw = gateway()?;
-    let t = now();
+    let t = tokens::now();
     let tokens: Vec<String> = (0..1000u64)
         .map(|n| {
             issuer().forged(

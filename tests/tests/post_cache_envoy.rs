@@ -12,13 +12,6 @@ use zerolayer_stub::{Stub, StubConfig};
 
 use zerolayer_e2e::chain::{CACHE_SECRET as SECRET, anthropic, openai};
 
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 /// Envoy from the shipped config in front of `backend`, with JWTs verified
 /// synchronously with the test issuer's keys (so the first request already
 /// has a verified tenant).
@@ -69,7 +62,7 @@ fn gateway_with(
     }
     config.set_service_config("zerolayer.observer", &service.to_string())?;
     let envoy = Envoy::start(&config)?;
-    let token = issuer().es256(&tokens::claims("alice", "acme", now(), 3600));
+    let token = issuer().es256(&tokens::claims("alice", "acme", tokens::now(), 3600));
     Ok(Gateway {
         envoy,
         _idp: idp,

@@ -225,7 +225,10 @@ fn a_verifier_outage_refuses_unknown_keys_keeps_known_ones_and_heals() -> Result
             >= Some(2.0))
         .then_some(()))
     })?;
-    chain.api_keys.set_handler(|_| (503, "down".to_string()));
+    chain
+        .services
+        .api_keys
+        .set_handler(|_| (503, "down".to_string()));
     // During the outage: known credentials keep working (verdicts, inline
     // JWTs); an unknown key gets its one lazy request, then a clear 503.
     assert_eq!(send("known-1", known)?, 200);
@@ -241,7 +244,7 @@ fn a_verifier_outage_refuses_unknown_keys_keeps_known_ones_and_heals() -> Result
     assert!(refused.body.contains("retry later"), "{}", refused.body);
     // The outage ends: the same key is verified (here: refused as inactive,
     // which the endpoint says of every key but the good one).
-    chain.api_keys.set_handler(chain::introspect);
+    chain.services.api_keys.set_handler(chain::introspect);
     wait::until(
         "the unknown key verified after the outage",
         Duration::from_secs(40),

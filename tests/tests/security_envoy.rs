@@ -9,13 +9,6 @@ use serde_json::json;
 use zerolayer_e2e::chain::{Chain, ChainOptions, anthropic};
 use zerolayer_e2e::tokens::{self, issuer};
 
-fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 /// Headers a client might send to pass as another tenant or switch
 /// observers on; the chain must ignore and strip every one.
 const FORGED_INTERNAL: [(&str, &str); 4] = [
@@ -64,7 +57,7 @@ fn a_tenant_never_receives_another_tenants_cache_entry() -> Result<()> {
     assert_eq!(chain.backend_requests("acme-"), 1);
     // A forged token claiming acme is never served acme's entry: its one
     // lazily admitted request bypasses the cache, then it is refused.
-    let forged = issuer().forged(&tokens::claims("mallory", "acme", now(), 3600), 7);
+    let forged = issuer().forged(&tokens::claims("mallory", "acme", tokens::now(), 3600), 7);
     let forged = format!("Bearer {forged}");
     let first = send("forged-0", &[("authorization", &forged)])?;
     assert_ne!(first.header("x-cache"), Some("HIT"), "{}", first.body);
@@ -95,7 +88,7 @@ fn forged_expired_and_wrong_audience_tokens_under_concurrent_load() -> Result<()
         ..ChainOptions::default()
     })?;
     let valid = chain.verified_bearer("alice", "acme")?;
-    let t = now();
+    let t = tokens::now();
     // Per thread: forged, expired and wrong-audience tokens, each sent
     // ROUNDS times, interleaved with a valid token's requests.
     let bad: Vec<Vec<(String, String)>> = (0..THREADS)

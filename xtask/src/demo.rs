@@ -16,9 +16,10 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use zerolayer_core::sampling::Rate;
+use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::clickhouse::ClickHouse;
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, ModelServer, paths, wait};
+use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer, paths, wait};
 use zerolayer_stub::{Stub, StubConfig};
 
 use crate::{setup, step};
@@ -148,28 +149,14 @@ const CASES: &[Case] = &[
     },
 ];
 
-/// The identity provider, introspection endpoint and audit sink the
-/// observer calls, on loopback.
-struct Services {
-    idp: MockServer,
-    api_keys: MockServer,
-    audit: MockServer,
-}
-
-impl Services {
-    fn start() -> Result<Self> {
-        let jwks = issuer().jwks().to_string();
-        Ok(Services {
-            idp: MockServer::start(move |_| (200, jwks.clone()))?,
-            api_keys: MockServer::start(|req| match req.header("x-api-key") {
-                Some("sk-demo-globex") => (
-                    200,
-                    r#"{"active":true,"tenant":"globex","sub":"batch-service"}"#.to_string(),
-                ),
-                _ => (200, r#"{"active":false}"#.to_string()),
-            })?,
-            audit: MockServer::start(|_| (204, String::new()))?,
-        })
+/// The demo's introspection endpoint: `sk-demo-globex` is active.
+fn introspect(request: &zerolayer_e2e::SeenRequest) -> (u16, String) {
+    match request.header("x-api-key") {
+        Some("sk-demo-globex") => (
+            200,
+            r#"{"active":true,"tenant":"globex","sub":"batch-service"}"#.to_string(),
+        ),
+        _ => (200, r#"{"active":false}"#.to_string()),
     }
 }
 
@@ -328,7 +315,9 @@ const DEMO_SAMPLE_PERCENT: f64 = 50.0;
 /// Starts the services and Envoy in front of `backend`, sends the cases and
 /// prints what happened.
 fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen>> {
-    let services = Services::start()?;
+    // The identity provider, introspection endpoint and audit sink the
+    // observer calls, on loopback.
+    let services = AuthServices::start(introspect)?;
     step("starting ClickHouse (metering's usage sink)");
     let clickhouse = ClickHouse::start()?;
     clickhouse.create_usage_table()?;
@@ -344,14 +333,11 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
     // The stages' configurations as the separate filters ship them (the
     // fused file embeds the same).
     let separate = EnvoyConfig::shipped("zerolayer.yaml")?;
-    let mut config = EnvoyConfig::shipped(file)?
-        .for_run(backend.addr())?
+    let mut config = services
+        .point(EnvoyConfig::shipped(file)?.for_run(backend.addr())?)?
         // The cache key's secret comes from Envoy's environment; a
         // deployment sets its own.
         .env("ZEROLAYER_CACHE_SECRET", DEMO_CACHE_SECRET)
-        .point_cluster("idp", services.idp.addr())?
-        .point_cluster("api_keys", services.api_keys.addr())?
-        .point_cluster("audit", services.audit.addr())?
         .point_cluster("clickhouse", clickhouse.addr())?;
     let mut rules = separate.wasm_filter_json("zerolayer.activation")?;
     rules["debug_response_header"] = Value::Bool(true);
@@ -420,10 +406,7 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
     println!();
 
     let client = Client::new();
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let now = tokens::now();
     let mut sent = Vec::new();
     let mut verifications = 0.0;
     for (i, case) in CASES.iter().enumerate() {
