@@ -157,10 +157,16 @@ impl FusedRoot {
             if fused::set_effective_context(id).is_err() {
                 continue;
             }
-            if pipeline.borrow_mut().resume() {
-                let _ = hostcalls::resume_http_request();
-            }
+            resume(&pipeline);
         }
+    }
+}
+
+/// A stage resumed the current stream: the stages after it run, then the
+/// stream continues if none of them paused it again.
+fn resume(pipeline: &RefCell<Pipeline>) {
+    if pipeline.borrow_mut().resume() {
+        let _ = hostcalls::resume_http_request();
     }
 }
 
@@ -288,12 +294,14 @@ impl FusedStream {
         fused::enter_stream(self.id);
         let result = step(&mut self.pipeline.borrow_mut());
         for id in fused::take_resumes() {
-            // Stages resume the stream they run in; nothing else can ask here.
+            // A stream's stages resume only the stream they run in.
             if id == self.id {
-                let go = self.pipeline.borrow_mut().resume();
-                if go {
-                    let _ = hostcalls::resume_http_request();
-                }
+                resume(&self.pipeline);
+            } else {
+                log::warn!(
+                    "zerolayer: stream {} asked to resume stream {id}; ignored",
+                    self.id
+                );
             }
         }
         result
