@@ -2,11 +2,14 @@
 //! by provider and case) against its expected result, then the edge cases a
 //! metering filter meets: missing, partial, malformed and oversized usage.
 
+mod usage_support;
+
 use std::path::Path;
 
+use usage_support::extract;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::usage::{
-    Extracted, MAX_USAGE_JSON, Missing, PartialUsage, ResponseFormat, Usage, UsageExtractor,
+    Extracted, MAX_USAGE_JSON, Missing, PartialUsage, ResponseFormat, Usage,
 };
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -29,14 +32,6 @@ fn kind(name: &str) -> (Provider, ResponseFormat) {
         ResponseFormat::Json
     };
     (provider, format)
-}
-
-fn extract(provider: Provider, format: ResponseFormat, chunks: &[&[u8]]) -> Extracted {
-    let mut extractor = UsageExtractor::new(provider, format);
-    for chunk in chunks {
-        extractor.push(chunk);
-    }
-    extractor.finish()
 }
 
 fn usage(input: u64, output: u64, cache_read: u64, cache_creation: u64) -> Result<Usage, Missing> {

@@ -2,9 +2,12 @@
 //! rewrite (a table of bodies and decisions) and the stripper that hides the
 //! extra usage chunk from the client again.
 
+mod usage_support;
+
 use std::path::Path;
 
 use serde_json::{Value, json};
+use usage_support::strip;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::usage::{
     Injection, MAX_HELD_EVENT, Missing, ResponseFormat, UsageChunkStripper, UsageExtractor,
@@ -16,16 +19,6 @@ fn fixture(name: &str) -> Vec<u8> {
         .join("tests/fixtures/usage")
         .join(name);
     std::fs::read(&path).unwrap_or_else(|err| panic!("{}: {err}", path.display()))
-}
-
-fn strip(chunks: &[&[u8]]) -> (Vec<u8>, usize) {
-    let mut stripper = UsageChunkStripper::new();
-    let mut out = Vec::new();
-    for chunk in chunks {
-        stripper.push(chunk, &mut out);
-    }
-    stripper.finish(&mut out);
-    (out, stripper.removed())
 }
 
 fn rewritten(body: &str) -> String {

@@ -5,16 +5,18 @@
 //! objects; the stripper removes exactly the usage-only events of random
 //! streams; and no input makes any of them panic.
 
+mod usage_support;
+
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use proptest::prelude::*;
 use proptest::sample::Index;
 use serde_json::{Map, Value, json};
+use usage_support::{extract, strip};
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::usage::{
-    Extracted, Injection, MAX_HELD_EVENT, Missing, ResponseFormat, TopLevelScanner,
-    UsageChunkStripper, UsageExtractor, Wanted, inject_include_usage,
+    Injection, Missing, ResponseFormat, TopLevelScanner, Wanted, inject_include_usage,
 };
 
 fn fixture_dir() -> PathBuf {
@@ -58,25 +60,6 @@ fn split<'a>(body: &'a [u8], points: &[Index]) -> Vec<&'a [u8]> {
     }
     chunks.push(&body[from..]);
     chunks
-}
-
-fn extract(provider: Provider, format: ResponseFormat, chunks: &[&[u8]]) -> Extracted {
-    let mut extractor = UsageExtractor::new(provider, format);
-    for chunk in chunks {
-        extractor.push(chunk);
-    }
-    extractor.finish()
-}
-
-fn strip(chunks: &[&[u8]]) -> (Vec<u8>, usize) {
-    let mut stripper = UsageChunkStripper::new();
-    let mut out = Vec::new();
-    for chunk in chunks {
-        stripper.push(chunk, &mut out);
-        assert!(stripper.held() <= MAX_HELD_EVENT);
-    }
-    stripper.finish(&mut out);
-    (out, stripper.removed())
 }
 
 const WANTED: &[Wanted] = &[

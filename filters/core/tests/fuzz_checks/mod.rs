@@ -6,6 +6,9 @@
 //! found stays a test.
 #![allow(dead_code)]
 
+#[path = "../usage_support/mod.rs"]
+mod usage_support;
+
 use std::sync::OnceLock;
 
 use base64::Engine as _;
@@ -15,6 +18,7 @@ use serde::Deserialize;
 use serde::de::IgnoredAny;
 use serde_json::{Value, json};
 use sha2::Sha256;
+use usage_support::{extract, strip};
 use zerolayer_core::activation::{
     ActivationConfig, HeaderSlot, RequestFacts, RuleSet, local_hour, local_weekday,
 };
@@ -30,8 +34,7 @@ use zerolayer_core::config::ConfigError;
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_core::sse::{MAX_LINE, SseParser};
 use zerolayer_core::usage::{
-    Extracted, Injection, MAX_HELD_EVENT, MAX_MODEL_LEN, ResponseFormat, UsageChunkStripper,
-    UsageExtractor, inject_include_usage,
+    Injection, MAX_HELD_EVENT, MAX_MODEL_LEN, ResponseFormat, inject_include_usage,
 };
 
 /// A target's invariant check: panics when one is broken.
@@ -99,27 +102,6 @@ fn sse_events(chunks: &[&[u8]]) -> (Vec<Event>, bool) {
         });
     }
     (events, parser.overflowed())
-}
-
-fn extract(provider: Provider, format: ResponseFormat, chunks: &[&[u8]]) -> Extracted {
-    let mut extractor = UsageExtractor::new(provider, format);
-    for chunk in chunks {
-        extractor.push(chunk);
-    }
-    extractor.finish()
-}
-
-/// The stripper's output for `chunks` (pushes then `finish`), and how many
-/// events it removed.
-fn strip(chunks: &[&[u8]]) -> (Vec<u8>, usize) {
-    let mut stripper = UsageChunkStripper::new();
-    let mut out = Vec::new();
-    for chunk in chunks {
-        stripper.push(chunk, &mut out);
-    }
-    stripper.finish(&mut out);
-    assert_eq!(stripper.held(), 0, "finish leaves nothing held");
-    (out, stripper.removed())
 }
 
 /// The shape of OpenAI's usage-only chunk as `UsageChunkStripper`
