@@ -1,8 +1,12 @@
-//! Kong's form of the chain (`kong/kong.yml`, `kong/kong.conf`), checked
-//! structurally: the service, route and filter chain Kong would load, each
-//! filter's configuration parsed by that filter's own parser, the
-//! shared memory and environment ngx_wasm_module needs, and the chain kept in
-//! step with the filters the build produces.
+//! Kong's forms of the chain — the four separate filters (`kong/kong.yml`)
+//! and the fused filter (`kong/kong-fused.yml`), both run with
+//! `kong/kong.conf` — checked structurally: the service, route and filter
+//! chain Kong would load, each stage's configuration parsed by that
+//! filter's own parser, the shared memory and environment ngx_wasm_module
+//! needs, the chains kept in step with the filters the build produces, the
+//! fused form kept in step with the separate one and with
+//! `envoy/zerolayer-fused.yaml`; and each form configured and given a
+//! request under host-sim's Kong profile with the queues kong.conf declares.
 //!
 //! Kong itself is not run (the project does not install it): the filters'
 //! Kong behaviour (observer on tick, per-filter queues, CAS-only overwrites,
@@ -17,18 +21,27 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
+use host_sim::{Host, HostOptions, PluginSpec, Profile};
 use serde::Deserialize;
 use serde_json::Value;
 use zerolayer_core::activation::RuleSet;
 use zerolayer_core::auth::config::{LazyAuthConfig, ObserverLink, ObserverMode};
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::metering::MeteringConfig;
-use zerolayer_e2e::paths;
+use zerolayer_e2e::chain::CACHE_SECRET;
+use zerolayer_e2e::{EnvoyConfig, paths};
 
 /// The chain, in the documented order (filter names as the filters call
 /// themselves: Kong's name is `zerolayer_<name>` with `_` for `-`, the crate
 /// `zerolayer-<name>`).
 const CHAIN: [&str; 4] = ["activation", "lazy-auth", "post-cache", "metering"];
+
+/// The fused filter's crate: xtask builds it in a cargo run of its own, not
+/// from FILTERS.
+const FUSED_CRATE: &str = "zerolayer-fused";
+
+/// Kong's name of the fused filter.
+const FUSED_FILTER: &str = "zerolayer_fused";
 
 /// Crates in xtask's FILTERS that are deliberately not in Kong's chain.
 const NOT_IN_KONG: [(&str, &str); 2] = [
@@ -102,68 +115,188 @@ fn kong_file(name: &str) -> Result<String> {
     fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
 }
 
-fn declarative() -> Result<Declarative> {
-    serde_yaml::from_str(&kong_file("kong.yml")?).context("kong/kong.yml is not valid YAML")
+/// Kong's two forms of the chain, each a declarative configuration run with
+/// the same kong.conf.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// The four filters, one chain entry each (`kong/kong.yml`).
+    Separate,
+    /// The fused filter, one chain entry with a section per stage
+    /// (`kong/kong-fused.yml`).
+    Fused,
 }
 
-/// The `llm` service, the one the chain is attached to.
-fn llm_service(config: &Declarative) -> Result<&Service> {
-    config
-        .services
-        .iter()
-        .find(|s| s.name.as_deref() == Some("llm"))
-        .ok_or_else(|| anyhow!("kong/kong.yml: no service named `llm`"))
-}
+impl Form {
+    const ALL: [Form; 2] = [Form::Separate, Form::Fused];
 
-/// The single filter chain attached to the `llm` service.
-fn chain(config: &Declarative) -> Result<&FilterChain> {
-    let service = llm_service(config)?;
-    match service.filter_chains.as_slice() {
-        [chain] => Ok(chain),
-        chains => bail!(
-            "kong/kong.yml: service `llm` must carry exactly one filter chain, found {}",
-            chains.len()
-        ),
+    /// The declarative configuration's file in `kong/`.
+    fn file(self) -> &'static str {
+        match self {
+            Form::Separate => "kong.yml",
+            Form::Fused => "kong-fused.yml",
+        }
     }
+
+    /// The chain's filters in order, as Kong names them.
+    fn chain(self) -> Vec<String> {
+        match self {
+            Form::Separate => CHAIN.iter().map(|n| kong_name(n)).collect(),
+            Form::Fused => vec![FUSED_FILTER.to_string()],
+        }
+    }
+}
+
+/// One form's declarative configuration, with where it came from.
+struct Kong {
+    /// `kong/<file>`, for messages.
+    at: String,
+    config: Declarative,
+}
+
+impl Kong {
+    fn load(form: Form) -> Result<Kong> {
+        let at = format!("kong/{}", form.file());
+        let config = serde_yaml::from_str(&kong_file(form.file())?)
+            .with_context(|| format!("{at} is not valid YAML"))?;
+        Ok(Kong { at, config })
+    }
+
+    /// The `llm` service, the one the chain is attached to.
+    fn llm_service(&self) -> Result<&Service> {
+        self.config
+            .services
+            .iter()
+            .find(|s| s.name.as_deref() == Some("llm"))
+            .ok_or_else(|| anyhow!("{}: no service named `llm`", self.at))
+    }
+
+    /// The single filter chain attached to the `llm` service.
+    fn chain(&self) -> Result<&FilterChain> {
+        let service = self.llm_service()?;
+        match service.filter_chains.as_slice() {
+            [chain] => Ok(chain),
+            chains => bail!(
+                "{}: service `llm` must carry exactly one filter chain, found {}",
+                self.at,
+                chains.len()
+            ),
+        }
+    }
+
+    /// The JSON configuration string of the chain's filter `kong` (Kong's
+    /// name).
+    fn config_text(&self, kong: &str) -> Result<String> {
+        let at = &self.at;
+        let filter = self
+            .chain()?
+            .filters
+            .iter()
+            .find(|f| f.name == kong)
+            .ok_or_else(|| anyhow!("{at}: filter {kong} is not in the chain"))?;
+        match &filter.config {
+            Some(serde_yaml::Value::String(text)) => Ok(text.clone()),
+            // The filters ship no `<name>.meta.json` schema: Kong then
+            // accepts a string only, and hands it to on_configure byte for
+            // byte.
+            Some(other) => bail!(
+                "{at}: {kong}.config must be the JSON configuration as a string, found {other:?}"
+            ),
+            None => bail!("{at}: {kong} has no config"),
+        }
+    }
+
+    /// Each chain member's whole configuration string, by Kong's name.
+    fn config_texts(&self) -> Result<Vec<(String, String)>> {
+        self.chain()?
+            .filters
+            .iter()
+            .map(|f| Ok((f.name.clone(), self.config_text(&f.name)?)))
+            .collect()
+    }
+
+    /// Each stage's configuration as JSON text, in chain order by chain
+    /// name: a filter's config (separate form) or a section of the fused
+    /// filter's (fused form, which must carry every stage).
+    fn stage_configs(&self) -> Result<Vec<(&'static str, String)>> {
+        let at = &self.at;
+        let fused = self.chain()?.filters.iter().any(|f| f.name == FUSED_FILTER);
+        if !fused {
+            return CHAIN
+                .iter()
+                .map(|name| Ok((*name, self.config_text(&kong_name(name))?)))
+                .collect();
+        }
+        let sections = fused_sections(&self.config_text(FUSED_FILTER)?)
+            .with_context(|| format!("{at}: {FUSED_FILTER}.config"))?;
+        CHAIN
+            .iter()
+            .map(|name| {
+                let section = section_name(name);
+                let value = sections.get(&section).with_context(|| {
+                    format!("{at}: {FUSED_FILTER}.config has no `{section}` section (Kong's fused form runs the whole chain)")
+                })?;
+                Ok((*name, value.to_string()))
+            })
+            .collect()
+    }
+
+    /// The observer link of each stage that has one, by chain name.
+    fn observer_links(&self) -> Result<Vec<(&'static str, ObserverLink)>> {
+        let configs = self.stage_configs()?;
+        let text = |name: &str| -> &str {
+            configs
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map_or("", |(_, t)| t.as_str())
+        };
+        let lazy = LazyAuthConfig::from_json(text("lazy-auth").as_bytes())
+            .map_err(|e| anyhow!("{}: lazy-auth config: {e}", self.at))?;
+        let cache = self.post_cache()?;
+        let metering = MeteringConfig::from_json(text("metering").as_bytes())
+            .map_err(|e| anyhow!("{}: metering config: {e}", self.at))?;
+        Ok(vec![
+            ("lazy-auth", lazy.observer),
+            ("post-cache", cache.observer),
+            ("metering", metering.observer),
+        ])
+    }
+
+    /// post-cache's configuration, parsed.
+    fn post_cache(&self) -> Result<PostCacheConfig> {
+        let configs = self.stage_configs()?;
+        let text = configs
+            .iter()
+            .find(|(n, _)| *n == "post-cache")
+            .map(|(_, t)| t.as_str())
+            .unwrap_or_default();
+        PostCacheConfig::from_json(text.as_bytes())
+            .map_err(|e| anyhow!("{}: post-cache config: {e}", self.at))
+    }
+}
+
+/// The fused filter's section for chain member `name` (`lazy-auth` →
+/// `lazy_auth`).
+fn section_name(name: &str) -> String {
+    name.replace('-', "_")
+}
+
+/// A fused configuration's sections by name; a section that names no
+/// stage is an error (the fused filter refuses it too).
+fn fused_sections(text: &str) -> Result<serde_json::Map<String, Value>> {
+    let value: Value = serde_json::from_str(text).context("not JSON")?;
+    let Value::Object(sections) = value else {
+        bail!("not an object with a section per stage");
+    };
+    let known: Vec<String> = CHAIN.iter().map(|n| section_name(n)).collect();
+    if let Some(unknown) = sections.keys().find(|k| !known.contains(k)) {
+        bail!("section `{unknown}` names no stage (expected {known:?})");
+    }
+    Ok(sections)
 }
 
 /// Kong's filter name for chain member `name`.
 fn kong_name(name: &str) -> String {
     format!("zerolayer_{}", name.replace('-', "_"))
-}
-
-/// The JSON configuration string of chain member `name`.
-fn filter_config(config: &Declarative, name: &str) -> Result<String> {
-    let kong = kong_name(name);
-    let filter = chain(config)?
-        .filters
-        .iter()
-        .find(|f| f.name == kong)
-        .ok_or_else(|| anyhow!("kong/kong.yml: filter {kong} is not in the chain"))?;
-    match &filter.config {
-        Some(serde_yaml::Value::String(text)) => Ok(text.clone()),
-        // The filters ship no `<name>.meta.json` schema: Kong then accepts a
-        // string only, and hands it to on_configure byte for byte.
-        Some(other) => bail!(
-            "kong/kong.yml: {kong}.config must be the JSON configuration as a string, found {other:?}"
-        ),
-        None => bail!("kong/kong.yml: {kong} has no config"),
-    }
-}
-
-/// The observer link of each filter that has one, by chain name.
-fn observer_links(config: &Declarative) -> Result<Vec<(&'static str, ObserverLink)>> {
-    let lazy = LazyAuthConfig::from_json(filter_config(config, "lazy-auth")?.as_bytes())
-        .map_err(|e| anyhow!("lazy-auth config: {e}"))?;
-    let cache = PostCacheConfig::from_json(filter_config(config, "post-cache")?.as_bytes())
-        .map_err(|e| anyhow!("post-cache config: {e}"))?;
-    let metering = MeteringConfig::from_json(filter_config(config, "metering")?.as_bytes())
-        .map_err(|e| anyhow!("metering config: {e}"))?;
-    Ok(vec![
-        ("lazy-auth", lazy.observer),
-        ("post-cache", cache.observer),
-        ("metering", metering.observer),
-    ])
 }
 
 /// The queue a filter's observer registers in tick mode:
@@ -174,92 +307,157 @@ fn tick_queue(link: &ObserverLink, filter: &str) -> String {
 }
 
 #[test]
-fn kong_yml_declares_the_llm_service_its_route_and_the_chain_in_order() -> Result<()> {
-    let config = declarative()?;
-    // Quoted in the file: an unquoted 3.0 is a YAML float, which Kong refuses.
-    match &config.format_version {
-        Some(serde_yaml::Value::String(v)) if v == "3.0" => {}
-        other => {
-            bail!("kong/kong.yml: _format_version must be the string \"3.0\", found {other:?}")
+fn both_forms_declare_the_llm_service_its_route_and_the_chain_in_order() -> Result<()> {
+    for form in Form::ALL {
+        let kong = Kong::load(form)?;
+        let at = &kong.at;
+        // Quoted in the file: an unquoted 3.0 is a YAML float, which Kong refuses.
+        match &kong.config.format_version {
+            Some(serde_yaml::Value::String(v)) if v == "3.0" => {}
+            other => {
+                bail!("{at}: _format_version must be the string \"3.0\", found {other:?}")
+            }
         }
-    }
-    let service = llm_service(&config)?;
-    ensure!(
-        service.url.as_deref() == Some("http://127.0.0.1:18080"),
-        "kong/kong.yml: service llm must point at the loopback backend http://127.0.0.1:18080, found {:?}",
-        service.url
-    );
-    let routed: BTreeSet<&str> = service
-        .routes
-        .iter()
-        .filter(|r| r.methods.iter().any(|m| m == "POST"))
-        .flat_map(|r| r.paths.iter().map(String::as_str))
-        .collect();
-    for path in ["/v1/messages", "/v1/chat/completions"] {
+        let service = kong.llm_service()?;
         ensure!(
-            routed.contains(path),
-            "kong/kong.yml: no POST route of service llm has path {path} (found {routed:?})"
+            service.url.as_deref() == Some("http://127.0.0.1:18080"),
+            "{at}: service llm must point at the loopback backend http://127.0.0.1:18080, found {:?}",
+            service.url
         );
-    }
-    for route in &service.routes {
-        // Kong strips the matched prefix by default: the backend would get `/`.
+        let routed: BTreeSet<&str> = service
+            .routes
+            .iter()
+            .filter(|r| r.methods.iter().any(|m| m == "POST"))
+            .flat_map(|r| r.paths.iter().map(String::as_str))
+            .collect();
+        for path in ["/v1/messages", "/v1/chat/completions"] {
+            ensure!(
+                routed.contains(path),
+                "{at}: no POST route of service llm has path {path} (found {routed:?})"
+            );
+        }
+        for route in &service.routes {
+            // Kong strips the matched prefix by default: the backend would get `/`.
+            ensure!(
+                route.strip_path == Some(false),
+                "{at}: route with paths {:?} must set strip_path: false",
+                route.paths
+            );
+        }
         ensure!(
-            route.strip_path == Some(false),
-            "kong/kong.yml: route with paths {:?} must set strip_path: false",
-            route.paths
+            kong.config.filter_chains.is_empty(),
+            "{at}: the chain belongs under service llm, not at the top level"
         );
-    }
-    ensure!(
-        config.filter_chains.is_empty(),
-        "kong/kong.yml: the chain belongs under service llm, not at the top level"
-    );
-    let chain = chain(&config)?;
-    ensure!(
-        chain.enabled != Some(false),
-        "kong/kong.yml: the filter chain is disabled"
-    );
-    let found: Vec<&str> = chain.filters.iter().map(|f| f.name.as_str()).collect();
-    let expected: Vec<String> = CHAIN.iter().map(|n| kong_name(n)).collect();
-    ensure!(
-        found == expected,
-        "kong/kong.yml: the chain must be exactly {expected:?} in this order, found {found:?}"
-    );
-    for filter in &chain.filters {
+        let chain = kong.chain()?;
         ensure!(
-            filter.enabled != Some(false),
-            "kong/kong.yml: filter {} is disabled",
-            filter.name
+            chain.enabled != Some(false),
+            "{at}: the filter chain is disabled"
         );
+        let found: Vec<&str> = chain.filters.iter().map(|f| f.name.as_str()).collect();
+        let expected = form.chain();
+        ensure!(
+            found == expected,
+            "{at}: the chain must be exactly {expected:?} in this order, found {found:?}"
+        );
+        for filter in &chain.filters {
+            ensure!(
+                filter.enabled != Some(false),
+                "{at}: filter {} is disabled",
+                filter.name
+            );
+        }
     }
     Ok(())
 }
 
 #[test]
-fn every_filter_config_parses_with_its_own_parser_and_observes_on_tick() -> Result<()> {
-    let config = declarative()?;
-    for name in CHAIN {
-        let text = filter_config(&config, name)?;
-        ensure!(
-            text.len() <= NGINX_DIRECTIVE_MAX,
-            "{name}: config is {} bytes, over the {NGINX_DIRECTIVE_MAX}-byte nginx directive limit",
-            text.len()
-        );
-        // Each filter's own entry point, the one its on_configure calls.
-        let parsed = match name {
-            "activation" => RuleSet::from_json(text.as_bytes()).map(drop),
-            "lazy-auth" => LazyAuthConfig::from_json(text.as_bytes()).map(drop),
-            "post-cache" => PostCacheConfig::from_json(text.as_bytes()).map(drop),
-            "metering" => MeteringConfig::from_json(text.as_bytes()).map(drop),
-            other => bail!("no parser known for chain member {other}"),
-        };
-        parsed.map_err(|e| anyhow!("{name}: config refused: {e}"))?;
+fn every_stage_config_parses_with_its_own_parser_and_observes_on_tick() -> Result<()> {
+    for form in Form::ALL {
+        let kong = Kong::load(form)?;
+        let at = &kong.at;
+        for (filter, text) in kong.config_texts()? {
+            ensure!(
+                text.len() <= NGINX_DIRECTIVE_MAX,
+                "{at}: {filter}: config is {} bytes, over the {NGINX_DIRECTIVE_MAX}-byte nginx directive limit",
+                text.len()
+            );
+        }
+        for (name, text) in kong.stage_configs()? {
+            // Each filter's own entry point, the one its on_configure calls
+            // (the fused filter hands each stage its section).
+            let parsed = match name {
+                "activation" => RuleSet::from_json(text.as_bytes()).map(drop),
+                "lazy-auth" => LazyAuthConfig::from_json(text.as_bytes()).map(drop),
+                "post-cache" => PostCacheConfig::from_json(text.as_bytes()).map(drop),
+                "metering" => MeteringConfig::from_json(text.as_bytes()).map(drop),
+                other => bail!("no parser known for chain member {other}"),
+            };
+            parsed.map_err(|e| anyhow!("{at}: {name}: config refused: {e}"))?;
+        }
+        for (filter, link) in kong.observer_links()? {
+            // An absent observer section means singleton, which needs Envoy.
+            ensure!(
+                link.mode == ObserverMode::Tick,
+                "{at}: {filter}: observer.mode is {:?}; Kong has no singleton service nor queue notifications, it needs \"tick\"",
+                link.mode
+            );
+        }
     }
-    for (filter, link) in observer_links(&config)? {
-        // An absent observer section means singleton, which needs Envoy.
+    Ok(())
+}
+
+/// `value` without what a host changes about it (observer placement,
+/// callout targets, the cache's size): what must be the same in every form.
+fn without_host_specifics(value: &Value) -> Value {
+    match value {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .filter(|(k, _)| {
+                    !["observer", "cluster", "authority", "max_entries"].contains(&k.as_str())
+                })
+                .map(|(k, v)| (k.clone(), without_host_specifics(v)))
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(without_host_specifics).collect()),
+        other => other.clone(),
+    }
+}
+
+#[test]
+fn the_fused_form_runs_the_separate_chains_stages_as_envoys_fused_form_does() -> Result<()> {
+    let separate = Kong::load(Form::Separate)?.stage_configs()?;
+    let fused = Kong::load(Form::Fused)?.stage_configs()?;
+    // The two Kong forms run the same stages with the same configurations.
+    for ((name, ours), (_, theirs)) in fused.iter().zip(&separate) {
+        let ours: Value = serde_json::from_str(ours)?;
+        let theirs: Value = serde_json::from_str(theirs)?;
         ensure!(
-            link.mode == ObserverMode::Tick,
-            "{filter}: observer.mode is {:?}; Kong has no singleton service nor queue notifications, it needs \"tick\"",
-            link.mode
+            ours == theirs,
+            "kong/kong-fused.yml's `{}` section differs from {}'s config in kong/kong.yml: keep them the same",
+            section_name(name),
+            kong_name(name)
+        );
+    }
+    // And the same stages as Envoy's fused form, configured alike except
+    // where Kong needs otherwise (kong/kong.yml's header lists what).
+    let envoy = EnvoyConfig::shipped("zerolayer-fused.yaml")?.wasm_filter_json("zerolayer")?;
+    let envoy = envoy
+        .as_object()
+        .context("envoy/zerolayer-fused.yaml: the fused configuration is not an object")?;
+    let envoy_sections: BTreeSet<&str> = envoy.keys().map(String::as_str).collect();
+    let kong_sections: BTreeSet<String> = fused.iter().map(|(n, _)| section_name(n)).collect();
+    let kong_sections: BTreeSet<&str> = kong_sections.iter().map(String::as_str).collect();
+    ensure!(
+        envoy_sections == kong_sections,
+        "envoy/zerolayer-fused.yaml has the sections {envoy_sections:?}, kong/kong-fused.yml {kong_sections:?}: the two fused forms must run the same stages"
+    );
+    for (name, ours) in &fused {
+        let section = section_name(name);
+        let ours = without_host_specifics(&serde_json::from_str(ours)?);
+        let theirs = without_host_specifics(&envoy[&section]);
+        ensure!(
+            ours == theirs,
+            "`{section}` differs between kong/kong-fused.yml and envoy/zerolayer-fused.yaml beyond observers, callout targets and max_entries:\n kong:  {ours}\n envoy: {theirs}"
         );
     }
     Ok(())
@@ -288,39 +486,43 @@ fn callout_targets<'a>(value: &'a Value, at: &str, out: &mut Vec<(String, &'a Va
 
 #[test]
 fn callout_targets_are_ip_and_port_with_an_explicit_authority() -> Result<()> {
-    let config = declarative()?;
-    let mut checked = Vec::new();
-    for name in CHAIN {
-        let json: Value = serde_json::from_str(&filter_config(&config, name)?)
-            .with_context(|| format!("{name}: config is not JSON"))?;
-        let mut targets = Vec::new();
-        callout_targets(&json, name, &mut targets);
-        for (at, target) in targets {
-            let cluster = target["cluster"].as_str().unwrap_or_default();
-            // ngx_wasm_module takes a host (with an optional port) where
-            // Envoy takes a cluster name; an IP address needs no resolver,
-            // a name would depend on the resolver Kong is given.
-            ensure!(
-                cluster.parse::<SocketAddr>().is_ok(),
-                "{at}.cluster is {cluster:?}: in Kong it must be an IP:port (e.g. 127.0.0.1:18091), not a name"
-            );
-            // Otherwise the Host header would be the bare IP:port.
-            ensure!(
-                target["authority"].as_str().is_some_and(|a| !a.is_empty()),
-                "{at}: set `authority` explicitly (the Host header the backend expects)"
-            );
-            checked.push(at);
+    for form in Form::ALL {
+        let kong = Kong::load(form)?;
+        let mut checked = Vec::new();
+        for (name, text) in kong.stage_configs()? {
+            let json: Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: {name}: config is not JSON", kong.at))?;
+            let mut targets = Vec::new();
+            callout_targets(&json, &format!("{}: {name}", kong.at), &mut targets);
+            for (at, target) in targets {
+                let cluster = target["cluster"].as_str().unwrap_or_default();
+                // ngx_wasm_module takes a host (with an optional port) where
+                // Envoy takes a cluster name; an IP address needs no
+                // resolver, a name would depend on the resolver Kong is given.
+                ensure!(
+                    cluster.parse::<SocketAddr>().is_ok(),
+                    "{at}.cluster is {cluster:?}: in Kong it must be an IP:port (e.g. 127.0.0.1:18091), not a name"
+                );
+                // Otherwise the Host header would be the bare IP:port.
+                ensure!(
+                    target["authority"].as_str().is_some_and(|a| !a.is_empty()),
+                    "{at}: set `authority` explicitly (the Host header the backend expects)"
+                );
+                checked.push(at);
+            }
         }
+        // JWKS, API key introspection, audit sink, usage sink: the walk found them.
+        ensure!(
+            checked.len() >= 4,
+            "{}: expected at least 4 callout targets, found {checked:?}",
+            kong.at
+        );
     }
-    // JWKS, API key introspection, audit sink, usage sink: the walk found them.
-    ensure!(
-        checked.len() >= 4,
-        "expected at least 4 callout targets, found {checked:?}"
-    );
     Ok(())
 }
 
-/// The crate names in xtask's FILTERS list (what `cargo xtask build-wasm` builds).
+/// The crate names xtask builds as `.wasm`: its FILTERS list, and the
+/// fused filter if `cargo xtask build-wasm` builds it (in a run of its own).
 fn built_filters() -> Result<Vec<String>> {
     let source = fs::read_to_string(paths::root().join("xtask/src/main.rs"))
         .context("reading xtask/src/main.rs")?;
@@ -331,39 +533,46 @@ fn built_filters() -> Result<Vec<String>> {
     let end = list
         .find("];")
         .context("xtask/src/main.rs: FILTERS list not closed")?;
-    Ok(list[..end]
+    let mut built: Vec<String> = list[..end]
         .split('"')
         .skip(1)
         .step_by(2)
         .map(str::to_string)
-        .collect())
+        .collect();
+    if source.contains(&format!("[\"--package\", \"{FUSED_CRATE}\"]")) {
+        built.push(FUSED_CRATE.to_string());
+    }
+    Ok(built)
 }
 
 #[test]
-fn the_chain_and_the_build_list_the_same_filters() -> Result<()> {
-    let config = declarative()?;
+fn the_chains_and_the_build_list_the_same_filters() -> Result<()> {
     let built: BTreeSet<String> = built_filters()?.into_iter().collect();
     ensure!(
         !built.is_empty(),
         "xtask/src/main.rs: FILTERS lists no crates"
     );
-    let chain: BTreeSet<String> = chain(&config)?
-        .filters
-        .iter()
-        .map(|f| {
+    let mut chain = BTreeSet::new();
+    for form in Form::ALL {
+        let kong = Kong::load(form)?;
+        for filter in &kong.chain()?.filters {
             // Kong's name is the .wasm file name: zerolayer_<name>, built
             // from the crate zerolayer-<name>.
-            f.name
+            let krate = filter
+                .name
                 .strip_prefix("zerolayer_")
                 .map(|n| format!("zerolayer-{}", n.replace('_', "-")))
-                .unwrap_or_else(|| f.name.clone())
-        })
-        .collect();
-    let unbuilt: Vec<&String> = chain.difference(&built).collect();
-    ensure!(
-        unbuilt.is_empty(),
-        "kong/kong.yml names filters no crate in xtask's FILTERS builds: {unbuilt:?} (Kong would find no {WASM_DIR}/<name>.wasm)"
-    );
+                .unwrap_or_else(|| filter.name.clone());
+            ensure!(
+                built.contains(&krate),
+                "{} names {}, which no crate xtask builds makes (Kong would find no {WASM_DIR}/{}.wasm)",
+                kong.at,
+                filter.name,
+                filter.name
+            );
+            chain.insert(krate);
+        }
+    }
     let skipped: BTreeSet<String> = NOT_IN_KONG.iter().map(|(c, _)| c.to_string()).collect();
     let missing: Vec<&String> = built
         .difference(&chain)
@@ -371,7 +580,7 @@ fn the_chain_and_the_build_list_the_same_filters() -> Result<()> {
         .collect();
     ensure!(
         missing.is_empty(),
-        "xtask's FILTERS builds {missing:?}, which kong/kong.yml's chain lacks: add it to the chain (and kong/README.md), or to NOT_IN_KONG here with the reason"
+        "xtask builds {missing:?}, which neither kong/kong.yml's nor kong/kong-fused.yml's chain has: add it to a chain (and kong/README.md), or to NOT_IN_KONG here with the reason"
     );
     for (krate, why) in NOT_IN_KONG {
         ensure!(
@@ -504,20 +713,42 @@ fn kong_conf_enables_wasm_and_declares_what_the_filters_need() -> Result<()> {
         );
     }
 
+    // One kong.conf for both forms (the fused one is chosen with
+    // KONG_DECLARATIVE_CONFIG=kong/kong-fused.yml): its stages need the same
+    // secret, zone and queues as the separate filters.
+    let block = wasm_block(&conf);
+    for form in Form::ALL {
+        kong_conf_serves(&conf, &block, &Kong::load(form)?)?;
+    }
+    Ok(())
+}
+
+/// The directives of kong.conf's `wasm{}` block naming the queues the
+/// filters' observers register (`shm_queue <name> <size>`): name and size.
+fn declared_queues(block: &[Vec<String>]) -> Vec<(String, String)> {
+    block
+        .iter()
+        .filter(|d| d[0] == "shm_queue")
+        .filter_map(|d| Some((d.get(1)?.clone(), d.get(2)?.clone())))
+        .collect()
+}
+
+/// Checks that kong.conf (`conf`, its `wasm{}` directives `block`) gives
+/// `kong`'s stages what they need: the secret's `env`, the `*` zone, one
+/// queue per observer.
+fn kong_conf_serves(conf: &[(String, String)], block: &[Vec<String>], kong: &Kong) -> Result<()> {
+    let at = &kong.at;
     // nginx clears the workers' environment except `env`-declared variables:
     // post-cache's secret must be one of them.
-    let config = declarative()?;
-    let cache = PostCacheConfig::from_json(filter_config(&config, "post-cache")?.as_bytes())
-        .map_err(|e| anyhow!("post-cache config: {e}"))?;
-    let env = conf_value(&conf, "nginx_main_env")?;
+    let cache = kong.post_cache()?;
+    let env = conf_value(conf, "nginx_main_env")?;
     ensure!(
         env.split(|c: char| c == ';' || c.is_whitespace())
             .any(|v| v == cache.secret_env),
-        "kong/kong.conf: nginx_main_env must declare post-cache's secret_env {:?}, found {env:?}",
+        "kong/kong.conf: nginx_main_env must declare post-cache's secret_env {:?} ({at}), found {env:?}",
         cache.secret_env
     );
 
-    let block = wasm_block(&conf);
     // zerolayer's shared-data keys (`zl:…`) carry no `<zone>/` prefix: they
     // live in the default zone `*`, and without it every access traps.
     let kv: Vec<&Vec<String>> = block
@@ -532,25 +763,27 @@ fn kong_conf_enables_wasm_and_declares_what_the_filters_need() -> Result<()> {
     let kv_size = nginx_size(kv.get(2).context("shm_kv * has no size")?)?;
     ensure!(
         kv_size > cache.memory_bound(),
-        "kong/kong.conf: the `*` zone ({kv_size} bytes) cannot hold post-cache's bound ({} bytes: max_entries × max_entry_bytes); raise it or lower max_entries",
+        "kong/kong.conf: the `*` zone ({kv_size} bytes) cannot hold post-cache's bound in {at} ({} bytes: max_entries × max_entry_bytes); raise it or lower max_entries",
         cache.memory_bound()
     );
 
-    // One queue per filter observer, each declared once (nginx refuses a
+    // One queue per stage observer, each declared once (nginx refuses a
     // second zone with the same name).
-    for (filter, link) in observer_links(&config)? {
+    let queues = declared_queues(block);
+    for (filter, link) in kong.observer_links()? {
         let queue = tick_queue(&link, filter);
-        let declared: Vec<&Vec<String>> = block
+        let declared: Vec<&String> = queues
             .iter()
-            .filter(|d| d[0] == "shm_queue" && d.get(1) == Some(&queue))
+            .filter(|(name, _)| *name == queue)
+            .map(|(_, size)| size)
             .collect();
-        let [declared] = declared.as_slice() else {
+        let [size] = declared.as_slice() else {
             bail!(
-                "kong/kong.conf must declare `shm_queue {queue} <size>` exactly once for {filter}'s observer (declared {}; wasm{{}} gets {block:?})",
+                "kong/kong.conf must declare `shm_queue {queue} <size>` exactly once for {filter}'s observer in {at} (declared {}; wasm{{}} gets {block:?})",
                 declared.len()
             );
         };
-        let size = nginx_size(declared.get(2).context("shm_queue has no size")?)?;
+        let size = nginx_size(size)?;
         ensure!(
             size >= MIN_SHM_BYTES,
             "kong/kong.conf: queue {queue} is {size} bytes; ngx_wasm_module needs at least 15k"
@@ -564,5 +797,76 @@ fn kong_conf_enables_wasm_and_declares_what_the_filters_need() -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// Kong's form `form` in host-sim's Kong profile (Kong Gateway's build),
+/// with exactly the queues kong.conf declares and the cache secret in the
+/// environment (`nginx_main_env`).
+fn kong_gateway(form: Form) -> Result<(Host, host_sim::ChainId)> {
+    let conf = kong_conf()?;
+    let mut host = Host::with_options(HostOptions {
+        profile: Profile::Kong,
+        kong_queues: declared_queues(&wasm_block(&conf))
+            .into_iter()
+            .map(|(name, _)| name)
+            .collect(),
+        kong_gateway: true,
+        ..Default::default()
+    })?;
+    let kong = Kong::load(form)?;
+    let specs = kong
+        .config_texts()?
+        .into_iter()
+        .map(|(name, config)| {
+            let file = name.strip_prefix("zerolayer_").unwrap_or(&name);
+            Ok(PluginSpec::new(&name, paths::wasm(file)?)
+                .configuration(config)
+                .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let chain = host
+        .add_chain(specs)
+        .with_context(|| format!("{}: a filter refused its configuration", kong.at))?;
+    Ok((host, chain))
+}
+
+#[test]
+fn both_forms_configure_under_the_kong_profile_with_kong_confs_queues_and_agree() -> Result<()> {
+    // A request without a credential: activation decides, lazy-auth refuses
+    // it; the same answer from both forms.
+    let mut answers = Vec::new();
+    for form in Form::ALL {
+        let (mut host, chain) = kong_gateway(form)?;
+        let mut s = host.stream(chain)?;
+        s.request_headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/messages"),
+                (":authority", "gw"),
+                ("content-type", "application/json"),
+            ],
+            false,
+        );
+        s.request_body(
+            br#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}"#,
+            true,
+        );
+        let client = s.client();
+        ensure!(
+            !s.upstream().complete,
+            "{form:?}: a request without a credential reached the backend"
+        );
+        answers.push((client.status(), client.text()));
+    }
+    ensure!(
+        answers[0].0 == Some(401),
+        "the separate chain answered {:?}, expected 401",
+        answers[0]
+    );
+    ensure!(
+        answers[0] == answers[1],
+        "separate and fused forms answered differently: {answers:?}"
+    );
     Ok(())
 }
