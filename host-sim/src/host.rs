@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{Context as _, Result, anyhow, bail};
 use wasmtime::{Config, Engine, Module};
 
-use crate::abi::{Action, Headers};
+use crate::abi::{Action, Headers, LogLevel};
 use crate::vm::{HttpCallback, RootInfo, Vm};
 use crate::world::{
     CallResponse, Callout, Clock, Event, LocalResponse, LogLine, Profile, StreamData, StreamId,
@@ -169,6 +169,9 @@ struct StreamRun {
     finished: bool,
     /// Positions (chain order) whose request headers callback ran.
     decoded: usize,
+    /// Per chain position: time spent inside the module for this stream
+    /// (HTTP callbacks and the end-of-stream callbacks).
+    wasm: Vec<Duration>,
 }
 
 struct PluginInstance {
@@ -369,9 +372,24 @@ impl Host {
             next_tick_ns: 0,
         };
         let plugin = self.plugins.len();
-        let root = self.vms[vm]
-            .add_root(info, first)
-            .with_context(|| format!("plugin {} refused its configuration", spec.name))?;
+        let logged_before = self.world.borrow().logs.len();
+        let root = self.vms[vm].add_root(info, first).with_context(|| {
+            // Say why, as Envoy's log would: the module's own error lines.
+            let why: Vec<String> = self.world.borrow().logs[logged_before..]
+                .iter()
+                .filter(|l| l.level >= LogLevel::Error)
+                .map(|l| l.message.clone())
+                .collect();
+            if why.is_empty() {
+                format!("plugin {} refused its configuration", spec.name)
+            } else {
+                format!(
+                    "plugin {} refused its configuration: {}",
+                    spec.name,
+                    why.join("; ")
+                )
+            }
+        })?;
         self.plugins.push(PluginInstance {
             name: spec.name.clone(),
             stop_iteration: spec.allow_on_headers_stop_iteration,
@@ -490,6 +508,7 @@ impl Host {
                 reset: false,
                 finished: false,
                 decoded: 0,
+                wasm: vec![Duration::ZERO; plugins.len()],
             },
         );
         Ok(id)
@@ -557,6 +576,11 @@ impl Host {
             data.held_headers.remove(&(chain_index, response));
         }
         let spent = started.elapsed();
+        if let Some(run) = self.streams.get_mut(&id)
+            && let Some(total) = run.wasm.get_mut(chain_index)
+        {
+            *total += spent;
+        }
         let entry = self.timings.entry((plugin, callback.name())).or_default();
         entry.0 += 1;
         entry.1 += spent;
@@ -942,9 +966,30 @@ impl Host {
         if let Some(data) = self.world.borrow_mut().streams.get_mut(&id) {
             data.logging = true;
         }
-        for (vm, context) in filters {
+        for (index, (vm, context)) in filters.into_iter().enumerate() {
+            let started = std::time::Instant::now();
             self.vms[vm].finish_context(context);
+            if let Some(total) = self
+                .streams
+                .get_mut(&id)
+                .and_then(|run| run.wasm.get_mut(index))
+            {
+                *total += started.elapsed();
+            }
         }
+    }
+
+    /// Time spent inside each filter of the chain for one stream, in chain
+    /// order: (plugin name, total over its HTTP and end-of-stream callbacks).
+    pub fn stream_wasm_times(&self, id: StreamId) -> Vec<(String, Duration)> {
+        let Some(run) = self.streams.get(&id) else {
+            return Vec::new();
+        };
+        run.plugins
+            .iter()
+            .zip(&run.wasm)
+            .map(|(plugin, spent)| (self.plugins[*plugin].name.clone(), *spent))
+            .collect()
     }
 
     /// Resets a stream (client went away, upstream reset, or a filter closed it).

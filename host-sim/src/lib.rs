@@ -22,9 +22,13 @@ pub mod config_file;
 mod host;
 mod imports;
 pub mod metrics;
+pub mod playground;
 mod properties;
 pub mod reconcile;
+pub mod replay;
+pub mod report;
 pub mod serve;
+pub mod traffic;
 mod vm;
 pub mod world;
 

@@ -3,7 +3,10 @@
 //! ```text
 //! host-sim serve --chain envoy/activation.yaml --upstream http://127.0.0.1:8080 --listen 127.0.0.1:10000
 //! host-sim stub --listen 127.0.0.1:18080 --ttft-ms 150 --itl-ms 20
+//! host-sim playground --listen 127.0.0.1:8787 --dir target/playground
 //! host-sim reconcile --access-log access.log --clickhouse http://127.0.0.1:8123 --out corrections.jsonl
+//! host-sim replay --chain envoy/zerolayer.yaml --traffic traffic.jsonl --upstream stub --report report.html
+//! host-sim import --from har session.har --out traffic.jsonl
 //! ```
 
 use std::io::{BufReader, Write};
@@ -16,7 +19,9 @@ use anyhow::{Context, Result, bail};
 use host_sim::Profile;
 use host_sim::config_file::ChainFile;
 use host_sim::reconcile;
+use host_sim::replay::{self, ReplayOptions, Upstream};
 use host_sim::serve::{ServeOptions, Server};
+use host_sim::{report, traffic};
 use zerolayer_stub::{Fault, StubConfig};
 
 const USAGE: &str = "\
@@ -30,10 +35,26 @@ usage:
   host-sim stub [--listen ADDR] [--ttft-ms N] [--itl-ms N] [--cache-control V] [--fault F]
       Run the GPU inference backend stub (Anthropic /v1/messages, OpenAI
       /v1/chat/completions; see host-sim/stub/README.md).
+  host-sim playground [--listen ADDR] [--dir DIR]
+      Serve the rule playground page (`cargo xtask build-playground`; DIR,
+      default target/playground) on ADDR (default 127.0.0.1:8787).
   host-sim reconcile --access-log FILE (--sample FILE | --clickhouse URL [--table NAME])
                      [--threshold FRACTION] [--out FILE]
       Compare the metering sample with the access log per tenant and hour
       and emit correction rows (`host-sim reconcile --help`).
+  host-sim replay --chain FILE --traffic FILE --upstream stub|recorded|URL
+                  [--speed F] [--concurrency N] [--no-baseline] [--out FILE] [--report FILE]
+                  [--cluster NAME=IP:PORT]... [--capture CLUSTER]... [--title TEXT]
+                  [--profile envoy|kong] [--kong-queues NAME,NAME…] [--no-progress]
+      Replay recorded traffic (JSON Lines, host-sim/REPLAY.md) through the chain
+      at its recorded arrival times divided by F (0: no waiting), at most N in
+      flight (default 16), then once more straight to the upstream for the
+      baseline. Per-request results as JSON Lines to --out (default: none),
+      an HTML report to --report, the summary on stdout. --cluster points a
+      cluster elsewhere; --capture answers it in-process and keeps what the
+      observer ships (the metering sample, compared with the truth).
+  host-sim import --from envoy|har FILE [--out FILE]
+      Turn Envoy's JSON access log or a HAR file into replay traffic.
 ";
 
 fn main() -> ExitCode {
@@ -41,7 +62,10 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("serve") => serve(&args[1..]),
         Some("stub") => stub(&args[1..]),
+        Some("playground") => host_sim::playground::main(&args[1..]),
         Some("reconcile") => reconcile(&args[1..]),
+        Some("replay") => replay(&args[1..]),
+        Some("import") => import(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             print!("{USAGE}");
             Ok(())
@@ -87,6 +111,28 @@ impl Args {
             .and_then(|(_, v)| v.as_deref())
     }
 
+    /// Every value of a repeatable option, in order.
+    fn all(&self, name: &str) -> Vec<&str> {
+        self.0
+            .iter()
+            .filter(|(n, _)| n == name)
+            .filter_map(|(_, v)| v.as_deref())
+            .collect()
+    }
+
+    /// Refuses options not in `known`, and repeats of those not in `repeatable`.
+    fn only(&self, known: &[&str], repeatable: &[&str]) -> Result<()> {
+        for (i, (name, _)) in self.0.iter().enumerate() {
+            if !known.contains(&name.as_str()) {
+                bail!("unknown option --{name}\n{USAGE}");
+            }
+            if !repeatable.contains(&name.as_str()) && self.0[..i].iter().any(|(n, _)| n == name) {
+                bail!("--{name} is given twice");
+            }
+        }
+        Ok(())
+    }
+
     fn flag(&self, name: &str) -> bool {
         self.0.iter().any(|(n, _)| n == name)
     }
@@ -125,11 +171,7 @@ fn serve(args: &[String]) -> Result<()> {
                 })?
         }
     };
-    let profile = match args.get("profile").unwrap_or("envoy") {
-        "envoy" => Profile::Envoy,
-        "kong" => Profile::Kong,
-        other => bail!("--profile: envoy or kong, not {other:?}"),
-    };
+    let profile = profile(&args)?;
     let server = Server::start(ServeOptions {
         chain,
         upstream,
@@ -141,6 +183,7 @@ fn serve(args: &[String]) -> Result<()> {
             .get("kong-queues")
             .map(|list| list.split(',').map(str::to_string).collect())
             .unwrap_or_default(),
+        records: None,
     })?;
     eprintln!(
         "host-sim: serving {} → {upstream} (admin http://{})",
@@ -182,23 +225,18 @@ fn reconcile(args: &[String]) -> Result<()> {
         print!("{}", reconcile::USAGE);
         return Ok(());
     }
-    let known = [
-        "access-log",
-        "sample",
-        "clickhouse",
-        "table",
-        "threshold",
-        "out",
-    ];
-    for (i, (name, _)) in args.0.iter().enumerate() {
-        if !known.contains(&name.as_str()) {
-            bail!("unknown option --{name}\n{}", reconcile::USAGE);
-        }
-        // `get` reads the first: a second one would be ignored silently.
-        if args.0[..i].iter().any(|(n, _)| n == name) {
-            bail!("--{name} is given twice");
-        }
-    }
+    args.only(
+        &[
+            "access-log",
+            "sample",
+            "clickhouse",
+            "table",
+            "threshold",
+            "out",
+            "help",
+        ],
+        &[],
+    )?;
     let open = |path: &str| -> Result<BufReader<std::fs::File>> {
         Ok(BufReader::new(
             std::fs::File::open(path).with_context(|| format!("opening {path}"))?,
@@ -252,6 +290,154 @@ fn reconcile(args: &[String]) -> Result<()> {
             std::io::stdout().write_all(rows.as_bytes())?;
             eprint!("{summary}");
         }
+    }
+    Ok(())
+}
+
+fn profile(args: &Args) -> Result<Profile> {
+    match args.get("profile").unwrap_or("envoy") {
+        "envoy" => Ok(Profile::Envoy),
+        "kong" => Ok(Profile::Kong),
+        other => bail!("--profile: envoy or kong, not {other:?}"),
+    }
+}
+
+fn replay(args: &[String]) -> Result<()> {
+    let args = Args::parse(args, &["no-baseline", "no-progress"])?;
+    args.only(
+        &[
+            "chain",
+            "traffic",
+            "upstream",
+            "speed",
+            "concurrency",
+            "no-baseline",
+            "out",
+            "report",
+            "cluster",
+            "capture",
+            "title",
+            "profile",
+            "kong-queues",
+            "no-progress",
+        ],
+        &["cluster", "capture"],
+    )?;
+    let chain_path = args.get("chain").context("--chain FILE is required")?;
+    let chain = ChainFile::load(&PathBuf::from(chain_path), &std::env::current_dir()?)?;
+    let traffic_path = args.get("traffic").context("--traffic FILE is required")?;
+    let file =
+        std::fs::File::open(traffic_path).with_context(|| format!("opening {traffic_path}"))?;
+    let records = traffic::read(BufReader::new(file)).with_context(|| traffic_path.to_string())?;
+    if records.is_empty() {
+        bail!("{traffic_path}: no requests to replay");
+    }
+    let mut options = ReplayOptions::new(chain, records);
+    options.upstream = match args
+        .get("upstream")
+        .context("--upstream stub|recorded|URL is required")?
+    {
+        "stub" => Upstream::Stub(StubConfig::default()),
+        "recorded" => Upstream::Recorded,
+        url => Upstream::Addr(
+            url.strip_prefix("http://")
+                .unwrap_or(url)
+                .trim_end_matches('/')
+                .parse()
+                .with_context(|| {
+                    format!("--upstream: stub, recorded or http://IP:PORT, not {url:?}")
+                })?,
+        ),
+    };
+    if let Some(speed) = args.get("speed") {
+        options.speed = speed
+            .parse()
+            .ok()
+            .filter(|s: &f64| s.is_finite() && *s >= 0.0)
+            .with_context(|| format!("--speed: a factor >= 0 (0 = no waiting), not {speed:?}"))?;
+    }
+    if let Some(n) = args.get("concurrency") {
+        options.concurrency = n
+            .parse()
+            .ok()
+            .filter(|n| *n > 0)
+            .with_context(|| format!("--concurrency: a count >= 1, not {n:?}"))?;
+    }
+    options.baseline = !args.flag("no-baseline");
+    options.profile = profile(&args)?;
+    options.kong_queues = args
+        .get("kong-queues")
+        .map(|list| list.split(',').map(str::to_string).collect())
+        .unwrap_or_default();
+    for cluster in args.all("cluster") {
+        let (name, addr) = cluster
+            .split_once('=')
+            .with_context(|| format!("--cluster: NAME=IP:PORT, not {cluster:?}"))?;
+        let addr: SocketAddr = addr
+            .parse()
+            .with_context(|| format!("--cluster {name}: expected IP:PORT, got {addr:?}"))?;
+        options.clusters.push((name.to_string(), addr));
+    }
+    options.capture = args
+        .all("capture")
+        .into_iter()
+        .map(str::to_string)
+        .collect();
+    options.progress = !args.flag("no-progress");
+
+    let result = replay::run(options)?;
+    if let Some(path) = args.get("out") {
+        let mut lines = String::new();
+        for request in &result.requests {
+            lines.push_str(&serde_json::to_string(request)?);
+            lines.push('\n');
+        }
+        std::fs::write(path, lines).with_context(|| format!("writing {path}"))?;
+    }
+    if let Some(path) = args.get("report") {
+        let title = args
+            .get("title")
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("zerolayer replay: {traffic_path} through {chain_path}"));
+        std::fs::write(path, report::html(&result, &title))
+            .with_context(|| format!("writing {path}"))?;
+    }
+    print!("{}", result.summary());
+    Ok(())
+}
+
+fn import(args: &[String]) -> Result<()> {
+    let (from, rest) = match args {
+        [flag, from, file, rest @ ..] if flag == "--from" => (from.as_str(), (file, rest)),
+        _ => bail!("usage: host-sim import --from envoy|har FILE [--out FILE]"),
+    };
+    let (file, rest) = rest;
+    let options = Args::parse(rest, &[])?;
+    options.only(&["out"], &[])?;
+    let text = std::fs::read_to_string(file).with_context(|| format!("reading {file}"))?;
+    let records = match from {
+        "envoy" => {
+            let (records, without_body) = traffic::import_envoy_access_log(text.as_bytes())
+                .with_context(|| file.to_string())?;
+            if without_body > 0 {
+                eprintln!(
+                    "host-sim import: {without_body} of {} requests have no body in the log \
+                     (log `request_body` to keep it); they replay with an empty body",
+                    records.len()
+                );
+            }
+            records
+        }
+        "har" => traffic::import_har(&text).with_context(|| file.to_string())?,
+        other => bail!("--from: envoy or har, not {other:?}"),
+    };
+    let lines = traffic::write(&records)?;
+    match options.get("out") {
+        Some(path) => {
+            std::fs::write(path, lines).with_context(|| format!("writing {path}"))?;
+            eprintln!("host-sim import: {} requests → {path}", records.len());
+        }
+        None => std::io::stdout().write_all(lines.as_bytes())?,
     }
     Ok(())
 }

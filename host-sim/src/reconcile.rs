@@ -501,6 +501,15 @@ pub fn parse_access_log_line(line: &str) -> Result<Option<TruthRow>> {
     Ok(Some(row))
 }
 
+/// The usage record metering published for one request (its
+/// `wasmx.zerolayer_usage` hand-off, a JSON object) as a truth row.
+pub fn parse_usage(json: &[u8]) -> Result<TruthRow> {
+    let Value::Object(usage) = serde_json::from_slice(json).context("usage: not JSON")? else {
+        bail!("usage: not a JSON object");
+    };
+    usage_row(&usage)
+}
+
 /// One sample row (a JSON object; 64-bit integers may be numeric strings,
 /// as ClickHouse 18.16 writes them).
 pub fn parse_sample_line(line: &str) -> Result<SampleRow> {

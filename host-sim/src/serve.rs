@@ -50,7 +50,33 @@ pub struct ServeOptions {
     pub echo_logs: bool,
     /// Kong: the declared shared queues (`shm_queue`).
     pub kong_queues: Vec<String>,
+    /// Where to send a [`StreamRecord`] for each stream that ends (replay).
+    pub records: Option<std_mpsc::Sender<StreamRecord>>,
 }
+
+/// What the chain did with one stream, sent when the stream ends.
+#[derive(Debug, Clone)]
+pub struct StreamRecord {
+    /// The request's `x-request-id` as it entered the chain.
+    pub request_id: String,
+    /// Time inside each filter for this stream, chain order.
+    pub wasm: Vec<(String, Duration)>,
+    /// From the request leaving the chain to the upstream response's end
+    /// reaching it; `None` when no request went upstream.
+    pub upstream: Option<Duration>,
+    /// Whether a filter answered the request itself.
+    pub local_reply: bool,
+    /// The hand-off values the filters published (observers, auth, usage),
+    /// by property name (`wasmx.zerolayer_…`).
+    pub handoffs: Vec<(String, Vec<u8>)>,
+}
+
+/// Hand-off properties copied into a [`StreamRecord`].
+const RECORDED_HANDOFFS: [&str; 3] = [
+    "wasmx.zerolayer_observers",
+    "wasmx.zerolayer_auth",
+    "wasmx.zerolayer_usage",
+];
 
 /// Events from the Wasm thread to one stream's network task.
 #[derive(Debug)]
@@ -118,7 +144,7 @@ impl Server {
         let addr = listener.local_addr()?;
         let admin = admin_listener.local_addr()?;
         let client: Client<HttpConnector, BoxBody<Bytes, Infallible>> =
-            Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+            Client::builder(TokioExecutor::new()).build(crate::replay::connector());
         let proxy = Proxy {
             commands: commands.clone(),
             upstream: options.upstream,
@@ -181,6 +207,11 @@ struct Emitted {
 struct Open {
     events: mpsc::UnboundedSender<StreamEvent>,
     emitted: Emitted,
+    request_id: String,
+    /// When the request headers left the chain for the upstream.
+    upstream_sent: Option<Instant>,
+    /// When the upstream response's end reached the chain.
+    upstream_done: Option<Instant>,
 }
 
 fn wasm_thread(
@@ -240,11 +271,19 @@ fn wasm_thread(
             }) => match host.open_stream(chain, info) {
                 Ok(id) => {
                     let _ = reply.send(id);
+                    let request_id = headers
+                        .iter()
+                        .find(|(k, _)| k == "x-request-id")
+                        .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+                        .unwrap_or_default();
                     open.insert(
                         id,
                         Open {
                             events,
                             emitted: Emitted::default(),
+                            request_id,
+                            upstream_sent: None,
+                            upstream_done: None,
                         },
                     );
                     host.deliver_headers(id, false, headers, end);
@@ -255,9 +294,17 @@ fn wasm_thread(
             },
             Ok(Command::RequestData(id, data, end)) => host.deliver_data(id, false, data, end),
             Ok(Command::ResponseHeaders(id, headers, end)) => {
+                if end {
+                    upstream_done(&mut open, id);
+                }
                 host.deliver_headers(id, true, headers, end)
             }
-            Ok(Command::ResponseData(id, data, end)) => host.deliver_data(id, true, data, end),
+            Ok(Command::ResponseData(id, data, end)) => {
+                if end {
+                    upstream_done(&mut open, id);
+                }
+                host.deliver_data(id, true, data, end)
+            }
             Ok(Command::Reset(id)) => host.reset(id),
             Ok(Command::CalloutDone(token, response)) => {
                 started_callouts.remove(&token);
@@ -282,7 +329,44 @@ fn wasm_thread(
         }
         host.fire_due(host.now_ns());
         start_callouts(&host, &clusters, &mut started_callouts, &commands, &runtime);
-        sync_streams(&mut host, &mut open, &options.chain.route_request_headers);
+        sync_streams(
+            &mut host,
+            &mut open,
+            &options.chain.route_request_headers,
+            options.records.as_ref(),
+        );
+    }
+}
+
+fn upstream_done(open: &mut HashMap<StreamId, Open>, id: StreamId) {
+    if let Some(stream) = open.get_mut(&id) {
+        stream.upstream_done.get_or_insert_with(Instant::now);
+    }
+}
+
+/// The record of a stream that ended, read before its bookkeeping goes.
+fn stream_record(host: &Host, id: StreamId, stream: &Open) -> StreamRecord {
+    let handoffs = RECORDED_HANDOFFS
+        .iter()
+        .filter_map(|name| {
+            // Envoy keys filter state `wasm.<path>`; the Kong profiles keep
+            // the path itself (or Kong Gateway's `kong.ctx.shared.<name>`).
+            let kong = name.replacen("wasmx.", "kong.ctx.shared.", 1);
+            [format!("wasm.{name}"), name.to_string(), kong]
+                .iter()
+                .find_map(|key| host.filter_state(id, key))
+                .map(|value| (name.to_string(), value))
+        })
+        .collect();
+    StreamRecord {
+        request_id: stream.request_id.clone(),
+        wasm: host.stream_wasm_times(id),
+        upstream: match (stream.upstream_sent, stream.upstream_done) {
+            (Some(sent), Some(done)) => Some(done.saturating_duration_since(sent)),
+            _ => None,
+        },
+        local_reply: host.local_of(id).is_some(),
+        handoffs,
     }
 }
 
@@ -322,6 +406,7 @@ fn sync_streams(
     host: &mut Host,
     open: &mut HashMap<StreamId, Open>,
     route_headers: &[(String, String)],
+    records: Option<&std_mpsc::Sender<StreamRecord>>,
 ) {
     let mut done = vec![];
     for (id, stream) in open.iter_mut() {
@@ -329,6 +414,7 @@ fn sync_streams(
         if let Some(up) = host.upstream_output(*id) {
             if let (false, Some(headers)) = (e.up_headers, &up.headers) {
                 e.up_headers = true;
+                stream.upstream_sent = Some(Instant::now());
                 let end = up.complete && up.body.is_empty();
                 e.up_end = end;
                 // Envoy's router adds the route's headers after the filters.
@@ -383,7 +469,11 @@ fn sync_streams(
         }
     }
     for id in done {
-        open.remove(&id);
+        if let Some(stream) = open.remove(&id)
+            && let Some(records) = records
+        {
+            let _ = records.send(stream_record(host, id, &stream));
+        }
         host.drop_stream(id);
     }
 }
@@ -420,6 +510,9 @@ async fn accept(listener: TcpListener, proxy: Proxy) {
         let Ok((socket, peer)) = listener.accept().await else {
             continue;
         };
+        // Without it, a request whose body follows its headers in a second
+        // write waits for a delayed ACK (~40 ms on Linux), as Envoy never does.
+        let _ = socket.set_nodelay(true);
         let proxy = proxy.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req| {

@@ -138,6 +138,7 @@ impl Pair {
             profile: Profile::Envoy,
             echo_logs: false,
             kong_queues: Vec::new(),
+            records: None,
         })
         .context("starting host-sim serve")?;
         Ok(Pair {
