@@ -144,7 +144,7 @@ fn wasm_chart(replay: &Replay) -> Chart {
     Chart::Svg(bar_chart(&groups, &["p50", "p99"], "µs per request"))
 }
 
-/// Hits over lookups (HIT + MISS) in time buckets of the replay.
+/// Hits over lookups (HIT + MISS) in up to 20 time buckets of the replay.
 fn cache_chart(replay: &Replay) -> Chart {
     let lookups: Vec<(f64, bool)> = replay
         .requests
@@ -159,7 +159,8 @@ fn cache_chart(replay: &Replay) -> Chart {
         return Chart::Empty("no cache lookups (no x-cache: HIT or MISS)");
     }
     let end = lookups.iter().map(|l| l.0).fold(0.0, f64::max).max(1.0);
-    let buckets = 20.min(lookups.len()).max(1);
+    // About five lookups a bucket at least, so one request is no swing of 100%.
+    let buckets = (lookups.len() / 5).clamp(1, 20);
     let width = end / buckets as f64;
     let mut counts = vec![(0usize, 0usize); buckets];
     for (at, hit) in &lookups {
