@@ -282,3 +282,46 @@ fn recorded_responses_replay_without_a_backend_and_bad_input_is_refused() -> Res
     );
     Ok(())
 }
+
+#[test]
+fn replay_against_the_real_model_server() -> Result<()> {
+    let model = zerolayer_e2e::ModelServer::shared()?;
+    let services = AuthServices::start(introspect)?;
+    let key = [("x-api-key", GOOD_API_KEY)];
+    // The first request of a new key is admitted unverified; the rest wait
+    // for nothing (verified by then, or inline).
+    let records = vec![
+        request(0.0, "/v1/messages", &key, Some(anthropic("Say hi.", false))),
+        request(
+            300.0,
+            "/v1/chat/completions",
+            &key,
+            Some(openai("Count to three.", true)),
+        ),
+        request(
+            600.0,
+            "/v1/messages",
+            &key,
+            Some(anthropic("Name a colour.", true)),
+        ),
+    ];
+    let mut options = ReplayOptions::new(chain()?, records);
+    options.upstream = Upstream::Addr(model.addr());
+    options.clusters = vec![
+        ("idp".into(), services.idp.addr()),
+        ("api_keys".into(), services.api_keys.addr()),
+    ];
+    options.baseline = false;
+    let replay = replay::run(options)?;
+    for r in &replay.requests {
+        assert_eq!(r.status, 200, "{r:?}\n{}", model.log());
+        let usage = r.usage.as_ref().expect("metered");
+        assert!(
+            usage["output_tokens"].as_u64().is_some_and(|n| n > 0),
+            "{r:?}"
+        );
+        assert!(r.upstream_ms.is_some_and(|ms| ms > 0.0), "{r:?}");
+        assert_eq!(r.baseline_ms, None);
+    }
+    Ok(())
+}
