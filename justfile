@@ -16,6 +16,10 @@ setup:
 build-wasm:
     cargo xtask build-wasm
 
+# Build the rule playground page into target/playground/ (serve: cargo run -p host-sim -- playground).
+playground:
+    cargo xtask build-playground
+
 # Criterion benchmarks.
 bench:
     cargo xtask bench

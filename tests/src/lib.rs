@@ -1,9 +1,11 @@
 //! End-to-end harness shared by the tests and the demo: real Envoy started
-//! from the project's own configs, loopback upstreams, an HTTP client.
+//! from the project's own configs, loopback upstreams, an HTTP client, and
+//! headless Chromium for the project's pages.
 //!
 //! Everything binds to 127.0.0.1 on ports the kernel picks, so tests run in
 //! parallel; every process started here is stopped by PID when dropped.
 
+pub mod browser;
 pub mod chain;
 pub mod clickhouse;
 pub mod client;

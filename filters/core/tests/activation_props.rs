@@ -197,10 +197,20 @@ fn reference_holds(c: &Condition, req: &Request, offset: i64) -> bool {
 
 /// Apply matching rules from the weakest to the strongest, later writes
 /// winning: lowest priority first and, within a priority, the rule listed
-/// last first.
-fn reference_decide(cfg: &ActivationConfig, req: &Request) -> (Vec<String>, Vec<String>) {
+/// last first. Also returns, per observer, the position of the rule that
+/// wrote it last (the one that decided it), if any did.
+fn reference_decide(
+    cfg: &ActivationConfig,
+    req: &Request,
+) -> (
+    Vec<String>,
+    Vec<String>,
+    BTreeMap<&'static str, Option<usize>>,
+) {
     let offset = offset_seconds(cfg.utc_offset.as_deref().unwrap_or("+00:00"));
     let mut state: BTreeMap<&str, bool> = OBSERVERS.iter().map(|o| (*o, false)).collect();
+    let mut decider: BTreeMap<&'static str, Option<usize>> =
+        OBSERVERS.iter().map(|o| (*o, None)).collect();
     for d in &cfg.defaults {
         state.insert(d, true);
     }
@@ -216,12 +226,14 @@ fn reference_decide(cfg: &ActivationConfig, req: &Request) -> (Vec<String>, Vec<
         .collect();
     let matched = matching.iter().map(|(_, r)| r.name.clone()).collect();
     matching.sort_by_key(|(i, r)| (r.priority, std::cmp::Reverse(*i)));
-    for (_, r) in matching {
-        for o in &r.activate {
-            state.insert(o, true);
-        }
-        for o in &r.deactivate {
-            state.insert(o, false);
+    for (position, r) in matching {
+        for (list, on) in [(&r.activate, true), (&r.deactivate, false)] {
+            for o in list {
+                state.insert(o, on);
+                if let Some(name) = OBSERVERS.iter().find(|n| **n == o.as_str()) {
+                    decider.insert(name, Some(position));
+                }
+            }
         }
     }
     let on = OBSERVERS
@@ -229,7 +241,7 @@ fn reference_decide(cfg: &ActivationConfig, req: &Request) -> (Vec<String>, Vec<
         .filter(|o| state[*o])
         .map(|o| o.to_string())
         .collect();
-    (on, matched)
+    (on, matched, decider)
 }
 
 proptest! {
@@ -247,11 +259,18 @@ proptest! {
                 .map(|o| o.to_string()).collect();
             on.sort();
             let matched: Vec<String> = decision.matched.iter().map(|i| compiled.rule_names()[i].to_string()).collect();
-            let (mut want_on, want_matched) = reference_decide(&parsed, req);
+            let (mut want_on, want_matched, want_decider) = reference_decide(&parsed, req);
             want_on.sort();
             prop_assert_eq!(&on, &want_on, "observers for {:?}", req);
             prop_assert_eq!(&matched, &want_matched, "matched rules for {:?}", req);
+            for (observer, want) in &want_decider {
+                let id = compiled.observers().lookup(observer).unwrap();
+                prop_assert_eq!(compiled.decided_by(decision.matched, id), *want, "deciding rule of {} for {:?}", observer, req);
+            }
         }
+        let mut order: Vec<usize> = (0..parsed.rules.len()).collect();
+        order.sort_by_key(|i| std::cmp::Reverse(parsed.rules[*i].priority));
+        prop_assert_eq!(compiled.decision_order().collect::<Vec<_>>(), order);
     }
 }
 

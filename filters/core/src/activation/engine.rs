@@ -5,7 +5,7 @@
 use std::cell::Cell;
 
 use super::pattern::Pattern;
-use crate::observers::{ObserverNames, ObserverSet};
+use crate::observers::{ObserverId, ObserverNames, ObserverSet};
 use crate::sampling::Rate;
 
 /// Index of a header in [`RuleSet::header_names`]; the host adapter fetches
@@ -134,6 +134,34 @@ impl RuleSet {
             observers: ObserverSet::from_bits(observers),
             matched: RuleMask(matched),
         }
+    }
+
+    /// The rule that decided `observer` for a request whose matching rules
+    /// are `matched` (a [`Decision::matched`] from this rule set): the
+    /// configuration position of the first matching rule in decision order
+    /// that lists the observer in `activate` or `deactivate`. `None` when no
+    /// matching rule lists it, so it kept its default. Not for the hot path:
+    /// tools that explain a decision call it (the filters never do).
+    pub fn decided_by(&self, matched: RuleMask, observer: ObserverId) -> Option<usize> {
+        let bit = ObserverSet::of(observer).bits();
+        self.rules
+            .iter()
+            .find(|rule| {
+                matched.contains(rule.position) && (rule.activate | rule.deactivate) & bit != 0
+            })
+            .map(|rule| rule.position)
+    }
+
+    /// Configuration positions of the rules in decision order: priority
+    /// descending, equal priorities in configuration order.
+    pub fn decision_order(&self) -> impl Iterator<Item = usize> + '_ {
+        self.rules.iter().map(|rule| rule.position)
+    }
+
+    /// The configured `utc_offset`, in seconds east of UTC (what `hours` and
+    /// `weekdays` conditions see, through [`local_hour`] and [`local_weekday`]).
+    pub fn utc_offset_seconds(&self) -> i32 {
+        self.utc_offset_seconds
     }
 
     /// Lower-case names of the headers rules read, indexed by [`HeaderSlot`].
@@ -321,6 +349,66 @@ mod tests {
         // Before the epoch.
         assert_eq!(local_weekday(-1, 0), 2);
         assert_eq!(local_hour(-1, 0), 23);
+    }
+
+    /// A request with only a path (no headers, no id, the epoch).
+    struct PathOnly(&'static str);
+
+    impl RequestFacts for PathOnly {
+        fn header(&self, _: HeaderSlot) -> Option<&[u8]> {
+            None
+        }
+        fn path(&self) -> &[u8] {
+            self.0.as_bytes()
+        }
+        fn method(&self) -> &[u8] {
+            b"GET"
+        }
+        fn tenant(&self) -> Option<&[u8]> {
+            None
+        }
+        fn request_id(&self) -> Option<&[u8]> {
+            None
+        }
+        fn unix_seconds(&self) -> i64 {
+            0
+        }
+    }
+
+    #[test]
+    fn decided_by_names_the_first_matching_rule_in_decision_order() {
+        let rules = RuleSet::from_json(
+            br#"{"defaults":["audit"],"utc_offset":"-05:30","rules":[
+                {"name":"low","priority":1,"activate":["metering","cache"]},
+                {"name":"high","priority":9,"when":{"path":{"prefix":"/v1"}},"deactivate":["metering"]},
+                {"name":"never","priority":50,"when":{"any":[]},"activate":["metering"]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(rules.decision_order().collect::<Vec<_>>(), [2, 1, 0]);
+        assert_eq!(rules.utc_offset_seconds(), -(5 * 3600 + 30 * 60));
+
+        let v1 = rules.evaluate(&PathOnly("/v1/messages"));
+        assert_eq!(v1.matched.iter().collect::<Vec<_>>(), [0, 1]);
+        // `never` lists metering but did not match: `high` decides it (off).
+        assert_eq!(rules.decided_by(v1.matched, ObserverId::METERING), Some(1));
+        assert!(!v1.observers.contains(ObserverId::METERING));
+        // Only `low` lists cache.
+        assert_eq!(rules.decided_by(v1.matched, ObserverId::CACHE), Some(0));
+        // Nobody lists audit: it kept its default.
+        assert_eq!(rules.decided_by(v1.matched, ObserverId::AUDIT), None);
+        assert!(v1.observers.contains(ObserverId::AUDIT));
+
+        let other = rules.evaluate(&PathOnly("/healthz"));
+        assert_eq!(
+            rules.decided_by(other.matched, ObserverId::METERING),
+            Some(0)
+        );
+        assert!(other.observers.contains(ObserverId::METERING));
+        // No rule matched at all: nothing decided anything.
+        assert_eq!(
+            rules.decided_by(RuleMask::default(), ObserverId::CACHE),
+            None
+        );
     }
 
     #[test]
