@@ -45,6 +45,14 @@ fn bad_configurations_name_the_field_and_value() {
             r#"rules[0].when.header.name: invalid header name "bad header""#,
         ),
         (
+            r#"{"rules":[{"name":"a","when":{"header":{"name":"X-ZeroLayer-Observers","equals":"all"}}}]}"#,
+            r#"rules[0].when.header.name: "X-ZeroLayer-Observers" is reserved: zerolayer removes client-sent x-zerolayer-* headers, so no rule may read one"#,
+        ),
+        (
+            r#"{"tenant_header":"x-zerolayer-tenant"}"#,
+            r#"tenant_header: "x-zerolayer-tenant" is reserved: zerolayer removes client-sent x-zerolayer-* headers, so no rule may read one"#,
+        ),
+        (
             r#"{"rules":[{"name":"a","when":{"header":{"name":"x-a","in":[]}}}]}"#,
             "rules[0].when.header.in: empty list never matches",
         ),

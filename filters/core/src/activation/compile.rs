@@ -296,6 +296,19 @@ fn header_name(name: &str, at: &str) -> Result<Box<str>, ConfigError> {
             format!("invalid header name {}", quoted(name)),
         ));
     }
+    // The filter removes a client's `x-zerolayer-*` headers, but it reads
+    // the request before it removes them: a rule on one would see the
+    // client's forged value. None is the client's to set, so none is a fact.
+    if crate::internal::is_internal_header(name) {
+        return Err(ConfigError::new(
+            at,
+            format!(
+                "{} is reserved: zerolayer removes client-sent {}* headers, so no rule may read one",
+                quoted(name),
+                crate::internal::INTERNAL_HEADER_PREFIX
+            ),
+        ));
+    }
     Ok(name.to_ascii_lowercase().into())
 }
 
