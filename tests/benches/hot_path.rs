@@ -3,16 +3,19 @@
 //! token (the hot path), activation with ten rules, and a trivial filter
 //! (the probe without actions) as the floor every filter pays; metering's
 //! whole per-request cost (every callback) for a JSON and an SSE response;
-//! post-cache's for a hit and for a miss that is then stored.
+//! post-cache's for a hit and for a miss that is then stored; and the whole
+//! chain (`chain/…`), as four separate filters and as the fused filter, with
+//! the shipped configurations: every callback of every stage per request.
 #![allow(missing_docs)]
 
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use host_sim::{CallResponse, ChainId, ClusterTarget, Host, PluginSpec};
-use serde_json::json;
-use zerolayer_e2e::paths;
+use serde_json::{Value, json};
+use zerolayer_e2e::chain::{CACHE_SECRET, anthropic, openai};
 use zerolayer_e2e::tokens::{self, issuer};
+use zerolayer_e2e::{EnvoyConfig, paths};
 
 const NOW: u64 = 1_795_953_600;
 
@@ -309,5 +312,230 @@ fn post_cache(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, lazy_auth, baselines, metering, post_cache);
+/// The shipped stage configurations (`envoy/zerolayer.yaml`) for host-sim:
+/// the test issuer, the audit sink and ClickHouse answered by handlers.
+fn chain_stages() -> Value {
+    let shipped = EnvoyConfig::shipped("zerolayer.yaml").unwrap_or_else(|e| panic!("{e:#}"));
+    let section = |name: &str| {
+        shipped
+            .wasm_filter_json(name)
+            .unwrap_or_else(|e| panic!("{e:#}"))
+    };
+    let mut lazy = section("zerolayer.lazy_auth");
+    lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
+    json!({
+        "activation": section("zerolayer.activation"),
+        "lazy_auth": lazy,
+        "post_cache": section("zerolayer.post_cache"),
+        "metering": section("zerolayer.metering"),
+    })
+}
+
+/// The chain as four filters (`fused: false`) or one, with the observer
+/// singleton and its clusters; JWKS fetched.
+fn chain_gateway(fused: bool) -> (Host, ChainId) {
+    let stages = chain_stages();
+    let mut host = Host::new().unwrap_or_else(|e| panic!("{e:#}"));
+    let jwks = issuer().jwks().to_string();
+    host.set_cluster(
+        "idp",
+        ClusterTarget::Handler(Box::new(move |_| CallResponse::new(200, jwks.clone()))),
+    );
+    for sink in ["audit", "clickhouse", "api_keys"] {
+        host.set_cluster(
+            sink,
+            ClusterTarget::Handler(Box::new(|_| CallResponse::new(200, ""))),
+        );
+    }
+    host.add_singleton(
+        PluginSpec::new("observer", wasm("observer_service"))
+            .vm_id("zerolayer")
+            .configuration(
+                json!({"lazy_auth": stages["lazy_auth"], "metering": stages["metering"], "tick_ms": 200})
+                    .to_string(),
+            ),
+    )
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let specs = if fused {
+        vec![
+            PluginSpec::new("zerolayer", wasm("fused"))
+                .vm_id("zerolayer")
+                .configuration(stages.to_string())
+                .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET)
+                .allow_on_headers_stop_iteration(true),
+        ]
+    } else {
+        vec![
+            PluginSpec::new("activation", wasm("activation"))
+                .vm_id("zerolayer.activation")
+                .configuration(stages["activation"].to_string()),
+            PluginSpec::new("lazy-auth", wasm("lazy_auth"))
+                .vm_id("zerolayer")
+                .configuration(stages["lazy_auth"].to_string()),
+            PluginSpec::new("post-cache", wasm("post_cache"))
+                .vm_id("zerolayer.cache")
+                .configuration(stages["post_cache"].to_string())
+                .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET)
+                .allow_on_headers_stop_iteration(true),
+            PluginSpec::new("metering", wasm("metering"))
+                .vm_id("zerolayer.metering")
+                .configuration(stages["metering"].to_string())
+                .allow_on_headers_stop_iteration(true),
+        ]
+    };
+    let chain = host.add_chain(specs).unwrap_or_else(|e| panic!("{e:#}"));
+    // The observer's first tick fetches the JWKS.
+    host.advance(Duration::from_millis(300));
+    (host, chain)
+}
+
+/// One request shape through the chain.
+struct ChainCase {
+    path: &'static str,
+    headers: Vec<(&'static str, String)>,
+    /// The request body of the `i`th request.
+    body: fn(u64) -> String,
+    response_headers: [(&'static str, &'static str); 2],
+    response: Vec<String>,
+}
+
+/// Runs requests `start..start + n` of `case` and returns the time spent in
+/// all callbacks of the chain's filters (the observer's excluded).
+fn time_in_chain(
+    host: &mut Host,
+    chain: ChainId,
+    case: &ChainCase,
+    start: u64,
+    n: u64,
+) -> Duration {
+    let mut headers: Vec<(&str, &str)> = vec![
+        (":method", "POST"),
+        (":path", case.path),
+        (":authority", "gw"),
+        ("content-type", "application/json"),
+    ];
+    headers.extend(case.headers.iter().map(|(k, v)| (*k, v.as_str())));
+    host.reset_callback_times();
+    for i in start..start + n {
+        let body = (case.body)(i);
+        let Ok(mut s) = host.stream(chain) else {
+            continue;
+        };
+        s.request_headers(&headers, false);
+        s.request_body(body.as_bytes(), true);
+        if s.upstream().complete {
+            s.response_headers(&case.response_headers, false);
+            for (j, chunk) in case.response.iter().enumerate() {
+                s.response_body(chunk.as_bytes(), j + 1 == case.response.len());
+            }
+        }
+    }
+    host.callback_times()
+        .into_iter()
+        .filter(|(name, _, _, _)| name != "observer")
+        .map(|(_, _, _, t)| t)
+        .sum()
+}
+
+/// An Anthropic stream of `tokens` text deltas.
+fn anthropic_sse(tokens: usize) -> Vec<String> {
+    let mut sse = vec![
+        "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"model\":\"claude-test\",\"usage\":{\"input_tokens\":11,\"output_tokens\":1}}}\n\n".to_string(),
+    ];
+    for i in 0..tokens {
+        sse.push(format!("event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":0,\"delta\":{{\"type\":\"text_delta\",\"text\":\"token{i} \"}}}}\n\n"));
+    }
+    sse.push(format!("event: message_delta\ndata: {{\"type\":\"message_delta\",\"usage\":{{\"output_tokens\":{tokens}}}}}\n\nevent: message_stop\ndata: {{\"type\":\"message_stop\"}}\n\n"));
+    sse
+}
+
+/// An OpenAI stream of `tokens` deltas and the usage chunk.
+fn openai_sse(tokens: usize) -> Vec<String> {
+    let mut sse: Vec<String> = (0..tokens)
+        .map(|i| format!("data: {{\"id\":\"c1\",\"model\":\"gpt-test\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"token{i} \"}}}}],\"usage\":null}}\n\n"))
+        .collect();
+    sse.push(format!("data: {{\"id\":\"c1\",\"model\":\"gpt-test\",\"choices\":[],\"usage\":{{\"prompt_tokens\":11,\"completion_tokens\":{tokens},\"total_tokens\":{}}}}}\n\n", tokens + 11));
+    sse.push("data: [DONE]\n\n".to_string());
+    sse
+}
+
+/// The whole chain per request, separate and fused, in one run: a miss
+/// that is stored (JSON), a hit, an OpenAI stream that metering rewrites
+/// and post-cache keys, and a `no-store` stream post-cache stays out of.
+fn chain(c: &mut Criterion) {
+    let bearer = format!(
+        "Bearer {}",
+        issuer().es256(&tokens::claims("alice", "acme", NOW, 3600))
+    );
+    let auth = || vec![("authorization", bearer.clone())];
+    let json_reply = r#"{"id":"msg_1","type":"message","model":"claude-test","content":[{"type":"text","text":"hello there, how can I help you today?"}],"usage":{"input_tokens":11,"output_tokens":64}}"#;
+    let json_headers = [(":status", "200"), ("content-type", "application/json")];
+    let sse_headers = [(":status", "200"), ("content-type", "text/event-stream")];
+    let cases = [
+        (
+            "json_miss_stored",
+            ChainCase {
+                path: "/v1/messages",
+                headers: auth(),
+                body: |i| anthropic(&format!("bench miss {i}"), false),
+                response_headers: json_headers,
+                response: vec![json_reply.to_string()],
+            },
+        ),
+        (
+            "json_hit",
+            ChainCase {
+                path: "/v1/messages",
+                headers: auth(),
+                body: |_| anthropic("bench hit", false),
+                response_headers: json_headers,
+                response: vec![json_reply.to_string()],
+            },
+        ),
+        (
+            "openai_sse_66_chunks_miss",
+            ChainCase {
+                path: "/v1/chat/completions",
+                headers: auth(),
+                body: |i| openai(&format!("bench stream {i}"), true),
+                response_headers: sse_headers,
+                response: openai_sse(64),
+            },
+        ),
+        (
+            "no_store_sse_66_chunks",
+            ChainCase {
+                path: "/v1/messages",
+                headers: {
+                    let mut h = auth();
+                    h.push(("cache-control", "no-store".to_string()));
+                    h
+                },
+                body: |i| anthropic(&format!("bench no-store {i}"), true),
+                response_headers: sse_headers,
+                response: anthropic_sse(64),
+            },
+        ),
+    ];
+    let mut gateways = [(false, chain_gateway(false)), (true, chain_gateway(true))];
+    let mut group = c.benchmark_group("chain");
+    for (name, case) in &cases {
+        for (fused, (host, chain)) in &mut gateways {
+            // The first request admits the token and stores the hit's entry.
+            time_in_chain(host, *chain, case, 0, 2);
+            let mut next = 2;
+            let form = if *fused { "fused" } else { "separate" };
+            group.bench_function(format!("{name}/{form}"), |b| {
+                b.iter_custom(|n| {
+                    let t = time_in_chain(host, *chain, case, next, n);
+                    next += n;
+                    t
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, lazy_auth, baselines, metering, post_cache, chain);
 criterion_main!(benches);

@@ -4,7 +4,6 @@
 
 use std::rc::Rc;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType};
 use zerolayer_core::auth::identity::ParsedIdentity;
@@ -15,7 +14,7 @@ use zerolayer_core::metering::UsageRecord;
 use zerolayer_core::usage::{
     Injection, ResponseFormat, UsageChunkStripper, UsageExtractor, inject_include_usage,
 };
-use zerolayer_proxy::{now_us, property, request_header, response_header};
+use zerolayer_proxy::{now_us, property, request_header, response_header, set_body, with_body};
 
 use crate::Plan;
 
@@ -179,13 +178,11 @@ impl HttpContext for MeteredStream {
         let (Some(plan), Some(provider)) = (&self.plan, self.provider) else {
             return Action::Continue;
         };
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        if let Injection::Rewritten(rewritten) = inject_include_usage(provider, &body) {
-            if hostcalls::set_buffer(BufferType::HttpRequestBody, 0, body_size, &rewritten).is_ok()
-            {
+        let injection = with_body(BufferType::HttpRequestBody, body_size, |body| {
+            inject_include_usage(provider, body)
+        });
+        if let Injection::Rewritten(rewritten) = injection {
+            if set_body(BufferType::HttpRequestBody, body_size, &rewritten).is_ok() {
                 zerolayer_proxy::set_request_header(
                     "content-length",
                     rewritten.len().to_string().as_bytes(),
@@ -225,23 +222,22 @@ impl HttpContext for MeteredStream {
         let Some(extractor) = &mut self.extractor else {
             return Action::Continue;
         };
-        let chunk = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        extractor.push(&chunk);
-        if let Some(stripper) = &mut self.stripper {
+        let stripper = &mut self.stripper;
+        // The chunk without the usage chunk, when that changed it.
+        let stripped = with_body(BufferType::HttpResponseBody, body_size, |chunk| {
+            extractor.push(chunk);
+            let stripper = stripper.as_mut()?;
             let mut out = Vec::with_capacity(chunk.len());
-            stripper.push(&chunk, &mut out);
+            stripper.push(chunk, &mut out);
             if end_of_stream {
                 stripper.finish(&mut out);
             }
-            if out != chunk
-                && let Err(status) =
-                    hostcalls::set_buffer(BufferType::HttpResponseBody, 0, body_size, &out)
-            {
-                log::warn!("metering: could not strip the usage chunk: {status:?}");
-            }
+            (out != chunk).then_some(out)
+        });
+        if let Some(out) = stripped
+            && let Err(status) = set_body(BufferType::HttpResponseBody, body_size, &out)
+        {
+            log::warn!("metering: could not strip the usage chunk: {status:?}");
         }
         if end_of_stream {
             self.record();

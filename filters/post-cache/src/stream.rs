@@ -22,6 +22,7 @@ use zerolayer_core::event::{CacheWrite, Job};
 use zerolayer_core::internal;
 use zerolayer_proxy::{
     now_ms, property, request_header, response_header, send_json_error, set_response_header,
+    with_body,
 };
 
 use crate::metrics::{FleetRead, Lookup, WaitEnd};
@@ -164,16 +165,10 @@ impl CacheStream {
 
     /// The whole body is here: key it, look it up, take the lease.
     fn decide(&mut self, plan: &Plan, body_size: usize) -> Action {
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
-        let request = match CanonicalRequest::of(
-            self.provider,
-            &body,
-            self.namespace.as_deref(),
-            &plan.secret,
-        ) {
+        let keyed = with_body(BufferType::HttpRequestBody, body_size, |body| {
+            CanonicalRequest::of(self.provider, body, self.namespace.as_deref(), &plan.secret)
+        });
+        let request = match keyed {
             Ok(request) => request,
             Err(err) => {
                 log::debug!("post-cache: not keyed: {err}");
@@ -511,14 +506,13 @@ impl HttpContext for CacheStream {
             self.capture = None;
             return Action::Continue;
         }
-        if body_size > 0
-            && let Ok(Some(chunk)) =
-                hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size)
-        {
-            if let Some(completion) = &mut capture.completion {
-                completion.push(&chunk);
-            }
-            capture.body.extend_from_slice(&chunk);
+        if body_size > 0 {
+            with_body(BufferType::HttpResponseBody, body_size, |chunk| {
+                if let Some(completion) = &mut capture.completion {
+                    completion.push(chunk);
+                }
+                capture.body.extend_from_slice(chunk);
+            });
         }
         capture.ended = end_of_stream;
         Action::Continue

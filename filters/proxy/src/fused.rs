@@ -7,6 +7,12 @@
 //! must read its own section of the combined configuration, and must tell the
 //! fused root how often it wants its tick. The fused filter switches this
 //! module into fused mode and acts on what the stages asked for.
+//!
+//! What the stages of one stream would each ask the host for again is kept
+//! per stream in fused mode and served from the VM: the request and
+//! response headers (read once per stream), the hand-off values one stage
+//! publishes for the next, and the body of the current body callback (read
+//! by the first stage that asks, read again after a stage replaced it).
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
@@ -23,6 +29,10 @@ thread_local! {
     static TICK: Cell<Option<Duration>> = const { Cell::new(None) };
     /// The stream host calls currently act on (fused mode).
     static EFFECTIVE: Cell<u32> = const { Cell::new(0) };
+    /// The body the current callback's stages read (which buffer, its
+    /// bytes): valid for one host callback only, so kept once, not per
+    /// stream.
+    static BODY: RefCell<Option<(BufferType, Vec<u8>)>> = const { RefCell::new(None) };
     /// Streams a stage asked to resume, in order.
     static RESUMES: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
     /// What the stages share per stream, by stream: found by id, so the
@@ -97,6 +107,7 @@ pub(crate) fn handoff(path: &str) -> Option<Vec<u8>> {
 /// Fused filter: stream `context_id` is gone; forgets what its stages shared.
 pub fn leave_stream(context_id: u32) {
     STREAMS.with(|s| s.borrow_mut().remove(&context_id));
+    forget_body();
 }
 
 /// Fused filter: reads the current stream's `map` (request or response
@@ -109,6 +120,48 @@ pub fn read_headers(map: MapType) {
 /// Runs `f` on the current stream's copy of `map`, if read.
 pub(crate) fn with_headers<T>(map: MapType, f: impl FnOnce(&mut Headers) -> T) -> Option<T> {
     with_shared(|shared| shared.headers(map).as_mut().map(f)).flatten()
+}
+
+/// Runs `f` on the first `size` bytes of body `buffer`. In fused mode the
+/// body is read from the host by the first stage that asks in a callback
+/// and served from the VM to the others.
+pub(crate) fn with_body<T>(buffer: BufferType, size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+    let read = || {
+        hostcalls::get_buffer(buffer, 0, size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    };
+    if !is_fused() {
+        return f(&read());
+    }
+    BODY.with(|slot| {
+        // Held while `f` runs: a body read from inside `f` goes to the host.
+        let Ok(mut slot) = slot.try_borrow_mut() else {
+            return f(&read());
+        };
+        if !matches!(&*slot, Some((kept, _)) if *kept == buffer) {
+            *slot = Some((buffer, read()));
+        }
+        let body = slot.as_ref().map_or(&[][..], |(_, bytes)| bytes.as_slice());
+        f(body.get(..size).unwrap_or(body))
+    })
+}
+
+/// Fused mode: a stage replaced (part of) a body; the stages after it read
+/// the host's new body (rare: a rewritten request, a stripped usage chunk).
+pub(crate) fn body_replaced() {
+    forget_body();
+}
+
+/// Forgets the body read in the last callback: the host's may have changed
+/// (a new chunk arrived, more was buffered) since.
+fn forget_body() {
+    BODY.with(|slot| {
+        if let Ok(mut slot) = slot.try_borrow_mut() {
+            *slot = None;
+        }
+    });
 }
 
 /// Switches this VM into fused mode (the fused filter's entry point).
@@ -158,6 +211,8 @@ pub fn resume_request() -> Result<(), Status> {
 /// mode, the one a [`resume_request`] resumes).
 pub fn set_effective_context(context_id: u32) -> Result<(), Status> {
     EFFECTIVE.with(|e| e.set(context_id));
+    // Entered from a root callback: what was read in an earlier one is stale.
+    forget_body();
     hostcalls::set_effective_context(context_id)
 }
 
@@ -177,6 +232,8 @@ pub fn configure_stage(
 /// Fused filter: the host is about to call into stream `context_id`.
 pub fn enter_stream(context_id: u32) {
     EFFECTIVE.with(|e| e.set(context_id));
+    // Bodies are read per callback: the next one may carry a new chunk.
+    forget_body();
 }
 
 /// Fused filter: the streams stages asked to resume since the last call.

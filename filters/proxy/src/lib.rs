@@ -12,7 +12,7 @@ use std::cell::Cell;
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{MapType, MetricType, Status};
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use zerolayer_core::ConfigError;
 use zerolayer_core::auth::config::ObserverLink;
 use zerolayer_core::internal;
@@ -117,6 +117,21 @@ pub fn response_header(name: &str) -> Option<String> {
 /// Sets (replacing) a response header.
 pub fn set_response_header(name: &str, value: &str) {
     set_header(MapType::HttpResponseHeaders, name, value.as_bytes());
+}
+
+/// Runs `f` on the first `size` bytes of body `buffer` (the request body
+/// buffered so far, or the response chunk), as the current callback has it.
+/// In the fused filter the stages of a callback share one read.
+pub fn with_body<T>(buffer: BufferType, size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+    fused::with_body(buffer, size, f)
+}
+
+/// Replaces the first `size` bytes of body `buffer` with `bytes` (the
+/// fused filter's stages after this one then see the new body).
+pub fn set_body(buffer: BufferType, size: usize, bytes: &[u8]) -> Result<(), Status> {
+    let result = hostcalls::set_buffer(buffer, 0, size, bytes);
+    fused::body_replaced();
+    result
 }
 
 /// Where the host keeps the values filters hand to later filters.
