@@ -5,7 +5,6 @@
 //! Everything binds to 127.0.0.1 on ports the kernel picks, so tests run in
 //! parallel; every process started here is stopped by PID when dropped.
 
-pub mod browser;
 pub mod chain;
 pub mod clickhouse;
 pub mod client;

@@ -10,7 +10,9 @@ use anyhow::{Context, Result, bail};
 use host_sim::playground::Server;
 use serde_json::Value;
 use zerolayer_core::activation::RuleSet;
-use zerolayer_e2e::browser::Browser;
+mod browser;
+
+use browser::Browser;
 use zerolayer_e2e::paths;
 
 const TIMEOUT: Duration = Duration::from_secs(20);

@@ -11,7 +11,9 @@ use host_sim::config_file::ChainFile;
 use host_sim::replay::{self, ReplayOptions, Upstream};
 use host_sim::{report, traffic};
 use serde_json::{Value, json};
-use zerolayer_e2e::browser::Browser;
+mod browser;
+
+use browser::Browser;
 use zerolayer_e2e::chain::{AuthServices, CACHE_SECRET};
 use zerolayer_e2e::{SeenRequest, paths};
 

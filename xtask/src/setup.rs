@@ -40,7 +40,7 @@ const DEBIAN_PACKAGES: &[(&str, &str, &str)] = &[
     ),
     // The load generator of the Envoy load benchmark (`envoy_load`).
     ("wrk", "/usr/bin/wrk", "4.1.0-3"),
-    // Headless browser for the page tests (`tests/src/browser.rs`). Debian
+    // Headless browser for the page tests (`tests/tests/browser/mod.rs`). Debian
     // ships Chromium's security releases in bookworm-security and keeps only
     // the newest there: when a newer major replaces this one, bump the pin
     // (this step's error lists the versions the sources have).
