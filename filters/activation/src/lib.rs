@@ -23,6 +23,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType, MapType};
 use zerolayer_core::activation::{Decision, RuleSet};
 use zerolayer_core::internal;
+use zerolayer_proxy::fused::{self, Callback};
 
 use counters::Counters;
 use request::HostRequest;
@@ -121,6 +122,9 @@ impl Context for ActivationStream {}
 
 impl HttpContext for ActivationStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        // Activation reads headers only: no body callback of its is needed.
+        fused::done_with(Callback::RequestBody);
+        fused::done_with(Callback::ResponseBody);
         let Some(plan) = self.plan.clone() else {
             return Action::Continue;
         };

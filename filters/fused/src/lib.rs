@@ -261,10 +261,10 @@ impl RootContext for FusedRoot {
             .stages
             .iter()
             .filter_map(|s| {
-                Some(StageStream {
-                    context: s.root.create_http_context(context_id)?,
-                    headers_pause_withholds_body: s.stage.headers_pause_withholds_body(),
-                })
+                Some(StageStream::new(
+                    s.root.create_http_context(context_id)?,
+                    s.stage.headers_pause_withholds_body(),
+                ))
             })
             .collect();
         let pipeline = Rc::new(RefCell::new(Pipeline::new(stages)));

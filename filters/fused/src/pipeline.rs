@@ -2,10 +2,13 @@
 //! stages configured as separate filters: request callbacks in order,
 //! response callbacks in reverse, a stage that pauses stops the stages after
 //! it until it resumes, and a local response goes back only through the
-//! stages that saw the request.
+//! stages that saw the request. A stage that said it is done with a body
+//! callback (`zerolayer_proxy::fused::done_with`) is no longer called for
+//! it: it would return `Continue` and touch nothing.
 
 use proxy_wasm::traits::HttpContext;
 use proxy_wasm::types::Action;
+use zerolayer_proxy::fused::{self, Callback, DoneWith};
 
 /// One stage's part of the request.
 pub struct StageStream {
@@ -15,6 +18,41 @@ pub struct StageStream {
     /// Envoy's default for a Wasm filter does; stages configured with
     /// `allow_on_headers_stop_iteration` get the body while paused.
     pub headers_pause_withholds_body: bool,
+    /// The callbacks the stage said it is done with for this request.
+    pub done: DoneWith,
+}
+
+impl StageStream {
+    /// The stage's part of a request, every callback wanted so far.
+    pub fn new(context: Box<dyn HttpContext>, headers_pause_withholds_body: bool) -> StageStream {
+        StageStream {
+            context,
+            headers_pause_withholds_body,
+            done: DoneWith::default(),
+        }
+    }
+
+    /// Runs `f` on the stage's context, noting what it says it is done with.
+    fn call<T>(&mut self, f: impl FnOnce(&mut dyn HttpContext) -> T) -> T {
+        let context = &mut self.context;
+        fused::run_stage(&mut self.done, || f(context.as_mut()))
+    }
+
+    /// The request body callback, unless the stage is done with it.
+    fn request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        if self.done.contains(Callback::RequestBody) {
+            return Action::Continue;
+        }
+        self.call(|c| c.on_http_request_body(size, end_of_stream))
+    }
+
+    /// The response body callback, unless the stage is done with it.
+    fn response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        if self.done.contains(Callback::ResponseBody) {
+            return Action::Continue;
+        }
+        self.call(|c| c.on_http_response_body(size, end_of_stream))
+    }
 }
 
 /// Where request iteration stopped.
@@ -79,7 +117,7 @@ impl Pipeline {
                 // Withheld until now: the body reaches the resumed stage.
                 if self.stages[i].headers_pause_withholds_body
                     && let Some((size, eos)) = self.body
-                    && self.stages[i].context.on_http_request_body(size, eos) == Action::Pause
+                    && self.stages[i].request_body(size, eos) == Action::Pause
                 {
                     self.stopped = Some(Stop::Body(i));
                     return false;
@@ -98,7 +136,7 @@ impl Pipeline {
             if self.decoded <= i {
                 self.decoded = i + 1;
                 let (n, eos) = self.headers;
-                if stage.context.on_http_request_headers(n, eos) == Action::Pause {
+                if stage.call(|c| c.on_http_request_headers(n, eos)) == Action::Pause {
                     self.stopped = Some(Stop::Headers(i));
                     // Paused with the body to come (or withheld): wait.
                     // Otherwise the stage gets the body it paused for.
@@ -108,7 +146,7 @@ impl Pipeline {
                 }
             }
             if let Some((size, eos)) = self.body
-                && stage.context.on_http_request_body(size, eos) == Action::Pause
+                && stage.request_body(size, eos) == Action::Pause
             {
                 self.stopped = Some(Stop::Body(i));
                 return Action::Pause;
@@ -121,8 +159,10 @@ impl Pipeline {
     /// Response headers: back through the stages that saw the request.
     pub fn response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
         for i in (0..self.decoded).rev() {
-            let stage = &mut self.stages[i].context;
-            if stage.on_http_response_headers(num_headers, end_of_stream) == Action::Pause {
+            let stage = &mut self.stages[i];
+            if stage.call(|c| c.on_http_response_headers(num_headers, end_of_stream))
+                == Action::Pause
+            {
                 return Action::Pause;
             }
         }
@@ -132,8 +172,7 @@ impl Pipeline {
     /// Response body: back through the stages that saw the request.
     pub fn response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         for i in (0..self.decoded).rev() {
-            let stage = &mut self.stages[i].context;
-            if stage.on_http_response_body(body_size, end_of_stream) == Action::Pause {
+            if self.stages[i].response_body(body_size, end_of_stream) == Action::Pause {
                 return Action::Pause;
             }
         }
@@ -149,9 +188,7 @@ impl Pipeline {
         trailers: usize,
     ) {
         for stage in &mut self.stages {
-            stage
-                .context
-                .on_http_call_response(token, headers, body_size, trailers);
+            stage.call(|c| c.on_http_call_response(token, headers, body_size, trailers));
         }
     }
 

@@ -26,6 +26,7 @@ use zerolayer_core::auth::jwt::Validation;
 use zerolayer_core::auth::policy::Policy;
 use zerolayer_observer::{Observer, ObserverConfig};
 use zerolayer_proxy::ObserverQueue;
+use zerolayer_proxy::fused::{self, Callback};
 
 use decide::Stream;
 use inline::InlineKeys;
@@ -215,6 +216,9 @@ impl Context for AuthStream {
 
 impl HttpContext for AuthStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        // lazy-auth decides on headers: no body callback of its is needed.
+        fused::done_with(Callback::RequestBody);
+        fused::done_with(Callback::ResponseBody);
         match &mut self.stream {
             Some(stream) => stream.on_request_headers(),
             None => {

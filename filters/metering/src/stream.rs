@@ -14,6 +14,7 @@ use zerolayer_core::metering::UsageRecord;
 use zerolayer_core::usage::{
     Injection, ResponseFormat, UsageChunkStripper, UsageExtractor, inject_include_usage,
 };
+use zerolayer_proxy::fused::{self, Callback};
 use zerolayer_proxy::{now_us, property, request_header, response_header, set_body, with_body};
 
 use crate::Plan;
@@ -125,12 +126,10 @@ impl MeteredStream {
             .filter(|t| !t.is_empty())
             .unwrap_or_else(|| "unknown".into())
     }
-}
 
-impl Context for MeteredStream {}
-
-impl HttpContext for MeteredStream {
-    fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+    /// The request headers: is it an LLM call, and may its body need
+    /// `include_usage`.
+    fn request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         let Some(plan) = &self.plan else {
             return Action::Continue;
         };
@@ -167,7 +166,8 @@ impl HttpContext for MeteredStream {
         Action::Continue
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    /// The request body: `include_usage` once it is complete.
+    fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if !self.rewrite_pending {
             return Action::Continue;
         }
@@ -194,6 +194,31 @@ impl HttpContext for MeteredStream {
             }
         }
         Action::Continue
+    }
+}
+
+impl Context for MeteredStream {}
+
+impl HttpContext for MeteredStream {
+    fn on_http_request_headers(&mut self, headers: usize, end_of_stream: bool) -> Action {
+        let action = self.request_headers(headers, end_of_stream);
+        if !self.rewrite_pending {
+            // No rewrite to make: the request body is not ours.
+            fused::done_with(Callback::RequestBody);
+        }
+        if self.provider.is_none() {
+            // Not metered: neither is its response.
+            fused::done_with(Callback::ResponseBody);
+        }
+        action
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let action = self.request_body(body_size, end_of_stream);
+        if !self.rewrite_pending {
+            fused::done_with(Callback::RequestBody);
+        }
+        action
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {

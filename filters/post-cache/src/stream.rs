@@ -20,6 +20,7 @@ use zerolayer_core::cache::store::{FleetEntry, StoredResponse};
 use zerolayer_core::cache::stream::StreamCompletion;
 use zerolayer_core::event::{CacheWrite, Job};
 use zerolayer_core::internal;
+use zerolayer_proxy::fused::{self, Callback};
 use zerolayer_proxy::{
     now_ms, property, request_header, response_header, send_json_error, set_response_header,
     with_body,
@@ -402,48 +403,17 @@ impl CacheStream {
             };
         }
     }
-}
 
-impl Context for CacheStream {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
-        if let Some(plan) = self.plan.clone() {
-            self.fleet_answered(&plan, token, body_size);
-        }
-    }
-}
-
-impl HttpContext for CacheStream {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        let Some(plan) = self.plan.clone() else {
-            return Action::Continue;
-        };
-        self.admit(&plan, end_of_stream)
-    }
-
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let Some(plan) = self.plan.clone() else {
-            return Action::Continue;
-        };
+    /// Says (to the fused filter) that the request body is no longer of
+    /// interest unless the key still waits for it.
+    fn done_with_request_body_unless_awaited(&self) {
         if !matches!(self.phase, Phase::AwaitingBody) {
-            return Action::Continue;
+            fused::done_with(Callback::RequestBody);
         }
-        if body_size > plan.config.max_request_bytes as usize {
-            return self.bypass(Bypass::TooLarge);
-        }
-        if !end_of_stream {
-            // Buffer until the whole body is here.
-            return Action::Pause;
-        }
-        self.decide(&plan, body_size)
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+    /// The response headers: `x-cache`, and whether (and what) to keep.
+    fn response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.settle_wait();
         let label = match self.phase {
             Phase::Bypassed => "BYPASS",
@@ -494,7 +464,8 @@ impl HttpContext for CacheStream {
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    /// A response chunk: kept for the cache while it is to be stored.
+    fn response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let Some(plan) = &self.plan else {
             return Action::Continue;
         };
@@ -516,6 +487,69 @@ impl HttpContext for CacheStream {
         }
         capture.ended = end_of_stream;
         Action::Continue
+    }
+}
+
+impl Context for CacheStream {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        if let Some(plan) = self.plan.clone() {
+            self.fleet_answered(&plan, token, body_size);
+        }
+    }
+}
+
+impl HttpContext for CacheStream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        let action = match self.plan.clone() {
+            Some(plan) => self.admit(&plan, end_of_stream),
+            None => Action::Continue,
+        };
+        self.done_with_request_body_unless_awaited();
+        action
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        if !matches!(self.phase, Phase::AwaitingBody) {
+            return Action::Continue;
+        }
+        if body_size > plan.config.max_request_bytes as usize {
+            let action = self.bypass(Bypass::TooLarge);
+            self.done_with_request_body_unless_awaited();
+            return action;
+        }
+        if !end_of_stream {
+            // Buffer until the whole body is here.
+            return Action::Pause;
+        }
+        let action = self.decide(&plan, body_size);
+        self.done_with_request_body_unless_awaited();
+        action
+    }
+
+    fn on_http_response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+        let action = self.response_headers(num_headers, end_of_stream);
+        if self.capture.is_none() {
+            // Nothing kept for the cache: the body's chunks are not ours.
+            fused::done_with(Callback::ResponseBody);
+        }
+        action
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let action = self.response_body(body_size, end_of_stream);
+        if self.capture.is_none() {
+            fused::done_with(Callback::ResponseBody);
+        }
+        action
     }
 
     fn on_log(&mut self) {

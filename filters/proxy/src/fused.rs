@@ -33,6 +33,9 @@ thread_local! {
     /// bytes): valid for one host callback only, so kept once, not per
     /// stream.
     static BODY: RefCell<Option<(BufferType, Vec<u8>)>> = const { RefCell::new(None) };
+    /// The callbacks the stage running now said it is done with (bits of
+    /// [`Callback`]).
+    static DONE_WITH: Cell<u8> = const { Cell::new(0) };
     /// Streams a stage asked to resume, in order.
     static RESUMES: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
     /// What the stages share per stream, by stream: found by id, so the
@@ -162,6 +165,56 @@ fn forget_body() {
             *slot = None;
         }
     });
+}
+
+/// Callbacks a stage can be done with before its stream is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Callback {
+    /// `on_http_request_body`.
+    RequestBody,
+    /// `on_http_response_body`.
+    ResponseBody,
+}
+
+impl Callback {
+    fn bit(self) -> u8 {
+        match self {
+            Callback::RequestBody => 1,
+            Callback::ResponseBody => 2,
+        }
+    }
+}
+
+/// The current stream's stage says it will do nothing in `callback` from
+/// now on (it would return `Continue` and touch nothing): in the fused
+/// filter that stage is no longer called for it, so a long response's
+/// chunks skip the stages that no longer look at them. As its own filter
+/// the stage is still called (Envoy has no such signal); nothing changes.
+pub fn done_with(callback: Callback) {
+    if is_fused() {
+        DONE_WITH.with(|d| d.set(d.get() | callback.bit()));
+    }
+}
+
+/// The callbacks one stage of one stream is done with.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DoneWith(u8);
+
+impl DoneWith {
+    /// Whether the stage said it is done with `callback`.
+    pub fn contains(self, callback: Callback) -> bool {
+        self.0 & callback.bit() != 0
+    }
+}
+
+/// Fused filter: runs one stage's callback `f` and adds what it said it is
+/// done with (see [`done_with`]) to `done`.
+pub fn run_stage<T>(done: &mut DoneWith, f: impl FnOnce() -> T) -> T {
+    // Said outside any stage's callback: nobody's.
+    DONE_WITH.with(|d| d.set(0));
+    let result = f();
+    done.0 |= DONE_WITH.with(|d| d.replace(0));
+    result
 }
 
 /// Switches this VM into fused mode (the fused filter's entry point).
