@@ -5,7 +5,9 @@
 //! configuration schemas (one object with a section per stage), the same
 //! metrics, the same behaviour (`tests/tests/fused_envoy.rs` and
 //! `fused_host_sim.rs` compare them). What the stages would each ask the
-//! host again (request and response headers, hand-off values) they share.
+//! host again (request and response headers, hand-off values, the current
+//! callback's body) they share, and a stage done with a body callback
+//! (`zerolayer_proxy::fused::done_with`) is no longer called for it.
 //!
 //! Lifecycle, top to bottom: configuration (each stage configured from its
 //! section; sections left out are stages left out) → request headers, body
