@@ -18,9 +18,11 @@
 //!   `plugin_name`), filter state read back, response body replacement,
 //!   unknown actions; metrics per action, queue items; ticks in both.
 
+use std::time::Duration;
+
 use anyhow::Result;
 use zerolayer_e2e::differential::{Pair, Scenario};
-use zerolayer_e2e::{EnvoyConfig, paths};
+use zerolayer_e2e::{EnvoyConfig, paths, wait};
 
 const RULES: &str = include_str!("../fixtures/activation-rules.json");
 
@@ -144,15 +146,18 @@ fn probe_host_features_behave_the_same_in_envoy_and_host_sim() -> Result<()> {
     let (envoy, sim) = pair.metrics(&["probe_requests", "probe_actions", "probe_queue_items"])?;
     assert_eq!(envoy, sim);
     assert_eq!(envoy.get(r#"probe_actions{action="enqueue"}"#), Some(&2.0));
-    // Ticks fire in both (the singleton ticks every 500 ms).
-    let (e, s) = pair.metrics(&["probe_singleton_ticks"])?;
-    assert!(
-        e.values().all(|v| *v > 0.0)
-            && s.values().all(|v| *v > 0.0)
-            && !e.is_empty()
-            && !s.is_empty(),
-        "{e:?} {s:?}"
-    );
+    // Ticks fire in both (the singleton ticks every 500 ms; the scenarios
+    // may all be done before the first one).
+    let ticking =
+        |m: &std::collections::BTreeMap<String, f64>| !m.is_empty() && m.values().all(|v| *v > 0.0);
+    wait::until(
+        "the singleton ticking in both hosts",
+        Duration::from_secs(5),
+        || {
+            let (e, s) = pair.metrics(&["probe_singleton_ticks"])?;
+            Ok((ticking(&e) && ticking(&s)).then_some(()))
+        },
+    )?;
     Ok(())
 }
 
