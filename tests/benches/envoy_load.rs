@@ -46,6 +46,8 @@ use zerolayer_stub::{Stub, StubConfig};
 const ROUNDS: usize = 3;
 /// Seconds of each loaded phase (`-c16`).
 const LOADED_SECS: u64 = 5;
+/// The fused filter's sections, in chain order.
+const FUSED_STAGES: [&str; 4] = ["activation", "lazy_auth", "post_cache", "metering"];
 /// Seconds of each one-connection phase (`-c1`).
 const SINGLE_SECS: u64 = 2;
 /// Connections of the loaded phase.
@@ -533,6 +535,20 @@ fn targets(summaries: &[Summary]) -> Vec<String> {
             r > 1.0,
         );
     }
+    // What each stage adds inside the fused filter, over the one before.
+    let steps = ["e", "c-fused-1", "c-fused-2", "c-fused-3", "c-fused"];
+    let found: Vec<_> = steps.iter().filter_map(|k| get(k)).collect();
+    if found.len() == steps.len() {
+        let parts: Vec<String> = found
+            .windows(2)
+            .zip(["activation", "+ lazy-auth", "+ post-cache", "+ metering"])
+            .map(|(w, stage)| format!("{stage} {:+.1} µs", overhead(w[1]) - overhead(w[0])))
+            .collect();
+        lines.push(format!(
+            "measured: inside the fused filter, over one trivial filter: {}",
+            parts.join(", ")
+        ));
+    }
     if let (Some(one_vm), Some(chain)) = (get("c-one-vm"), get("c")) {
         lines.push(format!(
             "measured: separate chain in one VM / in four VMs, overhead {:.2}",
@@ -712,17 +728,30 @@ impl Shipped {
     /// lazy-auth's filter entry (the observer's VM) carrying the fused
     /// module, every section, and post-cache's settings.
     fn fused(&self) -> Result<Yaml> {
+        self.fused_stages(FUSED_STAGES.len())
+    }
+
+    /// The fused filter with only the first `n` stages (sections left out
+    /// are stages left out): what each stage adds inside one instance.
+    fn fused_stages(&self, n: usize) -> Result<Yaml> {
         let mut filter = self.filter("zerolayer.lazy_auth", None)?;
         let config = filter
             .get_mut("typed_config")
             .and_then(|v| v.get_mut("config"))
             .ok_or_else(|| anyhow!("lazy-auth: no Wasm config"))?;
-        let sections = json!({
-            "activation": self.activation,
-            "lazy_auth": self.lazy_auth,
-            "post_cache": self.post_cache,
-            "metering": self.metering,
-        });
+        let all = [
+            &self.activation,
+            &self.lazy_auth,
+            &self.post_cache,
+            &self.metering,
+        ];
+        let sections: serde_json::Map<String, Json> = FUSED_STAGES
+            .iter()
+            .zip(all)
+            .take(n)
+            .map(|(name, config)| (name.to_string(), config.clone()))
+            .collect();
+        let sections = Json::Object(sections);
         let wasm = paths::wasm("fused")?.display().to_string();
         let patch: Yaml = serde_yaml::to_value(json!({
             "name": "zerolayer",
@@ -867,6 +896,32 @@ impl Shipped {
                 vec![self.fused()?],
             )
             .observer(self.observer(true, true))
+            .request(Request::NoStore),
+            // The fused filter stage by stage (what each adds inside one
+            // instance): activation; + lazy-auth; + post-cache (bypassed:
+            // no-store). All four is c-fused.
+            Variant::new(
+                "c-fused-1",
+                "fused filter, activation only",
+                Chain,
+                vec![self.fused_stages(1)?],
+            )
+            .request(Request::NoStore),
+            Variant::new(
+                "c-fused-2",
+                "fused filter, activation + lazy-auth, + observer",
+                Chain,
+                vec![self.fused_stages(2)?],
+            )
+            .observer(self.observer(true, false))
+            .request(Request::NoStore),
+            Variant::new(
+                "c-fused-3",
+                "fused filter, + post-cache (bypassed), + observer",
+                Chain,
+                vec![self.fused_stages(3)?],
+            )
+            .observer(self.observer(true, false))
             .request(Request::NoStore),
             Variant::new(
                 "c-fused-hit",
