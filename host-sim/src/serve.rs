@@ -553,7 +553,7 @@ async fn accept_admin(listener: TcpListener, commands: std_mpsc::Sender<Command>
 }
 
 /// Hop-by-hop headers a proxy never forwards.
-const HOP_BY_HOP: &[&str] = &[
+pub(crate) const HOP_BY_HOP: &[&str] = &[
     "connection",
     "keep-alive",
     "proxy-connection",

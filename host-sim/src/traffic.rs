@@ -97,24 +97,15 @@ fn body_bytes(text: Option<&str>, base64: Option<&str>) -> Result<Vec<u8>> {
     }
 }
 
-/// Headers a replay must not copy: the connection's own, and the ones the
-/// client recomputes for the body it sends.
-const NOT_REPLAYED: [&str; 10] = [
-    "host",
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "transfer-encoding",
-    "upgrade",
-    "te",
-    "trailer",
-    "content-length",
-    "expect",
-];
+/// Headers a replay must not copy besides the hop-by-hop ones: the
+/// connection's own, and the ones the client recomputes for the body it sends.
+const NOT_REPLAYED: [&str; 4] = ["host", "trailer", "content-length", "expect"];
 
 /// Whether a recorded header is replayed as it is.
 pub fn replayable_header(name: &str) -> bool {
-    !name.starts_with(':') && !NOT_REPLAYED.contains(&name)
+    !name.starts_with(':')
+        && !NOT_REPLAYED.contains(&name)
+        && !crate::serve::HOP_BY_HOP.contains(&name)
 }
 
 /// Reads a traffic file, checking each line; errors name the line.

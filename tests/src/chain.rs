@@ -304,3 +304,25 @@ pub fn openai(prompt: &str, stream: bool) -> String {
     })
     .to_string()
 }
+
+/// The shipped chain (`envoy/zerolayer.yaml`) as host-sim loads it, with
+/// [`CACHE_SECRET`] in the filters' environment and metering sampling
+/// `sample_percent` of the requests (the shipped 1% samples next to
+/// nothing of a short replay).
+pub fn host_sim_chain(sample_percent: f64) -> Result<host_sim::config_file::ChainFile> {
+    crate::paths::wasm("metering")?;
+    let root = crate::paths::root();
+    let mut chain =
+        host_sim::config_file::ChainFile::load(&root.join("envoy/zerolayer.yaml"), &root)?;
+    for filter in &mut chain.filters {
+        filter
+            .env
+            .push(("ZEROLAYER_CACHE_SECRET".into(), CACHE_SECRET.into()));
+        if filter.name == "zerolayer.metering" {
+            let mut config: Value = serde_json::from_slice(&filter.configuration)?;
+            config["sampling"] = json!({"percent": sample_percent});
+            filter.configuration = config.to_string().into_bytes();
+        }
+    }
+    Ok(chain)
+}

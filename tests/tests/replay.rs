@@ -10,29 +10,14 @@ use anyhow::Result;
 use host_sim::config_file::ChainFile;
 use host_sim::replay::{self, ReplayOptions, Upstream};
 use host_sim::traffic::TrafficRecord;
-use serde_json::{Value, json};
 use zerolayer_core::sampling;
 use zerolayer_e2e::chain::{
-    AuthServices, CACHE_SECRET, GOOD_API_KEY, anthropic, introspect, openai,
+    AuthServices, GOOD_API_KEY, anthropic, host_sim_chain, introspect, openai,
 };
-use zerolayer_e2e::paths;
 
 /// The shipped chain with the test's cache secret and a 50% usage sample.
 fn chain() -> Result<ChainFile> {
-    paths::wasm("metering")?;
-    let root = paths::root();
-    let mut chain = ChainFile::load(&root.join("envoy/zerolayer.yaml"), &root)?;
-    for filter in &mut chain.filters {
-        filter
-            .env
-            .push(("ZEROLAYER_CACHE_SECRET".into(), CACHE_SECRET.into()));
-        if filter.name == "zerolayer.metering" {
-            let mut config: Value = serde_json::from_slice(&filter.configuration)?;
-            config["sampling"] = json!({"percent": 50});
-            filter.configuration = config.to_string().into_bytes();
-        }
-    }
-    Ok(chain)
+    host_sim_chain(50.0)
 }
 
 fn request(

@@ -7,14 +7,12 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use host_sim::config_file::ChainFile;
 use host_sim::replay::{self, ReplayOptions, Upstream};
 use host_sim::{report, traffic};
-use serde_json::{Value, json};
 mod browser;
 
 use browser::Browser;
-use zerolayer_e2e::chain::{AuthServices, CACHE_SECRET};
+use zerolayer_e2e::chain::{AuthServices, host_sim_chain};
 use zerolayer_e2e::{SeenRequest, paths};
 
 /// The example traffic's keys: acme's and globex's are active.
@@ -31,20 +29,9 @@ fn introspect(request: &SeenRequest) -> (u16, String) {
 
 #[test]
 fn the_report_renders_every_chart_in_chromium() -> Result<()> {
-    paths::wasm("metering")?;
     let root = paths::root();
-    let mut chain = ChainFile::load(&root.join("envoy/zerolayer.yaml"), &root)?;
-    for filter in &mut chain.filters {
-        filter
-            .env
-            .push(("ZEROLAYER_CACHE_SECRET".into(), CACHE_SECRET.into()));
-        if filter.name == "zerolayer.metering" {
-            // Half the requests sampled, so 40 requests give an estimate.
-            let mut config: Value = serde_json::from_slice(&filter.configuration)?;
-            config["sampling"] = json!({"percent": 50});
-            filter.configuration = config.to_string().into_bytes();
-        }
-    }
+    // Half the requests sampled, so 40 requests give an estimate.
+    let chain = host_sim_chain(50.0)?;
     let file = std::fs::File::open(root.join("host-sim/traffic/example.jsonl"))?;
     let records = traffic::read(std::io::BufReader::new(file))?;
     let services = AuthServices::start(introspect)?;
