@@ -128,17 +128,23 @@ impl HttpContext for ActivationStream {
         let Some(plan) = self.plan.clone() else {
             return Action::Continue;
         };
-        let request = HostRequest::read(&plan.rules);
+        // The rules read the headers where they are (no copy); no rule
+        // reads an internal header (refused at load), so removing the
+        // forged ones afterwards changes no decision.
+        let (decision, forged) = zerolayer_proxy::with_request_headers(|headers| {
+            let request = HostRequest::new(headers, &plan.rules);
+            let forged: Vec<String> = request.forbidden_headers().map(str::to_string).collect();
+            (plan.rules.evaluate(&request), forged)
+        });
 
         // A client must never choose its own observers: drop every internal
-        // header it sent before anything reads the request.
-        for name in request.forbidden_headers() {
+        // header it sent before a later filter reads the request.
+        for name in &forged {
             if zerolayer_proxy::remove_request_header(name) {
                 plan.counters.forged_header();
             }
         }
 
-        let decision = plan.rules.evaluate(&request);
         let published = render(&plan.rules, decision.observers);
         zerolayer_proxy::publish(internal::OBSERVERS_PROPERTY, published.as_bytes());
         plan.counters.decision(&decision);

@@ -8,12 +8,13 @@ use zerolayer_core::activation::{HeaderSlot, RequestFacts, RuleSet};
 use zerolayer_core::internal::is_internal_header;
 
 /// Header map pairs as the SDK returns them.
-type Pairs = Vec<(String, Vec<u8>)>;
+type Pairs = [(String, Vec<u8>)];
 
 /// A request's headers, fetched with one host call (one call is cheaper
-/// than a call per header the rules read), indexed for the rules.
-pub(crate) struct HostRequest {
-    headers: Pairs,
+/// than a call per header the rules read; in the fused filter, the stages'
+/// shared copy), indexed for the rules.
+pub(crate) struct HostRequest<'h> {
+    headers: &'h Pairs,
     /// `slots[s]`: index in `headers` of the header in rule slot `s`.
     slots: Vec<Option<usize>>,
     path: Option<usize>,
@@ -23,10 +24,9 @@ pub(crate) struct HostRequest {
     now: Cell<Option<i64>>,
 }
 
-impl HostRequest {
-    /// Reads the request headers and finds the ones `rules` use.
-    pub(crate) fn read(rules: &RuleSet) -> Self {
-        let headers = zerolayer_proxy::request_headers();
+impl<'h> HostRequest<'h> {
+    /// Indexes `headers` (the request's) for the ones `rules` use.
+    pub(crate) fn new(headers: &'h Pairs, rules: &RuleSet) -> Self {
         let find = |name: &str| {
             headers
                 .iter()
@@ -45,21 +45,21 @@ impl HostRequest {
     }
 
     /// Names of zerolayer-internal headers the client sent.
-    pub(crate) fn forbidden_headers(&self) -> impl Iterator<Item = &str> {
+    pub(crate) fn forbidden_headers(&self) -> impl Iterator<Item = &'h str> {
         self.headers
             .iter()
             .map(|(name, _)| name.as_str())
             .filter(|name| is_internal_header(name))
     }
 
-    fn value(&self, index: Option<usize>) -> Option<&[u8]> {
+    fn value(&self, index: Option<usize>) -> Option<&'h [u8]> {
         index
             .and_then(|i| self.headers.get(i))
             .map(|(_, v)| v.as_slice())
     }
 }
 
-impl RequestFacts for HostRequest {
+impl RequestFacts for HostRequest<'_> {
     fn header(&self, slot: HeaderSlot) -> Option<&[u8]> {
         self.value(self.slots.get(slot).copied().flatten())
     }

@@ -122,7 +122,27 @@ pub fn read_headers(map: MapType) {
 
 /// Runs `f` on the current stream's copy of `map`, if read.
 pub(crate) fn with_headers<T>(map: MapType, f: impl FnOnce(&mut Headers) -> T) -> Option<T> {
-    with_shared(|shared| shared.headers(map).as_mut().map(f)).flatten()
+    with_headers_or(map, f).ok()
+}
+
+/// Runs `f` on the current stream's copy of `map` if there is one; gives
+/// `f` back otherwise, so the caller can run it on the host's headers.
+/// `f` must not call back into this module (the shared state is borrowed).
+pub(crate) fn with_headers_or<T, F: FnOnce(&mut Headers) -> T>(map: MapType, f: F) -> Result<T, F> {
+    if !is_fused() {
+        return Err(f);
+    }
+    let id = EFFECTIVE.with(Cell::get);
+    STREAMS.with(|s| {
+        let mut streams = s.borrow_mut();
+        match streams
+            .get_mut(&id)
+            .and_then(|shared| shared.headers(map).as_mut())
+        {
+            Some(headers) => Ok(f(headers)),
+            None => Err(f),
+        }
+    })
 }
 
 /// Runs `f` on the first `size` bytes of body `buffer`. In fused mode the

@@ -87,11 +87,14 @@ pub fn request_header(name: &str) -> Option<Vec<u8>> {
     header(MapType::HttpRequestHeaders, name)
 }
 
-/// Every request header, in order.
-pub fn request_headers() -> Vec<(String, Vec<u8>)> {
-    fused::with_headers(MapType::HttpRequestHeaders, |headers| headers.clone()).unwrap_or_else(
-        || hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default(),
-    )
+/// Runs `f` on every request header, in order: the fused filter's copy
+/// when there is one (not copied again), else one read from the host. `f`
+/// must not change headers or publish (do that after it returns).
+pub fn with_request_headers<T>(f: impl FnOnce(&[(String, Vec<u8>)]) -> T) -> T {
+    match fused::with_headers_or(MapType::HttpRequestHeaders, |headers| f(headers)) {
+        Ok(out) => out,
+        Err(f) => f(&mut hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()),
+    }
 }
 
 /// Sets (replacing) a request header.
