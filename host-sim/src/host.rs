@@ -1021,6 +1021,19 @@ impl Host {
             .and_then(|d| d.filter_state.get(key).cloned())
     }
 
+    /// A value published for later filters as one-segment property `path`
+    /// (`wasmx.zerolayer_usage`), wherever this host keeps it: Envoy's
+    /// filter state `wasm.<path>`, ngx_wasm_module's `wasmx.*` property, or
+    /// Kong Gateway's `kong.ctx.shared.*`.
+    pub(crate) fn published(&self, id: StreamId, path: &str) -> Option<Vec<u8>> {
+        self.filter_state(id, &format!("wasm.{path}"))
+            .or_else(|| self.filter_state(id, path))
+            .or_else(|| {
+                let name = path.strip_prefix("wasmx.")?;
+                self.filter_state(id, &format!("kong.ctx.shared.{name}"))
+            })
+    }
+
     pub(crate) fn is_finished(&self, id: StreamId) -> bool {
         self.streams.get(&id).is_none_or(|r| r.finished)
     }
@@ -1403,6 +1416,12 @@ impl StreamHandle<'_> {
     /// Whether the stream completed (every filter saw `on_done`).
     pub fn finished(&self) -> bool {
         self.host.is_finished(self.id)
+    }
+
+    /// A value this stream's filters published as property `path`, in
+    /// whichever place the host profile keeps it (see `Host::published`).
+    pub fn published(&self, path: &str) -> Option<Vec<u8>> {
+        self.host.published(self.id, path)
     }
 
     /// Filter state (property) of this stream by Envoy key (`wasm.…`).

@@ -502,12 +502,12 @@ pub fn parse_access_log_line(line: &str) -> Result<Option<TruthRow>> {
 }
 
 /// The usage record metering published for one request (its
-/// `wasmx.zerolayer_usage` hand-off, a JSON object) as a truth row.
-pub fn parse_usage(json: &[u8]) -> Result<TruthRow> {
-    let Value::Object(usage) = serde_json::from_slice(json).context("usage: not JSON")? else {
+/// `wasmx.zerolayer_usage` hand-off, parsed) as a truth row.
+pub fn usage_truth(usage: &Value) -> Result<TruthRow> {
+    let Value::Object(usage) = usage else {
         bail!("usage: not a JSON object");
     };
-    usage_row(&usage)
+    usage_row(usage)
 }
 
 /// One sample row (a JSON object; 64-bit integers may be numeric strings,

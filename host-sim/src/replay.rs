@@ -31,6 +31,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+use zerolayer_core::internal;
 use zerolayer_stub::{Stub, StubConfig};
 
 use crate::config_file::ChainFile;
@@ -570,7 +571,7 @@ fn result(
                 .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
         })
     };
-    let identity = handoff("wasmx.zerolayer_auth");
+    let identity = handoff(internal::AUTH_PROPERTY);
     let local_reply = stream.as_ref().is_some_and(|s| s.local_reply);
     let auth = match identity.as_deref() {
         Some(id) if id.starts_with("verified") => "verified".to_string(),
@@ -593,7 +594,7 @@ fn result(
         latency_ms: ms(seen.latency),
         baseline_ms: baseline.filter(|b| b.status != 0).map(|b| ms(b.latency)),
         upstream_ms: stream.as_ref().and_then(|s| s.upstream).map(ms),
-        decision: handoff("wasmx.zerolayer_observers").map(|list| {
+        decision: handoff(internal::OBSERVERS_PROPERTY).map(|list| {
             list.split(',')
                 .filter(|s| !s.is_empty())
                 .map(str::to_string)
@@ -602,7 +603,7 @@ fn result(
         auth,
         identity,
         cache: seen.cache.clone(),
-        usage: handoff("wasmx.zerolayer_usage").and_then(|u| serde_json::from_str(&u).ok()),
+        usage: handoff(internal::USAGE_PROPERTY).and_then(|u| serde_json::from_str(&u).ok()),
         wasm: stream
             .as_ref()
             .map(|s| {
@@ -774,7 +775,7 @@ impl Replay {
         self.requests
             .iter()
             .filter_map(|r| r.usage.as_ref())
-            .filter_map(|u| reconcile::parse_usage(u.to_string().as_bytes()).ok())
+            .filter_map(|u| reconcile::usage_truth(u).ok())
             .collect()
     }
 

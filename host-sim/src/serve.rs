@@ -28,6 +28,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
+use zerolayer_core::internal;
+
 use crate::abi::Headers;
 use crate::config_file::ChainFile;
 use crate::host::{ChainId, ClusterTarget, Host, HostOptions};
@@ -73,9 +75,9 @@ pub struct StreamRecord {
 
 /// Hand-off properties copied into a [`StreamRecord`].
 const RECORDED_HANDOFFS: [&str; 3] = [
-    "wasmx.zerolayer_observers",
-    "wasmx.zerolayer_auth",
-    "wasmx.zerolayer_usage",
+    internal::OBSERVERS_PROPERTY,
+    internal::AUTH_PROPERTY,
+    internal::USAGE_PROPERTY,
 ];
 
 /// Events from the Wasm thread to one stream's network task.
@@ -348,15 +350,7 @@ fn upstream_done(open: &mut HashMap<StreamId, Open>, id: StreamId) {
 fn stream_record(host: &Host, id: StreamId, stream: &Open) -> StreamRecord {
     let handoffs = RECORDED_HANDOFFS
         .iter()
-        .filter_map(|name| {
-            // Envoy keys filter state `wasm.<path>`; the Kong profiles keep
-            // the path itself (or Kong Gateway's `kong.ctx.shared.<name>`).
-            let kong = name.replacen("wasmx.", "kong.ctx.shared.", 1);
-            [format!("wasm.{name}"), name.to_string(), kong]
-                .iter()
-                .find_map(|key| host.filter_state(id, key))
-                .map(|value| (name.to_string(), value))
-        })
+        .filter_map(|path| Some((path.to_string(), host.published(id, path)?)))
         .collect();
     StreamRecord {
         request_id: stream.request_id.clone(),

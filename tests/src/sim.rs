@@ -99,11 +99,5 @@ pub fn settle(host: &mut Host) {
 /// ngx_wasm_module's `wasmx.*` host property, or Kong Gateway's
 /// `kong.ctx.shared.*`.
 pub fn published(stream: &StreamHandle<'_>, path: &str) -> Option<Vec<u8>> {
-    stream
-        .filter_state(&format!("wasm.{path}"))
-        .or_else(|| stream.filter_state(path))
-        .or_else(|| {
-            let name = path.strip_prefix("wasmx.")?;
-            stream.filter_state(&format!("kong.ctx.shared.{name}"))
-        })
+    stream.published(path)
 }
