@@ -21,6 +21,7 @@ mod callout;
 pub mod config_file;
 mod host;
 mod imports;
+mod loopback;
 pub mod metrics;
 pub mod playground;
 mod properties;

@@ -5,7 +5,6 @@
 //! WebAssembly module (`application/wasm`, `text/javascript`). Loopback by
 //! default.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
@@ -14,10 +13,7 @@ use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::header::{ALLOW, CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
 /// Where `host-sim playground` listens unless told otherwise.
@@ -92,7 +88,12 @@ impl Server {
             .block_on(TcpListener::bind(listen))
             .with_context(|| format!("binding {listen}"))?;
         let addr = listener.local_addr()?;
-        runtime.spawn(accept(listener, dir.clone()));
+        let served = dir.clone();
+        let _inside = runtime.enter();
+        crate::loopback::serve(listener, move |request| {
+            let dir = served.clone();
+            async move { respond(&dir, &request).await }
+        });
         Ok(Server {
             addr,
             dir,
@@ -123,24 +124,6 @@ impl Drop for Server {
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_background();
         }
-    }
-}
-
-async fn accept(listener: TcpListener, dir: PathBuf) {
-    loop {
-        let Ok((stream, _)) = listener.accept().await else {
-            continue;
-        };
-        let dir = dir.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |request| {
-                let dir = dir.clone();
-                async move { Ok::<_, Infallible>(respond(&dir, &request).await) }
-            });
-            let _ = http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
     }
 }
 

@@ -13,7 +13,6 @@
 //! with the ground truth).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, mpsc as std_mpsc};
 use std::time::{Duration, Instant};
@@ -22,11 +21,9 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
-use hyper::server::conn::http1;
-use hyper::service::service_fn;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioExecutor;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use tokio::net::TcpListener;
@@ -35,6 +32,7 @@ use zerolayer_core::internal;
 use zerolayer_stub::{Stub, StubConfig};
 
 use crate::config_file::ChainFile;
+use crate::loopback;
 use crate::reconcile::{self, SampleRow, TruthRow};
 use crate::serve::{ServeOptions, Server, StreamRecord};
 use crate::traffic::TrafficRecord;
@@ -636,7 +634,7 @@ impl CaptureSink {
         let addr = listener.local_addr()?;
         let bodies: Arc<Mutex<Vec<Bytes>>> = Arc::default();
         let kept = bodies.clone();
-        serve_loopback(listener, move |request: Request<hyper::body::Incoming>| {
+        loopback::serve(listener, move |request: Request<hyper::body::Incoming>| {
             let kept = kept.clone();
             async move {
                 let body = request
@@ -648,7 +646,7 @@ impl CaptureSink {
                 if let Ok(mut bodies) = kept.lock() {
                     bodies.push(body);
                 }
-                (200, Vec::new(), Bytes::new())
+                loopback::answer(200, Vec::new(), Bytes::new())
             }
         });
         Ok(CaptureSink { addr, bodies })
@@ -678,7 +676,7 @@ async fn start_recorded(traffic: &[TrafficRecord]) -> Result<SocketAddr> {
     let responses = Arc::new(responses);
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
-    serve_loopback(listener, move |request: Request<hyper::body::Incoming>| {
+    loopback::serve(listener, move |request: Request<hyper::body::Incoming>| {
         let responses = responses.clone();
         async move {
             let seq = request
@@ -688,8 +686,8 @@ async fn start_recorded(traffic: &[TrafficRecord]) -> Result<SocketAddr> {
                 .and_then(|v| v.parse::<usize>().ok());
             let _ = request.into_body().collect().await;
             match seq.and_then(|seq| responses.get(seq).cloned().flatten()) {
-                Some(response) => response,
-                None => (
+                Some((status, headers, body)) => loopback::answer(status, headers, body),
+                None => loopback::answer(
                     502,
                     vec![("content-type".into(), "text/plain".into())],
                     Bytes::from_static(
@@ -700,45 +698,6 @@ async fn start_recorded(traffic: &[TrafficRecord]) -> Result<SocketAddr> {
         }
     });
     Ok(addr)
-}
-
-type Answer = (u16, Vec<(String, String)>, Bytes);
-
-/// Serves `handler` on `listener` (HTTP/1.1, keep-alive) until the runtime stops.
-fn serve_loopback<F, Fut>(listener: TcpListener, handler: F)
-where
-    F: Fn(Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Answer> + Send + 'static,
-{
-    tokio::spawn(async move {
-        while let Ok((socket, _)) = listener.accept().await {
-            let _ = socket.set_nodelay(true);
-            let handler = handler.clone();
-            tokio::spawn(async move {
-                let service = service_fn(move |request| {
-                    let handler = handler.clone();
-                    async move {
-                        let (status, headers, body) = handler(request).await;
-                        let mut response = hyper::Response::new(Full::new(body));
-                        *response.status_mut() = hyper::StatusCode::from_u16(status)
-                            .unwrap_or(hyper::StatusCode::BAD_GATEWAY);
-                        for (name, value) in headers {
-                            if let (Ok(name), Ok(value)) = (
-                                hyper::header::HeaderName::try_from(name),
-                                hyper::header::HeaderValue::try_from(value),
-                            ) {
-                                response.headers_mut().append(name, value);
-                            }
-                        }
-                        Ok::<_, Infallible>(response)
-                    }
-                });
-                let _ = http1::Builder::new()
-                    .serve_connection(TokioIo::new(socket), service)
-                    .await;
-            });
-        }
-    });
 }
 
 // ---- the summary ----
