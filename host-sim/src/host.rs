@@ -5,7 +5,7 @@
 //! and a clock that tests advance.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -1320,6 +1320,23 @@ impl Host {
             .collect();
         out.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
         out
+    }
+
+    /// Starts counting host calls afresh (`on`), or stops counting.
+    pub fn count_host_calls(&mut self, on: bool) {
+        self.world.borrow_mut().host_calls = on.then(BTreeMap::new);
+    }
+
+    /// Host calls made since counting started: (plugin, host function,
+    /// calls), by plugin then function.
+    pub fn host_calls(&self) -> Vec<(String, &'static str, u64)> {
+        self.world
+            .borrow()
+            .host_calls
+            .iter()
+            .flatten()
+            .map(|((plugin, name), n)| (plugin.clone(), *name, *n))
+            .collect()
     }
 
     /// Forgets the callback timings (e.g. after a warm-up).

@@ -33,6 +33,16 @@ fn done(r: R) -> i32 {
     }
 }
 
+/// Counts a call of host function `name` by the current plugin, when
+/// counting is on.
+fn count_call(c: &C<'_>, name: &'static str) {
+    let state = c.data();
+    let mut world = state.world.borrow_mut();
+    if let Some(counts) = &mut world.host_calls {
+        *counts.entry((state.plugin_name(), name)).or_default() += 1;
+    }
+}
+
 /// The VM's environment (`KEY=value`), as WASI presents it.
 fn environ(state: &VmState) -> Vec<String> {
     state.env.iter().map(|(k, v)| format!("{k}={v}")).collect()
@@ -214,9 +224,22 @@ fn splice(buffer: &mut Vec<u8>, start: usize, size: usize, data: &[u8]) -> R {
 /// `module` has.
 pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
     let mut defined: HashSet<(String, String)> = HashSet::new();
+    // Each host function counts its calls when counting is on
+    // (`Host::count_host_calls`): a Proxy-Wasm host call is the unit of
+    // cost a real host charges, so counts rank changes before a load run.
     macro_rules! env {
-        ($name:literal, $f:expr) => {
-            linker.func_wrap("env", $name, $f)?;
+        ($name:literal, |mut $c:ident : $ct:ty $(, $a:ident : $t:ty)* $(,)?| -> $r:ty $body:block) => {
+            linker.func_wrap("env", $name, |mut $c: $ct $(, $a: $t)*| -> $r {
+                count_call(&$c, $name);
+                $body
+            })?;
+            defined.insert(("env".to_string(), $name.to_string()));
+        };
+        ($name:literal, |$c:ident : $ct:ty $(, $a:ident : $t:ty)* $(,)?| -> $r:ty $body:block) => {
+            linker.func_wrap("env", $name, |$c: $ct $(, $a: $t)*| -> $r {
+                count_call(&$c, $name);
+                $body
+            })?;
             defined.insert(("env".to_string(), $name.to_string()));
         };
     }

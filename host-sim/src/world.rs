@@ -261,6 +261,8 @@ pub struct World {
     pub(crate) kong_gateway: bool,
     /// Kong: capacity of each declared queue, bytes.
     pub(crate) kong_queue_bytes: usize,
+    /// Host calls by plugin and function, while counting is on.
+    pub(crate) host_calls: Option<BTreeMap<(String, &'static str), u64>>,
 }
 
 impl World {
@@ -282,6 +284,7 @@ impl World {
             kong_queues: Vec::new(),
             kong_gateway: false,
             kong_queue_bytes: usize::MAX,
+            host_calls: None,
         }
     }
 

@@ -165,3 +165,44 @@ fn shared_data_cas_is_observable() -> Result<()> {
     assert_eq!(value, b"2");
     Ok(())
 }
+
+#[test]
+fn host_calls_are_counted_by_plugin_and_function_while_counting_is_on() -> Result<()> {
+    let mut host = Host::new()?;
+    let chain = host.add_chain(vec![filter(r#"{"role":"filter"}"#)?])?;
+    let calls =
+        |host: &mut Host, action: Option<&str>| -> Result<Vec<(String, &'static str, u64)>> {
+            host.count_host_calls(true);
+            let mut s = host.stream(chain)?;
+            let headers = action.map_or_else(|| GET.to_vec(), with_action);
+            s.request_headers(&headers, true);
+            s.response_headers(&[(":status", "200")], true);
+            Ok(host.host_calls())
+        };
+    let count = |calls: &[(String, &'static str, u64)], name: &str| -> u64 {
+        calls
+            .iter()
+            .filter(|(plugin, f, _)| plugin == "probe" && *f == name)
+            .map(|(_, _, n)| n)
+            .sum()
+    };
+    let plain = calls(&mut host, None)?;
+    // The probe reads its action header on request and response headers.
+    assert_eq!(count(&plain, "proxy_get_header_map_value"), 2, "{plain:?}");
+    assert_eq!(count(&plain, "proxy_increment_metric"), 1, "{plain:?}");
+    assert_eq!(count(&plain, "proxy_get_shared_data"), 0, "{plain:?}");
+    let shared = calls(&mut host, Some("shared-incr"))?;
+    assert_eq!(
+        count(&shared, "proxy_get_header_map_value"),
+        2,
+        "{shared:?}"
+    );
+    assert!(count(&shared, "proxy_get_shared_data") >= 1, "{shared:?}");
+    assert!(count(&shared, "proxy_set_shared_data") >= 1, "{shared:?}");
+    // Off: nothing is counted, and what was is gone.
+    host.count_host_calls(false);
+    let mut s = host.stream(chain)?;
+    s.request_headers(&GET, true);
+    assert!(host.host_calls().is_empty());
+    Ok(())
+}

@@ -437,6 +437,44 @@ fn time_in_chain(
         .sum()
 }
 
+/// Host calls per request of `case` (the observer's excluded), the most
+/// frequent first: what a real host charges for, counted in host-sim.
+fn host_calls_per_request(
+    host: &mut Host,
+    chain: ChainId,
+    case: &ChainCase,
+    start: u64,
+    n: u64,
+) -> String {
+    host.count_host_calls(true);
+    time_in_chain(host, chain, case, start, n);
+    let mut by_function: std::collections::BTreeMap<&str, u64> = Default::default();
+    for (plugin, function, calls) in host.host_calls() {
+        if plugin != "observer" {
+            *by_function.entry(function).or_default() += calls;
+        }
+    }
+    host.count_host_calls(false);
+    let total: u64 = by_function.values().sum();
+    let mut rows: Vec<_> = by_function.into_iter().collect();
+    rows.sort_by_key(|row| std::cmp::Reverse(row.1));
+    let rows: Vec<String> = rows
+        .iter()
+        .map(|(f, c)| {
+            format!(
+                "{} {:.1}",
+                f.trim_start_matches("proxy_"),
+                *c as f64 / n as f64
+            )
+        })
+        .collect();
+    format!(
+        "{:.1} host calls per request ({})",
+        total as f64 / n as f64,
+        rows.join(", ")
+    )
+}
+
 /// An Anthropic stream of `tokens` text deltas.
 fn anthropic_sse(tokens: usize) -> Vec<String> {
     let mut sse = vec![
@@ -523,8 +561,12 @@ fn chain(c: &mut Criterion) {
         for (fused, (host, chain)) in &mut gateways {
             // The first request admits the token and stores the hit's entry.
             time_in_chain(host, *chain, case, 0, 2);
-            let mut next = 2;
             let form = if *fused { "fused" } else { "separate" };
+            eprintln!(
+                "chain/{name}/{form}: {}",
+                host_calls_per_request(host, *chain, case, 2, 100)
+            );
+            let mut next = 102;
             group.bench_function(format!("{name}/{form}"), |b| {
                 b.iter_custom(|n| {
                     let t = time_in_chain(host, *chain, case, next, n);

@@ -157,10 +157,7 @@ impl HttpContext for ActivationStream {
             return Action::Continue;
         };
         // Whatever the upstream sent under our name never reaches the client.
-        let _ = hostcalls::remove_map_value(
-            MapType::HttpResponseHeaders,
-            internal::DEBUG_RESPONSE_HEADER,
-        );
+        zerolayer_proxy::remove_response_header(internal::DEBUG_RESPONSE_HEADER);
         if plan.rules.debug_response_header()
             && let Some(decision) = &self.decision
         {

@@ -114,6 +114,38 @@ pub struct AuditRecord {
     pub request_id: String,
 }
 
+/// An audit record as the audit sink's JSON line (keys in name order).
+#[derive(Serialize)]
+struct AuditRow<'a> {
+    at_ms: u64,
+    credential: &'a str,
+    decision: &'a str,
+    latency_us: u64,
+    reason: &'a str,
+    request_id: &'a str,
+    tenant: Option<&'a str>,
+    verified: bool,
+}
+
+impl AuditRecord {
+    /// Appends the record as one JSON line for the audit sink.
+    pub fn write_sink_row(&self, out: &mut Vec<u8>) {
+        let row = AuditRow {
+            at_ms: self.at_ms,
+            credential: &self.hash_prefix,
+            decision: &self.decision,
+            latency_us: self.latency_us,
+            reason: &self.reason,
+            request_id: &self.request_id,
+            tenant: self.tenant.as_deref(),
+            verified: self.verified,
+        };
+        if serde_json::to_writer(&mut *out, &row).is_ok() {
+            out.push(b'\n');
+        }
+    }
+}
+
 impl fmt::Debug for Job {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -149,6 +181,31 @@ impl Job {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn audit_sink_row_is_one_json_line_in_key_order() {
+        for tenant in [Some("acme \"x\"".to_string()), None] {
+            let record = AuditRecord {
+                at_ms: 1_764_430_000_123,
+                hash_prefix: "0123456789abcdef".into(),
+                tenant: tenant.clone(),
+                verified: true,
+                decision: "valid_cached".into(),
+                reason: "cached".into(),
+                latency_us: 7,
+                request_id: "r-1".into(),
+            };
+            let mut out = Vec::new();
+            record.write_sink_row(&mut out);
+            // What the observer wrote before (a JSON object's sorted keys).
+            let before = serde_json::json!({
+                "at_ms": record.at_ms, "credential": record.hash_prefix, "tenant": tenant,
+                "verified": true, "decision": "valid_cached", "reason": "cached",
+                "latency_us": 7, "request_id": "r-1",
+            });
+            assert_eq!(String::from_utf8(out).unwrap(), format!("{before}\n"));
+        }
+    }
 
     #[test]
     fn round_trip_and_redaction() {

@@ -13,6 +13,7 @@ pub mod breaker;
 pub mod cache;
 pub mod config;
 pub mod event;
+pub mod headers;
 pub mod internal;
 pub mod metering;
 pub mod metrics;

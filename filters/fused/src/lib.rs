@@ -23,7 +23,6 @@
 mod pipeline;
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
@@ -31,8 +30,9 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
 use zerolayer_proxy::fused;
+use zerolayer_proxy::timing::{self, Span};
 
-pub use pipeline::{Pipeline, StageStream};
+pub use pipeline::{Column, Pipeline, StageStream};
 
 /// The module's entry point (`_initialize`): registers the root context.
 #[allow(missing_docs)]
@@ -75,6 +75,29 @@ impl Stage {
             Stage::LazyAuth => "lazy_auth",
             Stage::PostCache => "post_cache",
             Stage::Metering => "metering",
+        }
+    }
+
+    /// The stage's timing labels, by [`Column`].
+    fn labels(self) -> &'static [&'static str; 7] {
+        macro_rules! labels {
+            ($stage:literal) => {
+                &[
+                    concat!($stage, ".request_headers"),
+                    concat!($stage, ".request_body"),
+                    concat!($stage, ".response_headers"),
+                    concat!($stage, ".response_body"),
+                    concat!($stage, ".log"),
+                    concat!($stage, ".done"),
+                    concat!($stage, ".call_response"),
+                ]
+            };
+        }
+        match self {
+            Stage::Activation => labels!("activation"),
+            Stage::LazyAuth => labels!("lazy_auth"),
+            Stage::PostCache => labels!("post_cache"),
+            Stage::Metering => labels!("metering"),
         }
     }
 
@@ -138,7 +161,7 @@ struct StageRoot {
 
 /// Streams by context id, so that a stage resuming one from its root (a
 /// post-cache follower) reaches the stages after it.
-type Streams = Rc<RefCell<HashMap<u32, Weak<RefCell<Pipeline>>>>>;
+type Streams = Rc<RefCell<fused::StreamMap<Weak<RefCell<Pipeline>>>>>;
 
 /// The fused filter's root context: the stages' roots.
 #[derive(Default)]
@@ -259,6 +282,7 @@ impl RootContext for FusedRoot {
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        let span = Span::start();
         let stages = self
             .stages
             .iter()
@@ -266,6 +290,7 @@ impl RootContext for FusedRoot {
                 Some(StageStream::new(
                     s.root.create_http_context(context_id)?,
                     s.stage.headers_pause_withholds_body(),
+                    s.stage.labels(),
                 ))
             })
             .collect();
@@ -274,6 +299,7 @@ impl RootContext for FusedRoot {
         self.streams
             .borrow_mut()
             .insert(context_id, Rc::downgrade(&pipeline));
+        span.end("fused.create");
         Some(Box::new(FusedStream {
             id: context_id,
             pipeline,
@@ -292,7 +318,8 @@ struct FusedStream {
 impl FusedStream {
     /// Runs `step` on the pipeline as this stream, then continues the
     /// stream if a stage resumed it meanwhile (a callout answered).
-    fn step<T>(&mut self, step: impl FnOnce(&mut Pipeline) -> T) -> T {
+    fn step<T>(&mut self, label: &'static str, step: impl FnOnce(&mut Pipeline) -> T) -> T {
+        let span = Span::start();
         fused::enter_stream(self.id);
         let result = step(&mut self.pipeline.borrow_mut());
         for id in fused::take_resumes() {
@@ -306,14 +333,18 @@ impl FusedStream {
                 );
             }
         }
+        span.end(label);
         result
     }
 }
 
 impl Drop for FusedStream {
     fn drop(&mut self) {
+        let span = Span::start();
         self.streams.borrow_mut().remove(&self.id);
         fused::leave_stream(self.id);
+        span.end("fused.drop");
+        timing::stream_ended();
     }
 }
 
@@ -325,40 +356,50 @@ impl Context for FusedStream {
         body_size: usize,
         trailers: usize,
     ) {
-        self.step(|p| p.http_call_response(token, headers, body_size, trailers));
+        self.step("fused.call_response", |p| {
+            p.http_call_response(token, headers, body_size, trailers)
+        });
     }
 
     fn on_done(&mut self) -> bool {
-        self.step(Pipeline::done);
+        self.step("fused.done", Pipeline::done);
         true
     }
 }
 
 impl HttpContext for FusedStream {
     fn on_http_request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
-        self.step(|p| {
+        self.step("fused.request_headers", |p| {
             // One read of the headers for every stage (they ask for ~a dozen).
+            let span = Span::start();
             fused::read_headers(MapType::HttpRequestHeaders);
+            span.end("fused.read_request_headers");
             p.request_headers(num_headers, end_of_stream)
         })
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.step(|p| p.request_body(body_size, end_of_stream))
+        self.step("fused.request_body", |p| {
+            p.request_body(body_size, end_of_stream)
+        })
     }
 
     fn on_http_response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
-        self.step(|p| {
+        self.step("fused.response_headers", |p| {
+            let span = Span::start();
             fused::read_headers(MapType::HttpResponseHeaders);
+            span.end("fused.read_response_headers");
             p.response_headers(num_headers, end_of_stream)
         })
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.step(|p| p.response_body(body_size, end_of_stream))
+        self.step("fused.response_body", |p| {
+            p.response_body(body_size, end_of_stream)
+        })
     }
 
     fn on_log(&mut self) {
-        self.step(Pipeline::log);
+        self.step("fused.log", Pipeline::log);
     }
 }

@@ -9,6 +9,7 @@
 use proxy_wasm::traits::HttpContext;
 use proxy_wasm::types::Action;
 use zerolayer_proxy::fused::{self, Callback, DoneWith};
+use zerolayer_proxy::timing::Span;
 
 /// One stage's part of the request.
 pub struct StageStream {
@@ -20,22 +21,51 @@ pub struct StageStream {
     pub headers_pause_withholds_body: bool,
     /// The callbacks the stage said it is done with for this request.
     pub done: DoneWith,
+    /// The stage's timing labels, by [`Column`] (`timing` builds).
+    pub labels: &'static [&'static str; 7],
+}
+
+/// A callback's place in a stage's timing labels.
+#[derive(Clone, Copy)]
+pub enum Column {
+    /// `on_http_request_headers`.
+    RequestHeaders,
+    /// `on_http_request_body`.
+    RequestBody,
+    /// `on_http_response_headers`.
+    ResponseHeaders,
+    /// `on_http_response_body`.
+    ResponseBody,
+    /// `on_log`.
+    Log,
+    /// `on_done`.
+    Done,
+    /// `on_http_call_response`.
+    CallResponse,
 }
 
 impl StageStream {
     /// The stage's part of a request, every callback wanted so far.
-    pub fn new(context: Box<dyn HttpContext>, headers_pause_withholds_body: bool) -> StageStream {
+    pub fn new(
+        context: Box<dyn HttpContext>,
+        headers_pause_withholds_body: bool,
+        labels: &'static [&'static str; 7],
+    ) -> StageStream {
         StageStream {
             context,
             headers_pause_withholds_body,
             done: DoneWith::default(),
+            labels,
         }
     }
 
     /// Runs `f` on the stage's context, noting what it says it is done with.
-    fn call<T>(&mut self, f: impl FnOnce(&mut dyn HttpContext) -> T) -> T {
+    fn call<T>(&mut self, column: Column, f: impl FnOnce(&mut dyn HttpContext) -> T) -> T {
+        let span = Span::start();
         let context = &mut self.context;
-        fused::run_stage(&mut self.done, || f(context.as_mut()))
+        let result = fused::run_stage(&mut self.done, || f(context.as_mut()));
+        span.end(self.labels[column as usize]);
+        result
     }
 
     /// The request body callback, unless the stage is done with it.
@@ -43,7 +73,9 @@ impl StageStream {
         if self.done.contains(Callback::RequestBody) {
             return Action::Continue;
         }
-        self.call(|c| c.on_http_request_body(size, end_of_stream))
+        self.call(Column::RequestBody, |c| {
+            c.on_http_request_body(size, end_of_stream)
+        })
     }
 
     /// The response body callback, unless the stage is done with it.
@@ -51,7 +83,9 @@ impl StageStream {
         if self.done.contains(Callback::ResponseBody) {
             return Action::Continue;
         }
-        self.call(|c| c.on_http_response_body(size, end_of_stream))
+        self.call(Column::ResponseBody, |c| {
+            c.on_http_response_body(size, end_of_stream)
+        })
     }
 }
 
@@ -136,7 +170,10 @@ impl Pipeline {
             if self.decoded <= i {
                 self.decoded = i + 1;
                 let (n, eos) = self.headers;
-                if stage.call(|c| c.on_http_request_headers(n, eos)) == Action::Pause {
+                if stage.call(Column::RequestHeaders, |c| {
+                    c.on_http_request_headers(n, eos)
+                }) == Action::Pause
+                {
                     self.stopped = Some(Stop::Headers(i));
                     // Paused with the body to come (or withheld): wait.
                     // Otherwise the stage gets the body it paused for.
@@ -160,8 +197,9 @@ impl Pipeline {
     pub fn response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
         for i in (0..self.decoded).rev() {
             let stage = &mut self.stages[i];
-            if stage.call(|c| c.on_http_response_headers(num_headers, end_of_stream))
-                == Action::Pause
+            if stage.call(Column::ResponseHeaders, |c| {
+                c.on_http_response_headers(num_headers, end_of_stream)
+            }) == Action::Pause
             {
                 return Action::Pause;
             }
@@ -188,21 +226,23 @@ impl Pipeline {
         trailers: usize,
     ) {
         for stage in &mut self.stages {
-            stage.call(|c| c.on_http_call_response(token, headers, body_size, trailers));
+            stage.call(Column::CallResponse, |c| {
+                c.on_http_call_response(token, headers, body_size, trailers)
+            });
         }
     }
 
     /// The access log: every stage, as Envoy logs every filter.
     pub fn log(&mut self) {
         for stage in &mut self.stages {
-            stage.context.on_log();
+            stage.call(Column::Log, |c| c.on_log());
         }
     }
 
     /// The stream is done: every stage.
     pub fn done(&mut self) {
         for stage in &mut self.stages {
-            let _ = stage.context.on_done();
+            let _ = stage.call(Column::Done, |c| c.on_done());
         }
     }
 }

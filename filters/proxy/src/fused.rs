@@ -16,6 +16,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
@@ -40,11 +41,35 @@ thread_local! {
     static RESUMES: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
     /// What the stages share per stream, by stream: found by id, so the
     /// cost of a read does not grow with the streams in flight.
-    static STREAMS: RefCell<HashMap<u32, Shared>> = RefCell::new(HashMap::new());
+    static STREAMS: RefCell<StreamMap<Shared>> = RefCell::new(StreamMap::default());
 }
 
-/// Header pairs, as the host gives them.
-type Headers = Vec<(String, Vec<u8>)>;
+use zerolayer_core::headers::HeaderBlock;
+
+/// A map by stream (context) id. Every shared header read looks its stream
+/// up: ids are the host's small integers, not attacker input, so a
+/// multiplicative hash replaces SipHash's cost.
+pub type StreamMap<V> = HashMap<u32, V, BuildHasherDefault<StreamIdHasher>>;
+
+/// Fibonacci hashing of a context id (see [`StreamMap`]).
+#[derive(Default)]
+pub struct StreamIdHasher(u64);
+
+impl Hasher for StreamIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(*byte)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u32(&mut self, id: u32) {
+        self.0 = u64::from(id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
 
 /// What the stages of one stream would each ask the host for again.
 #[derive(Default)]
@@ -52,13 +77,13 @@ struct Shared {
     /// Hand-off values (`wasmx.*` paths) the stages published.
     handoffs: Vec<(String, Vec<u8>)>,
     /// The request headers, once read.
-    request_headers: Option<Headers>,
+    request_headers: Option<HeaderBlock>,
     /// The response headers, once read.
-    response_headers: Option<Headers>,
+    response_headers: Option<HeaderBlock>,
 }
 
 impl Shared {
-    fn headers(&mut self, map: MapType) -> &mut Option<Headers> {
+    fn headers(&mut self, map: MapType) -> &mut Option<HeaderBlock> {
         match map {
             MapType::HttpResponseHeaders => &mut self.response_headers,
             _ => &mut self.request_headers,
@@ -116,19 +141,23 @@ pub fn leave_stream(context_id: u32) {
 /// Fused filter: reads the current stream's `map` (request or response
 /// headers) once, for every stage's header reads.
 pub fn read_headers(map: MapType) {
-    let headers = hostcalls::get_map_bytes(map).unwrap_or_default();
-    with_shared(|shared| *shared.headers(map) = Some(headers));
+    // Unreadable: the stages ask the host header by header instead.
+    let headers = crate::host_map::read(map).ok();
+    with_shared(|shared| *shared.headers(map) = headers);
 }
 
 /// Runs `f` on the current stream's copy of `map`, if read.
-pub(crate) fn with_headers<T>(map: MapType, f: impl FnOnce(&mut Headers) -> T) -> Option<T> {
+pub(crate) fn with_headers<T>(map: MapType, f: impl FnOnce(&mut HeaderBlock) -> T) -> Option<T> {
     with_headers_or(map, f).ok()
 }
 
 /// Runs `f` on the current stream's copy of `map` if there is one; gives
 /// `f` back otherwise, so the caller can run it on the host's headers.
 /// `f` must not call back into this module (the shared state is borrowed).
-pub(crate) fn with_headers_or<T, F: FnOnce(&mut Headers) -> T>(map: MapType, f: F) -> Result<T, F> {
+pub(crate) fn with_headers_or<T, F: FnOnce(&mut HeaderBlock) -> T>(
+    map: MapType,
+    f: F,
+) -> Result<T, F> {
     if !is_fused() {
         return Err(f);
     }

@@ -15,10 +15,13 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use zerolayer_core::ConfigError;
 use zerolayer_core::auth::config::ObserverLink;
+use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal;
 use zerolayer_core::metrics::PendingCounters;
 
 pub mod fused;
+mod host_map;
+pub mod timing;
 use zerolayer_core::queue;
 
 /// Reads the plugin configuration and parses it with `parse`; on error logs
@@ -61,13 +64,7 @@ fn now() -> Duration {
 
 /// Header `name` of `map`: from the fused filter's copy when there is one.
 fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
-    let read = |headers: &mut Vec<(String, Vec<u8>)>| {
-        headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.clone())
-    };
-    if let Some(value) = fused::with_headers(map, read) {
+    if let Some(value) = fused::with_headers(map, |headers| headers.get(name).map(<[u8]>::to_vec)) {
         return value;
     }
     hostcalls::get_map_value_bytes(map, name).ok().flatten()
@@ -76,10 +73,7 @@ fn header(map: MapType, name: &str) -> Option<Vec<u8>> {
 /// Sets (replacing) header `name` of `map`, and the fused filter's copy.
 fn set_header(map: MapType, name: &str, value: &[u8]) {
     let _ = hostcalls::set_map_value_bytes(map, name, Some(value));
-    fused::with_headers(map, |headers| {
-        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
-        headers.push((name.to_string(), value.to_vec()));
-    });
+    fused::with_headers(map, |headers| headers.set(name, value));
 }
 
 /// A request header's value.
@@ -87,13 +81,14 @@ pub fn request_header(name: &str) -> Option<Vec<u8>> {
     header(MapType::HttpRequestHeaders, name)
 }
 
-/// Runs `f` on every request header, in order: the fused filter's copy
-/// when there is one (not copied again), else one read from the host. `f`
-/// must not change headers or publish (do that after it returns).
-pub fn with_request_headers<T>(f: impl FnOnce(&[(String, Vec<u8>)]) -> T) -> T {
+/// Runs `f` on the request headers: the fused filter's copy when there is
+/// one (not copied again), else one read from the host (an empty map if
+/// the host has none to give). `f` must not change headers or publish (do
+/// that after it returns).
+pub fn with_request_headers<T>(f: impl FnOnce(&HeaderBlock) -> T) -> T {
     match fused::with_headers_or(MapType::HttpRequestHeaders, |headers| f(headers)) {
         Ok(out) => out,
-        Err(f) => f(&mut hostcalls::get_map_bytes(MapType::HttpRequestHeaders).unwrap_or_default()),
+        Err(f) => f(&mut host_map::read(MapType::HttpRequestHeaders).unwrap_or_default()),
     }
 }
 
@@ -102,13 +97,25 @@ pub fn set_request_header(name: &str, value: &[u8]) {
     set_header(MapType::HttpRequestHeaders, name, value);
 }
 
+/// Removes header `name` of `map`; returns whether the host removed it.
+/// When the fused filter's copy shows it absent, the host is not asked.
+fn remove_header(map: MapType, name: &str) -> bool {
+    if fused::with_headers(map, |headers| headers.get(name).is_none()) == Some(true) {
+        return false;
+    }
+    let removed = hostcalls::remove_map_value(map, name).is_ok();
+    fused::with_headers(map, |headers| headers.remove(name));
+    removed
+}
+
 /// Removes a request header; returns whether the host removed it.
 pub fn remove_request_header(name: &str) -> bool {
-    let removed = hostcalls::remove_map_value(MapType::HttpRequestHeaders, name).is_ok();
-    fused::with_headers(MapType::HttpRequestHeaders, |headers| {
-        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name))
-    });
-    removed
+    remove_header(MapType::HttpRequestHeaders, name)
+}
+
+/// Removes a response header; returns whether the host removed it.
+pub fn remove_response_header(name: &str) -> bool {
+    remove_header(MapType::HttpResponseHeaders, name)
 }
 
 /// A response header's value, as text (`None` if absent or not UTF-8).

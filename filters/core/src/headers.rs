@@ -1,0 +1,271 @@
+//! A header map as the Proxy-Wasm host hands it over
+//! (`proxy_get_header_map_pairs`), read in place: one buffer for the whole
+//! map instead of two allocations per header, which is most of what reading
+//! a map costs inside a Wasm VM. Changes a filter makes later are kept
+//! beside the buffer, so lookups see the map as the host now has it.
+//!
+//! Layout (little-endian): `count: u32`, then `count` pairs of
+//! `(key_len: u32, value_len: u32)`, then each key and value in order, each
+//! followed by a NUL byte.
+
+use thiserror::Error;
+
+/// Why a host's header map bytes were refused.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum HeaderBlockError {
+    /// Shorter than its counts and lengths say.
+    #[error("header map truncated: {needed} bytes needed, {len} given")]
+    Truncated {
+        /// Bytes the counts and lengths call for.
+        needed: usize,
+        /// Bytes given.
+        len: usize,
+    },
+    /// A key or value is not followed by its NUL byte.
+    #[error("header map entry {index} is not NUL-terminated")]
+    Unterminated {
+        /// The entry's position.
+        index: usize,
+    },
+}
+
+/// A header map read in place, with the changes made since it was read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeaderBlock {
+    bytes: Vec<u8>,
+    count: usize,
+    /// Set (`Some`) or removed (`None`) headers, by lower-case name, in the
+    /// order they were changed.
+    changes: Vec<(String, Option<Vec<u8>>)>,
+}
+
+/// Reads the `i`th little-endian u32 at `at`.
+fn u32_at(bytes: &[u8], at: usize) -> Option<usize> {
+    let word = bytes.get(at..at + 4)?;
+    Some(u32::from_le_bytes([word[0], word[1], word[2], word[3]]) as usize)
+}
+
+impl HeaderBlock {
+    /// The map in the host's serialized form; checked once here, so reading
+    /// it later cannot go out of bounds. An empty buffer is an empty map.
+    pub fn parse(bytes: Vec<u8>) -> Result<HeaderBlock, HeaderBlockError> {
+        if bytes.is_empty() {
+            return Ok(HeaderBlock::default());
+        }
+        let truncated = |needed| HeaderBlockError::Truncated {
+            needed,
+            len: bytes.len(),
+        };
+        let count = u32_at(&bytes, 0).ok_or(truncated(4))?;
+        let mut data = count
+            .checked_mul(8)
+            .and_then(|n| n.checked_add(4))
+            .ok_or(truncated(usize::MAX))?;
+        if data > bytes.len() {
+            return Err(truncated(data));
+        }
+        for index in 0..count {
+            for half in 0..2 {
+                let len = u32_at(&bytes, 4 + index * 8 + half * 4).ok_or(truncated(data))?;
+                let end = data.checked_add(len).ok_or(truncated(usize::MAX))?;
+                match bytes.get(end) {
+                    Some(0) => data = end + 1,
+                    Some(_) => return Err(HeaderBlockError::Unterminated { index }),
+                    None => return Err(truncated(end + 1)),
+                }
+            }
+        }
+        Ok(HeaderBlock {
+            bytes,
+            count,
+            changes: Vec::new(),
+        })
+    }
+
+    /// The serialized form of `pairs` (what a host would hand over).
+    pub fn serialize<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Vec<u8> {
+        let pairs: Vec<(&str, &[u8])> = pairs.into_iter().collect();
+        let mut out = Vec::new();
+        out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+        for (key, value) in &pairs {
+            out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+            out.extend_from_slice(&(value.len() as u32).to_le_bytes());
+        }
+        for (key, value) in &pairs {
+            out.extend_from_slice(key.as_bytes());
+            out.push(0);
+            out.extend_from_slice(value);
+            out.push(0);
+        }
+        out
+    }
+
+    /// The headers as read from the host, in order (changes not applied).
+    fn read(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        let mut data = 4 + self.count * 8;
+        (0..self.count).map(move |index| {
+            // In bounds and NUL-terminated: checked by `parse`.
+            let key_len = u32_at(&self.bytes, 4 + index * 8).unwrap_or(0);
+            let value_len = u32_at(&self.bytes, 8 + index * 8).unwrap_or(0);
+            let key = self.bytes.get(data..data + key_len).unwrap_or_default();
+            data += key_len + 1;
+            let value = self.bytes.get(data..data + value_len).unwrap_or_default();
+            data += value_len + 1;
+            (key, value)
+        })
+    }
+
+    /// Every header, in order: those read from the host and not changed
+    /// since, then those set since, in the order they were set.
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        let read = self
+            .read()
+            .filter(|(key, _)| !self.changes.iter().any(|(n, _)| eq(n.as_bytes(), key)));
+        let set = self
+            .changes
+            .iter()
+            .filter_map(|(n, v)| v.as_deref().map(|v| (n.as_bytes(), v)));
+        read.chain(set)
+    }
+
+    /// The first value of header `name` (any case).
+    pub fn get(&self, name: &str) -> Option<&[u8]> {
+        if let Some((_, value)) = self
+            .changes
+            .iter()
+            .find(|(n, _)| eq(n.as_bytes(), name.as_bytes()))
+        {
+            return value.as_deref();
+        }
+        self.read()
+            .find(|(key, _)| eq(key, name.as_bytes()))
+            .map(|(_, value)| value)
+    }
+
+    /// Header `name` now has the one value `value`.
+    pub fn set(&mut self, name: &str, value: &[u8]) {
+        self.change(name, Some(value.to_vec()));
+    }
+
+    /// Header `name` is gone.
+    pub fn remove(&mut self, name: &str) {
+        self.change(name, None);
+    }
+
+    fn change(&mut self, name: &str, value: Option<Vec<u8>>) {
+        self.changes
+            .retain(|(n, _)| !eq(n.as_bytes(), name.as_bytes()));
+        self.changes.push((name.to_ascii_lowercase(), value));
+    }
+}
+
+/// Header names compare without regard to ASCII case.
+fn eq(a: &[u8], b: &[u8]) -> bool {
+    a.eq_ignore_ascii_case(b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn block(pairs: &[(&str, &str)]) -> HeaderBlock {
+        let bytes = HeaderBlock::serialize(pairs.iter().map(|(k, v)| (*k, v.as_bytes())));
+        HeaderBlock::parse(bytes).expect("well-formed")
+    }
+
+    fn all(block: &HeaderBlock) -> Vec<(String, String)> {
+        block
+            .iter()
+            .map(|(k, v)| {
+                (
+                    String::from_utf8_lossy(k).into_owned(),
+                    String::from_utf8_lossy(v).into_owned(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn reads_in_place_with_changes_on_top() {
+        let mut headers = block(&[
+            (":method", "POST"),
+            ("authorization", "Bearer abc"),
+            ("x-zerolayer-debug", "1"),
+            ("accept", "a"),
+            ("accept", "b"),
+        ]);
+        assert_eq!(headers.get("Authorization"), Some(&b"Bearer abc"[..]));
+        assert_eq!(headers.get("accept"), Some(&b"a"[..]), "the first value");
+        assert_eq!(headers.get("missing"), None);
+        headers.remove("X-Zerolayer-Debug");
+        headers.set("content-length", b"42");
+        headers.set("accept", b"c");
+        assert_eq!(headers.get("x-zerolayer-debug"), None);
+        assert_eq!(headers.get("content-length"), Some(&b"42"[..]));
+        assert_eq!(
+            headers.get("accept"),
+            Some(&b"c"[..]),
+            "set replaces every value"
+        );
+        assert_eq!(
+            all(&headers),
+            [
+                (":method", "POST"),
+                ("authorization", "Bearer abc"),
+                ("content-length", "42"),
+                ("accept", "c"),
+            ]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+        );
+    }
+
+    #[test]
+    fn empty_and_malformed_maps() {
+        assert_eq!(
+            HeaderBlock::parse(Vec::new()).map(|b| b.iter().count()),
+            Ok(0)
+        );
+        let good = HeaderBlock::serialize([("a", &b"1"[..])]);
+        for cut in 1..good.len() {
+            assert!(
+                matches!(
+                    HeaderBlock::parse(good[..cut].to_vec()),
+                    Err(HeaderBlockError::Truncated { .. })
+                ),
+                "cut at {cut}"
+            );
+        }
+        let mut unterminated = good.clone();
+        let last = unterminated.len() - 1;
+        unterminated[last] = b'x';
+        assert_eq!(
+            HeaderBlock::parse(unterminated),
+            Err(HeaderBlockError::Unterminated { index: 0 })
+        );
+        // A count no buffer could hold.
+        let mut huge = good;
+        huge[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(HeaderBlock::parse(huge).is_err());
+    }
+
+    proptest! {
+        /// Whatever the host hands over: never a panic, and a well-formed
+        /// map reads back exactly as it was written.
+        #[test]
+        fn round_trips_and_never_panics(
+            pairs in proptest::collection::vec(("[a-z:-]{0,12}", proptest::collection::vec(any::<u8>(), 0..20)), 0..12),
+            noise in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            let bytes = HeaderBlock::serialize(pairs.iter().map(|(k, v)| (k.as_str(), v.as_slice())));
+            let block = HeaderBlock::parse(bytes).expect("well-formed");
+            let read: Vec<(Vec<u8>, Vec<u8>)> = block.iter().map(|(k, v)| (k.to_vec(), v.to_vec())).collect();
+            let written: Vec<(Vec<u8>, Vec<u8>)> = pairs.iter().map(|(k, v)| (k.as_bytes().to_vec(), v.clone())).collect();
+            prop_assert_eq!(read, written);
+            if let Ok(block) = HeaderBlock::parse(noise) {
+                let _ = block.iter().count();
+                let _ = block.get("a");
+            }
+        }
+    }
+}
