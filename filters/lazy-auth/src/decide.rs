@@ -109,7 +109,10 @@ impl Stream {
                 continue;
             };
             if let Some(token) = credential::extract(source, &value) {
-                let hash = TokenHash::of(token);
+                let hash = match self.plan.recent.try_borrow_mut() {
+                    Ok(mut recent) => recent.hash(token),
+                    Err(_) => TokenHash::of(token),
+                };
                 // Keep the token in the header's own buffer (no copy): it is
                 // needed only when the verdict is unknown.
                 let start = token.as_ptr() as usize - value.as_ptr() as usize;

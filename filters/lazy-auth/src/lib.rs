@@ -22,6 +22,7 @@ use std::time::Duration;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use zerolayer_core::auth::config::{LazyAuthConfig, ObserverMode};
+use zerolayer_core::auth::credential::RecentCredentials;
 use zerolayer_core::auth::jwt::Validation;
 use zerolayer_core::auth::policy::Policy;
 use zerolayer_observer::{Observer, ObserverConfig};
@@ -61,7 +62,12 @@ pub(crate) struct Plan {
     /// when [`AUDIT_BATCH`] are waiting: an enqueue (and the observer's
     /// wake-up) per request cost as much as the rest of the filter.
     pub audit_batch: std::cell::RefCell<Vec<zerolayer_core::event::AuditRecord>>,
+    /// The hashes of this VM's recent credentials (clients resend theirs).
+    pub recent: std::cell::RefCell<RecentCredentials>,
 }
+
+/// Credentials whose hash a VM remembers.
+const RECENT_CREDENTIALS: usize = 64;
 
 /// Audit records enqueued together at most.
 pub(crate) const AUDIT_BATCH: usize = 64;
@@ -156,6 +162,7 @@ impl RootContext for AuthRoot {
             ),
             metrics: Metrics::define(),
             audit_batch: std::cell::RefCell::new(Vec::new()),
+            recent: std::cell::RefCell::new(RecentCredentials::new(RECENT_CREDENTIALS)),
             config,
         };
         log::info!(

@@ -6,6 +6,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use xxhash_rust::xxh3::xxh3_64;
+use zeroize::Zeroizing;
 
 /// What a credential is, which decides how it is verified.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,6 +62,78 @@ impl fmt::Debug for TokenHash {
     }
 }
 
+/// The hashes of the last few credentials seen, so that a client sending
+/// the same credential on every request (the usual case) has it hashed
+/// once: SHA-256 of a JWT is the largest part of lazy-auth's hot path in
+/// Wasm. An entry is found by the credential's bytes, compared in full
+/// after a fast fingerprint; the copies kept are zeroed when dropped.
+pub struct RecentCredentials {
+    entries: Vec<RecentCredential>,
+    capacity: usize,
+    /// The entry the next new credential replaces (oldest first).
+    next: usize,
+}
+
+struct RecentCredential {
+    fingerprint: u64,
+    credential: Zeroizing<Vec<u8>>,
+    hash: TokenHash,
+}
+
+impl RecentCredentials {
+    /// Longer credentials are hashed every time, not kept.
+    pub const MAX_KEPT_LEN: usize = 4096;
+
+    /// Remembers up to `capacity` credentials.
+    pub fn new(capacity: usize) -> RecentCredentials {
+        RecentCredentials {
+            entries: Vec::with_capacity(capacity),
+            capacity,
+            next: 0,
+        }
+    }
+
+    /// The credential's [`TokenHash`]: remembered, or computed and kept.
+    pub fn hash(&mut self, credential: &[u8]) -> TokenHash {
+        if self.capacity == 0 || credential.len() > Self::MAX_KEPT_LEN {
+            return TokenHash::of(credential);
+        }
+        let fingerprint = xxh3_64(credential);
+        if let Some(entry) = self
+            .entries
+            .iter()
+            .find(|e| e.fingerprint == fingerprint && e.credential.as_slice() == credential)
+        {
+            return entry.hash;
+        }
+        let entry = RecentCredential {
+            fingerprint,
+            credential: Zeroizing::new(credential.to_vec()),
+            hash: TokenHash::of(credential),
+        };
+        let hash = entry.hash;
+        if self.entries.len() < self.capacity {
+            self.entries.push(entry);
+        } else if let Some(slot) = self.entries.get_mut(self.next) {
+            *slot = entry;
+        }
+        self.next = (self.next + 1) % self.capacity;
+        hash
+    }
+}
+
+impl fmt::Debug for RecentCredentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the credentials themselves.
+        write!(
+            f,
+            "RecentCredentials({} of {})",
+            self.entries.len(),
+            self.capacity
+        )
+    }
+}
+
 /// Lower-case hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
@@ -103,6 +177,52 @@ mod tests {
             header: "authorization".into(),
             scheme: Some("Bearer".into()),
             kind: CredentialKind::Jwt,
+        }
+    }
+
+    #[test]
+    fn recent_credentials_hash_like_sha256_and_keep_the_newest() {
+        let mut recent = RecentCredentials::new(2);
+        let tokens: [&[u8]; 3] = [b"token-a", b"token-b", b"token-c"];
+        for token in tokens.iter().chain(tokens.iter()).chain([&&b"token-c"[..]]) {
+            assert_eq!(recent.hash(token), TokenHash::of(token));
+        }
+        // Capacity 2: the two newest are kept, the oldest replaced.
+        assert_eq!(recent.entries.len(), 2);
+        let kept: Vec<&[u8]> = recent
+            .entries
+            .iter()
+            .map(|e| e.credential.as_slice())
+            .collect();
+        assert!(
+            kept.contains(&&b"token-c"[..]) && kept.contains(&&b"token-b"[..]),
+            "{kept:?}"
+        );
+        // Too long to keep, or nothing kept at all: hashed every time.
+        let long = vec![b'x'; RecentCredentials::MAX_KEPT_LEN + 1];
+        assert_eq!(recent.hash(&long), TokenHash::of(&long));
+        assert!(
+            recent
+                .entries
+                .iter()
+                .all(|e| e.credential.len() <= RecentCredentials::MAX_KEPT_LEN)
+        );
+        assert_eq!(RecentCredentials::new(0).hash(b"t"), TokenHash::of(b"t"));
+        assert_eq!(format!("{recent:?}"), "RecentCredentials(2 of 2)");
+    }
+
+    proptest::proptest! {
+        /// Whatever the sequence of credentials, the hash is the SHA-256.
+        #[test]
+        fn recent_credentials_never_answer_another_credentials_hash(
+            picks in proptest::collection::vec(0usize..6, 1..40),
+            capacity in 0usize..4,
+        ) {
+            let tokens: Vec<Vec<u8>> = (0..6).map(|i| format!("tok{i}").into_bytes()).collect();
+            let mut recent = RecentCredentials::new(capacity);
+            for pick in picks {
+                proptest::prop_assert_eq!(recent.hash(&tokens[pick]), TokenHash::of(&tokens[pick]));
+            }
         }
     }
 

@@ -82,7 +82,12 @@ impl UsageRecord {
 
     /// The access log's JSON object (one line, no newline).
     pub fn log_entry(&self) -> Vec<u8> {
-        serde_json::to_vec(&self.row(None, None)).unwrap_or_default()
+        // Sized for a typical entry (~230 bytes): one allocation, not six.
+        let mut out = Vec::with_capacity(256);
+        match serde_json::to_writer(&mut out, &self.row(None, None)) {
+            Ok(()) => out,
+            Err(_) => Vec::new(),
+        }
     }
 
     fn row(&self, latency_ms: Option<u32>, sample_weight: Option<f64>) -> Row<'_> {
