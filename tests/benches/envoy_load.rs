@@ -25,7 +25,10 @@
 //! `target/bench/envoy_load.{json,svg}`; a complete run copies the chart to
 //! `docs/envoy_load.svg`, which BENCHMARKS.md shows. `ZEROLAYER_LOAD_ROUNDS`
 //! and `ZEROLAYER_LOAD_SECS` shorten a development run, `ZEROLAYER_LOAD_ONLY`
-//! (comma-separated keys) narrows it (neither is copied).
+//! (comma-separated keys) narrows it, and `ZEROLAYER_LOAD_BASELINE_WASM=<dir>`
+//! adds each configuration again (`<key>-base`) with the filter modules of
+//! another build — before and after a change in one run (none of these
+//! runs is copied).
 #![allow(missing_docs)]
 
 use std::collections::BTreeSet;
@@ -87,6 +90,7 @@ enum Request {
 }
 
 /// One configuration under test.
+#[derive(Clone)]
 struct Variant {
     key: &'static str,
     label: &'static str,
@@ -127,6 +131,37 @@ impl Variant {
     fn expect(mut self, expect: Expect) -> Self {
         self.expect = expect;
         self
+    }
+
+    /// The same configuration with the HTTP filters' modules taken from
+    /// `dir` (another build's `target/wasm32-wasip1/wasm`), keyed
+    /// `<key>-base`; `None` when none of its modules is there.
+    fn with_modules_from(&self, dir: &Path) -> Option<Variant> {
+        fn swap(value: &mut Yaml, dir: &Path, swapped: &mut bool) {
+            match value {
+                Yaml::String(path) if path.ends_with(".wasm") => {
+                    let name = Path::new(path.as_str()).file_name().unwrap_or_default();
+                    let other = dir.join(name);
+                    if other.is_file() {
+                        *path = other.display().to_string();
+                        *swapped = true;
+                    }
+                }
+                Yaml::Sequence(items) => items.iter_mut().for_each(|v| swap(v, dir, swapped)),
+                Yaml::Mapping(map) => map.values_mut().for_each(|v| swap(v, dir, swapped)),
+                _ => {}
+            }
+        }
+        let mut variant = self.clone();
+        let mut swapped = false;
+        for filter in &mut variant.filters {
+            swap(filter, dir, &mut swapped);
+        }
+        // Keys and labels are 'static for the table and chart; a run makes
+        // a handful of these.
+        variant.key = Box::leak(format!("{}-base", self.key).into_boxed_str());
+        variant.label = Box::leak(format!("{} [baseline modules]", self.label).into_boxed_str());
+        swapped.then_some(variant)
     }
 }
 
@@ -194,6 +229,10 @@ struct Plan {
     single_secs: u64,
     /// Only these configurations (`ZEROLAYER_LOAD_ONLY=a,e,c-fused`).
     only: Option<Vec<String>>,
+    /// Each configuration again with the filter modules of another build
+    /// (`ZEROLAYER_LOAD_BASELINE_WASM=<dir>`): before and after a change in
+    /// one run, where run-to-run drift would hide it.
+    baseline_wasm: Option<PathBuf>,
 }
 
 impl Plan {
@@ -206,6 +245,7 @@ impl Plan {
             only: std::env::var("ZEROLAYER_LOAD_ONLY")
                 .ok()
                 .map(|keys| keys.split(',').map(|k| k.trim().to_string()).collect()),
+            baseline_wasm: std::env::var_os("ZEROLAYER_LOAD_BASELINE_WASM").map(PathBuf::from),
         })
     }
 
@@ -215,6 +255,7 @@ impl Plan {
             && self.loaded_secs == LOADED_SECS
             && self.single_secs == SINGLE_SECS
             && self.only.is_none()
+            && self.baseline_wasm.is_none()
     }
 }
 
@@ -287,6 +328,27 @@ fn main() -> Result<()> {
             !variants.is_empty(),
             "ZEROLAYER_LOAD_ONLY={only:?} names no configuration"
         );
+    }
+    if let Some(dir) = &plan.baseline_wasm {
+        ensure!(
+            dir.is_dir(),
+            "ZEROLAYER_LOAD_BASELINE_WASM={}: not a directory",
+            dir.display()
+        );
+        let baseline: Vec<Variant> = variants
+            .iter()
+            .filter_map(|v| v.with_modules_from(dir))
+            .collect();
+        eprintln!(
+            "baseline modules from {}: {}",
+            dir.display(),
+            baseline
+                .iter()
+                .map(|v| v.key)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        variants.extend(baseline);
     }
     let now = tokens::now();
     let bearer = format!(

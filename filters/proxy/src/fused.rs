@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, Status};
+use zerolayer_core::headers::HeaderBlock;
 
 thread_local! {
     static FUSED: Cell<bool> = const { Cell::new(false) };
@@ -43,8 +44,6 @@ thread_local! {
     /// cost of a read does not grow with the streams in flight.
     static STREAMS: RefCell<StreamMap<Shared>> = RefCell::new(StreamMap::default());
 }
-
-use zerolayer_core::headers::HeaderBlock;
 
 /// A map by stream (context) id. Every shared header read looks its stream
 /// up: ids are the host's small integers, not attacker input, so a
