@@ -206,3 +206,29 @@ fn host_calls_are_counted_by_plugin_and_function_while_counting_is_on() -> Resul
     assert!(host.host_calls().is_empty());
     Ok(())
 }
+
+#[test]
+fn the_trivial_role_adds_two_request_headers_and_nothing_else() -> Result<()> {
+    let mut host = Host::new()?;
+    let chain = host.add_chain(vec![
+        PluginSpec::new("trivial", probe_wasm()?).configuration(r#"{"role":"trivial"}"#),
+    ])?;
+    host.count_host_calls(true);
+    let mut s = host.stream(chain)?;
+    s.request_headers(&with_action("shared-incr"), true);
+    s.response_headers(&[(":status", "200")], true);
+    let upstream = s.upstream();
+    assert_eq!(upstream.header("x-trivial-1"), Some("1"));
+    assert_eq!(upstream.header("x-trivial-2"), Some("2"));
+    // No action runs (the header is ignored), nothing reaches the client.
+    assert_eq!(s.client().header("x-probe-counter"), None);
+    assert_eq!(s.client().header("x-probe-upstream-status"), None);
+    let calls: Vec<(&str, u64)> = host
+        .host_calls()
+        .iter()
+        .filter(|(plugin, _, _)| plugin == "trivial")
+        .map(|(_, f, n)| (*f, *n))
+        .collect();
+    assert_eq!(calls, [("proxy_add_header_map_value", 2)]);
+    Ok(())
+}

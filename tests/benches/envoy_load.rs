@@ -1094,8 +1094,9 @@ fn ext_authz() -> Result<Yaml> {
     Ok(serde_yaml::to_value(filter)?)
 }
 
-/// Trivial Wasm filter number `n` (the probe without actions), in its own VM
-/// as each zerolayer filter is.
+/// Trivial Wasm filter number `n` (the probe's `trivial` role: adds two
+/// request headers, nothing else, as in the issue's floor measurement), in
+/// its own VM as each zerolayer filter is.
 fn trivial(n: usize) -> Result<Yaml> {
     let filter = json!({
         "name": format!("trivial{n}"),
@@ -1110,7 +1111,7 @@ fn trivial(n: usize) -> Result<Yaml> {
                 },
                 "configuration": {
                     "@type": "type.googleapis.com/google.protobuf.StringValue",
-                    "value": r#"{"role":"filter"}"#,
+                    "value": r#"{"role":"trivial"}"#,
                 },
             },
         },

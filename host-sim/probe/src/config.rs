@@ -1,7 +1,7 @@
 //! The plugin configuration (JSON):
 //!
 //! ```json
-//! {"role": "filter" | "singleton", "queue_vm_id": "probe.singleton",
+//! {"role": "filter" | "singleton" | "trivial", "queue_vm_id": "probe.singleton",
 //!  "queue_name": "probe-jobs", "cluster": "probe_upstream", "tick_ms": 0}
 //! ```
 //!
@@ -18,6 +18,9 @@ pub(crate) enum Role {
     Filter,
     /// A bootstrap singleton service: owns the shared queue and drains it.
     Singleton,
+    /// The benchmarks' floor: adds two request headers and does nothing
+    /// else (no header reads, no metrics, no actions).
+    Trivial,
 }
 
 /// The parsed configuration.
@@ -121,6 +124,8 @@ mod tests {
     fn defaults() {
         let config = Config::from_json(br#"{"role":"filter"}"#).unwrap();
         assert_eq!(config.role, Role::Filter);
+        let config = Config::from_json(br#"{"role":"trivial"}"#).unwrap();
+        assert_eq!(config.role, Role::Trivial);
         assert_eq!(config.queue_vm_id, "probe.singleton");
         assert_eq!(config.queue_name, "probe-jobs");
         assert_eq!(config.cluster, "probe_upstream");

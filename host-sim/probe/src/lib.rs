@@ -4,10 +4,12 @@
 //! bodies and metrics, driven entirely by the request header
 //! `x-probe-action` (a comma-separated list of actions, run in order).
 //!
-//! One module, two roles chosen by the configuration (see `config`):
+//! One module, three roles chosen by the configuration (see `config`):
 //! - `singleton` (a bootstrap service): registers a shared queue and drains
 //!   it on `on_queue_ready` and on every tick (see `singleton`);
-//! - `filter` (an HTTP filter): runs the actions.
+//! - `filter` (an HTTP filter): runs the actions;
+//! - `trivial` (an HTTP filter): adds two request headers, nothing else —
+//!   the floor the benchmarks compare the filters with.
 //!
 //! Lifecycle of the filter, top to bottom: configuration → request headers
 //! (run the actions) → request body (`body-size`) → callout response
@@ -77,6 +79,7 @@ struct FilterPlan {
 enum Configured {
     Filter(Rc<FilterPlan>),
     Singleton(Singleton),
+    Trivial,
 }
 
 /// The plugin's root context: owns the configuration.
@@ -114,6 +117,7 @@ impl RootContext for ProbeRoot {
                 queue_name: config.queue_name,
                 cluster: config.cluster,
             })),
+            Role::Trivial => Configured::Trivial,
         };
         if config.tick_ms > 0
             && let Err(status) =
@@ -134,7 +138,7 @@ impl RootContext for ProbeRoot {
         match &self.role {
             Some(Configured::Filter(plan)) => plan.metrics.tick(),
             Some(Configured::Singleton(singleton)) => singleton.tick(),
-            None => {}
+            Some(Configured::Trivial) | None => {}
         }
     }
 
@@ -156,12 +160,28 @@ impl RootContext for ProbeRoot {
         // the stream passes through untouched.
         let plan = match &self.role {
             Some(Configured::Filter(plan)) => Some(plan.clone()),
+            Some(Configured::Trivial) => return Some(Box::new(TrivialStream)),
             _ => None,
         };
         Some(Box::new(ProbeStream {
             plan,
             ..ProbeStream::default()
         }))
+    }
+}
+
+/// A stream of the trivial role: two request headers added, nothing else —
+/// what the issue's floor measurement ran ("a filter that only adds two
+/// headers").
+struct TrivialStream;
+
+impl Context for TrivialStream {}
+
+impl HttpContext for TrivialStream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let _ = hostcalls::add_map_value(MapType::HttpRequestHeaders, "x-trivial-1", "1");
+        let _ = hostcalls::add_map_value(MapType::HttpRequestHeaders, "x-trivial-2", "2");
+        Action::Continue
     }
 }
 
