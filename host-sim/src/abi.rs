@@ -167,27 +167,12 @@ impl LogLevel {
 /// A header map: lower-case names, raw values, in order.
 pub type Headers = Vec<(String, Vec<u8>)>;
 
-/// Serializes a header map the way modules read it: a u32 count, then a
-/// (name length, value length) u32 pair per entry, then each name and value
-/// followed by a NUL byte. Little-endian.
+/// Serializes a header map the way modules read it (the format is core's:
+/// [`zerolayer_core::headers::HeaderBlock`], which the filters parse).
 pub fn encode_pairs(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
-    let mut size = 4;
-    for (k, v) in pairs {
-        size += 8 + k.len() + 1 + v.len() + 1;
-    }
-    let mut out = Vec::with_capacity(size);
-    out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
-    for (k, v) in pairs {
-        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-    }
-    for (k, v) in pairs {
-        out.extend_from_slice(k.as_bytes());
-        out.push(0);
-        out.extend_from_slice(v);
-        out.push(0);
-    }
-    out
+    zerolayer_core::headers::HeaderBlock::serialize(
+        pairs.iter().map(|(k, v)| (k.as_str(), v.as_slice())),
+    )
 }
 
 /// Parses a serialized header map; `None` when malformed (never panics).

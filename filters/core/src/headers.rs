@@ -82,10 +82,15 @@ impl HeaderBlock {
         })
     }
 
-    /// The serialized form of `pairs` (what a host would hand over).
+    /// The serialized form of `pairs`: what a host hands over (host-sim
+    /// serializes its maps with this).
     pub fn serialize<'a>(pairs: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Vec<u8> {
         let pairs: Vec<(&str, &[u8])> = pairs.into_iter().collect();
-        let mut out = Vec::new();
+        let size = 4 + pairs
+            .iter()
+            .map(|(k, v)| 8 + k.len() + v.len() + 2)
+            .sum::<usize>();
+        let mut out = Vec::with_capacity(size);
         out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
         for (key, value) in &pairs {
             out.extend_from_slice(&(key.len() as u32).to_le_bytes());
