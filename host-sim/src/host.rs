@@ -169,6 +169,9 @@ struct StreamRun {
     finished: bool,
     /// Positions (chain order) whose request headers callback ran.
     decoded: usize,
+    /// Kong: ngx_wasm_module runs the response phases in chain order too
+    /// (Envoy's encoder filters run in reverse).
+    responses_in_chain_order: bool,
     /// Per chain position: time spent inside the module for this stream
     /// (HTTP callbacks and the end-of-stream callbacks).
     wasm: Vec<Duration>,
@@ -508,6 +511,7 @@ impl Host {
                 reset: false,
                 finished: false,
                 decoded: 0,
+                responses_in_chain_order: self.world.borrow().profile == Profile::Kong,
                 wasm: vec![Duration::ZERO; plugins.len()],
             },
         );
@@ -522,9 +526,14 @@ impl Host {
             .is_none_or(|r| r.finished || r.reset || r.local.is_some())
     }
 
-    /// Position → chain index for a direction.
-    fn filter_at(n: usize, response: bool, position: usize) -> usize {
-        if response { n - 1 - position } else { position }
+    /// Position → chain index for a direction (and back: it is its own
+    /// inverse).
+    fn filter_at(run: &StreamRun, response: bool, position: usize) -> usize {
+        if response && !run.responses_in_chain_order {
+            run.filters.len() - 1 - position
+        } else {
+            position
+        }
     }
 
     fn dir(run: &mut StreamRun, response: bool) -> &mut Direction {
@@ -550,8 +559,7 @@ impl Host {
         let Some(run) = self.streams.get(&id) else {
             return Step::Stop;
         };
-        let n = run.filters.len();
-        let chain_index = Self::filter_at(n, response, position);
+        let chain_index = Self::filter_at(run, response, position);
         let (vm, context) = run.filters[chain_index];
         let plugin = run.plugins[chain_index];
         if !response
@@ -692,13 +700,24 @@ impl Host {
         } else {
             HttpCallback::RequestHeaders
         };
+        // ngx_wasm_module calls the request headers step with
+        // `end_of_stream` false, always (the body is not read yet).
+        let kong_request = !response && self.is_kong();
+        let callback_eos = eos && !kong_request;
         for position in from..n {
             let count = self.headers_map(id, response).len();
-            match self.call(id, response, position, callback, count, eos) {
+            match self.call(id, response, position, callback, count, callback_eos) {
                 Step::Stop => return,
                 Step::Pause => {
                     if let Some(run) = self.streams.get_mut(&id) {
                         Self::dir(run, response).headers_passed = position;
+                    }
+                    if kong_request && !eos {
+                        self.log_host(&format!(
+                            "stream {id}: filter {position} paused the request headers; \
+                             ngx_wasm_module reads the body only after every filter let them \
+                             through, so this request hangs unless the filter resumes it itself"
+                        ));
                     }
                     return;
                 }
@@ -708,6 +727,11 @@ impl Host {
                     }
                 }
             }
+        }
+        if kong_request && !eos {
+            // nginx contacts the upstream only once it has read the body:
+            // the headers leave with it (`run_data`).
+            return;
         }
         let headers = self.headers_map(id, response);
         if let Some(run) = self.streams.get_mut(&id) {
@@ -725,8 +749,43 @@ impl Host {
         if self.ignores(id) {
             return;
         }
+        if !response && self.is_kong() {
+            // ngx_wasm_module: nginx reads the whole body (content phase)
+            // after every filter's request headers let them through, then
+            // calls each filter's request body step once, with all of it.
+            if let Some(run) = self.streams.get_mut(&id) {
+                let d = &mut run.request;
+                d.waiting.extend_from_slice(&data);
+                d.waiting_eos |= eos;
+                d.waiting_any = true;
+            }
+            self.kong_read_body(id);
+            self.run_events();
+            return;
+        }
         self.run_data(id, response, 0, data, eos);
         self.run_events();
+    }
+
+    /// Kong: hands the whole request body to the filters once it has
+    /// arrived and every filter let the request headers through.
+    fn kong_read_body(&mut self, id: StreamId) {
+        let Some(run) = self.streams.get_mut(&id) else {
+            return;
+        };
+        let n = run.filters.len();
+        let d = &mut run.request;
+        if d.headers_passed < n || !d.waiting_eos {
+            return;
+        }
+        let body = std::mem::take(&mut d.waiting);
+        d.waiting_eos = false;
+        d.waiting_any = false;
+        self.run_data(id, false, 0, body, true);
+    }
+
+    fn is_kong(&self) -> bool {
+        self.world.borrow().profile == Profile::Kong
     }
 
     /// Runs body callbacks from `from` on.
@@ -762,7 +821,7 @@ impl Host {
             let stops_headers_only = self
                 .streams
                 .get(&id)
-                .is_some_and(|r| r.stop_iteration[Self::filter_at(n, response, position)]);
+                .is_some_and(|r| r.stop_iteration[Self::filter_at(r, response, position)]);
             if position > passed || (position == passed && !stops_headers_only) {
                 // Headers stopped all iteration here: the data waits in front
                 // of this filter.
@@ -809,11 +868,26 @@ impl Host {
                 }
             }
         }
+        let kong_request = !response && eos && self.is_kong();
+        let headers = kong_request.then(|| self.headers_map(id, false));
         if let Some(run) = self.streams.get_mut(&id) {
             let d = Self::dir(run, response);
             d.out.body.extend_from_slice(&data);
             if eos {
                 d.out.complete = true;
+            }
+            if let Some(mut headers) = headers {
+                // nginx proxies once the body is read: the upstream gets the
+                // headers as the filters left them by then, with the
+                // body's own length (ngx_wasm_module updates it on a
+                // rewrite).
+                let length = d.out.body.len().to_string().into_bytes();
+                for (name, value) in &mut headers {
+                    if name == "content-length" {
+                        *value = length.clone();
+                    }
+                }
+                d.out.headers = Some(headers);
             }
         }
         self.maybe_finish(id);
@@ -861,7 +935,23 @@ impl Host {
             return;
         };
         let n = run.filters.len();
-        let position = Self::filter_at(n, response, filter);
+        let position = Self::filter_at(run, response, filter);
+        let d = Self::dir(run, response);
+        if !response
+            && d.headers_started
+            && d.headers_passed == position
+            && position < n
+            && self.world.borrow().profile == Profile::Kong
+        {
+            // Kong: the headers go on; the body is read once they passed all.
+            d.headers_passed = position + 1;
+            self.run_headers(id, response, position + 1);
+            self.kong_read_body(id);
+            return;
+        }
+        let Some(run) = self.streams.get_mut(&id) else {
+            return;
+        };
         let d = Self::dir(run, response);
         if d.headers_started && d.headers_passed == position && position < n {
             // Stopped on headers: they continue past this filter, then the
@@ -918,8 +1008,15 @@ impl Host {
                 headers.push(("content-type".into(), b"text/plain".to_vec()));
             }
         }
-        // Encoder filters that never saw the request are skipped.
-        let skip = n - run.decoded.min(n);
+        // Encoder filters that never saw the request are skipped (Envoy;
+        // ngx_wasm_module runs the response phases of the whole chain, in
+        // order: a filter that saw only the request headers sees the
+        // gateway's answer too).
+        let skip = if run.responses_in_chain_order {
+            0
+        } else {
+            n - run.decoded.min(n)
+        };
         run.response = Direction {
             held: vec![Vec::new(); n],
             headers_passed: skip,

@@ -222,6 +222,33 @@ fn splice(buffer: &mut Vec<u8>, start: usize, size: usize, data: &[u8]) -> R {
     }
 }
 
+/// A stream call (answer, resume) from a root context: `BadArgument` in
+/// Envoy; ngx_wasm_module acts on no request there and crashes its worker
+/// (observed: signal 11), so the Kong profile traps the VM instead.
+fn kong_root_stream_call(c: &C<'_>, name: &str) -> wasmtime::Result<i32> {
+    if c.data().world.borrow().profile == Profile::Kong {
+        return Err(wasmtime::Error::msg(format!(
+            "{name} from a root context: ngx_wasm_module's set_effective_context does nothing, \
+             and this call crashes its worker (Kong profile)"
+        )));
+    }
+    Ok(st(Status::BadArgument))
+}
+
+/// ngx_wasm_module's `proxy_set_buffer_bytes` on a body: `(0, 0)` with
+/// data prepends; otherwise the body is cut at `start` and `data`, truncated
+/// to `size` bytes, appended (`ngx_wasm_chain_append` with `max = size`).
+fn splice_ngx(buffer: &mut Vec<u8>, start: usize, size: usize, data: &[u8]) {
+    if start == 0 && size == 0 && !data.is_empty() {
+        let mut joined = data.to_vec();
+        joined.extend_from_slice(buffer);
+        *buffer = joined;
+        return;
+    }
+    buffer.truncate(start);
+    buffer.extend_from_slice(&data[..data.len().min(size)]);
+}
+
 // ---- the linker ----
 
 /// Defines every host function on `linker`, plus stubs for any other import
@@ -329,13 +356,19 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             let (stream, _) = c.data().current_stream().ok_or(Status::NotFound)?;
             let world = c.data().world.clone();
             let mut world = world.borrow_mut();
+            let kong = world.profile == Profile::Kong;
             let s = world.streams.get_mut(&stream).ok_or(Status::NotFound)?;
             let buffer = match kind {
                 BufferType::RequestBody => &mut s.request_body,
                 BufferType::ResponseBody => &mut s.response_body,
                 _ => return Err(Status::BadArgument),
             };
-            splice(buffer, start as u32 as usize, size as u32 as usize, &data)
+            let (start, size) = (start as u32 as usize, size as u32 as usize);
+            if kong {
+                splice_ngx(buffer, start, size, &data);
+                return Ok(());
+            }
+            splice(buffer, start, size, &data)
         })();
         done(r)
     });
@@ -619,27 +652,29 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
     });
 
     // -- stream control --
-    env!("proxy_continue_stream", |c: C<'_>, kind: i32| -> i32 {
+    env!("proxy_continue_stream", |c: C<'_>,
+                                   kind: i32|
+     -> wasmtime::Result<i32> {
         let Some((stream, filter)) = c.data().current_stream() else {
-            return st(Status::BadArgument);
+            return kong_root_stream_call(&c, "proxy_continue_stream");
         };
         let response = match kind {
             0 => false,
             1 => {
                 if c.data().world.borrow().profile == Profile::Kong {
                     // ngx_wasm_module cannot resume response phases.
-                    return st(Status::Unimplemented);
+                    return Ok(st(Status::Unimplemented));
                 }
                 true
             }
-            _ => return st(Status::BadArgument),
+            _ => return Ok(st(Status::BadArgument)),
         };
         c.data().world.borrow_mut().events.push_back(Event::Resume {
             stream,
             filter,
             response,
         });
-        S_OK
+        Ok(S_OK)
     });
     env!("proxy_close_stream", |c: C<'_>, _kind: i32| -> i32 {
         let Some((stream, _)) = c.data().current_stream() else {
@@ -661,7 +696,10 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
                                        hp: i32,
                                        hl: i32,
                                        _grpc: i32|
-     -> i32 {
+     -> wasmtime::Result<i32> {
+        if c.data().current_stream().is_none() {
+            return kong_root_stream_call(&c, "proxy_send_local_response");
+        }
         let r = (|| {
             let details = read_str(&mut c, dp, dl)?;
             let body = read(&mut c, bp, bl)?;
@@ -669,6 +707,13 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             let (stream, filter) = c.data().current_stream().ok_or(Status::BadArgument)?;
             let world = c.data().world.clone();
             let mut world = world.borrow_mut();
+            world.streams.get(&stream).ok_or(Status::NotFound)?;
+            let mut body = body;
+            if world.profile == Profile::Kong && !body.is_empty() {
+                // ngx_wasm_module appends a line feed to every local
+                // response body (ngx_http_wasm_stash_local_response).
+                body.push(b'\n');
+            }
             let data = world.streams.get_mut(&stream).ok_or(Status::NotFound)?;
             data.local_response = Some(LocalResponse {
                 status: u16::try_from(status).map_err(|_| Status::BadArgument)?,
@@ -681,11 +726,16 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
                 .push_back(Event::LocalResponse { stream, filter });
             Ok(())
         })();
-        done(r)
+        Ok(done(r))
     });
     env!("proxy_set_effective_context", |mut c: C<'_>,
                                          context: i32|
      -> i32 {
+        if c.data().world.borrow().profile == Profile::Kong {
+            // ngx_wasm_module: a no-op that answers Ok; host calls keep
+            // acting on the context that is running.
+            return S_OK;
+        }
         let state = c.data_mut();
         if state.contexts.contains_key(&(context as u32)) {
             state.current = context as u32;
@@ -708,7 +758,18 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
                              tl: i32,
                              timeout: i32,
                              ret: i32|
-     -> i32 {
+     -> wasmtime::Result<i32> {
+        {
+            let state = c.data();
+            if state.world.borrow().profile == Profile::Kong && state.in_response_phase {
+                // ngx_wasm_module traps the instance: "can only send HTTP
+                // dispatch during on_request_headers, on_request_body,
+                // on_tick, on_dispatch_response".
+                return Err(wasmtime::Error::msg(
+                    "proxy_http_call from a response phase or on_log: ngx_wasm_module traps (Kong profile)",
+                ));
+            }
+        }
         let r = (|| {
             let cluster = read_str(&mut c, up, ul)?;
             let headers = abi::decode_pairs(&read(&mut c, hp, hl)?).ok_or(Status::ParseFailure)?;
@@ -723,10 +784,6 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             let state = c.data();
             let token = {
                 let mut world = state.world.borrow_mut();
-                if world.profile == Profile::Kong && state.in_response_phase {
-                    // ngx_wasm_module refuses callouts from response phases.
-                    return Err(Status::InternalFailure);
-                }
                 if !world.clusters.contains(&cluster) {
                     return Err(Status::BadArgument);
                 }
@@ -745,7 +802,7 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             };
             write_u32(&mut c, ret, token)
         })();
-        done(r)
+        Ok(done(r))
     });
 
     // -- metrics --

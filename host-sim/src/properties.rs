@@ -46,6 +46,10 @@ pub(crate) fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
     let data = world.streams.get(&stream)?;
     let profile = world.profile;
     let now = world.clock.now_ns();
+    if profile == Profile::Kong && parts.join(".") == NGX_VERSION {
+        // nginx variables (`ngx.*`) answer only in a request, as here.
+        return Some(NGINX_VERSION.as_bytes().to_vec());
+    }
     if profile == Profile::Kong && world.kong_gateway {
         let dotted = parts.join(".");
         if dotted == "kong.version" {
@@ -59,6 +63,10 @@ pub(crate) fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
     attribute(data, &parts, now).or_else(|| filter_state(data, profile, path, &parts))
 }
 
+/// The nginx variable ngx_wasm_module answers as property `ngx.nginx_version`.
+const NGX_VERSION: &str = "ngx.nginx_version";
+/// The nginx version of `../shared/ngx-wasm` (what `ngx.nginx_version` answers).
+const NGINX_VERSION: &str = "1.27.4";
 /// The version Kong Gateway's `kong.version` property answers.
 const KONG_VERSION: &str = "3.9.1";
 /// Kong Gateway's per-request namespace (`kong.ctx.shared`).

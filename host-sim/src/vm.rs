@@ -331,10 +331,13 @@ impl Vm {
 
     /// `on_log`, `on_done`, `on_delete` for a finished stream's context.
     pub(crate) fn finish_context(&mut self, context: u32) {
+        // `on_log` is a response phase for Kong's limits (no callouts).
+        self.store.data_mut().in_response_phase = true;
         let _ = self.call_unit(context, |vm| match &vm.exports.log {
             Some(f) => f.call(&mut vm.store, context as i32),
             None => Ok(()),
         });
+        self.store.data_mut().in_response_phase = false;
         let _ = self.call_i32(context, |vm| match &vm.exports.done {
             Some(f) => f.call(&mut vm.store, context as i32),
             None => Ok(1),

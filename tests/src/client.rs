@@ -41,10 +41,16 @@ impl Default for Client {
 impl Client {
     /// A client with a 30 s overall timeout.
     pub fn new() -> Self {
+        Self::with_timeout(Duration::from_secs(30))
+    }
+
+    /// A client whose every request fails after `timeout` (a hang is an
+    /// error, not a stuck test).
+    pub fn with_timeout(timeout: Duration) -> Self {
         let config = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .proxy(None)
-            .timeout_global(Some(Duration::from_secs(30)))
+            .timeout_global(Some(timeout))
             .build();
         Client {
             agent: config.into(),

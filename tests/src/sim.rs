@@ -36,6 +36,17 @@ pub fn kong() -> bool {
     matches!(profile(), Ok(Profile::Kong))
 }
 
+/// The body a client gets for a gateway-made (local) response of `body`
+/// under this run's profile: ngx_wasm_module appends a line feed, which
+/// the filters avoid by dropping a final one of their own (kong/README.md).
+pub fn local_body(body: &str) -> String {
+    if kong() && !body.ends_with('\n') {
+        format!("{body}\n")
+    } else {
+        body.to_string()
+    }
+}
+
 /// Host options for this run's profile (Kong: the zerolayer queues declared).
 pub fn options() -> Result<HostOptions> {
     Ok(HostOptions {

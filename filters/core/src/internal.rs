@@ -28,6 +28,11 @@ pub const KONG_HANDOFF_PREFIX: &str = "kong.ctx.shared.";
 /// two hand-off namespaces its host has.
 pub const KONG_VERSION_PROPERTY: &str = "kong.version";
 
+/// A property only ngx_wasm_module answers (the nginx variable
+/// `$nginx_version`, from a request context): how a filter learns that its
+/// host runs the request body after every filter's request headers.
+pub const NGX_VERSION_PROPERTY: &str = "ngx.nginx_version";
+
 /// `path` (a `wasmx.*` hand-off property) as Kong Gateway names it.
 pub fn kong_handoff_path(path: &str) -> Option<String> {
     path.strip_prefix(HANDOFF_PREFIX)
@@ -48,6 +53,13 @@ pub const AUTH_PROPERTY: &str = "wasmx.zerolayer_auth";
 /// Property: the request's usage as metering recorded it (a JSON object,
 /// see `crate::metering::UsageRecord::log_entry`), for the access log.
 pub const USAGE_PROPERTY: &str = "wasmx.zerolayer_usage";
+
+/// Property: metering asked the backend for OpenAI's usage chunk and hides
+/// it from the client (`1`). Published only where the host runs response
+/// phases in chain order (ngx_wasm_module's separate filters), so that
+/// post-cache, which then sees the response before metering, stores what
+/// the client gets.
+pub const USAGE_HIDDEN_PROPERTY: &str = "wasmx.zerolayer_usage_hidden";
 
 /// Envoy filter-state key of [`USAGE_PROPERTY`] (for access logs).
 pub const USAGE_FILTER_STATE: &str = "wasm.wasmx.zerolayer_usage";

@@ -130,6 +130,11 @@ impl Pipeline {
 
     /// Request body: the stages that may see it, then onwards.
     pub fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if fused::was_answered() {
+            // A stage answered already (ngx_wasm_module still hands over
+            // the body): holding it would hang the answer.
+            return Action::Continue;
+        }
         self.body = Some((body_size, end_of_stream));
         if let Some(Stop::Headers(i)) = self.stopped
             && self.stages[i].headers_pause_withholds_body

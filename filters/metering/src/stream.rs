@@ -35,6 +35,11 @@ pub(crate) struct MeteredStream {
     tenant_header: Option<String>,
     /// The request body may need `include_usage` (held until complete).
     rewrite_pending: bool,
+    /// ngx_wasm_module: the request has a body this filter has not seen
+    /// yet. Every filter's request headers run first there, so a request
+    /// answered by an earlier filter's body step (a cache hit) never
+    /// reaches the backend, and its response is not metered.
+    body_pending: bool,
     /// The response's usage chunk is ours, not the client's: remove it.
     stripper: Option<UsageChunkStripper>,
     extractor: Option<UsageExtractor>,
@@ -53,6 +58,7 @@ impl MeteredStream {
             request_id: String::new(),
             tenant_header: None,
             rewrite_pending: false,
+            body_pending: false,
             stripper: None,
             extractor: None,
             status: 0,
@@ -157,17 +163,27 @@ impl MeteredStream {
             .as_deref()
             .and_then(request_header)
             .and_then(|v| String::from_utf8(v).ok());
+        let holds_headers = zerolayer_proxy::can_hold_headers_for_body();
+        if !holds_headers {
+            self.body_pending = request_header("content-length").is_some_and(|l| l != b"0")
+                || request_header("transfer-encoding").is_some();
+        }
         if plan.config.openai_include_usage && provider == Provider::OpenAi && !end_of_stream {
             // The body may grow: hold the headers until it is rewritten, so
-            // content-length can still be set.
+            // content-length can still be set. ngx_wasm_module cannot hold
+            // them (it reads the body after the headers went on) and takes
+            // the body's new length from the rewrite itself.
             self.rewrite_pending = true;
-            return Action::Pause;
+            if holds_headers {
+                return Action::Pause;
+            }
         }
         Action::Continue
     }
 
     /// The request body: `include_usage` once it is complete.
     fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.body_pending = false;
         if !self.rewrite_pending {
             return Action::Continue;
         }
@@ -189,6 +205,9 @@ impl MeteredStream {
                 );
                 self.stripper = Some(UsageChunkStripper::new());
                 plan.meters.injected();
+                if zerolayer_proxy::responses_in_chain_order() {
+                    zerolayer_proxy::publish(internal::USAGE_HIDDEN_PROPERTY, b"1");
+                }
             } else {
                 log::warn!("metering: could not rewrite the request body; usage may be missing");
             }
@@ -202,7 +221,7 @@ impl Context for MeteredStream {}
 impl HttpContext for MeteredStream {
     fn on_http_request_headers(&mut self, headers: usize, end_of_stream: bool) -> Action {
         let action = self.request_headers(headers, end_of_stream);
-        if !self.rewrite_pending {
+        if !self.rewrite_pending && !self.body_pending {
             // No rewrite to make: the request body is not ours.
             fused::done_with(Callback::RequestBody);
         }
@@ -222,7 +241,13 @@ impl HttpContext for MeteredStream {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        if self.body_pending {
+            // Answered before its body reached this filter: not from the
+            // backend (see `body_pending`).
+            self.provider = None;
+        }
         let Some(provider) = self.provider else {
+            fused::done_with(Callback::ResponseBody);
             return Action::Continue;
         };
         self.status = response_header(":status")
@@ -273,6 +298,8 @@ impl HttpContext for MeteredStream {
     fn on_log(&mut self) {
         // A response that never ended (client gone, upstream reset) still
         // gets its record: usage missing unless the stream carried it.
-        self.record();
+        if !self.body_pending {
+            self.record();
+        }
     }
 }

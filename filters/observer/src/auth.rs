@@ -257,6 +257,10 @@ impl AuthWorker {
                 }
                 let mut keys = self.configured.clone();
                 keys.merge(jwks.keys);
+                if self.jwks_fetched_at.is_none() {
+                    // Once: from here on JWTs verify inline.
+                    log::info!("observer: JWKS fetched ({} keys)", keys.len());
+                }
                 self.keys = keys;
                 self.jwks_fetched_at = Some(now);
                 self.jwks_next = now + refresh;

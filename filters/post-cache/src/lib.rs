@@ -60,6 +60,27 @@ pub(crate) struct Plan {
     pub queue: ObserverQueue,
     /// Followers waiting for a lease holder's response.
     pub waiters: RefCell<Vec<Waiter>>,
+    /// Whether the host's inability to wake followers was logged (once).
+    pub said_no_waiting: Cell<bool>,
+}
+
+impl Plan {
+    /// Whether a follower may wait for the lease holder here: only where a
+    /// root context can answer or resume it on tick. Elsewhere (ngx_wasm_module)
+    /// followers go to the backend, as in `pass_through` mode, said once.
+    pub fn followers_can_wait(&self) -> bool {
+        if zerolayer_proxy::can_resume_from_tick() {
+            return true;
+        }
+        if !self.said_no_waiting.replace(true) {
+            log::warn!(
+                "post-cache: stampede.mode wait needs a host that can resume a request from a \
+                 timer; ngx_wasm_module cannot (its proxy_set_effective_context does nothing), \
+                 so identical concurrent misses go to the backend (as pass_through)"
+            );
+        }
+        false
+    }
 }
 
 /// A paused request waiting for another request's response.
@@ -149,6 +170,7 @@ impl RootContext for CacheRoot {
                 "post-cache",
             ),
             waiters: RefCell::new(Vec::new()),
+            said_no_waiting: Cell::new(false),
             config,
         }));
         if let Err(status) = zerolayer_proxy::fused::set_tick_period(tick) {

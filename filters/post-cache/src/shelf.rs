@@ -2,7 +2,6 @@
 //! out by `zerolayer_core::cache::store` (bounded: shared data has no
 //! delete).
 
-use proxy_wasm::hostcalls;
 use zerolayer_core::cache::control::{age, fresh_enough};
 use zerolayer_core::cache::key::CacheKey;
 use zerolayer_core::cache::lease::{LeaseOutcome, LeaseTable};
@@ -125,11 +124,9 @@ pub(crate) fn serve(hit: &Hit) {
         .collect();
     headers.push(("x-cache", "HIT"));
     headers.push(("age", &age));
-    if let Err(status) = hostcalls::send_http_response(
-        u32::from(hit.response.status),
-        headers,
-        Some(&hit.response.body),
-    ) {
+    if let Err(status) =
+        zerolayer_proxy::send_response(u32::from(hit.response.status), headers, &hit.response.body)
+    {
         log::warn!("post-cache: could not send a cached response: {status:?}");
     }
 }

@@ -20,6 +20,7 @@ use zerolayer_core::cache::store::{FleetEntry, StoredResponse};
 use zerolayer_core::cache::stream::StreamCompletion;
 use zerolayer_core::event::{CacheWrite, Job};
 use zerolayer_core::internal;
+use zerolayer_core::usage::UsageChunkStripper;
 use zerolayer_proxy::fused::{self, Callback};
 use zerolayer_proxy::{
     now_ms, property, request_header, response_header, send_json_error, set_response_header,
@@ -53,6 +54,10 @@ struct Capture {
     headers: Vec<(String, String)>,
     body: Vec<u8>,
     completion: Option<StreamCompletion>,
+    /// Removes the usage chunk metering asked for, where this filter sees
+    /// the response before metering does (ngx_wasm_module's chain order),
+    /// so the entry holds what the client got.
+    usage_hidden: Option<UsageChunkStripper>,
     ended: bool,
 }
 
@@ -161,7 +166,15 @@ impl CacheStream {
             return self.bypass(Bypass::Unkeyable);
         }
         self.phase = Phase::AwaitingBody;
-        Action::Pause
+        // Envoy: hold the headers, so a hit never opens an upstream request.
+        // ngx_wasm_module reads the body only after the headers went on (a
+        // hold would never end): the body callback decides there, before
+        // nginx contacts the upstream.
+        if zerolayer_proxy::can_hold_headers_for_body() {
+            Action::Pause
+        } else {
+            Action::Continue
+        }
     }
 
     /// The whole body is here: key it, look it up, take the lease.
@@ -322,7 +335,9 @@ impl CacheStream {
         let stampede = &plan.config.stampede;
         match plan.shelf.take_lease(&key, now_ms, stampede.lease_ms) {
             LeaseOutcome::Taken => self.holds_lease = true,
-            LeaseOutcome::HeldUntil(_) if stampede.mode == StampedeMode::Wait => {
+            LeaseOutcome::HeldUntil(_)
+                if stampede.mode == StampedeMode::Wait && plan.followers_can_wait() =>
+            {
                 let outcome = Rc::new(Cell::new(None));
                 plan.waiters.borrow_mut().push(Waiter {
                     context_id: self.context_id,
@@ -453,12 +468,17 @@ impl CacheStream {
                 headers.push((name.clone(), value));
             }
         }
+        let usage_hidden = (streamed
+            && zerolayer_proxy::responses_in_chain_order()
+            && property(internal::USAGE_HIDDEN_PROPERTY).is_some())
+        .then(UsageChunkStripper::new);
         self.capture = Some(Capture {
             status,
             cache_control: response_header("cache-control"),
             headers,
             body: Vec::new(),
             completion: streamed.then(|| StreamCompletion::new(self.provider)),
+            usage_hidden,
             ended: end_of_stream,
         });
         Action::Continue
@@ -482,8 +502,14 @@ impl CacheStream {
                 if let Some(completion) = &mut capture.completion {
                     completion.push(chunk);
                 }
-                capture.body.extend_from_slice(chunk);
+                match &mut capture.usage_hidden {
+                    Some(stripper) => stripper.push(chunk, &mut capture.body),
+                    None => capture.body.extend_from_slice(chunk),
+                }
             });
+        }
+        if end_of_stream && let Some(stripper) = &mut capture.usage_hidden {
+            stripper.finish(&mut capture.body);
         }
         capture.ended = end_of_stream;
         Action::Continue

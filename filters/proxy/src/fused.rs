@@ -79,6 +79,8 @@ struct Shared {
     request_headers: Option<HeaderBlock>,
     /// The response headers, once read.
     response_headers: Option<HeaderBlock>,
+    /// A stage answered the request (a local response).
+    answered: bool,
 }
 
 impl Shared {
@@ -104,6 +106,19 @@ fn with_shared<T>(f: impl FnOnce(&mut Shared) -> T) -> Option<T> {
 /// the first time; its stages start sharing from here.
 pub fn open_stream(context_id: u32) {
     STREAMS.with(|s| s.borrow_mut().insert(context_id, Shared::default()));
+}
+
+/// Fused mode: a stage answered the current stream itself (a local
+/// response). The request has nothing left for the stages then; Envoy sends
+/// no more request callbacks, ngx_wasm_module may (the body step), which the
+/// fused filter lets through.
+pub(crate) fn answered() {
+    with_shared(|shared| shared.answered = true);
+}
+
+/// Fused mode: whether a stage answered the current stream (see [`answered`]).
+pub fn was_answered() -> bool {
+    with_shared(|shared| shared.answered).unwrap_or(false)
 }
 
 /// Fused mode: remembers hand-off `path` = `value` for the current stream.

@@ -136,12 +136,93 @@ pub fn with_body<T>(buffer: BufferType, size: usize, f: impl FnOnce(&[u8]) -> T)
     fused::with_body(buffer, size, f)
 }
 
-/// Replaces the first `size` bytes of body `buffer` with `bytes` (the
-/// fused filter's stages after this one then see the new body).
+/// Replaces the first `size` bytes of body `buffer` (all of it, as the
+/// callback has it) with `bytes` (the fused filter's stages after this one
+/// then see the new body).
 pub fn set_body(buffer: BufferType, size: usize, bytes: &[u8]) -> Result<(), Status> {
-    let result = hostcalls::set_buffer(buffer, 0, size, bytes);
+    // Envoy replaces the range `[0, size)` and accepts any size covering the
+    // buffer; ngx_wasm_module truncates `bytes` to `size`, so a body that
+    // grew (metering's `include_usage`) would reach the upstream cut short
+    // under its new content-length. The larger of the two suits both.
+    let result = hostcalls::set_buffer(buffer, 0, size.max(bytes.len()), bytes);
     fused::body_replaced();
     result
+}
+
+/// Which kind of Proxy-Wasm host runs this VM, learned once per VM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HostKind {
+    /// Not asked yet.
+    Unknown,
+    /// Envoy (and host-sim's Envoy profile).
+    Envoy,
+    /// ngx_wasm_module: Kong Gateway's host, or nginx with the module.
+    NgxWasm,
+}
+
+thread_local! {
+    static HOST_KIND: Cell<HostKind> = const { Cell::new(HostKind::Unknown) };
+}
+
+/// Whether this VM runs in ngx_wasm_module, recognised by an nginx
+/// variable. Call from a request context: only a request has variables
+/// (asking from a root context is not safe there).
+fn in_ngx_wasm() -> bool {
+    HOST_KIND.with(|kind| {
+        if kind.get() == HostKind::Unknown {
+            let ngx = matches!(
+                hostcalls::get_property(vec![internal::NGX_VERSION_PROPERTY]),
+                Ok(Some(_))
+            );
+            kind.set(if ngx {
+                HostKind::NgxWasm
+            } else {
+                HostKind::Envoy
+            });
+        }
+        kind.get() == HostKind::NgxWasm
+    })
+}
+
+/// Whether a filter may return `Pause` from the request headers to wait for
+/// the body. Envoy resumes it when the body arrives; ngx_wasm_module never
+/// does (it reads the body only after every filter let the headers
+/// through, in the content phase, and hands it to each filter once, whole),
+/// so there a body-dependent decision is made in the body callback, with
+/// the headers already passed on. Call from a request context.
+pub fn can_hold_headers_for_body() -> bool {
+    !in_ngx_wasm()
+}
+
+/// Whether a root context can act on a paused request (answer or resume
+/// it from `on_tick` after `set_effective_context`). ngx_wasm_module's
+/// `proxy_set_effective_context` does nothing, and a local response sent
+/// from a tick crashes its worker: there a request is only ever resumed
+/// from its own callbacks. Call from a request context.
+pub fn can_resume_from_tick() -> bool {
+    !in_ngx_wasm()
+}
+
+/// Whether later filters of the chain see a response before this one:
+/// ngx_wasm_module runs every phase in chain order, Envoy runs response
+/// phases in reverse (and the fused filter runs its stages so everywhere).
+/// Call from a request context (see [`can_hold_headers_for_body`]).
+pub fn responses_in_chain_order() -> bool {
+    in_ngx_wasm() && !fused::is_fused()
+}
+
+/// Answers the request from the gateway with exactly `body`. ngx_wasm_module
+/// appends a line feed to every local response body; a body that ends in
+/// one is sent there without it, so the client still gets these bytes (every
+/// SSE stream does; a JSON body without a final line feed gets one there).
+pub fn send_response(status: u32, headers: Vec<(&str, &str)>, body: &[u8]) -> Result<(), Status> {
+    let body = match body.strip_suffix(b"\n") {
+        Some(trimmed) if in_ngx_wasm() => trimmed,
+        _ => body,
+    };
+    let sent = hostcalls::send_http_response(status, headers, Some(body));
+    fused::answered();
+    sent
 }
 
 /// Where the host keeps the values filters hand to later filters.
@@ -294,10 +375,10 @@ pub fn release_backlog(key: &str, bytes: u64) {
 /// Answers the request with `{"error":{"type":…,"message":…}}`.
 pub fn send_json_error(status: u32, kind: &str, message: &str) {
     let body = serde_json::json!({"error": {"type": kind, "message": message}}).to_string();
-    if let Err(err) = hostcalls::send_http_response(
+    if let Err(err) = send_response(
         status,
         vec![("content-type", "application/json")],
-        Some(body.as_bytes()),
+        body.as_bytes(),
     ) {
         log::error!("could not send a {status} response: {err:?}");
     }

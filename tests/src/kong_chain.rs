@@ -1,0 +1,347 @@
+//! The whole zerolayer chain in Kong's real Proxy-Wasm host: `kong/kong.yml`
+//! (or `kong/kong-fused.yml`) and `kong/kong.conf` run by ngx_wasm_module
+//! ([`crate::ngx`]), with every service the filters call on loopback: the
+//! GPU backend stub, the identity provider, the API key introspection
+//! endpoint, the audit sink, ClickHouse and, optionally, Redis + webdis.
+//! The callout targets `kong.yml` ships (`127.0.0.1:18091`, …) are pointed
+//! at those services; nothing else of the shipped files is changed but
+//! what a test needs to be quick (flush intervals, the sample rate).
+//!
+//! ngx_wasm_module has no metrics endpoint: tests read what the filters did
+//! from what the client, the backend and the sinks saw, and the error log.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use serde_json::{Value, json};
+use zerolayer_stub::{Stub, StubConfig};
+
+use crate::chain::{AuthServices, CACHE_SECRET, anthropic, introspect};
+use crate::clickhouse::ClickHouse;
+use crate::client::Partial;
+use crate::fleet::RedisFleet;
+use crate::ngx::{KongConfig, NgxWasm};
+use crate::{Client, Reply};
+
+/// How long any one request through Kong may take before the test fails
+/// naming it (the stub answers in milliseconds; a hang is a bug).
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Which Proxy-Wasm host runs the Kong chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KongHost {
+    /// The real one: nginx with ngx_wasm_module.
+    NgxWasm,
+    /// host-sim's `kong` profile (`host-sim serve`), which must agree with it.
+    HostSim,
+}
+
+/// The gateway a [`KongChain`] sends requests to.
+pub enum KongGateway {
+    /// Real ngx_wasm_module.
+    NgxWasm(NgxWasm),
+    /// host-sim serving the same chain under its `kong` profile.
+    HostSim(host_sim::serve::Server),
+}
+
+impl KongGateway {
+    /// URL of `path` on the listener.
+    pub fn url(&self, path: &str) -> String {
+        match self {
+            KongGateway::NgxWasm(ngx) => ngx.url(path),
+            KongGateway::HostSim(server) => format!("http://{}{path}", server.addr()),
+        }
+    }
+
+    /// The tail of the host's log (ngx_wasm_module's error log; host-sim
+    /// echoes module logs to stderr instead).
+    pub fn log_tail(&self, lines: usize) -> String {
+        match self {
+            KongGateway::NgxWasm(ngx) => ngx.log_tail(lines),
+            KongGateway::HostSim(_) => "(host-sim: module logs on the test's stderr)".into(),
+        }
+    }
+}
+
+/// How to start the chain in ngx_wasm_module.
+#[derive(Debug, Clone)]
+pub struct KongChainOptions {
+    /// The host that runs it.
+    pub host: KongHost,
+    /// The backend stub's defaults.
+    pub stub: StubConfig,
+    /// `kong-fused.yml` (one filter) instead of `kong.yml` (four).
+    pub fused: bool,
+    /// Metering's sample rate, percent.
+    pub sample_percent: f64,
+    /// Whether the fleet tier (Redis + webdis) is on.
+    pub fleet: bool,
+    /// nginx worker processes.
+    pub workers: usize,
+    /// The separate chain's filters to keep (all when `None`).
+    pub only: Option<&'static [&'static str]>,
+    /// Changes a test makes to the stage configurations (by section:
+    /// `activation`, `lazy_auth`, `post_cache`, `metering`) after the
+    /// harness's own.
+    pub configure: Option<fn(&mut Value)>,
+}
+
+impl Default for KongChainOptions {
+    fn default() -> Self {
+        KongChainOptions {
+            host: KongHost::NgxWasm,
+            stub: StubConfig::default(),
+            fused: false,
+            sample_percent: 100.0,
+            fleet: false,
+            workers: 1,
+            only: None,
+            configure: None,
+        }
+    }
+}
+
+/// The running chain and everything it talks to.
+pub struct KongChain {
+    /// The host running the chain.
+    pub gateway: KongGateway,
+    /// The GPU backend stub.
+    pub stub: Stub,
+    /// The JWKS endpoint, the introspection endpoint, the audit sink.
+    pub services: AuthServices,
+    /// The usage sink.
+    pub clickhouse: ClickHouse,
+    /// The fleet cache tier, when on.
+    pub fleet: Option<RedisFleet>,
+    client: Client,
+    /// Which file the chain came from and which host runs it (named in failures).
+    pub form: String,
+}
+
+/// The stage sections of the chain's configuration, by stage.
+const STAGES: [(&str, &str); 4] = [
+    ("activation", "zerolayer_activation"),
+    ("lazy_auth", "zerolayer_lazy_auth"),
+    ("post_cache", "zerolayer_post_cache"),
+    ("metering", "zerolayer_metering"),
+];
+
+impl KongChain {
+    /// Starts every service, then ngx_wasm_module; returns once the
+    /// observer holds the issuer's keys, so JWTs verify from the first request.
+    pub fn start(options: KongChainOptions) -> Result<KongChain> {
+        let stub = Stub::start(options.stub.clone()).context("starting the backend stub")?;
+        let services = AuthServices::start(introspect)?;
+        let clickhouse = ClickHouse::start()?;
+        clickhouse.create_usage_table()?;
+        let fleet = options.fleet.then(RedisFleet::start).transpose()?;
+        let form = if options.fused {
+            "kong/kong-fused.yml"
+        } else {
+            "kong/kong.yml"
+        };
+        let file = form.trim_start_matches("kong/");
+        let mut config = KongConfig::shipped(file)?
+            .retarget("127.0.0.1:18091", services.idp.addr())
+            .retarget("127.0.0.1:18092", services.api_keys.addr())
+            .retarget("127.0.0.1:18093", services.audit.addr())
+            .retarget("127.0.0.1:8123", clickhouse.addr())
+            .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
+        config.workers = options.workers;
+        let mut sections = Self::sections(&config, options.fused)?;
+        // As the Envoy chain (tests/src/chain.rs): the test issuer, quick flushes.
+        sections["lazy_auth"]["jwt"]["issuers"] = json!(["https://idp.test"]);
+        sections["lazy_auth"]["audit"]["flush_ms"] = json!(200);
+        if let Some(fleet) = &fleet {
+            sections["post_cache"]["fleet"] = json!({
+                "cluster": fleet.webdis().to_string(),
+                "authority": "webdis",
+                "path": "/",
+                "timeout_ms": 500,
+            });
+        }
+        let metering = &mut sections["metering"];
+        metering["sampling"] = json!({"percent": options.sample_percent});
+        metering["sink"]["flush_ms"] = json!(200);
+        metering["sink"]["backoff_ms"] = json!(100);
+        metering["sink"]["max_backoff_ms"] = json!(1000);
+        metering["sink"]["breaker"] = json!({"failures": 5, "open_secs": 1});
+        if let Some(configure) = options.configure {
+            configure(&mut sections);
+        }
+        if options.fused {
+            config.set_filter_config("zerolayer_fused", &sections.to_string())?;
+        } else {
+            for (section, filter) in STAGES {
+                config.set_filter_config(filter, &sections[section].to_string())?;
+            }
+        }
+        if let Some(only) = options.only {
+            config.filters.retain(|f| only.contains(&f.name.as_str()));
+        }
+        let gateway = match options.host {
+            KongHost::NgxWasm => KongGateway::NgxWasm(NgxWasm::start(&config, stub.addr())?),
+            KongHost::HostSim => {
+                let mut targets = vec![services.idp.addr(), services.api_keys.addr()];
+                targets.extend([services.audit.addr(), clickhouse.addr()]);
+                targets.extend(fleet.as_ref().map(RedisFleet::webdis));
+                KongGateway::HostSim(host_sim_server(&config, stub.addr(), &targets)?)
+            }
+        };
+        let chain = KongChain {
+            gateway,
+            stub,
+            services,
+            clickhouse,
+            fleet,
+            client: Client::with_timeout(REQUEST_DEADLINE),
+            form: format!("{form} in {:?}", options.host),
+        };
+        match &chain.gateway {
+            KongGateway::NgxWasm(ngx) => crate::wait::until(
+                "the observer's first JWKS fetch in ngx_wasm_module",
+                Duration::from_secs(20),
+                || Ok(ngx.log().contains("observer: JWKS fetched").then_some(())),
+            )
+            .with_context(|| format!("error.log:\n{}", ngx.log_tail(30)))?,
+            KongGateway::HostSim(_) => crate::wait::until(
+                "the observer's first JWKS fetch in host-sim",
+                Duration::from_secs(20),
+                || Ok((!chain.services.idp.seen().is_empty()).then_some(())),
+            )?,
+        }
+        Ok(chain)
+    }
+
+    /// The stage configurations as one object by section (the fused
+    /// filter's own form; the separate filters' configs gathered into it).
+    fn sections(config: &KongConfig, fused: bool) -> Result<Value> {
+        if fused {
+            return config.filter_json("zerolayer_fused");
+        }
+        let mut sections = json!({});
+        for (section, filter) in STAGES {
+            sections[section] = config.filter_json(filter)?;
+        }
+        Ok(sections)
+    }
+
+    /// POSTs `body` to `path` with JSON content type and `headers`; a
+    /// request that gets no answer within [`REQUEST_DEADLINE`] fails,
+    /// naming `what`, the chain's form and the error log.
+    pub fn post(
+        &self,
+        what: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Result<Reply> {
+        let mut all = headers.to_vec();
+        all.push(("content-type", "application/json"));
+        self.client
+            .send("POST", &self.gateway.url(path), &all, body)
+            .map_err(|err| {
+                anyhow::anyhow!(
+                    "{what}: POST {path} through {} got no answer within {REQUEST_DEADLINE:?} \
+                     ({err:#}); log tail:\n{}",
+                    self.form,
+                    self.gateway.log_tail(20)
+                )
+            })
+    }
+
+    /// [`KongChain::post`] for a response that may break off mid-body.
+    pub fn post_partial(
+        &self,
+        what: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: &str,
+    ) -> Result<Partial> {
+        let mut all = headers.to_vec();
+        all.push(("content-type", "application/json"));
+        self.client
+            .send_partial("POST", &self.gateway.url(path), &all, body)
+            .with_context(|| {
+                format!(
+                    "{what} ({}): no answer; log tail:\n{}",
+                    self.form,
+                    self.gateway.log_tail(20)
+                )
+            })
+    }
+
+    /// Backend requests whose `x-request-id` starts with `prefix`.
+    pub fn backend_requests(&self, prefix: &str) -> usize {
+        self.stub
+            .requests()
+            .iter()
+            .filter(|r| {
+                r.header("x-request-id")
+                    .is_some_and(|i| i.starts_with(prefix))
+            })
+            .count()
+    }
+
+    /// A Bearer JWT for `subject` of `tenant` that the observer has
+    /// verified: a first request admits it lazily, then requests with fresh
+    /// prompts are sent until post-cache stops bypassing it for want of a
+    /// verified tenant (ngx_wasm_module has no metrics endpoint to ask).
+    pub fn verified_bearer(&self, subject: &str, tenant: &str) -> Result<String> {
+        let bearer = crate::chain::Chain::bearer(subject, tenant);
+        let mut n = 0;
+        crate::wait::until(
+            &format!("{subject}'s token verified in ngx_wasm_module"),
+            Duration::from_secs(10),
+            || {
+                n += 1;
+                let id = format!("warm-up-{subject}-{n}");
+                let reply = self.post(
+                    &id,
+                    "/v1/messages",
+                    &[("authorization", &bearer), ("x-request-id", &id)],
+                    &anthropic(&id, false),
+                )?;
+                ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
+                Ok((reply.header("x-cache") == Some("MISS")).then_some(()))
+            },
+        )?;
+        Ok(bearer)
+    }
+}
+
+/// `host-sim serve` running `config`'s chain under the `kong` profile (plain
+/// ngx_wasm_module, as [`NgxWasm`] runs), with the queues `kong.conf`
+/// declares and each callout target (`IP:port`) a cluster of that name.
+pub fn host_sim_server(
+    config: &KongConfig,
+    upstream: std::net::SocketAddr,
+    targets: &[std::net::SocketAddr],
+) -> Result<host_sim::serve::Server> {
+    let mut filters = Vec::new();
+    for filter in &config.filters {
+        let wasm = crate::paths::wasm(filter.name.trim_start_matches("zerolayer_"))?;
+        let mut spec = host_sim::PluginSpec::new(&filter.name, wasm)
+            .configuration(filter.config.as_bytes().to_vec());
+        for (key, value) in config.environment() {
+            spec = spec.env(key, value);
+        }
+        filters.push(spec);
+    }
+    let chain = host_sim::config_file::ChainFile {
+        filters,
+        singletons: Vec::new(),
+        clusters: targets.iter().map(|a| (a.to_string(), *a)).collect(),
+        route_request_headers: Vec::new(),
+    };
+    host_sim::serve::Server::start(host_sim::serve::ServeOptions {
+        chain,
+        upstream,
+        listen: "127.0.0.1:0".parse()?,
+        admin: "127.0.0.1:0".parse()?,
+        profile: host_sim::Profile::Kong,
+        echo_logs: std::env::var_os("ZEROLAYER_ECHO_LOGS").is_some(),
+        kong_queues: config.queues(),
+        records: None,
+    })
+}

@@ -1,0 +1,832 @@
+//! The whole chain in Kong's real Proxy-Wasm host, ngx_wasm_module, from
+//! `kong/kong.yml` and `kong/kong-fused.yml` with `kong/kong.conf`
+//! (tests/src/ngx.rs translates them to nginx's directives as Kong does).
+//! Every scenario runs in both forms; every request has a deadline
+//! (`kong_chain::REQUEST_DEADLINE`), so a hang fails naming the request.
+//!
+//! What ngx_wasm_module does differently and these tests pin down:
+//! request headers run for every filter before nginx reads the body (the
+//! filters decide body-dependent things in the body callback there), every
+//! local response body gets a line feed appended by the host (a body that
+//! ends in one is sent without it, so cached SSE streams replay byte for
+//! byte), and a body rewrite must name its new length.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result, ensure};
+use serde_json::{Value, json};
+use zerolayer_e2e::chain::{self, GOOD_API_KEY, anthropic, concurrently, openai};
+use zerolayer_e2e::kong_chain::{KongChain, KongChainOptions, KongGateway, KongHost};
+use zerolayer_e2e::tokens::{self, issuer};
+use zerolayer_e2e::{Reply, wait};
+use zerolayer_stub::StubConfig;
+
+/// Runs `scenario` against the chain in both forms, in real
+/// ngx_wasm_module and in host-sim's `kong` profile: the same assertions
+/// must hold in both hosts.
+fn both_forms(
+    options: KongChainOptions,
+    mut scenario: impl FnMut(&mut KongChain) -> Result<()>,
+) -> Result<()> {
+    for (host, fused) in [
+        (KongHost::NgxWasm, false),
+        (KongHost::NgxWasm, true),
+        (KongHost::HostSim, false),
+        (KongHost::HostSim, true),
+    ] {
+        let mut chain = KongChain::start(KongChainOptions {
+            host,
+            fused,
+            ..options.clone()
+        })?;
+        scenario(&mut chain).with_context(|| {
+            format!(
+                "in {}; log tail:\n{}",
+                chain.form,
+                chain.gateway.log_tail(25)
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// The body a client gets for a gateway-made response of `body` here: the
+/// host appends a line feed unless the filter could drop one it had.
+fn local_bytes(body: &str) -> String {
+    if body.ends_with('\n') {
+        body.to_string()
+    } else {
+        format!("{body}\n")
+    }
+}
+
+#[test]
+fn credentials_are_checked_and_verdicts_cached_in_ngx_wasm_module() -> Result<()> {
+    both_forms(KongChainOptions::default(), |chain: &mut KongChain| {
+        // No credential: 401 from the gateway, the host's line feed after the JSON.
+        let reply = chain.post("no credential", "/v1/messages", &[], &anthropic("x", false))?;
+        ensure!(
+            reply.status == 401,
+            "no credential: {} {}",
+            reply.status,
+            reply.body
+        );
+        ensure!(reply.body.ends_with("}\n"), "401 body: {:?}", reply.body);
+        let error: Value = serde_json::from_str(reply.body.trim_end())?;
+        ensure!(error["error"]["type"] == "authentication_error", "{error}");
+
+        // A valid JWT: admitted, verified, then served as verified (cache MISS).
+        chain.verified_bearer("alice", "acme")?;
+
+        // A forged JWT (another key): at most one request lazily, then 401.
+        let forged = format!(
+            "Bearer {}",
+            issuer().forged(&tokens::claims("mallory", "acme", tokens::now(), 3600), 7)
+        );
+        let mut statuses = Vec::new();
+        for n in 0..6 {
+            let id = format!("forged-{n}");
+            let reply = chain.post(
+                &id,
+                "/v1/messages",
+                &[("authorization", &forged), ("x-request-id", &id)],
+                &anthropic(&id, false),
+            )?;
+            statuses.push(reply.status);
+            std::thread::sleep(Duration::from_millis(150));
+        }
+        ensure!(
+            statuses.iter().filter(|s| **s == 200).count() <= 1 && statuses.last() == Some(&401),
+            "forged JWT statuses {statuses:?}"
+        );
+        ensure!(
+            chain.backend_requests("forged-") <= 1,
+            "forged reached the backend"
+        );
+
+        // An expired JWT of the real issuer: refused once verified inline.
+        let now = tokens::now();
+        let expired = format!(
+            "Bearer {}",
+            issuer().es256(&tokens::claims("old", "acme", now - 7200, 60))
+        );
+        let mut last = 0;
+        for n in 0..4 {
+            let id = format!("expired-{n}");
+            last = chain
+                .post(
+                    &id,
+                    "/v1/messages",
+                    &[("authorization", &expired), ("x-request-id", &id)],
+                    &anthropic(&id, false),
+                )?
+                .status;
+            std::thread::sleep(Duration::from_millis(150));
+        }
+        ensure!(last == 401, "expired JWT: last status {last}");
+
+        // API keys: the good one works, an unknown one ends in 401.
+        let reply = chain.post(
+            "good key",
+            "/v1/messages",
+            &[("x-api-key", GOOD_API_KEY), ("x-request-id", "key-good")],
+            &anthropic("key", false),
+        )?;
+        ensure!(
+            reply.status == 200,
+            "good key: {} {}",
+            reply.status,
+            reply.body
+        );
+        let mut last = 0;
+        for n in 0..6 {
+            let id = format!("bad-key-{n}");
+            last = chain
+                .post(
+                    &id,
+                    "/v1/messages",
+                    &[("x-api-key", "sk-nobody"), ("x-request-id", &id)],
+                    &anthropic(&id, false),
+                )?
+                .status;
+            std::thread::sleep(Duration::from_millis(150));
+        }
+        ensure!(last == 401, "unknown API key: last status {last}");
+        // No internal header reaches the backend.
+        for request in chain.stub.requests() {
+            for (name, _) in &request.headers {
+                ensure!(
+                    !name.starts_with("x-zerolayer"),
+                    "{name} reached the backend on {}",
+                    request.path
+                );
+            }
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn responses_are_cached_then_replayed_for_both_providers_json_and_sse() -> Result<()> {
+    both_forms(KongChainOptions::default(), |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("bob", "acme")?;
+        let cases = [
+            (
+                "anthropic-json",
+                "/v1/messages",
+                anthropic("cache me", false),
+            ),
+            ("anthropic-sse", "/v1/messages", anthropic("cache me", true)),
+            (
+                "openai-json",
+                "/v1/chat/completions",
+                openai("cache me", false),
+            ),
+            (
+                "openai-sse",
+                "/v1/chat/completions",
+                openai("cache me", true),
+            ),
+        ];
+        for (case, path, body) in cases {
+            let miss_id = format!("{case}-miss");
+            let miss = chain.post(
+                &miss_id,
+                path,
+                &[("authorization", &bearer), ("x-request-id", &miss_id)],
+                &body,
+            )?;
+            ensure!(
+                miss.status == 200,
+                "{case} miss: {} {}",
+                miss.status,
+                miss.body
+            );
+            ensure!(
+                miss.header("x-cache") == Some("MISS"),
+                "{case}: {:?}",
+                miss.headers
+            );
+            let hit_id = format!("{case}-hit");
+            let hit = chain.post(
+                &hit_id,
+                path,
+                &[("authorization", &bearer), ("x-request-id", &hit_id)],
+                &body,
+            )?;
+            ensure!(hit.status == 200, "{case} hit: {} {}", hit.status, hit.body);
+            ensure!(
+                hit.header("x-cache") == Some("HIT"),
+                "{case}: {:?}",
+                hit.headers
+            );
+            ensure!(hit.header("age").is_some(), "{case}: no age");
+            ensure!(
+                hit.body == local_bytes(&miss.body),
+                "{case}: the hit's bytes differ from the miss's\nmiss {:?}\nhit  {:?}",
+                miss.body,
+                hit.body
+            );
+            ensure!(
+                chain.backend_requests(&format!("{case}-")) == 1,
+                "{case}: backend count"
+            );
+            if case.ends_with("sse") {
+                // Streams end in a blank line: replayed byte for byte.
+                ensure!(hit.body == miss.body, "{case}: not byte for byte");
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Stampede protection needs a follower resumed from a timer, which
+/// ngx_wasm_module cannot do (`proxy_set_effective_context` does nothing
+/// there, and answering from `on_tick` crashed its worker): in Kong every
+/// identical concurrent miss goes to the backend and is answered, none
+/// waits, and the filter says so once. The next request is a hit.
+#[test]
+fn identical_concurrent_misses_are_all_answered_without_waiting() -> Result<()> {
+    let options = KongChainOptions {
+        stub: StubConfig::default().ttft(Duration::from_millis(400)),
+        ..KongChainOptions::default()
+    };
+    both_forms(options, |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("carol", "acme")?;
+        let body = anthropic("a stampede", false);
+        let replies = concurrently(6, |i| {
+            let id = format!("stampede-{i}");
+            chain.post(
+                &id,
+                "/v1/messages",
+                &[("authorization", &bearer), ("x-request-id", &id)],
+                &body,
+            )
+        });
+        for reply in replies {
+            let reply = reply?;
+            ensure!(reply.status == 200, "{} {}", reply.status, reply.body);
+            ensure!(
+                reply.header("x-cache") == Some("MISS"),
+                "{:?}",
+                reply.headers
+            );
+        }
+        ensure!(
+            chain.backend_requests("stampede-") == 6,
+            "{} of 6 reached the backend",
+            chain.backend_requests("stampede-")
+        );
+        if let KongGateway::NgxWasm(ngx) = &chain.gateway {
+            ensure!(
+                ngx.log().matches("stampede.mode wait needs a host").count() >= 1,
+                "the degraded stampede mode was not logged"
+            );
+        }
+        let after = chain.post(
+            "after the stampede",
+            "/v1/messages",
+            &[
+                ("authorization", &bearer),
+                ("x-request-id", "stampede-after"),
+            ],
+            &body,
+        )?;
+        ensure!(
+            after.header("x-cache") == Some("HIT"),
+            "{:?}",
+            after.headers
+        );
+        Ok(())
+    })
+}
+
+#[test]
+fn no_store_and_sampling_temperature_bypass_the_cache() -> Result<()> {
+    both_forms(KongChainOptions::default(), |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("dave", "acme")?;
+        let warm = json!({"model": "claude-test", "max_tokens": 16, "temperature": 0.7,
+            "messages": [{"role": "user", "content": "hot"}]})
+        .to_string();
+        for n in 0..2 {
+            let id = format!("no-store-{n}");
+            let reply = chain.post(
+                &id,
+                "/v1/messages",
+                &[
+                    ("authorization", &bearer),
+                    ("x-request-id", &id),
+                    ("cache-control", "no-store"),
+                ],
+                &anthropic("never stored", false),
+            )?;
+            ensure!(reply.status == 200, "{id}: {}", reply.status);
+            ensure!(
+                reply.header("x-cache") == Some("BYPASS"),
+                "{id}: {:?}",
+                reply.headers
+            );
+            let id = format!("hot-{n}");
+            let reply = chain.post(
+                &id,
+                "/v1/messages",
+                &[("authorization", &bearer), ("x-request-id", &id)],
+                &warm,
+            )?;
+            ensure!(reply.status == 200, "{id}: {}", reply.status);
+            ensure!(
+                reply.header("x-cache") == Some("BYPASS"),
+                "{id}: {:?}",
+                reply.headers
+            );
+        }
+        ensure!(
+            chain.backend_requests("no-store-") == 2,
+            "no-store served from cache"
+        );
+        ensure!(
+            chain.backend_requests("hot-") == 2,
+            "temperature 0.7 served from cache"
+        );
+        Ok(())
+    })
+}
+
+#[test]
+fn an_interrupted_stream_is_never_cached() -> Result<()> {
+    both_forms(KongChainOptions::default(), |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("erin", "acme")?;
+        let body = anthropic("cut short", true);
+        let cut = chain.post_partial(
+            "cut stream",
+            "/v1/messages",
+            &[
+                ("authorization", &bearer),
+                ("x-request-id", "cut-0"),
+                ("x-stub-fault", "disconnect-after:2"),
+            ],
+            &body,
+        );
+        // The client sees the stream break (or end early): either way not whole.
+        if let Ok(partial) = &cut {
+            ensure!(
+                !partial.reply.body.contains("message_stop"),
+                "the cut stream ended cleanly"
+            );
+        }
+        let again = chain.post(
+            "after the cut",
+            "/v1/messages",
+            &[("authorization", &bearer), ("x-request-id", "cut-1")],
+            &body,
+        )?;
+        ensure!(again.status == 200, "{}", again.status);
+        ensure!(
+            again.header("x-cache") == Some("MISS"),
+            "the interrupted stream was cached: {:?}",
+            again.headers
+        );
+        ensure!(again.body.contains("message_stop"), "{}", again.body);
+        Ok(())
+    })
+}
+
+#[test]
+fn usage_is_metered_for_both_providers_and_shipped_to_clickhouse() -> Result<()> {
+    both_forms(KongChainOptions::default(), |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("frank", "acme")?;
+        let before = chain.clickhouse.rows()?.len();
+        let cases = [
+            (
+                "meter-anthropic-json",
+                "/v1/messages",
+                anthropic("meter", false),
+            ),
+            (
+                "meter-anthropic-sse",
+                "/v1/messages",
+                anthropic("meter", true),
+            ),
+            (
+                "meter-openai-json",
+                "/v1/chat/completions",
+                openai("meter", false),
+            ),
+            (
+                "meter-openai-sse",
+                "/v1/chat/completions",
+                openai("meter", true),
+            ),
+        ];
+        for (id, path, body) in &cases {
+            let reply = chain.post(
+                id,
+                path,
+                &[
+                    ("authorization", &bearer),
+                    ("x-request-id", id),
+                    ("cache-control", "no-store"),
+                ],
+                body,
+            )?;
+            ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
+            if *id == "meter-openai-sse" {
+                // include_usage was asked for by the gateway and its chunk
+                // hidden again: the client did not ask for it.
+                ensure!(
+                    !reply.body.contains("\"usage\":{"),
+                    "{id}: usage chunk leaked"
+                );
+                ensure!(reply.body.contains("[DONE]"), "{id}: {}", reply.body);
+                let upstream = chain
+                    .stub
+                    .requests()
+                    .into_iter()
+                    .find(|r| r.header("x-request-id") == Some(id))
+                    .context("the OpenAI stream never reached the backend")?;
+                let sent: Value = serde_json::from_slice(&upstream.body)
+                    .context("the rewritten body is not JSON (cut short?)")?;
+                ensure!(
+                    sent["stream_options"]["include_usage"] == true,
+                    "{id}: upstream body {sent}"
+                );
+                ensure!(
+                    upstream.header("content-length") == Some(&upstream.body.len().to_string()),
+                    "{id}: content-length {:?} for {} bytes",
+                    upstream.header("content-length"),
+                    upstream.body.len()
+                );
+            }
+        }
+        // A cache hit never reached the backend: not metered. The sentinel
+        // after it is, and records ship in order: once the sentinel's row is
+        // there, the hit's would be too.
+        for id in ["meter-cached-miss", "meter-cached-hit", "meter-sentinel"] {
+            let prompt = if id == "meter-sentinel" {
+                "sentinel"
+            } else {
+                "cached"
+            };
+            let reply = chain.post(
+                id,
+                "/v1/messages",
+                &[("authorization", &bearer), ("x-request-id", id)],
+                &anthropic(prompt, false),
+            )?;
+            ensure!(reply.status == 200, "{id}: {}", reply.status);
+        }
+        let rows = chain
+            .clickhouse
+            .wait_rows(before + cases.len() + 2, Duration::from_secs(20))?;
+        ensure!(
+            rows.iter().any(|r| r["request_id"] == "meter-sentinel"),
+            "no sentinel row in {rows:?}"
+        );
+        ensure!(
+            !rows.iter().any(|r| r["request_id"] == "meter-cached-hit"),
+            "a cache hit was metered: {rows:?}"
+        );
+        for (id, _, _) in &cases {
+            let row = rows
+                .iter()
+                .find(|r| r["request_id"] == *id)
+                .with_context(|| format!("{id}: no usage row in {rows:?}"))?;
+            ensure!(row["usage_missing"] == 0, "{id}: {row}");
+            let tokens = |f: &str| {
+                row[f]
+                    .as_str()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .or(row[f].as_u64())
+            };
+            ensure!(tokens("input_tokens").unwrap_or(0) > 0, "{id}: {row}");
+            ensure!(tokens("output_tokens").unwrap_or(0) > 0, "{id}: {row}");
+            ensure!(row["tenant"] == "acme", "{id}: {row}");
+        }
+        Ok(())
+    })
+}
+
+/// One request of the differential: id, path, headers (`auth`: the
+/// verified bearer), body.
+type DiffRequest = (
+    &'static str,
+    &'static str,
+    Vec<(&'static str, &'static str)>,
+    String,
+);
+
+/// What one request did, reduced to what both hosts must agree on (the
+/// stub's answers carry random ids, so bodies are compared within a host).
+#[derive(Debug, PartialEq, Eq)]
+struct Seen {
+    status: u16,
+    x_cache: Option<String>,
+    /// The body the backend got and its `content-length`, if it got there.
+    upstream: Option<(String, Option<String>)>,
+    /// A gateway-made answer's body (errors; hits are checked against their
+    /// miss instead).
+    local_body: Option<String>,
+}
+
+/// The differential: the same requests through real ngx_wasm_module and
+/// host-sim's `kong` profile, both forms; per request the status,
+/// `x-cache`, what reached the backend and any gateway-made error body
+/// must be the same.
+#[test]
+fn host_sim_kong_profile_answers_as_ngx_wasm_module_does() -> Result<()> {
+    let requests: Vec<DiffRequest> = vec![
+        ("d-none", "/v1/messages", vec![], anthropic("d", false)),
+        (
+            "d-json",
+            "/v1/messages",
+            vec![("auth", "")],
+            anthropic("d", false),
+        ),
+        (
+            "d-json-hit",
+            "/v1/messages",
+            vec![("auth", "")],
+            anthropic("d", false),
+        ),
+        (
+            "d-sse",
+            "/v1/messages",
+            vec![("auth", "")],
+            anthropic("d", true),
+        ),
+        (
+            "d-sse-hit",
+            "/v1/messages",
+            vec![("auth", "")],
+            anthropic("d", true),
+        ),
+        (
+            "d-oai",
+            "/v1/chat/completions",
+            vec![("auth", "")],
+            openai("d", true),
+        ),
+        (
+            "d-oai-hit",
+            "/v1/chat/completions",
+            vec![("auth", "")],
+            openai("d", true),
+        ),
+        (
+            "d-no-store",
+            "/v1/chat/completions",
+            vec![("auth", ""), ("cache-control", "no-store")],
+            openai("d", false),
+        ),
+        (
+            "d-bad-json",
+            "/v1/messages",
+            vec![("auth", "")],
+            "{not json".into(),
+        ),
+        (
+            "d-bad-key",
+            "/v1/messages",
+            vec![("x-api-key", "sk-nobody")],
+            anthropic("k", false),
+        ),
+    ];
+    for fused in [false, true] {
+        let mut seen = Vec::new();
+        for host in [KongHost::NgxWasm, KongHost::HostSim] {
+            let chain = KongChain::start(KongChainOptions {
+                host,
+                fused,
+                ..KongChainOptions::default()
+            })?;
+            let bearer = chain.verified_bearer("diff", "acme")?;
+            let mut run = Vec::new();
+            for (id, path, headers, body) in &requests {
+                let mut sent: Vec<(&str, &str)> = vec![("x-request-id", id)];
+                for (name, value) in headers {
+                    if *name == "auth" {
+                        sent.push(("authorization", &bearer));
+                    } else {
+                        sent.push((name, value));
+                    }
+                }
+                let reply = chain.post(id, path, &sent, body)?;
+                let upstream = chain
+                    .stub
+                    .requests()
+                    .into_iter()
+                    .find(|r| r.header("x-request-id") == Some(id))
+                    .map(|r| {
+                        (
+                            String::from_utf8_lossy(&r.body).into_owned(),
+                            r.header("content-length").map(str::to_string),
+                        )
+                    });
+                let gateway_made = upstream.is_none() && reply.header("x-cache") != Some("HIT");
+                run.push((
+                    *id,
+                    Seen {
+                        status: reply.status,
+                        x_cache: reply.header("x-cache").map(str::to_string),
+                        upstream,
+                        local_body: gateway_made.then(|| reply.body.clone()),
+                    },
+                ));
+            }
+            seen.push((chain.form.clone(), run));
+        }
+        let (real, sim) = (&seen[0], &seen[1]);
+        for ((id, ours), (_, theirs)) in real.1.iter().zip(&sim.1) {
+            ensure!(
+                ours == theirs,
+                "{id}: {} and {} disagree\n real: {ours:?}\n sim:  {theirs:?}",
+                real.0,
+                sim.0
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_verifier_outage_refuses_unknown_keys_keeps_known_ones_and_heals() -> Result<()> {
+    both_forms(KongChainOptions::default(), |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("grace", "acme")?;
+        let send = |chain: &KongChain, id: &str, credential: (&str, &str)| -> Result<Reply> {
+            chain.post(
+                id,
+                "/v1/messages",
+                &[credential, ("x-request-id", id)],
+                &anthropic(id, false),
+            )
+        };
+        // A key verified before the outage: post-cache stops bypassing it
+        // once its tenant is verified.
+        let known = ("x-api-key", GOOD_API_KEY);
+        let mut n = 0;
+        wait::until("the known key verified", Duration::from_secs(10), || {
+            n += 1;
+            let reply = send(chain, &format!("known-{n}"), known)?;
+            ensure!(reply.status == 200, "known key: {}", reply.status);
+            Ok((reply.header("x-cache") == Some("MISS")).then_some(()))
+        })?;
+        chain
+            .services
+            .api_keys
+            .set_handler(|_| (503, "down".to_string()));
+        // During the outage: known credentials keep working; an unknown key
+        // gets its one lazy request, then a clear 503.
+        ensure!(
+            send(chain, "known-during", known)?.status == 200,
+            "known key refused"
+        );
+        let jwt = ("authorization", bearer.as_str());
+        ensure!(send(chain, "jwt-during", jwt)?.status == 200, "JWT refused");
+        let unknown = ("x-api-key", "sk-new-during-outage");
+        ensure!(
+            send(chain, "new-0", unknown)?.status == 200,
+            "no lazy request"
+        );
+        let refused = send(chain, "new-1", unknown)?;
+        ensure!(refused.status == 503, "{} {}", refused.status, refused.body);
+        ensure!(refused.body.contains("retry later"), "{}", refused.body);
+        chain.services.api_keys.set_handler(chain::introspect);
+        wait::until(
+            "the unknown key verified after the outage",
+            Duration::from_secs(40),
+            || Ok((send(chain, "new-after", unknown)?.status == 401).then_some(())),
+        )?;
+        Ok(())
+    })
+}
+
+#[test]
+fn a_sink_down_for_a_while_costs_no_request_and_no_record() -> Result<()> {
+    both_forms(KongChainOptions::default(), |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("heidi", "acme")?;
+        let before = chain.clickhouse.rows()?.len();
+        chain.clickhouse.stop();
+        for n in 0..6 {
+            let id = format!("sink-down-{n}");
+            let reply = chain.post(
+                &id,
+                "/v1/messages",
+                &[
+                    ("authorization", &bearer),
+                    ("x-request-id", &id),
+                    ("cache-control", "no-store"),
+                ],
+                &anthropic(&id, n % 2 == 0),
+            )?;
+            ensure!(reply.status == 200, "{id}: {}", reply.status);
+        }
+        std::thread::sleep(Duration::from_millis(600));
+        chain.clickhouse.restart()?;
+        let rows = chain
+            .clickhouse
+            .wait_rows(before + 6, Duration::from_secs(30))?;
+        for n in 0..6 {
+            let id = format!("sink-down-{n}");
+            ensure!(
+                rows.iter().any(|r| r["request_id"] == id.as_str()),
+                "{id}: lost while the sink was down"
+            );
+        }
+        Ok(())
+    })
+}
+
+/// The fleet tier through webdis does not work from ngx_wasm_module: its
+/// dispatch always sends `Connection: close` (it cannot be overridden), and
+/// webdis (Debian's 0.1.x) never answers such a request, so every write
+/// times out. Requests are unaffected, every failed write is logged, and
+/// nothing half-written reaches Redis (kong/README.md says what to use).
+#[test]
+fn fleet_writes_through_webdis_fail_visibly_and_cost_no_request() -> Result<()> {
+    let options = KongChainOptions {
+        fleet: true,
+        ..KongChainOptions::default()
+    };
+    for fused in [false, true] {
+        let chain = KongChain::start(KongChainOptions {
+            fused,
+            ..options.clone()
+        })?;
+        let bearer = chain.verified_bearer("ivan", "acme")?;
+        let fleet = chain.fleet.as_ref().context("no fleet tier")?;
+        for want in ["MISS", "HIT"] {
+            let reply = chain.post(
+                "fleet",
+                "/v1/messages",
+                &[("authorization", &bearer), ("x-request-id", "fleet")],
+                &anthropic("to the fleet", false),
+            )?;
+            ensure!(reply.status == 200, "{}", reply.status);
+            ensure!(reply.header("x-cache") == Some(want), "{:?}", reply.headers);
+        }
+        let KongGateway::NgxWasm(ngx) = &chain.gateway else {
+            unreachable!("the default host is ngx_wasm_module")
+        };
+        wait::until(
+            "the failed fleet write logged",
+            Duration::from_secs(10),
+            || {
+                Ok(ngx
+                    .log()
+                    .contains("a cache fleet write failed")
+                    .then_some(()))
+            },
+        )?;
+        ensure!(fleet.keys()? == 0, "a fleet write landed after all");
+    }
+    Ok(())
+}
+
+/// A refusal decided on a callout's answer (API key introspection, checked
+/// synchronously): the fused filter once held the body ngx_wasm_module
+/// still hands over after that answer, and the 401 never left (or the
+/// worker crashed).
+#[test]
+fn a_refusal_on_the_introspection_answer_reaches_the_client() -> Result<()> {
+    let options = KongChainOptions {
+        configure: Some(|sections| sections["lazy_auth"]["unknown"] = json!("sync")),
+        ..KongChainOptions::default()
+    };
+    both_forms(options, |chain: &mut KongChain| {
+        let send = |chain: &KongChain, id: &str, key: &str| {
+            chain.post(
+                id,
+                "/v1/messages",
+                &[("x-api-key", key), ("x-request-id", id)],
+                &anthropic(id, false),
+            )
+        };
+        let good = send(chain, "sync-good", GOOD_API_KEY)?;
+        ensure!(
+            good.status == 200,
+            "good key: {} {}",
+            good.status,
+            good.body
+        );
+        for n in 0..3 {
+            let id = format!("sync-bad-{n}");
+            let bad = send(chain, &id, &format!("sk-nobody-{n}"))?;
+            ensure!(bad.status == 401, "{id}: {} {}", bad.status, bad.body);
+        }
+        chain
+            .services
+            .api_keys
+            .set_handler(|_| (503, "down".to_string()));
+        let down = send(chain, "sync-down", "sk-during-outage")?;
+        ensure!(down.status == 503, "{} {}", down.status, down.body);
+        ensure!(
+            chain.backend_requests("sync-bad-") == 0,
+            "a refused key reached the backend"
+        );
+        ensure!(
+            chain.backend_requests("sync-down") == 0,
+            "an unverified key reached the backend"
+        );
+        Ok(())
+    })
+}
