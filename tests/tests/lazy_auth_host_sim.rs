@@ -715,3 +715,133 @@ fn a_client_cannot_open_the_verifier_breaker() -> Result<()> {
     assert_eq!(again.tenant.as_deref(), Some("acme"));
     Ok(())
 }
+
+/// Billing uses only verified identity: behind lazy-auth, metering bills an
+/// unverified request as `unverified` and a verified one without a tenant
+/// as `unknown` (no default configured), never as the tenant a client
+/// names in `x-tenant-id` or claims in a forged token; a spray of made-up
+/// claims cannot push a real tenant into `other`.
+#[test]
+fn billing_and_labels_use_only_the_verified_identity() -> Result<()> {
+    let config = base_config();
+    let mut host = sim::host()?;
+    host.set_cluster("keys", ClusterTarget::Manual);
+    let mut lazy = config.clone();
+    sim::observer(
+        &mut host,
+        "lazy_auth",
+        &mut lazy,
+        &[("ZEROLAYER_HS256_SECRET", HS_SECRET)],
+    )?;
+    let mut metering = json!({
+        "environment": "test",
+        "tenant_header": "x-tenant-id",
+        "sampling": {"percent": 100},
+        "labels": {"max_tenants": 3, "max_models": 5},
+    });
+    sim::observer_mode(&mut metering);
+    let chain = host.add_chain(vec![
+        PluginSpec::new("lazy-auth", paths::wasm("lazy_auth")?)
+            .vm_id(VM_ID)
+            .configuration(lazy.to_string())
+            .env("ZEROLAYER_HS256_SECRET", HS_SECRET),
+        PluginSpec::new("metering", paths::wasm("metering")?)
+            .configuration(metering.to_string())
+            .allow_on_headers_stop_iteration(true),
+    ])?;
+    let billed = |host: &mut Host, credential: (&str, &str), named: &str| -> Result<String> {
+        let body = r#"{"model":"claude-test","max_tokens":8,"messages":[]}"#;
+        let mut s = host.stream(chain)?;
+        s.request_headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/messages"),
+                (":authority", "gw"),
+                ("content-type", "application/json"),
+                ("content-length", &body.len().to_string()),
+                ("x-tenant-id", named),
+                credential,
+            ],
+            false,
+        );
+        s.request_body(body.as_bytes(), true);
+        if !s.upstream().complete {
+            return Ok("(not admitted)".into());
+        }
+        s.response_headers(
+            &[(":status", "200"), ("content-type", "application/json")],
+            false,
+        );
+        s.response_body(
+            br#"{"model":"claude-test","usage":{"input_tokens":3,"output_tokens":2}}"#,
+            true,
+        );
+        let usage: Value = serde_json::from_slice(
+            &sim::published(&s, "wasmx.zerolayer_usage").context("no usage entry")?,
+        )?;
+        Ok(usage["tenant"].as_str().unwrap_or_default().to_string())
+    };
+    let settle = |host: &mut Host| host.advance(Duration::from_millis(250));
+    // A forged token claiming acme, the header naming globex: unverified.
+    let forged = format!("Bearer {}", issuer().forged(&good("x", "acme"), 1));
+    assert_eq!(
+        billed(&mut host, ("authorization", &forged), "globex")?,
+        "unverified"
+    );
+    // A valid token without a tenant claim: unverified first, then unknown.
+    let mut no_tenant = good("svc", "x");
+    no_tenant.as_object_mut().map(|c| c.remove("tenant"));
+    let jwt = format!("Bearer {}", issuer().es256(&no_tenant));
+    assert_eq!(
+        billed(&mut host, ("authorization", &jwt), "globex")?,
+        "unverified"
+    );
+    settle(&mut host);
+    assert_eq!(
+        billed(&mut host, ("authorization", &jwt), "globex")?,
+        "unknown"
+    );
+    // A verified API key whose introspection names no tenant: unknown.
+    billed(&mut host, ("x-api-key", "sk-no-tenant"), "globex")?;
+    settle(&mut host);
+    for call in host.callouts() {
+        host.respond(call.token, CallResponse::new(200, r#"{"active":true}"#))?;
+    }
+    assert_eq!(
+        billed(&mut host, ("x-api-key", "sk-no-tenant"), "globex")?,
+        "unknown"
+    );
+    // Forged tokens claiming fresh tenants, each naming another in the
+    // header: all billed `unverified`, one label.
+    for n in 0..10u64 {
+        let t = format!(
+            "Bearer {}",
+            issuer().forged(&good("x", &format!("t{n}")), 100 + n)
+        );
+        let tenant = billed(&mut host, ("authorization", &t), &format!("h{n}"))?;
+        assert!(
+            ["unverified", "(not admitted)"].contains(&tenant.as_str()),
+            "{tenant}"
+        );
+    }
+    // A real tenant arriving afterwards still gets its own label.
+    let acme = format!("Bearer {}", issuer().es256(&good("u", "acme")));
+    billed(&mut host, ("authorization", &acme), "globex")?;
+    settle(&mut host);
+    assert_eq!(
+        billed(&mut host, ("authorization", &acme), "globex")?,
+        "acme"
+    );
+    host.advance(Duration::from_millis(250));
+    assert!(
+        host.metric("zerolayer_metering_requests_tenant=acme_model=claude-test")
+            .unwrap_or(0)
+            >= 1
+    );
+    assert_eq!(
+        host.metric("zerolayer_metering_requests_tenant=other_model=claude-test"),
+        None,
+        "a real tenant was pushed into `other`"
+    );
+    Ok(())
+}
