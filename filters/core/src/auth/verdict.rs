@@ -21,7 +21,7 @@ use super::credential::TokenHash;
 pub const VERDICT_PREFIX: &str = "zl:auth:verdict:";
 /// Format version, first byte of every entry: an old entry after an
 /// upgrade reads as "unknown" instead of being misread. Version 2: a set
-/// of verdicts, each postcard-encoded, one after the other.
+/// of verdicts, each postcard-encoded behind its 2-byte length.
 const VERSION: u8 = 2;
 
 /// A verification outcome for one credential.
@@ -156,35 +156,45 @@ pub struct VerdictView<'a> {
     pub verified_at: u64,
 }
 
-/// Serializes a set of verdicts for shared data.
+/// Serializes a set of verdicts for shared data: each verdict behind its
+/// length (2 bytes, little-endian), so a lookup skips another credential's
+/// verdict after comparing its hash, without decoding it.
 pub fn encode_set(verdicts: &[Verdict]) -> Vec<u8> {
     let mut out = vec![VERSION];
     for v in verdicts {
-        // Serializing plain owned data into a Vec cannot fail.
-        if let Ok(body) = postcard::to_allocvec(v) {
+        // Serializing plain owned data into a Vec cannot fail; a verdict
+        // too long for its length prefix (64 KiB of tenant) is not kept.
+        if let Ok(body) = postcard::to_allocvec(v)
+            && let Ok(len) = u16::try_from(body.len())
+        {
+            out.extend_from_slice(&len.to_le_bytes());
             out.extend(body);
         }
     }
     out
 }
 
-/// The verdicts of a set entry (an unreadable tail is dropped; another
-/// version reads as empty).
-pub fn decode_set(bytes: &[u8]) -> Vec<Verdict> {
-    let mut out = Vec::new();
-    let Some((&VERSION, mut body)) = bytes.split_first() else {
-        return out;
+/// The entries of a set: each verdict's bytes (an unreadable tail ends it;
+/// another version reads as empty).
+fn entries(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut body = match bytes.split_first() {
+        Some((&VERSION, body)) => body,
+        _ => &[],
     };
-    while !body.is_empty() {
-        match postcard::take_from_bytes::<Verdict>(body) {
-            Ok((v, rest)) => {
-                out.push(v);
-                body = rest;
-            }
-            Err(_) => break,
-        }
-    }
-    out
+    std::iter::from_fn(move || {
+        let (len, rest) = body.split_first_chunk::<2>()?;
+        let len = usize::from(u16::from_le_bytes(*len));
+        let entry = rest.get(..len)?;
+        body = &rest[len..];
+        Some(entry)
+    })
+}
+
+/// The verdicts of a set entry (unreadable ones are skipped).
+pub fn decode_set(bytes: &[u8]) -> Vec<Verdict> {
+    entries(bytes)
+        .filter_map(|e| postcard::from_bytes(e).ok())
+        .collect()
 }
 
 /// The set entry after storing `verdict` at `now` in the set `entry`, at
@@ -214,19 +224,13 @@ pub fn insert(entry: Option<&[u8]>, verdict: &Verdict, now: u64, ways: u32) -> V
 }
 
 /// A usable verdict for `hash` at `now`, read in place: `None` when the
-/// set has none, or only an unreadable or expired one.
+/// set has none, or only an unreadable or expired one. Other credentials'
+/// verdicts cost a hash comparison each (postcard writes the hash first,
+/// as its 32 bytes).
 pub fn view<'a>(entry: &'a [u8], hash: &TokenHash, now: u64) -> Option<VerdictView<'a>> {
-    let Some((&VERSION, mut body)) = entry.split_first() else {
-        return None;
-    };
-    while !body.is_empty() {
-        let (view, rest) = postcard::take_from_bytes::<VerdictView<'a>>(body).ok()?;
-        if view.hash == hash.0 {
-            return (view.expires_at > now).then_some(view);
-        }
-        body = rest;
-    }
-    None
+    let own = entries(entry).find(|e| e.get(..32) == Some(&hash.0[..]))?;
+    let view: VerdictView<'a> = postcard::from_bytes(own).ok()?;
+    (view.hash == hash.0 && view.expires_at > now).then_some(view)
 }
 
 /// Interprets the shared-data entry found for `hash` at `now`.
@@ -337,9 +341,14 @@ mod tests {
         assert!(view(&e, &c, 450).is_some() && view(&e, &a, 450).is_some());
         // An unreadable tail does not hide the verdicts before it.
         let mut broken = e.clone();
-        broken.extend_from_slice(b"\xff\xff");
+        broken.extend_from_slice(b"\xff\xff\x01");
         assert!(view(&broken, &c, 450).is_some());
         assert_eq!(decode_set(&broken).len(), 2);
+        // Nor does an unreadable entry the ones after it.
+        let mut junk = vec![2, 3, 0, 1, 2, 3];
+        junk.extend_from_slice(&e[1..]);
+        assert!(view(&junk, &c, 450).is_some());
+        assert_eq!(decode_set(&junk).len(), 2);
     }
 
     #[test]
