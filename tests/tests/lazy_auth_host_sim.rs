@@ -845,3 +845,52 @@ fn billing_and_labels_use_only_the_verified_identity() -> Result<()> {
     );
     Ok(())
 }
+
+/// Activation's tenant rules behind lazy-auth match only the verified
+/// tenant: a forged token claiming acme, with `x-tenant-id: acme`, is
+/// matched as `unverified`; acme's verified token matches.
+#[test]
+fn activation_behind_lazy_auth_matches_only_the_verified_tenant() -> Result<()> {
+    let mut host = sim::host()?;
+    host.set_cluster("keys", ClusterTarget::Manual);
+    let mut lazy = base_config();
+    sim::observer(
+        &mut host,
+        "lazy_auth",
+        &mut lazy,
+        &[("ZEROLAYER_HS256_SECRET", HS_SECRET)],
+    )?;
+    let chain = host.add_chain(vec![
+        PluginSpec::new("lazy-auth", paths::wasm("lazy_auth")?)
+            .vm_id(VM_ID)
+            .configuration(lazy.to_string())
+            .env("ZEROLAYER_HS256_SECRET", HS_SECRET),
+        PluginSpec::new("activation", paths::wasm("activation")?).configuration(
+            r#"{"rules":[{"name":"acme","when":{"tenant":{"in":["acme"]}},"activate":["metering"]},
+                         {"name":"unverified","when":{"tenant":{"in":["unverified"]}},"activate":["audit"]}]}"#,
+        ),
+    ])?;
+    let mut observers = |bearer: &str| -> Result<String> {
+        let mut s = host.stream(chain)?;
+        s.request_headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/messages"),
+                (":authority", "gw"),
+                ("x-tenant-id", "acme"),
+                ("authorization", bearer),
+            ],
+            true,
+        );
+        let list = sim::published(&s, "wasmx.zerolayer_observers").unwrap_or_default();
+        host.advance(Duration::from_millis(250));
+        Ok(String::from_utf8_lossy(&list).into_owned())
+    };
+    let forged = format!("Bearer {}", issuer().forged(&good("x", "acme"), 3));
+    assert_eq!(observers(&forged)?, "audit");
+    let acme = format!("Bearer {}", issuer().es256(&good("u", "acme")));
+    // Its first request is unverified (lazy), the next verified.
+    assert_eq!(observers(&acme)?, "audit");
+    assert_eq!(observers(&acme)?, "metering");
+    Ok(())
+}
