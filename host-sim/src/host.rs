@@ -437,6 +437,16 @@ impl Host {
     /// Streams that finished before are forgotten (no handle can still point
     /// at them), so long runs stay bounded in memory.
     pub fn stream(&mut self, chain: ChainId) -> Result<StreamHandle<'_>> {
+        self.stream_from(chain, StreamInfo::default().source)
+    }
+
+    /// [`Host::stream`] from the downstream peer `source` (Envoy's
+    /// `source.address`).
+    pub fn stream_from(
+        &mut self,
+        chain: ChainId,
+        source: std::net::SocketAddr,
+    ) -> Result<StreamHandle<'_>> {
         let finished: Vec<StreamId> = self
             .streams
             .iter()
@@ -446,7 +456,11 @@ impl Host {
         for id in finished {
             self.drop_stream(id);
         }
-        let id = self.open_stream(chain, StreamInfo::default())?;
+        let info = StreamInfo {
+            source,
+            ..StreamInfo::default()
+        };
+        let id = self.open_stream(chain, info)?;
         Ok(StreamHandle { host: self, id })
     }
 

@@ -24,7 +24,10 @@ fn base_config() -> Value {
         "jwt": {"keys": issuer().jwks()["keys"], "issuers": ["https://idp.test"], "audiences": ["zerolayer"],
                 "hs256_secret_env": "ZEROLAYER_HS256_SECRET"},
         "api_keys": {"cluster": "keys", "path": "/introspect", "timeout_ms": 500},
-        "escalation": {"failure_ratio": 0.05, "window_secs": 300, "min_verifications": 5},
+        // The gateway-wide window is off here (1: never) so tenant
+        // escalation is seen alone; the spray tests turn it on.
+        "escalation": {"failure_ratio": 0.05, "window_secs": 300, "min_verifications": 5,
+                       "gateway_failure_ratio": 1.0},
         "breaker": {"failures": 3, "open_secs": 30},
         "verdict_max_ttl_secs": 300,
     })
@@ -88,9 +91,18 @@ impl Gateway {
     }
 
     fn request_to(&mut self, path: &str, headers: &[(&str, &str)]) -> Result<Seen> {
+        self.request_from(path, headers, ([127, 0, 0, 1], 40000).into())
+    }
+
+    fn request_from(
+        &mut self,
+        path: &str,
+        headers: &[(&str, &str)],
+        source: std::net::SocketAddr,
+    ) -> Result<Seen> {
         let mut all = vec![(":method", "POST"), (":path", path), (":authority", "gw")];
         all.extend_from_slice(headers);
-        let mut s = self.host.stream(self.chain)?;
+        let mut s = self.host.stream_from(self.chain, source)?;
         s.request_headers(&all, true);
         let upstream = s.upstream().complete;
         if upstream {
@@ -117,6 +129,27 @@ impl Gateway {
     fn counter(&self, name: &str) -> u64 {
         self.host.metric(name).unwrap_or(0)
     }
+
+    /// Answers every pending introspection callout with `status`.
+    fn answer_introspections(&mut self, status: u16) -> Result<()> {
+        for call in self.host.callouts() {
+            if call.cluster == "keys" {
+                self.host
+                    .respond(call.token, CallResponse::new(status, ""))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A distinct client address per `n` (10.x.y.z).
+fn address(n: u64) -> std::net::SocketAddr {
+    let n = n as u32 + 1;
+    (
+        [10, (n >> 16) as u8, (n >> 8) as u8, n as u8],
+        40000 + (n % 1000) as u16,
+    )
+        .into()
 }
 
 fn good(sub: &str, tenant: &str) -> Value {
@@ -474,5 +507,390 @@ fn audit_records_reach_the_sink_when_activation_asks_and_never_carry_the_credent
     // The observer reports its counters on its next tick.
     gw.host.advance(Duration::from_millis(200));
     assert_eq!(gw.counter("zerolayer_audit_records_outcome=shipped"), 3);
+    Ok(())
+}
+
+/// The issue's spray (150 forged JWTs without a tenant, 150 each claiming a
+/// fresh tenant, 150 random API keys), each from its own address, one
+/// request every 100 ms: what reaches the upstream without a valid
+/// credential is bounded by the gateway's bucket (`burst + per_sec × s`),
+/// whatever the number of credentials, tenants and addresses.
+#[test]
+fn a_spray_of_fresh_credentials_gets_at_most_the_gateway_budget() -> Result<()> {
+    let mut config = base_config();
+    // Only the gateway bucket binds (the others wide open, escalation off):
+    // the test proves the gateway-wide number.
+    config["escalation"]["failure_ratio"] = json!(1.0);
+    config["lazy_budget"] = json!({
+        "gateway": {"per_sec": 2, "burst": 10},
+        "per_tenant": {"per_sec": 1000, "burst": 1000},
+        "per_client": {"per_sec": 1000, "burst": 1000},
+    });
+    let mut gw = gateway_for(config)?;
+    let mut upstream = 0u64;
+    let started = gw.host.now_ns();
+    for n in 0..450u64 {
+        let token = match n % 3 {
+            0 => issuer().forged(&json!({"sub": "x", "exp": NOW + 3600}), n),
+            1 => issuer().forged(&good("x", &format!("fresh-{n}")), n),
+            _ => format!("sk-random-{n}"),
+        };
+        let header = if n % 3 == 2 {
+            ("x-api-key", token.clone())
+        } else {
+            ("authorization", format!("Bearer {token}"))
+        };
+        let seen = gw.request_from("/v1/messages", &[(header.0, &header.1)], address(n))?;
+        if seen.upstream {
+            upstream += 1;
+            assert_eq!(seen.auth.as_deref(), Some("unverified"), "{n}");
+        }
+        gw.answer_introspections(401)?;
+        gw.host.advance(Duration::from_millis(100));
+        gw.answer_introspections(401)?;
+    }
+    let secs = (gw.host.now_ns() - started) / 1_000_000_000;
+    let bound = 10 + 2 * secs;
+    eprintln!("spray: {upstream} of 450 reached the upstream in {secs} s (bound {bound})");
+    assert!(
+        upstream <= bound,
+        "{upstream} requests without a valid credential reached the upstream in {secs} s (bound {bound})"
+    );
+    // The bucket is what stopped them: it granted about its rate.
+    assert!(upstream >= bound - 5, "{upstream} of {bound}");
+    gw.host.advance(Duration::from_millis(200));
+    assert!(gw.counter("zerolayer_auth_sync_reason=lazy_budget") >= 450 - bound);
+    Ok(())
+}
+
+/// With the shipped defaults, one client spraying fresh credentials: its
+/// own bucket (burst 20) binds first, and the failures escalate "no
+/// tenant" and the gateway, after which nothing unknown is admitted lazily.
+#[test]
+fn with_the_defaults_a_spray_escalates_no_tenant_and_the_gateway() -> Result<()> {
+    let mut config = base_config();
+    config["escalation"] = json!({"min_verifications": 5});
+    let mut gw = gateway_for(config)?;
+    let mut upstream = 0;
+    for n in 0..150u64 {
+        let no_tenant = issuer().forged(&json!({"sub": "x", "exp": NOW + 3600}), n);
+        if gw.bearer(&no_tenant)?.upstream {
+            upstream += 1;
+        }
+        let key = format!("sk-random-{n}");
+        if gw.request(&[("x-api-key", &key)])?.upstream {
+            upstream += 1;
+        }
+        gw.answer_introspections(401)?;
+        gw.host.advance(Duration::from_millis(30));
+        gw.answer_introspections(401)?;
+    }
+    eprintln!("spray with the defaults: {upstream} of 300 reached the upstream");
+    assert!(upstream <= 20, "{upstream} of 300 reached the upstream");
+    assert_eq!(
+        gw.host.logs_containing("the gateway escalated").len(),
+        1,
+        "gateway escalation"
+    );
+    assert_eq!(
+        gw.host
+            .logs_containing("credentials without a tenant escalated")
+            .len(),
+        1
+    );
+    // A valid credential still works: verified inline, no lazy step.
+    let ok = gw.bearer(&issuer().es256(&good("u", "acme")))?;
+    assert!(ok.upstream);
+    assert_eq!(ok.auth.as_deref(), Some("verified"));
+    Ok(())
+}
+
+/// The issue's collision attack: forged credentials sharing one verdict
+/// slot (here every credential does: one slot), sent alternately with the
+/// observer verifying in between. Each gets at most its one unverified
+/// request; a revoked API key stays refused beside another key.
+#[test]
+fn colliding_credentials_cannot_reset_each_others_bound() -> Result<()> {
+    let mut config = base_config();
+    config["verdict_slots"] = json!(1);
+    let mut gw = gateway_for(config)?;
+    let a = issuer().forged(&good("x", "acme"), 1);
+    let b = issuer().forged(&good("x", "acme"), 2);
+    let mut upstream = [0; 2];
+    for _ in 0..8 {
+        for (i, token) in [&a, &b].into_iter().enumerate() {
+            if gw.bearer(token)?.upstream {
+                upstream[i] += 1;
+            }
+            gw.host.advance(Duration::from_millis(200));
+        }
+    }
+    assert_eq!(upstream, [1, 1], "forged JWTs in one slot");
+    // A revoked key and another key in the same slot, alternately.
+    gw.request(&[("x-api-key", "sk-revoked")])?;
+    sim::settle(&mut gw.host);
+    for call in gw.host.callouts() {
+        gw.host
+            .respond(call.token, CallResponse::new(200, r#"{"active":false}"#))?;
+    }
+    let mut revoked_upstream = 0;
+    for n in 0..6 {
+        if gw.request(&[("x-api-key", "sk-revoked")])?.upstream {
+            revoked_upstream += 1;
+        }
+        gw.request(&[("x-api-key", &format!("sk-other-{n}"))])?;
+        gw.answer_introspections(401)?;
+        gw.host.advance(Duration::from_millis(200));
+        gw.answer_introspections(401)?;
+    }
+    assert_eq!(revoked_upstream, 0, "the revoked key came back");
+    Ok(())
+}
+
+/// A client cannot open the verifier's breaker: oversized keys are refused
+/// (431) before any callout, keys the endpoint refuses as malformed (400)
+/// are those keys' failures, and a valid new key keeps working.
+#[test]
+fn a_client_cannot_open_the_verifier_breaker() -> Result<()> {
+    let mut gw = gateway()?;
+    let huge = "k".repeat(9 * 1024);
+    for _ in 0..5 {
+        let seen = gw.request(&[("x-api-key", &huge)])?;
+        assert_eq!(seen.status, Some(431));
+        assert!(!seen.upstream);
+        assert!(
+            seen.body.contains("credential longer than 4096 bytes"),
+            "{}",
+            seen.body
+        );
+        sim::settle(&mut gw.host);
+    }
+    assert!(
+        gw.host.callouts().is_empty(),
+        "an oversized key reached the verifier"
+    );
+    // Keys the endpoint answers 400 for (malformed): lazily admitted once
+    // each, then invalid; the breaker (3 failures here) stays closed.
+    for n in 0..5 {
+        gw.request(&[("x-api-key", &format!("sk-malformed-{n}"))])?;
+        sim::settle(&mut gw.host);
+        gw.answer_introspections(400)?;
+        assert_eq!(
+            gw.request(&[("x-api-key", &format!("sk-malformed-{n}"))])?
+                .status,
+            Some(401)
+        );
+    }
+    gw.host.advance(Duration::from_millis(200));
+    assert_eq!(gw.counter("zerolayer_auth_verifier_breaker_flip=opened"), 0);
+    // A valid new key works: the failures escalated "no tenant" (5 here),
+    // so it is introspected before it goes on, and the verifier answers.
+    let mut s = gw.host.stream(gw.chain)?;
+    s.request_headers(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/messages"),
+            (":authority", "gw"),
+            ("x-api-key", "sk-good"),
+        ],
+        true,
+    );
+    for call in s.host().callouts() {
+        s.host().respond(
+            call.token,
+            CallResponse::new(200, r#"{"active":true,"tenant":"acme"}"#),
+        )?;
+    }
+    sim::settle(s.host());
+    for call in s.host().callouts() {
+        s.host().respond(
+            call.token,
+            CallResponse::new(200, r#"{"active":true,"tenant":"acme"}"#),
+        )?;
+    }
+    assert!(s.upstream().complete, "a valid new key was not let through");
+    sim::settle(&mut gw.host);
+    let again = gw.request(&[("x-api-key", "sk-good")])?;
+    assert!(again.upstream);
+    assert_eq!(again.tenant.as_deref(), Some("acme"));
+    Ok(())
+}
+
+/// Billing uses only verified identity: behind lazy-auth, metering bills an
+/// unverified request as `unverified` and a verified one without a tenant
+/// as `unknown` (no default configured), never as the tenant a client
+/// names in `x-tenant-id` or claims in a forged token; a spray of made-up
+/// claims cannot push a real tenant into `other`.
+#[test]
+fn billing_and_labels_use_only_the_verified_identity() -> Result<()> {
+    let config = base_config();
+    let mut host = sim::host()?;
+    host.set_cluster("keys", ClusterTarget::Manual);
+    let mut lazy = config.clone();
+    sim::observer(
+        &mut host,
+        "lazy_auth",
+        &mut lazy,
+        &[("ZEROLAYER_HS256_SECRET", HS_SECRET)],
+    )?;
+    let mut metering = json!({
+        "environment": "test",
+        "tenant_header": "x-tenant-id",
+        "sampling": {"percent": 100},
+        "labels": {"max_tenants": 3, "max_models": 5},
+    });
+    sim::observer_mode(&mut metering);
+    let chain = host.add_chain(vec![
+        PluginSpec::new("lazy-auth", paths::wasm("lazy_auth")?)
+            .vm_id(VM_ID)
+            .configuration(lazy.to_string())
+            .env("ZEROLAYER_HS256_SECRET", HS_SECRET),
+        PluginSpec::new("metering", paths::wasm("metering")?)
+            .configuration(metering.to_string())
+            .allow_on_headers_stop_iteration(true),
+    ])?;
+    let billed = |host: &mut Host, credential: (&str, &str), named: &str| -> Result<String> {
+        let body = r#"{"model":"claude-test","max_tokens":8,"messages":[]}"#;
+        let mut s = host.stream(chain)?;
+        s.request_headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/messages"),
+                (":authority", "gw"),
+                ("content-type", "application/json"),
+                ("content-length", &body.len().to_string()),
+                ("x-tenant-id", named),
+                credential,
+            ],
+            false,
+        );
+        s.request_body(body.as_bytes(), true);
+        if !s.upstream().complete {
+            return Ok("(not admitted)".into());
+        }
+        s.response_headers(
+            &[(":status", "200"), ("content-type", "application/json")],
+            false,
+        );
+        s.response_body(
+            br#"{"model":"claude-test","usage":{"input_tokens":3,"output_tokens":2}}"#,
+            true,
+        );
+        let usage: Value = serde_json::from_slice(
+            &sim::published(&s, "wasmx.zerolayer_usage").context("no usage entry")?,
+        )?;
+        Ok(usage["tenant"].as_str().unwrap_or_default().to_string())
+    };
+    let settle = |host: &mut Host| host.advance(Duration::from_millis(250));
+    // A forged token claiming acme, the header naming globex: unverified.
+    let forged = format!("Bearer {}", issuer().forged(&good("x", "acme"), 1));
+    assert_eq!(
+        billed(&mut host, ("authorization", &forged), "globex")?,
+        "unverified"
+    );
+    // A valid token without a tenant claim: unverified first, then unknown.
+    let mut no_tenant = good("svc", "x");
+    no_tenant.as_object_mut().map(|c| c.remove("tenant"));
+    let jwt = format!("Bearer {}", issuer().es256(&no_tenant));
+    assert_eq!(
+        billed(&mut host, ("authorization", &jwt), "globex")?,
+        "unverified"
+    );
+    settle(&mut host);
+    assert_eq!(
+        billed(&mut host, ("authorization", &jwt), "globex")?,
+        "unknown"
+    );
+    // A verified API key whose introspection names no tenant: unknown.
+    billed(&mut host, ("x-api-key", "sk-no-tenant"), "globex")?;
+    settle(&mut host);
+    for call in host.callouts() {
+        host.respond(call.token, CallResponse::new(200, r#"{"active":true}"#))?;
+    }
+    assert_eq!(
+        billed(&mut host, ("x-api-key", "sk-no-tenant"), "globex")?,
+        "unknown"
+    );
+    // Forged tokens claiming fresh tenants, each naming another in the
+    // header: all billed `unverified`, one label.
+    for n in 0..10u64 {
+        let t = format!(
+            "Bearer {}",
+            issuer().forged(&good("x", &format!("t{n}")), 100 + n)
+        );
+        let tenant = billed(&mut host, ("authorization", &t), &format!("h{n}"))?;
+        assert!(
+            ["unverified", "(not admitted)"].contains(&tenant.as_str()),
+            "{tenant}"
+        );
+    }
+    // A real tenant arriving afterwards still gets its own label.
+    let acme = format!("Bearer {}", issuer().es256(&good("u", "acme")));
+    billed(&mut host, ("authorization", &acme), "globex")?;
+    settle(&mut host);
+    assert_eq!(
+        billed(&mut host, ("authorization", &acme), "globex")?,
+        "acme"
+    );
+    host.advance(Duration::from_millis(250));
+    assert!(
+        host.metric("zerolayer_metering_requests_tenant=acme_model=claude-test")
+            .unwrap_or(0)
+            >= 1
+    );
+    assert_eq!(
+        host.metric("zerolayer_metering_requests_tenant=other_model=claude-test"),
+        None,
+        "a real tenant was pushed into `other`"
+    );
+    Ok(())
+}
+
+/// Activation's tenant rules behind lazy-auth match only the verified
+/// tenant: a forged token claiming acme, with `x-tenant-id: acme`, is
+/// matched as `unverified`; acme's verified token matches.
+#[test]
+fn activation_behind_lazy_auth_matches_only_the_verified_tenant() -> Result<()> {
+    let mut host = sim::host()?;
+    host.set_cluster("keys", ClusterTarget::Manual);
+    let mut lazy = base_config();
+    sim::observer(
+        &mut host,
+        "lazy_auth",
+        &mut lazy,
+        &[("ZEROLAYER_HS256_SECRET", HS_SECRET)],
+    )?;
+    let chain = host.add_chain(vec![
+        PluginSpec::new("lazy-auth", paths::wasm("lazy_auth")?)
+            .vm_id(VM_ID)
+            .configuration(lazy.to_string())
+            .env("ZEROLAYER_HS256_SECRET", HS_SECRET),
+        PluginSpec::new("activation", paths::wasm("activation")?).configuration(
+            r#"{"rules":[{"name":"acme","when":{"tenant":{"in":["acme"]}},"activate":["metering"]},
+                         {"name":"unverified","when":{"tenant":{"in":["unverified"]}},"activate":["audit"]}]}"#,
+        ),
+    ])?;
+    let mut observers = |bearer: &str| -> Result<String> {
+        let mut s = host.stream(chain)?;
+        s.request_headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/messages"),
+                (":authority", "gw"),
+                ("x-tenant-id", "acme"),
+                ("authorization", bearer),
+            ],
+            true,
+        );
+        let list = sim::published(&s, "wasmx.zerolayer_observers").unwrap_or_default();
+        host.advance(Duration::from_millis(250));
+        Ok(String::from_utf8_lossy(&list).into_owned())
+    };
+    let forged = format!("Bearer {}", issuer().forged(&good("x", "acme"), 3));
+    assert_eq!(observers(&forged)?, "audit");
+    let acme = format!("Bearer {}", issuer().es256(&good("u", "acme")));
+    // Its first request is unverified (lazy), the next verified.
+    assert_eq!(observers(&acme)?, "audit");
+    assert_eq!(observers(&acme)?, "metering");
     Ok(())
 }

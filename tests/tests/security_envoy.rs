@@ -225,3 +225,74 @@ fn oversized_and_malformed_requests_get_clear_errors_and_harm_nothing() -> Resul
     let _ = chain.wait_access_log(7).context("access log")?;
     Ok(())
 }
+
+/// The issue's spray against the shipped chain: 150 forged JWTs without a
+/// tenant, 150 each claiming a fresh tenant, 150 random API keys, one
+/// client sending them one after the other. Without a valid credential at
+/// most the client's lazy-admission bucket (`lazy_budget.per_client`,
+/// shipped default 20 at once + 5/s) reaches the backend, and the failures
+/// escalate "no tenant" and the gateway, after which every unknown
+/// credential is verified before it goes anywhere. A valid token still
+/// works afterwards.
+#[test]
+fn a_spray_of_fresh_credentials_is_bounded_by_the_lazy_budget() -> Result<()> {
+    let chain = Chain::start(ChainOptions {
+        sample_percent: 0.0,
+        ..ChainOptions::default()
+    })?;
+    let t = tokens::now();
+    let started = std::time::Instant::now();
+    let mut statuses: HashMap<u16, usize> = HashMap::new();
+    for n in 0..450u64 {
+        let id = format!("spray-{n}");
+        let header = match n % 3 {
+            0 => (
+                "authorization",
+                format!(
+                    "Bearer {}",
+                    issuer().forged(&json!({"sub": id, "exp": t + 3600}), n)
+                ),
+            ),
+            1 => (
+                "authorization",
+                format!(
+                    "Bearer {}",
+                    issuer().forged(&tokens::claims(&id, &format!("fresh-{n}"), t, 3600), n)
+                ),
+            ),
+            _ => ("x-api-key", format!("sk-random-{n}")),
+        };
+        let reply = chain.post(
+            "/v1/messages",
+            &[(header.0, &header.1), ("x-request-id", &id)],
+            &anthropic(&id, false),
+        )?;
+        *statuses.entry(reply.status).or_default() += 1;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let through = chain.backend_requests("spray-");
+    let bound = 20.0 + 5.0 * secs.ceil();
+    eprintln!(
+        "spray: {through} of 450 reached the backend in {secs:.1} s (bound {bound}); statuses {statuses:?}"
+    );
+    assert!(
+        (through as f64) <= bound,
+        "{through} requests without a valid credential reached the backend in {secs:.1} s"
+    );
+    let other: usize = statuses
+        .iter()
+        .filter(|(s, _)| ![200, 401].contains(*s))
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(other, 0, "unexpected statuses: {statuses:?}");
+    let escalated = r#"zerolayer_auth_escalations{flip="escalated"}"#;
+    chain.envoy.wait_metric(escalated, 2.0)?;
+    // A valid token still works (verified inline: no lazy step left).
+    let reply = chain.post(
+        "/v1/messages",
+        &[("authorization", &Chain::bearer("alice", "acme"))],
+        &anthropic("after the spray", false),
+    )?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    Ok(())
+}

@@ -131,8 +131,23 @@ impl HttpContext for ActivationStream {
         // The rules read the headers where they are (no copy); no rule
         // reads an internal header (refused at load), so removing the
         // forged ones afterwards changes no decision.
+        // Tenant rules match the verified identity when lazy-auth ran
+        // before (`unverified` for an unverified request, never its claim
+        // or the header); the header only in a chain without it. One
+        // property read, only when a rule needs the tenant.
+        let verified_tenant = plan
+            .rules
+            .needs_tenant()
+            .then(|| zerolayer_proxy::property(zerolayer_core::internal::AUTH_PROPERTY))
+            .flatten()
+            .map(|identity| {
+                zerolayer_core::auth::identity::billing_tenant(Some(&identity), None, None)
+            });
         let (decision, forged) = zerolayer_proxy::with_request_headers(|headers| {
-            let request = HostRequest::new(headers, &plan.rules);
+            let mut request = HostRequest::new(headers, &plan.rules);
+            if let Some(tenant) = &verified_tenant {
+                request.set_tenant(tenant.as_bytes());
+            }
             let forged: Vec<String> = request.forbidden_headers().map(str::to_string).collect();
             (plan.rules.evaluate(&request), forged)
         });

@@ -40,6 +40,12 @@ impl<'h> HostRequest<'h> {
         }
     }
 
+    /// The tenant from lazy-auth's published identity, in place of the
+    /// tenant header's.
+    pub(crate) fn set_tenant(&mut self, tenant: &'h [u8]) {
+        self.tenant = Some(tenant);
+    }
+
     /// Names of zerolayer-internal headers the client sent.
     pub(crate) fn forbidden_headers(&self) -> impl Iterator<Item = &'h str> {
         self.headers

@@ -7,10 +7,11 @@ use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{Action, BufferType, MapType};
+use zerolayer_core::auth::budget::{self, Scope};
 use zerolayer_core::auth::credential::{self, CredentialKind, TokenHash};
 use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants};
 use zerolayer_core::auth::exposure::{
-    self, ENQUEUED_KEY, FINISHED_KEY, Unverified, decode_count, pending,
+    self, Bump, ENQUEUED_KEY, FINISHED_KEY, decode_count, pending,
 };
 use zerolayer_core::auth::identity::Identity;
 use zerolayer_core::auth::introspection;
@@ -21,11 +22,19 @@ use zerolayer_core::event::{AuditRecord, Job, VerifyJob, VerifyOutcome};
 use zerolayer_core::internal;
 use zerolayer_observer::auth::VERIFIER_DOWN_KEY;
 use zerolayer_proxy::{
-    now_secs, now_us, publish, request_header, send_json_error, shared_get, shared_put,
-    shared_update,
+    now_secs, now_us, property, publish, request_header, send_json_error, shared_get,
+    shared_update, shared_update_if,
 };
 
 use crate::Plan;
+
+/// What the configured sources hold.
+enum Read {
+    Found(Credential),
+    Missing,
+    /// Longer than `max_credential_bytes`: refused before anything else.
+    TooLong,
+}
 
 /// The credential of a request.
 struct Credential {
@@ -80,8 +89,20 @@ impl Stream {
                 return self.done("public", "public_path", Action::Continue);
             }
         }
-        let Some(credential) = self.read_credential() else {
-            return self.refuse(401, "missing", "missing_credential", "missing credential");
+        let credential = match self.read_credential() {
+            Read::Found(credential) => credential,
+            Read::Missing => {
+                return self.refuse(401, "missing", "missing_credential", "missing credential");
+            }
+            Read::TooLong => {
+                // Never hashed, counted, queued or sent to a verifier: a
+                // client cannot make the verifier fail with it.
+                let message = format!(
+                    "credential longer than {} bytes",
+                    plan.config.max_credential_bytes
+                );
+                return self.refuse(431, "too_long", "credential_too_long", &message);
+            }
         };
         let key = verdict::key(&credential.hash, plan.config.verdict_slots);
         let entry = shared_get(&key).0.unwrap_or_default();
@@ -103,12 +124,16 @@ impl Stream {
         self.unknown(now)
     }
 
-    fn read_credential(&self) -> Option<Credential> {
+    fn read_credential(&self) -> Read {
+        let max = self.plan.config.max_credential_bytes as usize;
         for source in &self.plan.config.credentials {
             let Some(value) = request_header(&source.header) else {
                 continue;
             };
             if let Some(token) = credential::extract(source, &value) {
+                if token.len() > max {
+                    return Read::TooLong;
+                }
                 let hash = match self.plan.recent.try_borrow_mut() {
                     Ok(mut recent) => recent.hash(token),
                     Err(_) => TokenHash::of(token),
@@ -120,14 +145,14 @@ impl Stream {
                 let mut token = value;
                 token.truncate(end);
                 token.drain(..start);
-                return Some(Credential {
+                return Read::Found(Credential {
                     kind: source.kind,
                     hash,
                     token,
                 });
             }
         }
-        None
+        Read::Missing
     }
 
     /// A credential nobody verified yet (or whose verdict expired).
@@ -147,10 +172,9 @@ impl Stream {
                 })
             });
         }
-        let escalated = self.claimed_tenant.as_deref().is_some_and(|t| {
-            let (list, _) = shared_get(ESCALATED_KEY);
-            EscalatedTenants::decode(list.as_deref()).contains(t)
-        });
+        // A claimed tenant, "no tenant" or the whole gateway may be escalated.
+        let escalated = EscalatedTenants::decode(shared_get(ESCALATED_KEY).0.as_deref())
+            .covers(self.claimed_tenant.as_deref());
         let trusted = !plan.trusted.is_empty()
             && request_header("user-agent")
                 .is_some_and(|ua| plan.trusted.iter().any(|r| r.is_match(&ua)));
@@ -166,18 +190,27 @@ impl Stream {
             Route::Sync(reason) => self.verify_now(reason, now),
             Route::Unavailable => self.unavailable(),
             Route::TryLazy => {
-                let slots = plan.config.verdict_slots;
-                let count = shared_update(&exposure::key(&hash, slots), |current| {
-                    let next = Unverified::bump(current, &hash);
-                    (next.encode(), next.count)
-                })
-                // Lost every CAS race: count as over the bound (never open).
-                .unwrap_or(u32::MAX);
+                let config = &plan.config;
+                let (ways, retention) = (config.verdict_ways, config.exposure_retention_secs());
+                let count =
+                    shared_update_if(&exposure::key(&hash, config.verdict_slots), |current| {
+                        match exposure::bump(current, &hash, now, ways, retention) {
+                            Bump::Counted(next, count) => (Some(next), count),
+                            // Every way held by a recent credential: over the bound.
+                            Bump::Full => (None, u32::MAX),
+                        }
+                    })
+                    // Lost every CAS race: count as over the bound (never open).
+                    .unwrap_or(u32::MAX);
                 let waiting = pending(
                     decode_count(shared_get(ENQUEUED_KEY).0.as_deref()),
                     decode_count(shared_get(FINISHED_KEY).0.as_deref()),
                 );
-                match plan.policy.admit(count, waiting, inline_ok, verifier_down) {
+                let take_budget = || self.take_budget();
+                match plan
+                    .policy
+                    .admit(count, waiting, inline_ok, verifier_down, take_budget)
+                {
                     Admission::Lazy => self.admit_lazily(),
                     Admission::Sync(reason) => self.verify_now(reason, now),
                     Admission::Unavailable => self.unavailable(),
@@ -190,6 +223,34 @@ impl Stream {
             }
             Route::Deny(v) => self.refuse(401, "invalid_cached", &v.reason, "invalid credential"),
         }
+    }
+
+    /// One lazy admission from the client's, the claimed tenant's and the
+    /// gateway's buckets, narrowest first (false: one is empty; what the
+    /// narrower ones gave is not returned, which only errs towards strict).
+    fn take_budget(&self) -> bool {
+        let budget = &self.plan.config.lazy_budget;
+        let now_ms = self.started_us / 1000;
+        let address = property("source.address").unwrap_or_default();
+        [
+            (Scope::Client(&address), budget.per_client),
+            (
+                Scope::Tenant(self.claimed_tenant.as_deref()),
+                budget.per_tenant,
+            ),
+            (Scope::Gateway, budget.gateway),
+        ]
+        .into_iter()
+        .all(|(scope, rate)| {
+            shared_update_if(&budget::key(scope), |current| {
+                match budget::take(current, rate, now_ms) {
+                    Some(next) => (Some(next), true),
+                    None => (None, false),
+                }
+            })
+            // Lost every CAS race: as if empty (never open).
+            .unwrap_or(false)
+        })
     }
 
     /// Continue unverified; the observer verifies off the path.
@@ -314,24 +375,25 @@ impl Stream {
     fn concluded(&mut self, verdict: Verdict, reason: SyncReason) -> Action {
         let plan = self.plan.clone();
         let hash = TokenHash(verdict.hash);
-        shared_put(
-            &verdict::key(&hash, plan.config.verdict_slots),
-            &verdict.encode(),
-        );
-        if let Some(tenant) = verdict
+        let ways = plan.config.verdict_ways;
+        let _ = shared_update(&verdict::key(&hash, plan.config.verdict_slots), |set| {
+            (verdict::insert(set, &verdict, now_secs(), ways), ())
+        });
+        // Every outcome counts: for its tenant, for "no tenant" (empty) and
+        // for the gateway as a whole.
+        let tenant = verdict
             .tenant
             .clone()
             .or_else(|| self.claimed_tenant.clone())
-        {
-            let outcome = Job::Outcome(VerifyOutcome {
-                tenant,
-                failed: !verdict.valid,
-                at: verdict.verified_at,
-            });
-            // Feeds the escalation window only; a lost one is counted.
-            if !plan.queue.post(&outcome.encode()) {
-                plan.metrics.lost();
-            }
+            .unwrap_or_default();
+        let outcome = Job::Outcome(VerifyOutcome {
+            tenant,
+            failed: !verdict.valid,
+            at: verdict.verified_at,
+        });
+        // Feeds the escalation windows only; a lost one is counted.
+        if !plan.queue.post(&outcome.encode()) {
+            plan.metrics.lost();
         }
         if verdict.valid {
             self.allow(&verdict, "sync_valid", reason.name());

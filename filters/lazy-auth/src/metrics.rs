@@ -6,7 +6,7 @@
 use zerolayer_proxy::Counters;
 
 /// Decision outcomes, in counter order.
-pub(crate) const OUTCOMES: [&str; 9] = [
+pub(crate) const OUTCOMES: [&str; 10] = [
     "public",
     "missing",
     "valid_cached",
@@ -16,15 +16,17 @@ pub(crate) const OUTCOMES: [&str; 9] = [
     "sync_invalid",
     "unavailable",
     "unconfigured",
+    "too_long",
 ];
 
 /// Synchronous verification reasons, in counter order.
-pub(crate) const SYNC_REASONS: [&str; 5] = [
+pub(crate) const SYNC_REASONS: [&str; 6] = [
     "policy",
     "escalated",
     "trusted_client",
     "exposure_bound",
     "pending_bound",
+    "lazy_budget",
 ];
 
 const ENQUEUED: usize = OUTCOMES.len() + SYNC_REASONS.len();

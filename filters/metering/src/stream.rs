@@ -6,7 +6,7 @@ use std::rc::Rc;
 
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType};
-use zerolayer_core::auth::identity::ParsedIdentity;
+use zerolayer_core::auth::identity::billing_tenant;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::event::Job;
 use zerolayer_core::internal;
@@ -117,20 +117,20 @@ impl MeteredStream {
         }
     }
 
-    /// lazy-auth's tenant (verified, or claimed while unverified), else the
-    /// configured header's, else `unknown`.
+    /// The tenant billed: lazy-auth's verified one, `unverified` for an
+    /// unverified request (never what it claims), the configured default
+    /// for a tenant-less one; the operator's header only when lazy-auth
+    /// published nothing (see `auth::identity::billing_tenant`).
     fn tenant(&mut self) -> String {
-        if let Some(tenant) = property(internal::AUTH_PROPERTY)
-            .as_deref()
-            .and_then(ParsedIdentity::parse)
-            .and_then(|id| id.tenant)
-        {
-            return tenant;
-        }
-        self.tenant_header
-            .take()
-            .filter(|t| !t.is_empty())
-            .unwrap_or_else(|| "unknown".into())
+        let default = self
+            .plan
+            .as_ref()
+            .and_then(|p| p.config.default_tenant.clone());
+        billing_tenant(
+            property(internal::AUTH_PROPERTY).as_deref(),
+            self.tenant_header.take().as_deref(),
+            default.as_deref(),
+        )
     }
 
     /// The request headers: is it an LLM call, and may its body need

@@ -4,7 +4,7 @@
 
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
-use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants, Escalation, Flip};
+use zerolayer_core::auth::escalation::{ESCALATED_KEY, Escalation, Flip};
 use zerolayer_core::auth::exposure::FINISHED_KEY;
 use zerolayer_core::auth::introspection;
 use zerolayer_core::auth::jwt::{self, KeySet, Validation, VerifyingKey};
@@ -316,7 +316,8 @@ impl AuthWorker {
     fn conclude(&mut self, job: &VerifyJob, verdict: Verdict, counters: &ObserverMetrics) {
         counters.verify_latency(zerolayer_proxy::now_ms().saturating_sub(job.enqueued_at_ms));
         let key = verdict::key(&TokenHash(job.hash), self.config.verdict_slots);
-        shared_put(&key, &verdict.encode());
+        let (now, ways) = (zerolayer_proxy::now_secs(), self.config.verdict_ways);
+        let _ = shared_update(&key, |set| (verdict::insert(set, &verdict, now, ways), ()));
         counters.add(
             if verdict.valid {
                 counter::VERDICT_VALID
@@ -326,44 +327,44 @@ impl AuthWorker {
             1,
         );
         let tenant = verdict.tenant.clone().or_else(|| job.tenant_hint.clone());
-        if let Some(tenant) = tenant {
-            self.record(&tenant, !verdict.valid, verdict.verified_at, counters);
-        }
+        self.record(
+            tenant.as_deref(),
+            !verdict.valid,
+            verdict.verified_at,
+            counters,
+        );
         finish_job();
     }
 
     /// A verification a filter did itself.
     pub(crate) fn record_outcome(&mut self, outcome: &VerifyOutcome, counters: &ObserverMetrics) {
-        self.record(&outcome.tenant, outcome.failed, outcome.at, counters);
+        // An empty tenant is none.
+        self.record(Some(&outcome.tenant), outcome.failed, outcome.at, counters);
     }
 
-    fn record(&mut self, tenant: &str, failed: bool, now: u64, counters: &ObserverMetrics) {
-        if let Some(flip) = self.escalation.record(tenant, failed, now) {
-            self.flipped(&[flip], counters);
-        }
+    fn record(&mut self, tenant: Option<&str>, failed: bool, now: u64, counters: &ObserverMetrics) {
+        let flips = self.escalation.record(tenant, failed, now);
+        self.flipped(&flips, counters);
     }
 
     fn flipped(&self, flips: &[Flip], counters: &ObserverMetrics) {
         for flip in flips {
             match flip {
-                Flip::Escalated(t) => {
+                Flip::Escalated(scope) => {
                     log::warn!(
-                        "observer: tenant {t} escalated: its credentials now verify synchronously"
+                        "observer: {scope} escalated: its unknown credentials now verify synchronously"
                     );
                     counters.add(counter::ESCALATED, 1);
                 }
-                Flip::Relaxed(t) => {
-                    log::info!("observer: tenant {t} relaxed: back to lazy verification");
+                Flip::Relaxed(scope) => {
+                    log::info!("observer: {scope} relaxed: back to lazy verification");
                     counters.add(counter::RELAXED, 1);
                 }
             }
         }
         if !flips.is_empty() {
             counters.escalated(self.escalation.escalated().len());
-            shared_put(
-                ESCALATED_KEY,
-                &EscalatedTenants(self.escalation.escalated().to_vec()).encode(),
-            );
+            shared_put(ESCALATED_KEY, &self.escalation.published().encode());
         }
     }
 

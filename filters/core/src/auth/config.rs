@@ -3,6 +3,7 @@
 
 use serde::Deserialize;
 
+use super::budget::LazyBudget;
 use super::credential::{CredentialKind, CredentialSource};
 use super::escalation::EscalationConfig;
 use super::policy::{Policy, UnknownPolicy, VerifierDown};
@@ -297,9 +298,20 @@ pub struct LazyAuthConfig {
     /// How long an invalid verdict is kept, seconds.
     #[serde(default = "default_negative_ttl")]
     pub negative_ttl_secs: u64,
-    /// Shared-data slots for verdicts and counters (bounds memory).
+    /// Shared-data slots (sets) for verdicts and counters (bounds memory).
     #[serde(default = "default_slots")]
     pub verdict_slots: u32,
+    /// Verdicts (and per-credential counters) each set holds: credentials
+    /// landing in one set keep their own entries (see `exposure`).
+    #[serde(default = "default_ways")]
+    pub verdict_ways: u32,
+    /// Longest credential accepted, bytes: a longer one is refused (431)
+    /// before any hashing, admission or callout.
+    #[serde(default = "default_max_credential_bytes")]
+    pub max_credential_bytes: u32,
+    /// Gateway-wide bounds on lazy admissions (token buckets).
+    #[serde(default)]
+    pub lazy_budget: LazyBudget,
     /// JWT settings.
     #[serde(default)]
     pub jwt: JwtConfig,
@@ -355,6 +367,12 @@ fn default_negative_ttl() -> u64 {
 fn default_slots() -> u32 {
     65_536
 }
+fn default_ways() -> u32 {
+    4
+}
+fn default_max_credential_bytes() -> u32 {
+    4096
+}
 
 impl LazyAuthConfig {
     /// Parses and checks a JSON configuration.
@@ -408,18 +426,38 @@ impl LazyAuthConfig {
         if self.verdict_slots == 0 {
             return Err(ConfigError::new("verdict_slots", "must be at least 1"));
         }
+        if !(1..=16).contains(&self.verdict_ways) {
+            return Err(ConfigError::new(
+                "verdict_ways",
+                format!("{} must be between 1 and 16", self.verdict_ways),
+            ));
+        }
+        if !(64..=65_536).contains(&self.max_credential_bytes) {
+            return Err(ConfigError::new(
+                "max_credential_bytes",
+                format!("{} must be between 64 and 65536", self.max_credential_bytes),
+            ));
+        }
+        self.lazy_budget.check("lazy_budget")?;
         if self.verdict_max_ttl_secs == 0 {
             return Err(ConfigError::new(
                 "verdict_max_ttl_secs",
                 "must be at least 1",
             ));
         }
-        let ratio = self.escalation.failure_ratio;
-        if !(0.0..=1.0).contains(&ratio) || ratio.is_nan() {
-            return Err(ConfigError::new(
-                "escalation.failure_ratio",
-                format!("{ratio} is not a ratio in 0..=1"),
-            ));
+        for (field, ratio) in [
+            ("escalation.failure_ratio", self.escalation.failure_ratio),
+            (
+                "escalation.gateway_failure_ratio",
+                self.escalation.gateway_failure_ratio,
+            ),
+        ] {
+            if !(0.0..=1.0).contains(&ratio) || ratio.is_nan() {
+                return Err(ConfigError::new(
+                    field,
+                    format!("{ratio} is not a ratio in 0..=1"),
+                ));
+            }
         }
         if self.escalation.window_secs < 10 {
             return Err(ConfigError::new(
@@ -443,6 +481,12 @@ impl LazyAuthConfig {
             audit.check("audit")?;
         }
         Ok(())
+    }
+
+    /// How long a per-credential exposure count is kept against colliding
+    /// newcomers: as long as its negative verdict may live.
+    pub fn exposure_retention_secs(&self) -> u64 {
+        self.negative_ttl_secs.max(1)
     }
 
     /// Whether `path` (query excluded) is public.
@@ -501,6 +545,26 @@ mod tests {
             (
                 r#"{"credentials":[],"verdict_slots":0}"#,
                 "credentials: at least one source is required",
+            ),
+            (
+                r#"{"credentials":[{"header":"authorization","kind":"jwt"}],"verdict_ways":0}"#,
+                "verdict_ways: 0 must be between 1 and 16",
+            ),
+            (
+                r#"{"credentials":[{"header":"authorization","kind":"jwt"}],"max_credential_bytes":10}"#,
+                "max_credential_bytes: 10 must be between 64 and 65536",
+            ),
+            (
+                r#"{"credentials":[{"header":"authorization","kind":"jwt"}],"lazy_budget":{"gateway":{"per_sec":1,"burst":0}}}"#,
+                "lazy_budget.gateway.burst: must be at least 1 (`unknown: sync` turns lazy admission off)",
+            ),
+            (
+                r#"{"credentials":[{"header":"authorization","kind":"jwt"}],"lazy_budget":{"per_client":{"per_sec":1}}}"#,
+                "lazy_budget.per_client: missing field `burst` at line 1 column 98",
+            ),
+            (
+                r#"{"credentials":[{"header":"authorization","kind":"jwt"}],"escalation":{"gateway_failure_ratio":-1}}"#,
+                "escalation.gateway_failure_ratio: -1 is not a ratio in 0..=1",
             ),
         ];
         for (input, want) in cases {

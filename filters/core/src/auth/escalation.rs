@@ -1,9 +1,13 @@
-//! Per-tenant escalation: when too many of a tenant's credentials fail
-//! verification within a sliding window, its requests are verified
-//! synchronously until the failure rate falls back.
+//! Escalation: when too many credentials of a tenant fail verification
+//! within a sliding window, its unknown credentials are verified
+//! synchronously until the failure rate falls back. Credentials that claim
+//! no tenant (every API key before its introspection) have a window of
+//! their own, and so has the gateway as a whole (every outcome, with its
+//! own ratio): a spray of forged credentials each claiming a fresh tenant,
+//! or none, escalates those.
 //!
 //! The observer keeps the windows (it sees every verification outcome) and
-//! publishes the escalated tenants in one shared-data key the filters read.
+//! publishes what is escalated in one shared-data key the filters read.
 
 use std::collections::HashMap;
 
@@ -17,7 +21,8 @@ pub const MAX_ESCALATED: usize = 1024;
 pub const MAX_TRACKED: usize = 10_000;
 /// Buckets per window.
 const BUCKETS: u64 = 10;
-const VERSION: u8 = 1;
+/// Version 2: tenants, "no tenant" and the gateway.
+const VERSION: u8 = 2;
 
 /// When a tenant is escalated.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
@@ -32,6 +37,14 @@ pub struct EscalationConfig {
     /// Verifications a window needs before the ratio counts.
     #[serde(default = "default_min")]
     pub min_verifications: u64,
+    /// Share of all the gateway's verifications failing above which every
+    /// unknown credential verifies synchronously (1: never).
+    #[serde(default = "default_gateway_ratio")]
+    pub gateway_failure_ratio: f64,
+}
+
+fn default_gateway_ratio() -> f64 {
+    0.5
 }
 
 fn default_ratio() -> f64 {
@@ -52,17 +65,49 @@ impl Default for EscalationConfig {
             failure_ratio: default_ratio(),
             window_secs: default_window(),
             min_verifications: default_min(),
+            gateway_failure_ratio: default_gateway_ratio(),
         }
     }
 }
 
-/// A flip of a tenant's state.
+/// What escalates: a tenant, the credentials claiming none, or the gateway.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// A (claimed or verified) tenant.
+    Tenant(String),
+    /// Credentials without a tenant.
+    NoTenant,
+    /// Every credential of the gateway.
+    Gateway,
+}
+
+impl Scope {
+    /// The scope of an outcome's tenant (empty: none).
+    pub fn of(tenant: Option<&str>) -> Scope {
+        match tenant {
+            Some(t) if !t.is_empty() => Scope::Tenant(t.to_string()),
+            _ => Scope::NoTenant,
+        }
+    }
+}
+
+impl std::fmt::Display for Scope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Scope::Tenant(t) => write!(f, "tenant {t}"),
+            Scope::NoTenant => f.write_str("credentials without a tenant"),
+            Scope::Gateway => f.write_str("the gateway"),
+        }
+    }
+}
+
+/// A flip of a scope's state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Flip {
-    /// The tenant now verifies synchronously.
-    Escalated(String),
-    /// The tenant is back to lazy verification.
-    Relaxed(String),
+    /// It now verifies synchronously.
+    Escalated(Scope),
+    /// It is back to lazy verification.
+    Relaxed(Scope),
 }
 
 #[derive(Debug, Clone, Default)]
@@ -92,12 +137,12 @@ impl Window {
     }
 }
 
-/// Windows of every tenant seen recently, and who is escalated.
+/// Windows of every scope seen recently, and what is escalated.
 #[derive(Debug, Clone)]
 pub struct Escalation {
     config: EscalationConfig,
-    windows: HashMap<String, Window>,
-    escalated: Vec<String>,
+    windows: HashMap<Scope, Window>,
+    escalated: Vec<Scope>,
 }
 
 impl Escalation {
@@ -114,16 +159,21 @@ impl Escalation {
         now / (self.config.window_secs / BUCKETS).max(1)
     }
 
-    /// Records one verification outcome for `tenant` at `now`.
-    pub fn record(&mut self, tenant: &str, failed: bool, now: u64) -> Option<Flip> {
+    /// Records one verification outcome at `now` for `tenant` (`None` or
+    /// empty: no tenant) and for the gateway: the flips it caused.
+    pub fn record(&mut self, tenant: Option<&str>, failed: bool, now: u64) -> Vec<Flip> {
         let bucket = self.bucket(now);
-        if !self.windows.contains_key(tenant) && self.windows.len() >= MAX_TRACKED {
-            self.evict_oldest();
+        let mut flips = Vec::new();
+        for scope in [Scope::of(tenant), Scope::Gateway] {
+            if !self.windows.contains_key(&scope) && self.windows.len() >= MAX_TRACKED {
+                self.evict_oldest();
+            }
+            let window = self.windows.entry(scope.clone()).or_default();
+            window.record(bucket, failed);
+            window.last_seen = now;
+            flips.extend(self.evaluate(&scope, bucket));
         }
-        let window = self.windows.entry(tenant.to_string()).or_default();
-        window.record(bucket, failed);
-        window.last_seen = now;
-        self.evaluate(tenant, bucket)
+        flips
     }
 
     /// Re-evaluates every tenant at `now` (windows slide even without
@@ -137,22 +187,25 @@ impl Escalation {
             .collect()
     }
 
-    fn evaluate(&mut self, tenant: &str, bucket: u64) -> Option<Flip> {
-        let (verifications, failures) = self
-            .windows
-            .get(tenant)
-            .map_or((0, 0), |w| w.totals(bucket));
+    fn evaluate(&mut self, scope: &Scope, bucket: u64) -> Option<Flip> {
+        let (verifications, failures) =
+            self.windows.get(scope).map_or((0, 0), |w| w.totals(bucket));
+        let ratio = match scope {
+            Scope::Gateway => self.config.gateway_failure_ratio,
+            _ => self.config.failure_ratio,
+        };
         let over = verifications >= self.config.min_verifications
-            && (failures as f64) > self.config.failure_ratio * verifications as f64;
-        let is = self.escalated.iter().any(|t| t == tenant);
+            && (failures as f64) > ratio * verifications as f64;
+        let is = self.escalated.contains(scope);
+        let room = !matches!(scope, Scope::Tenant(_)) || self.escalated.len() < MAX_ESCALATED;
         match (over, is) {
-            (true, false) if self.escalated.len() < MAX_ESCALATED => {
-                self.escalated.push(tenant.to_string());
-                Some(Flip::Escalated(tenant.to_string()))
+            (true, false) if room => {
+                self.escalated.push(scope.clone());
+                Some(Flip::Escalated(scope.clone()))
             }
             (false, true) => {
-                self.escalated.retain(|t| t != tenant);
-                Some(Flip::Relaxed(tenant.to_string()))
+                self.escalated.retain(|s| s != scope);
+                Some(Flip::Relaxed(scope.clone()))
             }
             _ => None,
         }
@@ -170,15 +223,35 @@ impl Escalation {
         }
     }
 
-    /// Currently escalated tenants.
-    pub fn escalated(&self) -> &[String] {
+    /// Currently escalated scopes.
+    pub fn escalated(&self) -> &[Scope] {
         &self.escalated
+    }
+
+    /// What the filters read.
+    pub fn published(&self) -> EscalatedTenants {
+        let mut list = EscalatedTenants::default();
+        for scope in &self.escalated {
+            match scope {
+                Scope::Tenant(t) => list.tenants.push(t.clone()),
+                Scope::NoTenant => list.no_tenant = true,
+                Scope::Gateway => list.gateway = true,
+            }
+        }
+        list
     }
 }
 
-/// The published list of escalated tenants.
+/// The published escalations.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct EscalatedTenants(pub Vec<String>);
+pub struct EscalatedTenants {
+    /// Escalated tenants.
+    pub tenants: Vec<String>,
+    /// Credentials without a tenant are escalated.
+    pub no_tenant: bool,
+    /// The whole gateway is escalated.
+    pub gateway: bool,
+}
 
 impl EscalatedTenants {
     /// Serializes for shared data.
@@ -198,9 +271,14 @@ impl EscalatedTenants {
         }
     }
 
-    /// Whether `tenant` is escalated.
-    pub fn contains(&self, tenant: &str) -> bool {
-        self.0.iter().any(|t| t == tenant)
+    /// Whether an unknown credential claiming `tenant` (`None` or empty:
+    /// none) must verify synchronously.
+    pub fn covers(&self, tenant: Option<&str>) -> bool {
+        self.gateway
+            || match tenant {
+                Some(t) if !t.is_empty() => self.tenants.iter().any(|e| e == t),
+                _ => self.no_tenant,
+            }
     }
 }
 
@@ -213,7 +291,12 @@ mod tests {
             failure_ratio: 0.05,
             window_secs: 300,
             min_verifications: 20,
+            gateway_failure_ratio: 1.0,
         }
+    }
+
+    fn acme() -> Scope {
+        Scope::Tenant("acme".into())
     }
 
     #[test]
@@ -221,18 +304,18 @@ mod tests {
         let mut e = Escalation::new(config());
         // 19 verifications, 10 failures: below the minimum count.
         for i in 0..19 {
-            assert_eq!(e.record("acme", i % 2 == 0, 0), None);
+            assert_eq!(e.record(Some("acme"), i % 2 == 0, 0), vec![]);
         }
         // The 20th makes the ratio count: 10/20 > 5%.
         assert_eq!(
-            e.record("acme", false, 0),
-            Some(Flip::Escalated("acme".into()))
+            e.record(Some("acme"), false, 0),
+            vec![Flip::Escalated(acme())]
         );
-        assert_eq!(e.escalated(), ["acme"]);
+        assert_eq!(e.escalated(), [acme()]);
         // Other tenants are unaffected.
-        assert_eq!(e.record("globex", true, 0), None);
+        assert_eq!(e.record(Some("globex"), true, 0), vec![]);
         // Five minutes later the failures have left the window.
-        assert_eq!(e.slide(301), vec![Flip::Relaxed("acme".into())]);
+        assert_eq!(e.slide(301), vec![Flip::Relaxed(acme())]);
         assert!(e.escalated().is_empty());
     }
 
@@ -241,15 +324,52 @@ mod tests {
         let mut e = Escalation::new(config());
         for i in 0..100 {
             // 1 in 25 fails: 4% < 5%.
-            assert_eq!(e.record("acme", i % 25 == 24, i), None);
+            assert_eq!(e.record(Some("acme"), i % 25 == 24, i), vec![]);
         }
     }
 
     #[test]
+    fn credentials_without_a_tenant_and_the_gateway_escalate_too() {
+        let mut e = Escalation::new(EscalationConfig {
+            gateway_failure_ratio: 0.5,
+            ..config()
+        });
+        // A spray: every forged credential claims a fresh tenant, or none.
+        let mut flips = vec![];
+        for i in 0..20u64 {
+            let tenant = format!("fresh-{i}");
+            flips.extend(e.record(Some(&tenant), true, i));
+            flips.extend(e.record(None, true, i));
+        }
+        // No single tenant reaches the minimum; "no tenant" and the gateway do.
+        assert_eq!(
+            flips,
+            vec![
+                Flip::Escalated(Scope::Gateway),
+                Flip::Escalated(Scope::NoTenant)
+            ]
+        );
+        let published = e.published();
+        assert!(published.gateway && published.no_tenant && published.tenants.is_empty());
+        // An empty claimed tenant is no tenant.
+        assert_eq!(Scope::of(Some("")), Scope::NoTenant);
+        let only_none = EscalatedTenants {
+            no_tenant: true,
+            ..EscalatedTenants::default()
+        };
+        assert!(only_none.covers(None) && only_none.covers(Some("")));
+        assert!(!only_none.covers(Some("acme")));
+        assert!(published.covers(Some("acme")));
+    }
+
+    #[test]
     fn published_list_round_trips() {
-        let list = EscalatedTenants(vec!["a".into(), "b".into()]);
+        let list = EscalatedTenants {
+            tenants: vec!["a".into(), "b".into()],
+            ..EscalatedTenants::default()
+        };
         let decoded = EscalatedTenants::decode(Some(&list.encode()));
-        assert!(decoded.contains("b") && !decoded.contains("c"));
+        assert!(decoded.covers(Some("b")) && !decoded.covers(Some("c")) && !decoded.covers(None));
         assert_eq!(EscalatedTenants::decode(None), EscalatedTenants::default());
         assert_eq!(
             EscalatedTenants::decode(Some(b"zz")),

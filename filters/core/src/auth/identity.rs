@@ -125,6 +125,41 @@ impl ParsedIdentity {
     }
 }
 
+/// What an unverified request is billed and labelled as: a claimed tenant
+/// is never trusted for money, and a spray of made-up claims cannot fill a
+/// bounded label table.
+pub const UNVERIFIED_TENANT: &str = "unverified";
+
+/// The tenant a request is billed, labelled, sampled and matched as, from
+/// lazy-auth's published identity (`published`): the verified tenant; for
+/// a verified credential without one, and for a public path,
+/// `default_tenant` (`None`: `unknown`); for an unverified request,
+/// [`UNVERIFIED_TENANT`] — never the tenant it claims. Only when no
+/// identity was published (lazy-auth is not in the chain) does the
+/// operator's `header_tenant` count (a header only the operator's own
+/// proxy sets); an unreadable identity counts as unverified.
+pub fn billing_tenant(
+    published: Option<&[u8]>,
+    header_tenant: Option<&str>,
+    default_tenant: Option<&str>,
+) -> String {
+    let fallback = || default_tenant.unwrap_or(crate::metering::labels::UNKNOWN);
+    let Some(published) = published else {
+        return header_tenant
+            .filter(|t| !t.is_empty())
+            .unwrap_or_else(fallback)
+            .to_string();
+    };
+    match ParsedIdentity::parse(published) {
+        Some(id) if id.state == "verified" => id
+            .tenant
+            .filter(|t| !t.is_empty())
+            .unwrap_or_else(|| fallback().to_string()),
+        Some(id) if id.state == "public" => fallback().to_string(),
+        _ => UNVERIFIED_TENANT.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,5 +213,45 @@ mod tests {
         }
         assert_eq!(ParsedIdentity::parse(b"admin tenant=x"), None);
         assert_eq!(ParsedIdentity::parse(b"verified tenant=%zz"), None);
+    }
+
+    #[test]
+    fn billing_uses_only_verified_identity() {
+        let acme = Some("acme");
+        // (published identity, header tenant, default tenant) → billed as
+        type Case<'a> = (Option<&'a [u8]>, Option<&'a str>, Option<&'a str>, &'a str);
+        let cases: &[Case<'_>] = &[
+            (
+                Some(b"verified tenant=acme subject=u"),
+                Some("evil"),
+                None,
+                "acme",
+            ),
+            // Verified without a tenant: the default, never the header.
+            (Some(b"verified subject=svc"), Some("evil"), None, "unknown"),
+            (Some(b"verified subject=svc"), Some("evil"), acme, "acme"),
+            // Unverified: never the claim, never the header.
+            (
+                Some(b"unverified tenant=evil"),
+                Some("evil"),
+                acme,
+                "unverified",
+            ),
+            (Some(b"unverified"), Some("evil"), None, "unverified"),
+            (Some(b"public"), Some("evil"), None, "unknown"),
+            (Some(b"garbage"), Some("evil"), None, "unverified"),
+            // No lazy-auth in the chain: the operator's header, else the default.
+            (None, Some("globex"), None, "globex"),
+            (None, Some(""), acme, "acme"),
+            (None, None, None, "unknown"),
+        ];
+        for (published, header, default, want) in cases {
+            assert_eq!(
+                billing_tenant(*published, *header, *default),
+                *want,
+                "{:?}",
+                published.map(String::from_utf8_lossy)
+            );
+        }
     }
 }

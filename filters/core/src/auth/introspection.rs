@@ -8,8 +8,12 @@ use super::credential::TokenHash;
 use super::verdict::Verdict;
 
 /// The verdict an introspection answer gives, or `None` when the endpoint
-/// did not really answer (no status, 5xx, anything unexpected): then the
-/// caller must neither admit nor store anything.
+/// did not really answer (no status, 5xx, 408, 429, anything unexpected):
+/// then the caller must neither admit nor store anything, and the failure
+/// is the verifier's (its breaker counts it). Any other 4xx is the
+/// credential's own failure (an oversized or malformed key the endpoint
+/// refuses): an invalid verdict, and the verifier answered — so no client
+/// can open the breaker by sending keys the endpoint rejects.
 pub fn verdict(
     config: &LazyAuthConfig,
     hash: &TokenHash,
@@ -53,6 +57,8 @@ pub fn verdict(
             ))
         }
         Some(401 | 403 | 404) => invalid("rejected"),
+        Some(408 | 429) => None,
+        Some(400..=499) => invalid("malformed"),
         _ => None,
     }
 }
@@ -96,7 +102,16 @@ mod tests {
             verdict(&c, &h, 1000, Some(403), b"").map(|v| v.reason),
             Some("rejected".into())
         );
-        assert_eq!(verdict(&c, &h, 1000, Some(503), b""), None);
+        for status in [400, 413, 414, 422, 431] {
+            assert_eq!(
+                verdict(&c, &h, 1000, Some(status), b"").map(|v| (v.valid, v.reason)),
+                Some((false, "malformed".into())),
+                "{status}"
+            );
+        }
+        for status in [408, 429, 500, 503, 302, 204] {
+            assert_eq!(verdict(&c, &h, 1000, Some(status), b""), None, "{status}");
+        }
         assert_eq!(verdict(&c, &h, 1000, None, b""), None);
     }
 }

@@ -56,6 +56,9 @@ pub enum SyncReason {
     ExposureBound,
     /// Too many verifications pending.
     PendingBound,
+    /// A lazy-admission bucket (gateway, claimed tenant or client address)
+    /// is empty: the gateway-wide bound on unverified admissions.
+    Budget,
 }
 
 impl SyncReason {
@@ -67,6 +70,7 @@ impl SyncReason {
             SyncReason::TrustedClient => "trusted_client",
             SyncReason::ExposureBound => "exposure_bound",
             SyncReason::PendingBound => "pending_bound",
+            SyncReason::Budget => "lazy_budget",
         }
     }
 }
@@ -137,19 +141,25 @@ impl Policy {
     }
 
     /// Admits an unknown credential lazily if this request (the
-    /// `unverified_count`-th of the credential) and the pending jobs stay
-    /// within the bounds.
+    /// `unverified_count`-th of the credential), the pending jobs and the
+    /// lazy-admission buckets stay within the bounds. `take_budget` takes
+    /// one admission from the buckets (false: one is empty); it is called
+    /// only when the other bounds hold, so a request verified synchronously
+    /// for another reason spends no one's budget.
     pub fn admit(
         &self,
         unverified_count: u32,
         pending: u64,
         inline_ok: bool,
         verifier_down: bool,
+        take_budget: impl FnOnce() -> bool,
     ) -> Admission {
         let over = if unverified_count > self.max_unverified_per_token {
             Some(SyncReason::ExposureBound)
         } else if pending >= self.max_pending {
             Some(SyncReason::PendingBound)
+        } else if !take_budget() {
+            Some(SyncReason::Budget)
         } else {
             None
         };
@@ -264,21 +274,34 @@ mod tests {
     }
 
     #[test]
-    fn admission_respects_both_bounds() {
+    fn admission_respects_every_bound() {
         let p = policy();
-        assert_eq!(p.admit(1, 0, false, false), Admission::Lazy);
+        let ok = || true;
+        assert_eq!(p.admit(1, 0, false, false, ok), Admission::Lazy);
         assert_eq!(
-            p.admit(2, 0, false, false),
+            p.admit(2, 0, false, false, ok),
             Admission::Sync(SyncReason::ExposureBound)
         );
         assert_eq!(
-            p.admit(1, 100, false, false),
+            p.admit(1, 100, false, false, ok),
             Admission::Sync(SyncReason::PendingBound)
         );
-        assert_eq!(p.admit(1, 99, false, true), Admission::Lazy);
-        assert_eq!(p.admit(2, 0, false, true), Admission::Unavailable);
+        assert_eq!(p.admit(1, 99, false, true, ok), Admission::Lazy);
+        assert_eq!(p.admit(2, 0, false, true, ok), Admission::Unavailable);
         assert_eq!(
-            p.admit(2, 0, true, true),
+            p.admit(2, 0, true, true, ok),
+            Admission::Sync(SyncReason::ExposureBound)
+        );
+        // An empty bucket: verify now (or refuse while the verifier is down).
+        assert_eq!(
+            p.admit(1, 0, false, false, || false),
+            Admission::Sync(SyncReason::Budget)
+        );
+        assert_eq!(p.admit(1, 0, false, true, || false), Admission::Unavailable);
+        // The buckets are not touched when another bound already says no.
+        let untouched = || panic!("budget taken although the request is over a bound");
+        assert_eq!(
+            p.admit(2, 0, false, false, untouched),
             Admission::Sync(SyncReason::ExposureBound)
         );
         let never_lazy = Policy {
@@ -286,7 +309,7 @@ mod tests {
             ..policy()
         };
         assert_eq!(
-            never_lazy.admit(1, 0, false, false),
+            never_lazy.admit(1, 0, false, false, ok),
             Admission::Sync(SyncReason::ExposureBound)
         );
     }

@@ -2,9 +2,16 @@
 //! data so every worker's hot path can read it with one call.
 //!
 //! Shared data has no delete, so the key space is bounded: a verdict lives in
-//! one of `slots` keys chosen by its hash, and carries the full hash so a
-//! lookup can tell its own verdict from a colliding one (a collision reads as
-//! "unknown", never as someone else's verdict). Expiry is inside the value.
+//! one of `slots` keys ("sets") chosen by its hash, each holding up to
+//! `ways` verdicts, and carries the full hash so a lookup can tell its own
+//! verdict from a colliding one (a collision reads as "unknown", never as
+//! someone else's verdict). Expiry is inside the value.
+//!
+//! A new verdict replaces its credential's own, else an expired one, else
+//! takes a free way, else evicts the one expiring soonest. An evicted
+//! negative verdict does not reopen the lazy path: the credential's
+//! exposure count ([`super::exposure`]), which collisions cannot reset,
+//! sends it to synchronous verification, which refuses it again.
 
 use serde::{Deserialize, Serialize};
 
@@ -13,8 +20,9 @@ use super::credential::TokenHash;
 /// Shared-data key prefix of verdicts.
 pub const VERDICT_PREFIX: &str = "zl:auth:verdict:";
 /// Format version, first byte of every entry: an old entry after an
-/// upgrade reads as "unknown" instead of being misread.
-const VERSION: u8 = 1;
+/// upgrade reads as "unknown" instead of being misread. Version 2: a set
+/// of verdicts, each postcard-encoded behind its 2-byte length.
+const VERSION: u8 = 2;
 
 /// A verification outcome for one credential.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,22 +60,14 @@ pub fn key(hash: &TokenHash, slots: u32) -> String {
 }
 
 impl Verdict {
-    /// Serializes for shared data.
+    /// Serializes as a set of one verdict.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = vec![VERSION];
-        // Serializing plain owned data into a Vec cannot fail.
-        if let Ok(body) = postcard::to_allocvec(self) {
-            out.extend(body);
-        }
-        out
+        encode_set(std::slice::from_ref(self))
     }
 
-    /// Parses an entry; `None` when it is not a verdict of this version.
-    pub fn decode(bytes: &[u8]) -> Option<Verdict> {
-        match bytes.split_first() {
-            Some((&VERSION, body)) => postcard::from_bytes(body).ok(),
-            _ => None,
-        }
+    /// The verdict for `hash` in a set entry; `None` when there is none.
+    pub fn decode(bytes: &[u8], hash: &TokenHash) -> Option<Verdict> {
+        decode_set(bytes).into_iter().find(|v| v.hash == hash.0)
     }
 
     /// A valid verdict from verified facts (JWT claims or an introspection
@@ -156,23 +156,89 @@ pub struct VerdictView<'a> {
     pub verified_at: u64,
 }
 
-/// A usable verdict for `hash` at `now`, read in place: `None` when the
-/// entry is missing, unreadable, another credential's or expired.
-pub fn view<'a>(entry: &'a [u8], hash: &TokenHash, now: u64) -> Option<VerdictView<'a>> {
-    let body = match entry.split_first() {
+/// Serializes a set of verdicts for shared data: each verdict behind its
+/// length (2 bytes, little-endian), so a lookup skips another credential's
+/// verdict after comparing its hash, without decoding it.
+pub fn encode_set(verdicts: &[Verdict]) -> Vec<u8> {
+    let mut out = vec![VERSION];
+    for v in verdicts {
+        // Serializing plain owned data into a Vec cannot fail; a verdict
+        // too long for its length prefix (64 KiB of tenant) is not kept.
+        if let Ok(body) = postcard::to_allocvec(v)
+            && let Ok(len) = u16::try_from(body.len())
+        {
+            out.extend_from_slice(&len.to_le_bytes());
+            out.extend(body);
+        }
+    }
+    out
+}
+
+/// The entries of a set: each verdict's bytes (an unreadable tail ends it;
+/// another version reads as empty).
+fn entries(bytes: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut body = match bytes.split_first() {
         Some((&VERSION, body)) => body,
-        _ => return None,
+        _ => &[],
     };
-    let view: VerdictView<'a> = postcard::from_bytes(body).ok()?;
+    std::iter::from_fn(move || {
+        let (len, rest) = body.split_first_chunk::<2>()?;
+        let len = usize::from(u16::from_le_bytes(*len));
+        let entry = rest.get(..len)?;
+        body = &rest[len..];
+        Some(entry)
+    })
+}
+
+/// The verdicts of a set entry (unreadable ones are skipped).
+pub fn decode_set(bytes: &[u8]) -> Vec<Verdict> {
+    entries(bytes)
+        .filter_map(|e| postcard::from_bytes(e).ok())
+        .collect()
+}
+
+/// The set entry after storing `verdict` at `now` in the set `entry`, at
+/// most `ways` verdicts: its credential's own is replaced, else an expired
+/// one, else a free way is taken, else the one expiring soonest goes.
+pub fn insert(entry: Option<&[u8]>, verdict: &Verdict, now: u64, ways: u32) -> Vec<u8> {
+    let ways = ways.max(1) as usize;
+    let mut set: Vec<Verdict> = entry
+        .map(decode_set)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|v| v.hash != verdict.hash && v.expires_at > now)
+        .collect();
+    while set.len() >= ways {
+        let Some(i) = set
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, v)| v.expires_at)
+            .map(|(i, _)| i)
+        else {
+            break;
+        };
+        set.remove(i);
+    }
+    set.push(verdict.clone());
+    encode_set(&set)
+}
+
+/// A usable verdict for `hash` at `now`, read in place: `None` when the
+/// set has none, or only an unreadable or expired one. Other credentials'
+/// verdicts cost a hash comparison each (postcard writes the hash first,
+/// as its 32 bytes).
+pub fn view<'a>(entry: &'a [u8], hash: &TokenHash, now: u64) -> Option<VerdictView<'a>> {
+    let own = entries(entry).find(|e| e.get(..32) == Some(&hash.0[..]))?;
+    let view: VerdictView<'a> = postcard::from_bytes(own).ok()?;
     (view.hash == hash.0 && view.expires_at > now).then_some(view)
 }
 
 /// Interprets the shared-data entry found for `hash` at `now`.
 pub fn lookup(entry: Option<&[u8]>, hash: &TokenHash, now: u64) -> Lookup {
-    let Some(verdict) = entry.and_then(Verdict::decode) else {
+    let Some(verdict) = entry.and_then(|e| Verdict::decode(e, hash)) else {
         return Lookup::Unknown;
     };
-    if verdict.hash != hash.0 || verdict.expires_at <= now {
+    if verdict.expires_at <= now {
         return Lookup::Unknown;
     }
     if verdict.valid {
@@ -207,7 +273,7 @@ mod tests {
         let h = TokenHash::of(b"token");
         let v = verdict(&h, true, 200);
         let bytes = v.encode();
-        assert_eq!(Verdict::decode(&bytes), Some(v.clone()));
+        assert_eq!(Verdict::decode(&bytes, &h), Some(v.clone()));
         assert_eq!(lookup(Some(&bytes), &h, 150), Lookup::Valid(v.clone()));
         // Expired.
         assert_eq!(lookup(Some(&bytes), &h, 200), Lookup::Unknown);
@@ -246,6 +312,43 @@ mod tests {
             view(&invalid, &h, 150).map(|v| (v.valid, v.reason)),
             Some((false, "bad_signature"))
         );
+    }
+
+    #[test]
+    fn sets_keep_colliding_verdicts_apart() {
+        let a = TokenHash::of(b"a");
+        let b = TokenHash::of(b"b");
+        let c = TokenHash::of(b"c");
+        let e = insert(None, &verdict(&a, false, 160), 100, 2);
+        let e = insert(Some(&e), &verdict(&b, true, 400), 100, 2);
+        // Both readable: a collision evicts nobody while a way is free.
+        assert!(matches!(lookup(Some(&e), &a, 150), Lookup::Invalid(_)));
+        assert!(matches!(lookup(Some(&e), &b, 150), Lookup::Valid(_)));
+        assert_eq!(view(&e, &a, 150).map(|v| v.valid), Some(false));
+        assert_eq!(view(&e, &b, 150).map(|v| v.valid), Some(true));
+        assert_eq!(view(&e, &c, 150), None);
+        // Re-verifying a replaces its own verdict, never b's.
+        let e = insert(Some(&e), &verdict(&a, false, 170), 110, 2);
+        assert_eq!(decode_set(&e).len(), 2);
+        assert_eq!(view(&e, &a, 150).map(|v| v.expires_at), Some(170));
+        // A third verdict in a full set evicts the one expiring soonest.
+        let e = insert(Some(&e), &verdict(&c, true, 500), 120, 2);
+        assert_eq!(view(&e, &a, 150), None);
+        assert!(view(&e, &b, 150).is_some() && view(&e, &c, 150).is_some());
+        // Expired verdicts go first, whatever their expiry order.
+        let e = insert(Some(&e), &verdict(&a, false, 600), 450, 2);
+        assert_eq!(view(&e, &b, 450), None);
+        assert!(view(&e, &c, 450).is_some() && view(&e, &a, 450).is_some());
+        // An unreadable tail does not hide the verdicts before it.
+        let mut broken = e.clone();
+        broken.extend_from_slice(b"\xff\xff\x01");
+        assert!(view(&broken, &c, 450).is_some());
+        assert_eq!(decode_set(&broken).len(), 2);
+        // Nor does an unreadable entry the ones after it.
+        let mut junk = vec![2, 3, 0, 1, 2, 3];
+        junk.extend_from_slice(&e[1..]);
+        assert!(view(&junk, &c, 450).is_some());
+        assert_eq!(decode_set(&junk).len(), 2);
     }
 
     #[test]

@@ -51,10 +51,15 @@ pub struct MeteringConfig {
     /// Who gets a full record.
     #[serde(default)]
     pub sampling: SamplingConfig,
-    /// Header naming the tenant when lazy-auth published none (unverified:
-    /// used for labels and records, never for isolation).
+    /// Header naming the tenant when lazy-auth published no identity (a
+    /// chain without lazy-auth, whose own proxy sets the header); with
+    /// lazy-auth in the chain it is never read for billing.
     #[serde(default)]
     pub tenant_header: Option<String>,
+    /// What verified credentials without a tenant and public paths are
+    /// billed as (none: `unknown`); unverified requests are `unverified`.
+    #[serde(default)]
+    pub default_tenant: Option<String>,
     /// Bounds on metric label values.
     #[serde(default)]
     pub labels: LabelLimits,
@@ -109,6 +114,18 @@ impl MeteringConfig {
             return Err(ConfigError::new(
                 "tenant_header",
                 format!("not a lowercase header name: {}", quoted(header)),
+            ));
+        }
+        if let Some(tenant) = &self.default_tenant
+            && (tenant.is_empty() || tenant.len() > crate::metering::labels::MAX_LABEL)
+        {
+            return Err(ConfigError::new(
+                "default_tenant",
+                format!(
+                    "must be 1 to {} bytes (got {})",
+                    crate::metering::labels::MAX_LABEL,
+                    tenant.len()
+                ),
             ));
         }
         self.labels.check("labels")?;
@@ -184,6 +201,10 @@ mod tests {
         assert!(error(r#"{"sampling":{"percent":0.001}}"#).starts_with("sampling.percent:"));
         assert!(error(r#"{"sampling":{"tenants":{"a":-1}}}"#).starts_with("sampling.tenants.a:"));
         assert!(error(r#"{"tenant_header":"X-Tenant"}"#).starts_with("tenant_header:"));
+        assert_eq!(
+            error(r#"{"default_tenant":""}"#),
+            "default_tenant: must be 1 to 64 bytes (got 0)"
+        );
         assert!(error(r#"{"labels":{"max_tenants":0}}"#).starts_with("labels.max_tenants:"));
         assert!(
             error(r#"{"sink":{"cluster":"c","path":"/","batch_max":0}}"#)

@@ -1,0 +1,335 @@
+//! The gateway-wide bound on unverified admissions: token buckets of lazy
+//! admissions per gateway, per claimed tenant (one bucket for "no tenant")
+//! and per client address. The per-credential bound
+//! ([`super::exposure`]) limits what one credential gets; an attacker who
+//! mints a new credential per request is limited by these instead: past
+//! any empty bucket an unknown credential is verified synchronously, so no
+//! spray gets more than the gateway bucket's `burst + per_sec × seconds`
+//! requests to the backend without a valid credential.
+//!
+//! Buckets live in shared data (one key each, updated by compare-and-swap:
+//! one read and at most one write per bucket, only for unknown
+//! credentials). Tenants and addresses share a bounded set of bucket keys;
+//! two that land on one key share its bucket, which can only make the
+//! bound stricter, never looser.
+
+use std::net::IpAddr;
+
+use serde::Deserialize;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::config::ConfigError;
+
+/// Shared-data key prefix of the buckets.
+pub const BUDGET_PREFIX: &str = "zl:auth:budget:";
+/// Bucket keys per scope for tenants and for client addresses.
+pub const BUCKET_SLOTS: u64 = 4096;
+const VERSION: u8 = 1;
+/// Tokens are kept in thousandths, so slow rates refill between requests.
+const MILLI: u64 = 1000;
+
+/// One bucket's size: `burst` admissions at once, `per_sec` more each second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rate {
+    /// Admissions regained per second.
+    pub per_sec: u32,
+    /// Admissions available at once (the bucket's capacity).
+    pub burst: u32,
+}
+
+/// The three buckets' sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LazyBudget {
+    /// Every lazy admission of this gateway (Envoy process: shared data
+    /// is per process).
+    #[serde(default = "default_gateway")]
+    pub gateway: Rate,
+    /// Lazy admissions per claimed tenant; credentials claiming none share
+    /// one bucket.
+    #[serde(default = "default_per_tenant")]
+    pub per_tenant: Rate,
+    /// Lazy admissions per client address (IPv6 per /64).
+    #[serde(default = "default_per_client")]
+    pub per_client: Rate,
+}
+
+fn default_gateway() -> Rate {
+    Rate {
+        per_sec: 20,
+        burst: 40,
+    }
+}
+fn default_per_tenant() -> Rate {
+    Rate {
+        per_sec: 5,
+        burst: 20,
+    }
+}
+fn default_per_client() -> Rate {
+    Rate {
+        per_sec: 5,
+        burst: 20,
+    }
+}
+
+impl Default for LazyBudget {
+    fn default() -> Self {
+        LazyBudget {
+            gateway: default_gateway(),
+            per_tenant: default_per_tenant(),
+            per_client: default_per_client(),
+        }
+    }
+}
+
+impl LazyBudget {
+    /// Checks the sizes; `at` is the field path (`lazy_budget`).
+    pub fn check(&self, at: &str) -> Result<(), ConfigError> {
+        for (name, rate) in [
+            ("gateway", self.gateway),
+            ("per_tenant", self.per_tenant),
+            ("per_client", self.per_client),
+        ] {
+            if rate.burst == 0 {
+                return Err(ConfigError::new(
+                    format!("{at}.{name}.burst"),
+                    "must be at least 1 (`unknown: sync` turns lazy admission off)",
+                ));
+            }
+            if rate.per_sec > 1_000_000 || rate.burst > 1_000_000 {
+                return Err(ConfigError::new(
+                    format!("{at}.{name}"),
+                    "per_sec and burst must be at most 1000000",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Which bucket a key is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope<'a> {
+    /// The whole gateway.
+    Gateway,
+    /// A claimed tenant (`None`: the credential claims none).
+    Tenant(Option<&'a str>),
+    /// A client address, as the host renders it (`ip:port`, `[ip]:port` or `ip`).
+    Client(&'a [u8]),
+}
+
+/// The shared-data key of a scope's bucket.
+pub fn key(scope: Scope<'_>) -> String {
+    match scope {
+        Scope::Gateway => format!("{BUDGET_PREFIX}gateway"),
+        Scope::Tenant(None | Some("")) => format!("{BUDGET_PREFIX}no_tenant"),
+        Scope::Tenant(Some(t)) => {
+            format!(
+                "{BUDGET_PREFIX}tenant:{}",
+                xxh3_64(t.as_bytes()) % BUCKET_SLOTS
+            )
+        }
+        Scope::Client(address) => format!(
+            "{BUDGET_PREFIX}client:{}",
+            xxh3_64(&client_id(address)) % BUCKET_SLOTS
+        ),
+    }
+}
+
+/// What identifies a client: its IP without the port; an IPv6 address by
+/// its /64 (one host usually controls a whole /64). Anything unparsable is
+/// taken as it is.
+pub fn client_id(address: &[u8]) -> Vec<u8> {
+    let Ok(text) = std::str::from_utf8(address) else {
+        return address.to_vec();
+    };
+    let host = match text.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(rest),
+        None => match text.rsplit_once(':') {
+            // `ip:port` (IPv4); a bare IPv6 has more than one colon.
+            Some((ip, _)) if !ip.contains(':') => ip,
+            _ => text,
+        },
+    };
+    match host.parse::<IpAddr>() {
+        Ok(IpAddr::V4(ip)) => ip.octets().to_vec(),
+        Ok(IpAddr::V6(ip)) => match ip.to_ipv4_mapped() {
+            Some(v4) => v4.octets().to_vec(),
+            None => ip.octets()[..8].to_vec(),
+        },
+        Err(_) => host.as_bytes().to_vec(),
+    }
+}
+
+/// A bucket's state: tokens (thousandths) at a time (ms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bucket {
+    /// Tokens left, in thousandths.
+    pub milli_tokens: u64,
+    /// When `milli_tokens` was computed, Unix ms.
+    pub at_ms: u64,
+}
+
+impl Bucket {
+    /// Serializes for shared data (17 bytes).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(17);
+        out.push(VERSION);
+        out.extend_from_slice(&self.milli_tokens.to_le_bytes());
+        out.extend_from_slice(&self.at_ms.to_le_bytes());
+        out
+    }
+
+    /// Parses an entry; `None` when it is not a bucket of this version.
+    pub fn decode(bytes: &[u8]) -> Option<Bucket> {
+        let (&VERSION, rest) = bytes.split_first()? else {
+            return None;
+        };
+        let milli_tokens = u64::from_le_bytes(rest.get(..8)?.try_into().ok()?);
+        let at_ms = u64::from_le_bytes(rest.get(8..16)?.try_into().ok()?);
+        Some(Bucket {
+            milli_tokens,
+            at_ms,
+        })
+    }
+}
+
+/// Takes one admission from the bucket stored as `entry` at `now_ms`: the
+/// entry to write back when there was one (`None`: refused, nothing to
+/// write). A missing or unreadable entry is a full bucket; a clock behind
+/// the entry's (another worker's) refills nothing.
+pub fn take(entry: Option<&[u8]>, rate: Rate, now_ms: u64) -> Option<Vec<u8>> {
+    let capacity = u64::from(rate.burst) * MILLI;
+    let bucket = entry.and_then(Bucket::decode).unwrap_or(Bucket {
+        milli_tokens: capacity,
+        at_ms: now_ms,
+    });
+    let elapsed = now_ms.saturating_sub(bucket.at_ms);
+    // per_sec tokens per 1000 ms = per_sec milli-tokens per ms.
+    let refill = elapsed.saturating_mul(u64::from(rate.per_sec));
+    let level = bucket.milli_tokens.saturating_add(refill).min(capacity);
+    if level < MILLI {
+        return None;
+    }
+    Some(
+        Bucket {
+            milli_tokens: level - MILLI,
+            at_ms: now_ms.max(bucket.at_ms),
+        }
+        .encode(),
+    )
+}
+
+/// The most lazy admissions a bucket of `rate` grants over `secs` seconds
+/// from full: the bound the threat model states.
+pub fn most_admitted(rate: Rate, secs: u64) -> u64 {
+    u64::from(rate.burst) + u64::from(rate.per_sec).saturating_mul(secs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const RATE: Rate = Rate {
+        per_sec: 2,
+        burst: 3,
+    };
+
+    fn run(rate: Rate, times_ms: &[u64]) -> u64 {
+        let mut entry: Option<Vec<u8>> = None;
+        let mut admitted = 0;
+        for &t in times_ms {
+            if let Some(next) = take(entry.as_deref(), rate, t) {
+                entry = Some(next);
+                admitted += 1;
+            }
+        }
+        admitted
+    }
+
+    #[test]
+    fn a_burst_then_the_rate() {
+        // Ten requests at once: the burst.
+        assert_eq!(run(RATE, &[1000; 10]), 3);
+        // Then one every 100 ms for 10 s: 2 per second more.
+        let times: Vec<u64> = (0..=100).map(|i| 1000 + i * 100).collect();
+        assert_eq!(run(RATE, &times), 3 + 2 * 10);
+        // Slow traffic never exceeds the burst after an idle time.
+        assert_eq!(
+            run(RATE, &[0, 1_000_000, 1_000_000, 1_000_000, 1_000_000]),
+            4
+        );
+    }
+
+    #[test]
+    fn a_clock_behind_the_entry_refills_nothing() {
+        let entry = take(None, RATE, 10_000).unwrap();
+        let b = Bucket::decode(&entry).unwrap();
+        assert_eq!(
+            b,
+            Bucket {
+                milli_tokens: 2000,
+                at_ms: 10_000
+            }
+        );
+        let again = take(Some(&entry), RATE, 5_000).unwrap();
+        assert_eq!(Bucket::decode(&again).unwrap().milli_tokens, 1000);
+        assert_eq!(Bucket::decode(&again).unwrap().at_ms, 10_000);
+        assert_eq!(Bucket::decode(b"\x01short"), None);
+        assert_eq!(Bucket::decode(b""), None);
+    }
+
+    #[test]
+    fn keys_per_scope() {
+        assert_eq!(key(Scope::Gateway), "zl:auth:budget:gateway");
+        assert_eq!(key(Scope::Tenant(None)), "zl:auth:budget:no_tenant");
+        assert_eq!(key(Scope::Tenant(Some(""))), "zl:auth:budget:no_tenant");
+        assert_ne!(key(Scope::Tenant(Some("acme"))), key(Scope::Tenant(None)));
+        // The port does not make another client; a /64 is one client.
+        assert_eq!(
+            key(Scope::Client(b"10.0.0.1:4000")),
+            key(Scope::Client(b"10.0.0.1:4001"))
+        );
+        assert_eq!(
+            key(Scope::Client(b"[2001:db8:1:2::1]:443")),
+            key(Scope::Client(b"[2001:db8:1:2:ffff::9]:80"))
+        );
+        assert_eq!(client_id(b"10.0.0.1"), vec![10, 0, 0, 1]);
+        assert_eq!(client_id(b"[::ffff:10.0.0.1]:1"), vec![10, 0, 0, 1]);
+        assert_eq!(client_id(b"2001:db8::1").len(), 8);
+        assert_eq!(client_id(b"\xff\xfe"), b"\xff\xfe".to_vec());
+    }
+
+    #[test]
+    fn config_errors_name_the_field() {
+        let mut b = LazyBudget::default();
+        assert!(b.check("lazy_budget").is_ok());
+        b.per_tenant.burst = 0;
+        assert_eq!(
+            b.check("lazy_budget").unwrap_err().to_string(),
+            "lazy_budget.per_tenant.burst: must be at least 1 (`unknown: sync` turns lazy admission off)"
+        );
+    }
+
+    proptest! {
+        /// Whatever the arrival times, a bucket grants at most
+        /// `burst + per_sec × elapsed seconds` (rounded up) admissions.
+        #[test]
+        fn never_more_than_the_bound(
+            per_sec in 0u32..50,
+            burst in 1u32..50,
+            mut gaps in proptest::collection::vec(0u64..400, 1..400),
+        ) {
+            let rate = Rate { per_sec, burst };
+            let mut t = 0;
+            let times: Vec<u64> = gaps.drain(..).map(|g| { t += g; t }).collect();
+            let span_ms = times.last().copied().unwrap_or(0) - times[0];
+            let admitted = run(rate, &times);
+            let bound = u64::from(burst) + (u64::from(per_sec) * span_ms) / 1000;
+            prop_assert!(admitted <= bound, "{admitted} > {bound}");
+        }
+    }
+}
