@@ -15,6 +15,7 @@ pub mod config;
 pub mod event;
 pub mod headers;
 pub mod internal;
+pub mod json;
 pub mod metering;
 pub mod metrics;
 pub mod observers;
