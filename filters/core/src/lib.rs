@@ -19,6 +19,7 @@ pub mod json;
 pub mod metering;
 pub mod metrics;
 pub mod observers;
+pub mod path;
 pub mod queue;
 pub mod sampling;
 pub mod sink;

@@ -636,6 +636,12 @@ fn provider_for_path() {
         ("/v1/completions", None),
         ("?/v1/messages", None),
         ("", None),
+        // Issue 21 item 8: the backend serves these as the API.
+        ("//v1/messages", Some(Provider::Anthropic)),
+        ("/v1//chat//completions", Some(Provider::OpenAi)),
+        ("/x/../v1/messages", Some(Provider::Anthropic)),
+        ("/v1/./%6Dessages", Some(Provider::Anthropic)),
+        ("/v1%2Fmessages", None),
     ];
     for (path, provider) in cases {
         assert_eq!(Provider::for_path(path), provider, "{path}");

@@ -69,13 +69,14 @@ pub enum Provider {
 }
 
 impl Provider {
-    /// The provider whose API is served at `path` (a `?query` is ignored).
-    /// The method is the caller's to check.
+    /// The provider whose API is served at `path` in its normal form (see
+    /// [`crate::path`]: `//v1/messages` is `/v1/messages`; a `?query` is
+    /// ignored). A path without a normal form is no provider's (Envoy
+    /// refuses it before the chain). The method is the caller's to check.
     pub fn for_path(path: &str) -> Option<Provider> {
-        let path = path.split_once('?').map_or(path, |(path, _)| path);
-        match path {
-            "/v1/messages" => Some(Provider::Anthropic),
-            "/v1/chat/completions" => Some(Provider::OpenAi),
+        match crate::path::normalize(path.as_bytes()).ok()?.as_ref() {
+            b"/v1/messages" => Some(Provider::Anthropic),
+            b"/v1/chat/completions" => Some(Provider::OpenAi),
             _ => None,
         }
     }
