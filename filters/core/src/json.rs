@@ -326,7 +326,8 @@ mod tests {
 
     #[test]
     fn the_strict_value_is_serde_jsons_value() {
-        let body = br#"{"model":"m","n":[1,-2,0.5,1e2,16.0,null,true,"\u00e9"],"o":{"z":1,"a":{}}}"#;
+        let body =
+            br#"{"model":"m","n":[1,-2,0.5,1e2,16.0,null,true,"\u00e9"],"o":{"z":1,"a":{}}}"#;
         assert_eq!(
             parse_request(body).unwrap(),
             serde_json::from_slice::<Value>(body).unwrap()
@@ -356,7 +357,8 @@ mod tests {
     fn a_long_duplicate_name_is_echoed_cut() {
         let name = "é".repeat(100);
         let body = format!(r#"{{"{name}":1,"{name}":2}}"#);
-        let Err(BodyError::Duplicate(DuplicateMember(echoed))) = check_unique_members(body.as_bytes())
+        let Err(BodyError::Duplicate(DuplicateMember(echoed))) =
+            check_unique_members(body.as_bytes())
         else {
             panic!("not refused");
         };

@@ -107,7 +107,9 @@ fn decode_unreserved(path: &[u8]) -> Result<Vec<u8>, PathError> {
                 };
                 match decoded {
                     Some(b'/' | b'\\') => return Err(PathError::EscapedSlash),
-                    Some(c) if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') => {
+                    Some(c)
+                        if c.is_ascii_alphanumeric() || matches!(c, b'-' | b'.' | b'_' | b'~') =>
+                    {
                         out.push(c);
                         i += 2;
                     }
@@ -176,7 +178,11 @@ mod tests {
         ] {
             assert_eq!(norm(raw).as_deref(), Ok(normal), "{raw}");
         }
-        for raw in ["/v1%2Fmessages", "/v1%2fmessages", "/healthz%5C..%5Cv1/messages"] {
+        for raw in [
+            "/v1%2Fmessages",
+            "/v1%2fmessages",
+            "/healthz%5C..%5Cv1/messages",
+        ] {
             assert_eq!(norm(raw), Err(PathError::EscapedSlash), "{raw}");
         }
     }
@@ -184,13 +190,22 @@ mod tests {
     #[test]
     fn a_normal_path_is_borrowed() {
         for raw in ["/v1/messages", "/v1/chat/completions?x=1", "/", "/a/b/"] {
-            assert!(matches!(normalize(raw.as_bytes()), Ok(Cow::Borrowed(_))), "{raw}");
+            assert!(
+                matches!(normalize(raw.as_bytes()), Ok(Cow::Borrowed(_))),
+                "{raw}"
+            );
         }
     }
 
     #[test]
     fn normal_form_is_a_fixed_point() {
-        for raw in ["//a/./b/../c//", "/%2e/x/%2e%2e/y", "\\a\\..\\b", "/a/b/..", "x/../.."] {
+        for raw in [
+            "//a/./b/../c//",
+            "/%2e/x/%2e%2e/y",
+            "\\a\\..\\b",
+            "/a/b/..",
+            "x/../..",
+        ] {
             let once = norm(raw).unwrap();
             assert_eq!(norm(&once).unwrap(), once, "{raw}");
         }

@@ -542,7 +542,13 @@ mod tests {
             br#"{"credentials":[{"header":"authorization","kind":"jwt"}],"public_paths":["/healthz","/docs/"]}"#,
         )
         .unwrap();
-        for public in ["/healthz", "/healthz/live", "//healthz", "/x/../healthz", "/docs/a"] {
+        for public in [
+            "/healthz",
+            "/healthz/live",
+            "//healthz",
+            "/x/../healthz",
+            "/docs/a",
+        ] {
             assert!(c.is_public(public.as_bytes()), "{public}");
         }
         for private in [
@@ -559,6 +565,10 @@ mod tests {
             br#"{"credentials":[{"header":"authorization","kind":"jwt"}],"public_paths":["/a/../b"]}"#,
         )
         .unwrap_err();
-        assert!(err.to_string().starts_with("public_paths[0]: must be a normal path"), "{err}");
+        assert!(
+            err.to_string()
+                .starts_with("public_paths[0]: must be a normal path"),
+            "{err}"
+        );
     }
 }

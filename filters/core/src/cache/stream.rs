@@ -135,7 +135,11 @@ mod tests {
         at_every_split(Provider::Anthropic, ANTHROPIC, true);
         at_every_split(Provider::OpenAi, OPENAI, true);
         at_every_split(Provider::OpenAi, b"data: {\"choices\":[{\"delta\":{\"content\":\"an error\"}}]}\r\n\r\ndata: [DONE]\r\n\r\n", true);
-        at_every_split(Provider::Anthropic, &ANTHROPIC[..ANTHROPIC.len() - 1], false);
+        at_every_split(
+            Provider::Anthropic,
+            &ANTHROPIC[..ANTHROPIC.len() - 1],
+            false,
+        );
         at_every_split(Provider::OpenAi, &OPENAI[..OPENAI.len() - 1], false);
         at_every_split(
             Provider::OpenAi,
