@@ -17,7 +17,7 @@ use zerolayer_core::cache::control::{
 use zerolayer_core::cache::key::{CacheKey, CanonicalRequest, KeyError, Provider};
 use zerolayer_core::cache::lease::LeaseOutcome;
 use zerolayer_core::cache::store::{FleetEntry, StoredResponse};
-use zerolayer_core::cache::stream::StreamCompletion;
+use zerolayer_core::cache::stream::{StreamCompletion, is_error_data};
 use zerolayer_core::event::{CacheWrite, Job};
 use zerolayer_core::internal;
 use zerolayer_proxy::fused::{self, Callback};
@@ -351,11 +351,13 @@ impl CacheStream {
         let (Some(key), Some(capture)) = (self.key, self.capture.take()) else {
             return;
         };
+        // A stream by its events; a JSON body must not be an error either
+        // (some compatible backends answer 200 with one).
         let complete = capture.ended
-            && capture
-                .completion
-                .as_ref()
-                .is_none_or(StreamCompletion::complete);
+            && match &capture.completion {
+                Some(completion) => completion.complete(),
+                None => !is_error_data(&capture.body),
+            };
         if !complete {
             plan.metrics.bypass(Bypass::Incomplete);
             return;

@@ -76,12 +76,13 @@ struct ErrorProbe<'a> {
 /// Every error payload names `error`, unless the JSON escapes its letters.
 const ERROR: Needle = Needle::new(b"error", 0);
 
-/// Whether an event's `data` reports a failure: OpenAI's mid-stream
+/// Whether an event's `data`, or a whole JSON response body, reports a
+/// failure (some compatible backends answer 200 with an error body): OpenAI's mid-stream
 /// `{"error": …}`, or a payload of `"type": "error"`. Only data that
 /// contains `error` or an escape is parsed, so ordinary chunks cost one
 /// byte search; of those, data that is not a JSON object (or names a member
 /// twice) counts as a failure, since it cannot be told apart from one.
-fn is_error_data(data: &[u8]) -> bool {
+pub fn is_error_data(data: &[u8]) -> bool {
     if ERROR.find(data).is_none() && !data.contains(&b'\\') {
         return false;
     }
