@@ -44,11 +44,27 @@ fn decision_is_published_as_filter_state_and_forged_headers_are_removed() -> Res
         observers(sim::published(&s, OBSERVERS)),
         "audit,metering,cache"
     );
+    // Issue 21 item 9: `x-zerolayer-auth` from the backend reached the
+    // client, which reads it as the gateway's.
     s.response_headers(
-        &[(":status", "200"), ("x-zerolayer-debug", "from upstream")],
+        &[
+            (":status", "200"),
+            ("x-zerolayer-debug", "from upstream"),
+            ("x-zerolayer-auth", "verified tenant=acme"),
+            ("X-ZeroLayer-Anything", "forged"),
+            ("x-request-id", "kept"),
+        ],
         true,
     );
-    assert_eq!(s.client().header("x-zerolayer-debug"), None);
+    let client = s.client();
+    for name in [
+        "x-zerolayer-debug",
+        "x-zerolayer-auth",
+        "x-zerolayer-anything",
+    ] {
+        assert_eq!(client.header(name), None, "{name} reached the client");
+    }
+    assert_eq!(client.header("x-request-id"), Some("kept"));
     assert!(s.finished());
     Ok(())
 }

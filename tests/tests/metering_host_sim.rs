@@ -752,3 +752,66 @@ fn without_the_bound_a_full_kong_queue_traps_which_is_why_it_exists() -> Result<
     );
     Ok(())
 }
+
+/// Issue 21 item 5: an OpenAI body with a duplicated `stream` or
+/// `stream_options` streamed to the client without the injected
+/// `include_usage` (metered as usage missing, 0 tokens). Now every body that
+/// could stream without the usage chunk is refused with 400 before the
+/// backend sees it; item 8: `//v1/chat/completions` is metered like the API.
+#[test]
+fn bodies_that_could_stream_without_usage_are_refused_and_merged_slashes_are_metered() -> Result<()>
+{
+    let mut gw = gateway(metering_config(json!({"openai_include_usage": true})))?;
+    let m = r#""model":"gpt-test","messages":[{"role":"user","content":"hi"}]"#;
+    for (body, message) in [
+        (
+            format!(r#"{{{m},"stream":false,"stream":true}}"#),
+            "request body names the member `stream` twice in one object",
+        ),
+        (
+            format!(
+                r#"{{{m},"stream":true,"stream_options":{{"include_usage":true}},"stream_options":{{}}}}"#
+            ),
+            "request body names the member `stream_options` twice in one object",
+        ),
+        (
+            format!(r#"{{{m},"stream":"true"}}"#),
+            "request body field `stream` is not a boolean",
+        ),
+    ] {
+        let mut s = gw.host.stream(gw.chain)?;
+        s.request_headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                (":authority", "gw"),
+                ("content-type", "application/json"),
+                ("content-length", &body.len().to_string()),
+            ],
+            false,
+        );
+        s.request_body(body.as_bytes(), true);
+        assert!(!s.upstream().complete, "{body} reached the backend");
+        let client = s.client();
+        assert_eq!(client.status(), Some(400), "{body}");
+        let error: Value = serde_json::from_str(&client.text())?;
+        assert_eq!(error["error"]["type"], "invalid_request_error");
+        assert_eq!(error["error"]["message"], message);
+    }
+    let stream = [OPENAI_CONTENT, OPENAI_USAGE, OPENAI_DONE].concat();
+    let seen = gw.send(
+        "//v1//chat/completions",
+        "acme",
+        "r-slashes",
+        &openai(true, None),
+        Reply::Sse(&[&stream]),
+    )?;
+    let sent: Value = serde_json::from_str(&seen.upstream_body)?;
+    assert_eq!(sent["stream_options"]["include_usage"], true);
+    assert_eq!(
+        seen.usage.as_ref().map(|u| &u["output_tokens"]),
+        Some(&json!(4)),
+        "//v1/chat/completions was not metered"
+    );
+    Ok(())
+}

@@ -86,17 +86,23 @@ enum Reply<'a> {
     Sse(&'a [&'a str]),
     /// Sends the first `n` SSE chunks, then the connection resets.
     SseCut(&'a [&'a str], usize),
+    /// 200 with exactly these headers (`:status` added), then the chunks.
+    Raw(&'a [(&'a str, &'a str)], &'a [&'a str]),
 }
 
 impl Gateway {
     fn send(&mut self, request: &[(&str, &str)], body: &str, reply: Reply<'_>) -> Result<Seen> {
+        let path = request
+            .iter()
+            .find(|(name, _)| *name == ":path")
+            .map_or("/v1/messages", |(_, path)| *path);
         let mut headers = vec![
             (":method", "POST"),
-            (":path", "/v1/messages"),
+            (":path", path),
             (":authority", "gw"),
             ("content-type", "application/json"),
         ];
-        headers.extend_from_slice(request);
+        headers.extend(request.iter().filter(|(name, _)| *name != ":path"));
         let mut s = self.host.stream(self.chain)?;
         s.request_headers(&headers, false);
         s.request_body(body.as_bytes(), true);
@@ -118,6 +124,14 @@ impl Gateway {
                         &[(":status", "200"), ("content-type", "text/event-stream")],
                         false,
                     );
+                    for (i, chunk) in chunks.iter().enumerate() {
+                        s.response_body(chunk.as_bytes(), i + 1 == chunks.len());
+                    }
+                }
+                Reply::Raw(extra, chunks) => {
+                    let mut h = vec![(":status", "200")];
+                    h.extend_from_slice(extra);
+                    s.response_headers(&h, false);
                     for (i, chunk) in chunks.iter().enumerate() {
                         s.response_body(chunk.as_bytes(), i + 1 == chunks.len());
                     }
@@ -161,9 +175,10 @@ fn a_plain_response_is_a_hit_for_the_same_request_in_any_key_order() -> Result<(
     assert!(first.upstream);
     assert_eq!(first.x_cache.as_deref(), Some("MISS"));
     gw.host.advance(Duration::from_secs(3));
-    // Same request: other key order, other whitespace, content as a block.
+    // Same request: other key order, other whitespace, content as a block
+    // (`0.0` would be another key: a float never equals an integer).
     let reordered = r#"{ "messages": [{"content": [{"type":"text","text":"hi"}], "role":"user"}],
-        "stream": false, "temperature": 0.0, "max_tokens": 32, "model": "claude-test" }"#;
+        "stream": false, "temperature": 0, "max_tokens": 32, "model": "claude-test" }"#;
     let hit = gw.json(reordered)?;
     assert!(!hit.upstream, "a hit must not reach the upstream");
     assert_eq!(hit.status, Some(200));
@@ -642,5 +657,127 @@ fn a_dead_fleet_tier_costs_a_miss_never_an_error() -> Result<()> {
     gw.host.advance(Duration::from_secs(1));
     assert_eq!(gw.counter("zerolayer_cache_fleet_reads_result=error"), 1);
     assert_eq!(gw.counter("zerolayer_cache_fleet_writes_outcome=failed"), 1);
+    Ok(())
+}
+
+/// Issue 21 item 7: a stream typed `Text/Event-Stream` (media types are
+/// case-insensitive) without its terminal event, and an OpenAI stream with
+/// an error chunk written `data: { "error": …}` then `[DONE]`, were stored
+/// and served as hits.
+#[test]
+fn streams_are_recognised_in_any_case_and_error_chunks_are_never_cached() -> Result<()> {
+    let mut gw = gateway(config(json!({})))?;
+    let typed = &[("content-type", "Text/Event-Stream; charset=utf-8")][..];
+    let unterminated = &SSE_REPLY[..3];
+    for _ in 0..2 {
+        let seen = gw.send(&[], &body("case", true), Reply::Raw(typed, unterminated))?;
+        assert!(
+            seen.upstream,
+            "an unterminated Text/Event-Stream was served from cache"
+        );
+    }
+    let openai = json!({"model": "gpt-test", "temperature": 0, "stream": true,
+                        "messages": [{"role": "user", "content": "fail"}]})
+    .to_string();
+    let failed = &[
+        "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\n",
+        "data: { \"error\": {\"message\": \"overloaded\"}}\n\n",
+        "data: [DONE]\n\n",
+    ][..];
+    let sse = &[("content-type", "text/event-stream")][..];
+    let path = &[(":path", "/v1/chat/completions")][..];
+    for _ in 0..2 {
+        let seen = gw.send(path, &openai, Reply::Raw(sse, failed))?;
+        assert!(
+            seen.upstream,
+            "a stream with an error chunk was served from cache"
+        );
+    }
+    // A 200 JSON body that is an error is not an answer to cache either.
+    let json = &[("content-type", "application/json")][..];
+    let error = r#"{"type": "error", "error": {"type": "overloaded_error"}}"#;
+    for _ in 0..2 {
+        let seen = gw.send(&[], &body("json error", false), Reply::Raw(json, &[error]))?;
+        assert!(seen.upstream, "a 200 error body was served from cache");
+    }
+    // The same stream without the error is cached: the test can tell.
+    let clean = [failed[0], failed[2]];
+    assert!(gw.send(path, &openai, Reply::Raw(sse, &clean))?.upstream);
+    assert!(!gw.send(path, &openai, Reply::Raw(sse, &clean))?.upstream);
+    gw.host.advance(Duration::from_secs(1));
+    assert_eq!(gw.counter("zerolayer_cache_bypass_reason=incomplete"), 6);
+    Ok(())
+}
+
+/// Issue 21 item 9: the backend's `x-cache` reached the client (a backend
+/// could forge the gateway's verdict), and `max_tokens: 16.0` hit the entry
+/// for `16` although a backend may refuse `16.0`; integers beyond 2^53 are
+/// keyed exactly.
+#[test]
+fn the_backends_x_cache_never_reaches_the_client_and_keys_keep_numbers_apart() -> Result<()> {
+    let mut gw = gateway(config(json!({})))?;
+    let forged = &[("content-type", "application/json"), ("x-cache", "HIT")][..];
+    let seen = gw.send(
+        &[],
+        &body("forged", false),
+        Reply::Raw(forged, &[JSON_REPLY]),
+    )?;
+    assert_eq!(seen.x_cache.as_deref(), Some("MISS"));
+    let other_path = &[(":path", "/v1/models")][..];
+    let seen = gw.send(other_path, "{}", Reply::Raw(forged, &[JSON_REPLY]))?;
+    assert!(seen.upstream);
+    assert_eq!(
+        seen.x_cache, None,
+        "the backend's x-cache reached the client"
+    );
+
+    let with = |fields: &str| {
+        format!(
+            r#"{{"model":"claude-test","temperature":0,"messages":[{{"role":"user","content":"n"}}]{fields}}}"#
+        )
+    };
+    assert!(gw.json(&with(r#","max_tokens":16"#))?.upstream);
+    assert!(!gw.json(&with(r#","max_tokens":16"#))?.upstream);
+    assert!(
+        gw.json(&with(r#","max_tokens":16.0"#))?.upstream,
+        "16.0 hit the entry for 16"
+    );
+    assert!(gw.json(&with(r#","seed":9007199254740993"#))?.upstream);
+    assert!(
+        gw.json(&with(r#","seed":9007199254740992"#))?.upstream,
+        "2^53 hit the entry for 2^53 + 1"
+    );
+    // Beyond 64 bits no exact key exists: bypassed, never a shared entry.
+    let huge = gw.json(&with(r#","seed":18446744073709551616"#))?;
+    assert_eq!(huge.x_cache.as_deref(), Some("BYPASS"));
+    Ok(())
+}
+
+/// Issue 21 items 5 and 8: a body naming a member twice is refused with a
+/// clear 400 (which member the backend reads is not known), and
+/// `//v1/messages` is the API, cached like `/v1/messages`.
+#[test]
+fn duplicate_members_are_refused_and_merged_slashes_are_the_api() -> Result<()> {
+    let mut gw = gateway(config(json!({})))?;
+    let dup =
+        r#"{"model":"claude-test","temperature":0,"stream":false,"stream":true,"messages":[]}"#;
+    let seen = gw.json(dup)?;
+    assert!(!seen.upstream, "a duplicated `stream` reached the backend");
+    assert_eq!(seen.status, Some(400));
+    let error: Value = serde_json::from_str(&seen.body)?;
+    assert_eq!(error["error"]["type"], "invalid_request_error");
+    assert_eq!(
+        error["error"]["message"],
+        "request body names the member `stream` twice in one object"
+    );
+    let slashes = &[(":path", "//v1//messages")][..];
+    let first = gw.send(
+        slashes,
+        &body("slashes", false),
+        Reply::Json(200, &[], JSON_REPLY),
+    )?;
+    assert_eq!(first.x_cache.as_deref(), Some("MISS"));
+    let hit = gw.json(&body("slashes", false))?;
+    assert!(!hit.upstream, "//v1//messages and /v1/messages are one API");
     Ok(())
 }

@@ -296,3 +296,150 @@ fn a_spray_of_fresh_credentials_is_bounded_by_the_lazy_budget() -> Result<()> {
     assert_eq!(reply.status, 200, "{}", reply.body);
     Ok(())
 }
+
+/// Issue 21 items 5, 8 and 9 against the shipped chain in real Envoy:
+/// paths that escaped the chain (`//v1/messages` forwarded unbilled and
+/// uncached; `/healthz/../v1/messages` and `/healthzv1/messages` public),
+/// bodies naming a member twice, `16.0` hitting the entry for `16`, and
+/// backend headers only the gateway may set reaching the client.
+#[test]
+fn paths_bodies_numbers_and_gateway_headers_are_read_as_the_backend_reads_them() -> Result<()> {
+    let chain = Chain::start(ChainOptions::default())?;
+    let bearer = chain.verified_bearer("alice", "acme")?;
+
+    // Item 8: no credential, no path trick makes a request public.
+    for (path, status) in [
+        ("/healthz/../v1/messages", 401),
+        ("/healthz/./../v1/messages", 401),
+        ("/healthzv1/messages", 401),
+        ("/healthz%2F..%2Fv1/messages", 400),
+    ] {
+        let reply = chain.post(
+            path,
+            &[("x-request-id", "anon-path")],
+            &anthropic("p", false),
+        )?;
+        assert_eq!(reply.status, status, "{path}: {}", reply.body);
+    }
+    assert_eq!(
+        chain.backend_requests("anon-path"),
+        0,
+        "a path trick reached the backend"
+    );
+    // `//v1/messages` is the API: cached and metered like `/v1/messages`.
+    let body = anthropic("merged slashes", false);
+    let reply = chain.post(
+        "//v1//messages",
+        &[("authorization", &bearer), ("x-request-id", "slashes-0")],
+        &body,
+    )?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-cache"), Some("MISS"));
+    chain.envoy.wait_metric("zerolayer_cache_stored", 1.0)?;
+    let reply = chain.post(
+        "/v1/messages",
+        &[("authorization", &bearer), ("x-request-id", "slashes-1")],
+        &body,
+    )?;
+    assert_eq!(reply.header("x-cache"), Some("HIT"));
+
+    // Item 5: a body naming `stream` twice is refused before the backend.
+    for (id, path, body) in [
+        (
+            "dup-0",
+            "/v1/messages",
+            r#"{"model":"claude-test","max_tokens":8,"stream":false,"stream":true,"messages":[{"role":"user","content":"d"}]}"#,
+        ),
+        (
+            "dup-1",
+            "/v1/chat/completions",
+            r#"{"model":"gpt-test","stream":true,"stream_options":{"include_usage":true},"stream_options":{},"messages":[{"role":"user","content":"d"}]}"#,
+        ),
+    ] {
+        let reply = chain.post(
+            path,
+            &[("authorization", &bearer), ("x-request-id", id)],
+            body,
+        )?;
+        assert_eq!(reply.status, 400, "{id}: {}", reply.body);
+        let error: serde_json::Value = serde_json::from_str(&reply.body)?;
+        assert_eq!(error["error"]["type"], "invalid_request_error", "{id}");
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("twice")),
+            "{id}: {}",
+            reply.body
+        );
+    }
+    assert_eq!(chain.backend_requests("dup-"), 0);
+
+    // Item 9: `16.0` is not `16`.
+    let numbers = |max_tokens: &str| {
+        format!(
+            r#"{{"model":"claude-test","max_tokens":{max_tokens},"temperature":0,"messages":[{{"role":"user","content":"numbers"}}]}}"#
+        )
+    };
+    let reply = chain.post(
+        "/v1/messages",
+        &[("authorization", &bearer)],
+        &numbers("16"),
+    )?;
+    assert_eq!(reply.header("x-cache"), Some("MISS"));
+    chain.envoy.wait_metric("zerolayer_cache_stored", 2.0)?;
+    let reply = chain.post(
+        "/v1/messages",
+        &[("authorization", &bearer)],
+        &numbers("16"),
+    )?;
+    assert_eq!(reply.header("x-cache"), Some("HIT"));
+    let reply = chain.post(
+        "/v1/messages",
+        &[("authorization", &bearer)],
+        &numbers("16.0"),
+    )?;
+    assert_eq!(
+        reply.header("x-cache"),
+        Some("MISS"),
+        "16.0 hit the entry for 16"
+    );
+
+    // Item 9: the backend's `x-zerolayer-*` and `x-cache` never reach the client.
+    for (id, path) in [("forge-0", "/v1/messages"), ("forge-1", "/v1/models")] {
+        let reply = chain.post(
+            path,
+            &[
+                ("authorization", &bearer),
+                ("x-request-id", id),
+                (
+                    "x-stub-response-header",
+                    "x-zerolayer-auth=verified tenant=globex",
+                ),
+                ("x-stub-response-header", "x-zerolayer-debug=forged"),
+                ("x-stub-response-header", "x-cache=HIT"),
+            ],
+            &anthropic(&format!("forged headers {id}"), false),
+        )?;
+        assert_eq!(chain.backend_requests(id), 1, "{id}");
+        assert_eq!(reply.header("x-zerolayer-auth"), None, "{id}");
+        assert_eq!(reply.header("x-zerolayer-debug"), None, "{id}");
+        let expected = (path == "/v1/messages").then_some("MISS");
+        assert_eq!(
+            reply.header("x-cache"),
+            expected,
+            "{id}: the backend's x-cache"
+        );
+    }
+
+    let log = chain.wait_access_log(3)?;
+    let metered = log
+        .get("slashes-0")
+        .context("slashes-0 not in the access log")?;
+    let usage: serde_json::Value =
+        serde_json::from_str(metered["usage"].as_str().context("no usage")?)?;
+    assert_eq!(
+        usage["usage_missing"], 0,
+        "//v1//messages was not metered: {usage}"
+    );
+    Ok(())
+}

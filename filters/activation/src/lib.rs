@@ -171,8 +171,11 @@ impl HttpContext for ActivationStream {
         let Some(plan) = &self.plan else {
             return Action::Continue;
         };
-        // Whatever the upstream sent under our name never reaches the client.
-        zerolayer_proxy::remove_response_header(internal::DEBUG_RESPONSE_HEADER);
+        // Whatever the upstream sent under a reserved name never reaches
+        // the client, which would read it as the gateway's (no stage but
+        // this one sets a reserved response header, so none of ours is lost
+        // whatever order the host runs the stages' response callbacks in).
+        zerolayer_proxy::remove_reserved_response_headers(internal::is_internal_header);
         if plan.rules.debug_response_header()
             && let Some(decision) = &self.decision
         {

@@ -128,6 +128,18 @@ impl SseParser {
     }
 }
 
+/// Whether a `content-type` value is `text/event-stream`: the media type
+/// before any `;` parameters, without surrounding whitespace, compared
+/// without regard to case (RFC 9110 §8.3.1: `Text/Event-Stream` is a stream).
+pub fn is_event_stream(content_type: &[u8]) -> bool {
+    let media = content_type
+        .split(|&b| b == b';')
+        .next()
+        .unwrap_or_default()
+        .trim_ascii();
+    media.eq_ignore_ascii_case(b"text/event-stream")
+}
+
 /// A non-comment line's field and value: split at the first `:`, one
 /// leading space of the value dropped; a line without `:` is all field.
 pub(crate) fn field_and_value(line: &[u8]) -> (&[u8], &[u8]) {
@@ -213,6 +225,29 @@ mod tests {
                 let (b, c) = rest.split_at(j - i);
                 assert_eq!(events(&[a, b, c]), whole, "split at {i},{j}");
             }
+        }
+    }
+
+    #[test]
+    fn event_stream_media_type_ignores_case_parameters_and_whitespace() {
+        for yes in [
+            "text/event-stream",
+            "Text/Event-Stream",
+            "TEXT/EVENT-STREAM; charset=utf-8",
+            " text/event-stream ",
+            "text/event-stream;",
+        ] {
+            assert!(is_event_stream(yes.as_bytes()), "{yes:?}");
+        }
+        for no in [
+            "",
+            "application/json",
+            "text/event-streamx",
+            "text/event-stream-x; a=b",
+            "text/event",
+            "x-text/event-stream",
+        ] {
+            assert!(!is_event_stream(no.as_bytes()), "{no:?}");
         }
     }
 

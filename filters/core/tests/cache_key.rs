@@ -134,23 +134,6 @@ fn anthropic_equivalent_requests_share_a_key() {
                 }),
             ),
             (
-                "0.0 is 0, 1024.0 is 1024",
-                base.clone(),
-                edit(&base, |v| {
-                    v["temperature"] = json!(0.0);
-                    v["max_tokens"] = json!(1024.0);
-                }),
-            ),
-            (
-                "integral floats inside tools",
-                edit(&base, |v| {
-                    v["tools"][0]["input_schema"]["maxItems"] = json!(3)
-                }),
-                edit(&base, |v| {
-                    v["tools"][0]["input_schema"]["maxItems"] = json!(3.0)
-                }),
-            ),
-            (
                 "null top-level field is absent",
                 edit(&base, |v| remove(v, "top_k")),
                 edit(&base, |v| v["top_k"] = Value::Null),
@@ -193,11 +176,6 @@ fn openai_equivalent_requests_share_a_key() {
                     v["messages"][0]["content"] =
                         json!([{"text": "You are terse.", "type": "text"}]);
                 }),
-            ),
-            (
-                "0.0 is 0",
-                base.clone(),
-                edit(&base, |v| v["temperature"] = json!(0)),
             ),
             (
                 "null top-level field is absent",
@@ -301,6 +279,21 @@ fn anthropic_keyed_fields_change_the_key() {
             "unknown field",
             edit(&base, |v| v["new_sampling_knob"] = json!(0.3)),
         ),
+        // A backend may refuse `1024.0` where it takes `1024`: never one key.
+        (
+            "max_tokens as a float",
+            edit(&base, |v| v["max_tokens"] = json!(1024.0)),
+        ),
+        (
+            "temperature 0.0 is not 0",
+            edit(&base, |v| v["temperature"] = json!(0.0)),
+        ),
+        (
+            "integral float inside tools",
+            edit(&base, |v| {
+                v["tools"][0]["input_schema"]["maxItems"] = json!(3.0)
+            }),
+        ),
         // Anthropic has no `user` field: the API refuses it, so it is keyed.
         ("user", edit(&base, |v| v["user"] = json!("u-42"))),
         (
@@ -393,6 +386,76 @@ fn openai_keyed_fields_change_the_key() {
     assert_all_different(Provider::OpenAi, &base, &cases);
 }
 
+/// A body with `fields` spliced in after `model` and `messages`.
+fn with_fields(fields: &str) -> Vec<u8> {
+    format!(r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}]{fields}}}"#).into_bytes()
+}
+
+#[test]
+fn numbers_share_a_key_only_when_every_backend_reads_them_equal() {
+    for provider in [Provider::Anthropic, Provider::OpenAi] {
+        let k = |fields: &str| key_of(provider, &with_fields(fields), None, SECRET);
+        // Issue 21 item 9: `16.0` hit the entry for `16`.
+        assert_ne!(k(r#","max_tokens":16"#), k(r#","max_tokens":16.0"#));
+        assert_ne!(k(r#","max_tokens":100"#), k(r#","max_tokens":1e2"#));
+        assert_ne!(k(r#","temperature":0"#), k(r#","temperature":0.0"#));
+        assert_ne!(k(r#","temperature":0.0"#), k(r#","temperature":-0.0"#));
+        // Integers beyond 2^53 are compared exactly.
+        assert_ne!(
+            k(r#","seed":9007199254740993"#),
+            k(r#","seed":9007199254740992"#)
+        );
+        assert_ne!(
+            k(r#","seed":18446744073709551615"#),
+            k(r#","seed":18446744073709551614"#)
+        );
+        // Spellings of one f64 are one float to every f64 reader.
+        assert_eq!(k(r#","top_p":0.5"#), k(r#","top_p":0.50"#));
+        assert_eq!(k(r#","top_p":0.5"#), k(r#","top_p":5e-1"#));
+        assert_eq!(k(r#","max_tokens":16.0"#), k(r#","max_tokens":1.6e1"#));
+        // Beyond 64 bits serde keeps no exact integer: not keyed at all.
+        for fields in [
+            r#","seed":18446744073709551616"#,
+            r#","seed":-9223372036854775809"#,
+            r#","n":[1e300]"#,
+        ] {
+            assert_eq!(
+                CanonicalRequest::of(provider, &with_fields(fields), None, SECRET),
+                Err(KeyError::NumberOutOfRange),
+                "{fields}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bodies_naming_a_member_twice_are_never_keyed() {
+    use zerolayer_core::json::DuplicateMember;
+    for (fields, name) in [
+        (r#","stream":false,"stream":true"#, "stream"),
+        (r#","stream":true,"str\u0065am":false"#, "stream"),
+        (
+            r#","stream_options":{"include_usage":true,"include_usage":false}"#,
+            "include_usage",
+        ),
+        (r#","model":"other""#, "model"),
+    ] {
+        let body = with_fields(fields);
+        for provider in [Provider::Anthropic, Provider::OpenAi] {
+            let refused = CanonicalRequest::of(provider, &body, None, SECRET);
+            assert_eq!(
+                refused,
+                Err(KeyError::Duplicate(DuplicateMember(name.into()))),
+                "{fields}"
+            );
+            assert_eq!(
+                refused.unwrap_err().to_string(),
+                format!("request body names the member `{name}` twice in one object")
+            );
+        }
+    }
+}
+
 #[test]
 fn empty_string_content_is_not_an_empty_text_block() {
     let string = json!({"model": "m", "messages": [{"role": "user", "content": ""}]});
@@ -431,14 +494,14 @@ fn provider_namespace_and_secret_are_keyed() {
 fn digest_layout() {
     let body = br#"{ "temperature": 0.0, "model": "m", "metadata": {"user_id": "u"},
         "messages": [ {"content": "hi", "role": "user"} ], "top_p": null }"#;
-    let canonical = br#"{"messages":[{"content":[{"text":"hi","type":"text"}],"role":"user"}],"model":"m","temperature":0}"#;
+    let canonical = br#"{"messages":[{"content":[{"text":"hi","type":"text"}],"role":"user"}],"model":"m","temperature":0.0}"#;
     assert_eq!(
         String::from_utf8(canonical_json(Provider::Anthropic, body).unwrap()).unwrap(),
         String::from_utf8(canonical.to_vec()).unwrap()
     );
     let digest = |namespace: &[&[u8]]| {
         let mut mac = Hmac::<Sha256>::new_from_slice(SECRET).unwrap();
-        mac.update(b"zerolayer-cache-v1\0");
+        mac.update(b"zerolayer-cache-v2\0");
         mac.update(&9u64.to_be_bytes());
         mac.update(b"anthropic");
         for part in namespace {
@@ -573,6 +636,12 @@ fn provider_for_path() {
         ("/v1/completions", None),
         ("?/v1/messages", None),
         ("", None),
+        // Issue 21 item 8: the backend serves these as the API.
+        ("//v1/messages", Some(Provider::Anthropic)),
+        ("/v1//chat//completions", Some(Provider::OpenAi)),
+        ("/x/../v1/messages", Some(Provider::Anthropic)),
+        ("/v1/./%6Dessages", Some(Provider::Anthropic)),
+        ("/v1%2Fmessages", None),
     ];
     for (path, provider) in cases {
         assert_eq!(Provider::for_path(path), provider, "{path}");
@@ -633,7 +702,7 @@ fn whitespace(choices: &mut Choices, out: &mut String) {
 
 /// Writes `value` as JSON text with members shuffled, random whitespace
 /// between tokens, some characters written as `\u` escapes and integral
-/// numbers sometimes written as floats.
+/// floats sometimes spelled another way.
 fn scramble(value: &Value, choices: &mut Choices, out: &mut String) {
     whitespace(choices, out);
     match value {
@@ -668,8 +737,9 @@ fn scramble(value: &Value, choices: &mut Choices, out: &mut String) {
             out.push(']');
         }
         Value::String(s) => scramble_str(s, choices, out),
-        Value::Number(n) if n.is_i64() && choices.coin() => {
-            out.push_str(&format!("{n}{}", [".0", ".000", "e0"][choices.below(3)]));
+        // Another spelling of the same float (integers have only one).
+        Value::Number(n) if n.is_f64() && !n.to_string().contains('e') && choices.coin() => {
+            out.push_str(&format!("{n}{}", ["0", "000", "e0"][choices.below(3)]));
         }
         other => out.push_str(&other.to_string()),
     }

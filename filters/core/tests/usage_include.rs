@@ -69,6 +69,61 @@ fn include_usage_is_added_with_every_other_byte_kept() {
     assert!(inject_include_usage(Provider::OpenAi, br#"{"stream":true}"#).strip_usage_chunk());
 }
 
+/// Issue 21 item 5: a duplicated `stream` or `stream_options` streamed
+/// without the injected `include_usage` (the filter left the body alone and
+/// the backend read the last member).
+#[test]
+fn requests_that_could_stream_without_usage_are_refused() {
+    let dup = |name: &str| {
+        Injection::Refused(format!(
+            "request body names the member `{name}` twice in one object"
+        ))
+    };
+    let cases: &[(&str, Injection)] = &[
+        (r#"{"stream":false,"stream":true}"#, dup("stream")),
+        (r#"{"stream":true,"stream":true}"#, dup("stream")),
+        (r#"{"stream":true,"str\u0065am":false}"#, dup("stream")),
+        (
+            r#"{"stream":true,"stream_options":{"include_usage":true},"stream_options":null}"#,
+            dup("stream_options"),
+        ),
+        (
+            r#"{"stream":true,"stream_options":{"include_usage":true,"include_usage":false}}"#,
+            dup("include_usage"),
+        ),
+        // Anywhere, streamed or not: post-cache refuses the same bodies.
+        (
+            r#"{"stream":false,"messages":[{"role":"user","content":"a","content":"b"}]}"#,
+            dup("content"),
+        ),
+        (
+            r#"{"stream":"true"}"#,
+            Injection::Refused("request body field `stream` is not a boolean".into()),
+        ),
+        (
+            r#"{"stream":1}"#,
+            Injection::Refused("request body field `stream` is not a boolean".into()),
+        ),
+        (
+            r#"{"stream":true,"stream_options":[]}"#,
+            Injection::Refused("request body field `stream_options` is not an object".into()),
+        ),
+        (
+            r#"{"stream":true,"stream_\u006fptions":{}}"#,
+            Injection::Refused(
+                "request body field `stream_options` cannot be rewritten (escaped name)".into(),
+            ),
+        ),
+    ];
+    for (body, expected) in cases {
+        assert_eq!(
+            &inject_include_usage(Provider::OpenAi, body.as_bytes()),
+            expected,
+            "{body}"
+        );
+    }
+}
+
 #[test]
 fn other_requests_are_left_alone() {
     let cases: &[(Provider, &str, Injection)] = &[
@@ -84,22 +139,7 @@ fn other_requests_are_left_alone() {
         ),
         (
             Provider::OpenAi,
-            r#"{"stream":"true"}"#,
-            Injection::NotApplicable,
-        ),
-        (
-            Provider::OpenAi,
             r#"{"model":"gpt-4o"}"#,
-            Injection::NotApplicable,
-        ),
-        (
-            Provider::OpenAi,
-            r#"{"stream":true,"stream_options":[]}"#,
-            Injection::NotApplicable,
-        ),
-        (
-            Provider::OpenAi,
-            r#"{"stream":true,"stream":true}"#,
             Injection::NotApplicable,
         ),
         (Provider::OpenAi, r#"[true,null]"#, Injection::NotApplicable),

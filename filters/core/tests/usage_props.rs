@@ -445,8 +445,10 @@ proptest! {
                 prop_assert_eq!(value, Value::Object(expected));
             }
             Injection::ClientAsked => prop_assert!(asked && stream == Some(json!(true))),
-            Injection::NotApplicable => prop_assert!(
-                stream != Some(json!(true)) || options == Some(json!([]))
+            Injection::NotApplicable => prop_assert!(stream != Some(json!(true))),
+            // A streamed request that would go without usage is refused.
+            Injection::Refused(_) => prop_assert!(
+                stream == Some(json!(true)) && options == Some(json!([]))
             ),
         }
     }

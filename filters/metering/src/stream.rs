@@ -197,6 +197,13 @@ impl MeteredStream {
         let injection = with_body(BufferType::HttpRequestBody, body_size, |body| {
             inject_include_usage(provider, body)
         });
+        if let Injection::Refused(message) = &injection {
+            // Forwarded, it could stream without the usage chunk: refused
+            // (a request the backend never saw is not metered).
+            zerolayer_proxy::send_json_error(400, "invalid_request_error", message);
+            self.provider = None;
+            return Action::Pause;
+        }
         if let Injection::Rewritten(rewritten) = injection {
             if set_body(BufferType::HttpRequestBody, body_size, &rewritten).is_ok() {
                 zerolayer_proxy::set_request_header(

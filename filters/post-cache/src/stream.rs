@@ -14,17 +14,17 @@ use zerolayer_core::cache::config::{Namespace, StampedeMode};
 use zerolayer_core::cache::control::{
     Bypass, RequestDirectives, RequestPlan, age, fresh_enough, plan_request, response_ttl,
 };
-use zerolayer_core::cache::key::{CacheKey, CanonicalRequest, Provider};
+use zerolayer_core::cache::key::{CacheKey, CanonicalRequest, KeyError, Provider};
 use zerolayer_core::cache::lease::LeaseOutcome;
 use zerolayer_core::cache::store::{FleetEntry, StoredResponse};
-use zerolayer_core::cache::stream::StreamCompletion;
+use zerolayer_core::cache::stream::{StreamCompletion, is_error_data};
 use zerolayer_core::event::{CacheWrite, Job};
 use zerolayer_core::internal;
 use zerolayer_core::usage::UsageChunkStripper;
 use zerolayer_proxy::fused::{self, Callback};
 use zerolayer_proxy::{
-    now_ms, property, request_header, response_header, send_json_error, set_response_header,
-    with_body,
+    now_ms, property, remove_response_header, request_header, response_header, send_json_error,
+    set_response_header, with_body,
 };
 
 use crate::metrics::{FleetRead, Lookup, WaitEnd};
@@ -184,6 +184,13 @@ impl CacheStream {
         });
         let request = match keyed {
             Ok(request) => request,
+            Err(KeyError::Duplicate(duplicate)) => {
+                // Which member the backend reads is not known: refused, as
+                // every stage that reads the body refuses it.
+                send_json_error(400, "invalid_request_error", &duplicate.to_string());
+                self.phase = Phase::Answered;
+                return Action::Pause;
+            }
             Err(err) => {
                 log::debug!("post-cache: not keyed: {err}");
                 return self.bypass(Bypass::Unkeyable);
@@ -359,11 +366,13 @@ impl CacheStream {
         let (Some(key), Some(capture)) = (self.key, self.capture.take()) else {
             return;
         };
+        // A stream by its events; a JSON body must not be an error either
+        // (some compatible backends answer 200 with one).
         let complete = capture.ended
-            && capture
-                .completion
-                .as_ref()
-                .is_none_or(StreamCompletion::complete);
+            && match &capture.completion {
+                Some(completion) => completion.complete(),
+                None => !is_error_data(&capture.body),
+            };
         if !complete {
             plan.metrics.bypass(Bypass::Incomplete);
             return;
@@ -435,7 +444,13 @@ impl CacheStream {
             // Still awaiting the body: the upstream (or another filter)
             // answered before it came; nothing of ours to say.
             Phase::Upstream => "MISS",
-            Phase::Ignored | Phase::AwaitingBody | Phase::Answered | Phase::Waiting(_) => {
+            // The gateway's own answer: its `x-cache` stays.
+            Phase::Answered => return Action::Continue,
+            Phase::Ignored | Phase::AwaitingBody | Phase::Waiting(_) => {
+                // An upstream's `x-cache` would read as this cache's verdict.
+                if self.plan.is_some() {
+                    remove_response_header("x-cache");
+                }
                 return Action::Continue;
             }
         };
@@ -458,7 +473,7 @@ impl CacheStream {
         let content_type = response_header("content-type");
         let streamed = content_type
             .as_deref()
-            .is_some_and(|ct| ct.starts_with("text/event-stream"));
+            .is_some_and(|ct| zerolayer_core::sse::is_event_stream(ct.as_bytes()));
         let mut headers: Vec<(String, String)> = Vec::new();
         if let Some(ct) = content_type {
             headers.push(("content-type".into(), ct));

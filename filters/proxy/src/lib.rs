@@ -118,6 +118,32 @@ pub fn remove_response_header(name: &str) -> bool {
     remove_header(MapType::HttpResponseHeaders, name)
 }
 
+/// Removes every response header whose name `reserved` accepts (names the
+/// upstream must not set, since the client would read them as the
+/// gateway's); returns how many names were removed. One read of the map
+/// (the fused filter's copy when there is one); nothing is copied unless a
+/// name matches.
+pub fn remove_reserved_response_headers(reserved: impl Fn(&str) -> bool) -> usize {
+    let matching = |headers: &HeaderBlock| -> Vec<String> {
+        headers
+            .iter()
+            .filter_map(|(name, _)| std::str::from_utf8(name).ok())
+            .filter(|name| reserved(name))
+            .map(str::to_string)
+            .collect()
+    };
+    let names = match fused::with_headers_or(MapType::HttpResponseHeaders, |h| matching(h)) {
+        Ok(names) => names,
+        Err(_) => host_map::read(MapType::HttpResponseHeaders)
+            .map(|headers| matching(&headers))
+            .unwrap_or_default(),
+    };
+    for name in &names {
+        remove_response_header(name);
+    }
+    names.len()
+}
+
 /// A response header's value, as text (`None` if absent or not UTF-8).
 pub fn response_header(name: &str) -> Option<String> {
     // The SDK's text getter panics on non-UTF-8 values: read bytes.

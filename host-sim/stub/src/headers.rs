@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use hyper::HeaderMap;
-use hyper::header::HeaderValue;
+use hyper::header::{HeaderName, HeaderValue};
 
 use crate::config::{Fault, StubConfig};
 
@@ -21,6 +21,10 @@ pub const FAULT: &str = "x-stub-fault";
 /// A fixed natural completion length (overrides [`StubConfig::output_tokens`]).
 pub const OUTPUT_TOKENS: &str = "x-stub-output-tokens";
 
+/// `name=value`: a header added to the response (repeatable), so tests can
+/// play a backend that sends headers only the gateway may set.
+pub const RESPONSE_HEADER: &str = "x-stub-response-header";
+
 /// The configuration in force for one request: config defaults, then headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RequestOptions {
@@ -29,6 +33,7 @@ pub(crate) struct RequestOptions {
     pub cache_control: Option<HeaderValue>,
     pub fault: Option<Fault>,
     pub output_tokens: Option<u32>,
+    pub response_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl RequestOptions {
@@ -58,12 +63,28 @@ impl RequestOptions {
             Some(n) => Some(u32::try_from(n).unwrap_or(u32::MAX)),
             None => config.output_tokens,
         };
+        let mut response_headers = Vec::new();
+        for value in headers.get_all(RESPONSE_HEADER) {
+            let pair = value
+                .to_str()
+                .ok()
+                .and_then(|v| v.split_once('='))
+                .and_then(|(name, value)| {
+                    Some((
+                        HeaderName::from_bytes(name.trim().as_bytes()).ok()?,
+                        HeaderValue::from_str(value.trim()).ok()?,
+                    ))
+                })
+                .ok_or_else(|| format!("{RESPONSE_HEADER}: expected name=value"))?;
+            response_headers.push(pair);
+        }
         Ok(Self {
             ttft: millis(TTFT_MS)?.unwrap_or(config.ttft),
             itl: millis(ITL_MS)?.unwrap_or(config.itl),
             cache_control,
             fault,
             output_tokens,
+            response_headers,
         })
     }
 }

@@ -181,6 +181,7 @@ async fn handle(
         provider,
         cache_control: shared.cache_control.clone(),
         retry_after_secs: shared.config.retry_after_secs,
+        extra_headers: Vec::new(),
     };
     let options = match RequestOptions::resolve(
         &shared.config,
@@ -191,6 +192,7 @@ async fn handle(
         Err(message) => return Ok(answer.error(ErrorKind::InvalidRequest, &message)),
     };
     answer.cache_control.clone_from(&options.cache_control);
+    answer.extra_headers.clone_from(&options.response_headers);
 
     if route.is_none() {
         let message = match provider {
@@ -378,6 +380,8 @@ struct Answer {
     provider: Provider,
     cache_control: Option<HeaderValue>,
     retry_after_secs: u32,
+    /// Added to every response (`x-stub-response-header`).
+    extra_headers: Vec<(HeaderName, HeaderValue)>,
 }
 
 impl Answer {
@@ -418,6 +422,9 @@ impl Answer {
         headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
         if let Some(value) = &self.cache_control {
             headers.insert(header::CACHE_CONTROL, value.clone());
+        }
+        for (name, value) in &self.extra_headers {
+            headers.append(name.clone(), value.clone());
         }
         response
     }

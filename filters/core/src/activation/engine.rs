@@ -225,7 +225,8 @@ fn uses(cond: &Cond, pred: &dyn Fn(&Cond) -> bool) -> bool {
 struct Evaluation<'r, R: ?Sized> {
     request: &'r R,
     utc_offset: i32,
-    path: Cell<Option<&'r [u8]>>,
+    /// The path in normal form (see [`crate::path`]), query excluded.
+    path: std::cell::OnceCell<std::borrow::Cow<'r, [u8]>>,
     clock: Cell<Option<(u8, u8)>>,
 }
 
@@ -234,18 +235,19 @@ impl<'r, R: RequestFacts + ?Sized> Evaluation<'r, R> {
         Evaluation {
             request,
             utc_offset,
-            path: Cell::new(None),
+            path: std::cell::OnceCell::new(),
             clock: Cell::new(None),
         }
     }
 
-    fn path(&self) -> &'r [u8] {
-        if let Some(path) = self.path.get() {
-            return path;
-        }
-        let path = path_without_query(self.request.path());
-        self.path.set(Some(path));
-        path
+    /// Rules see the path the backend serves (`//v1/messages` is
+    /// `/v1/messages`); one without a normal form is matched as sent.
+    fn path(&self) -> &[u8] {
+        self.path.get_or_init(|| {
+            let raw = self.request.path();
+            crate::path::normalize(raw)
+                .unwrap_or_else(|_| std::borrow::Cow::Borrowed(path_without_query(raw)))
+        })
     }
 
     /// Local (hour, weekday).

@@ -422,6 +422,17 @@ impl LazyAuthConfig {
                     format!("must start with \"/\" (got {})", quoted(path)),
                 ));
             }
+            // Requests are matched in normal form: a prefix in another form
+            // would never match.
+            if crate::path::normalize(path.as_bytes()).ok().as_deref() != Some(path.as_bytes()) {
+                return Err(ConfigError::new(
+                    format!("public_paths[{i}]"),
+                    format!(
+                        "must be a normal path (no query, empty, `.` or `..` segment, `%` or `\\`; got {})",
+                        quoted(path)
+                    ),
+                ));
+            }
         }
         if self.verdict_slots == 0 {
             return Err(ConfigError::new("verdict_slots", "must be at least 1"));
@@ -489,12 +500,17 @@ impl LazyAuthConfig {
         self.negative_ttl_secs.max(1)
     }
 
-    /// Whether `path` (query excluded) is public.
+    /// Whether `path` (query excluded) is public: its normal form (see
+    /// [`crate::path`]) is a public path or under one, whole segments
+    /// compared (`/healthz` makes `/healthz/live` public, not `/healthzv1`
+    /// nor `/healthz/../v1/messages`). A path without a normal form is not.
     pub fn is_public(&self, path: &[u8]) -> bool {
-        let path = crate::activation::path_without_query(path);
+        let Ok(path) = crate::path::normalize(path) else {
+            return false;
+        };
         self.public_paths
             .iter()
-            .any(|p| path.starts_with(p.as_bytes()))
+            .any(|p| crate::path::under(&path, p.as_bytes()))
     }
 }
 
@@ -581,5 +597,42 @@ mod tests {
         .unwrap();
         assert!(c.is_public(b"/healthz?probe=1"));
         assert!(!c.is_public(b"/v1/healthz"));
+    }
+
+    /// Issue 21 item 8: a raw byte-prefix match made both of these public.
+    #[test]
+    fn public_paths_match_normal_path_segments() {
+        let c = LazyAuthConfig::from_json(
+            br#"{"credentials":[{"header":"authorization","kind":"jwt"}],"public_paths":["/healthz","/docs/"]}"#,
+        )
+        .unwrap();
+        for public in [
+            "/healthz",
+            "/healthz/live",
+            "//healthz",
+            "/x/../healthz",
+            "/docs/a",
+        ] {
+            assert!(c.is_public(public.as_bytes()), "{public}");
+        }
+        for private in [
+            "/healthzv1/messages",
+            "/healthz/../v1/messages",
+            "/healthz/%2e%2e/v1/messages",
+            "/healthz%2F..%2Fv1/messages",
+            "/docs",
+            "/v1/messages",
+        ] {
+            assert!(!c.is_public(private.as_bytes()), "{private}");
+        }
+        let err = LazyAuthConfig::from_json(
+            br#"{"credentials":[{"header":"authorization","kind":"jwt"}],"public_paths":["/a/../b"]}"#,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("public_paths[0]: must be a normal path"),
+            "{err}"
+        );
     }
 }

@@ -16,17 +16,27 @@
 //!   members sorted by key, compact);
 //! - a non-empty string `content` of a message is the single text block
 //!   `[{"type":"text","text":...}]`, and so is Anthropic's top-level `system`;
-//! - a number with no fractional part that fits in an `i64` is that integer
-//!   (`1.0` is `1`); other numbers are written as their `f64` value, shortest
-//!   round-trip form;
+//! - a number written as an integer is that integer, exactly (64 bits); a
+//!   number written with a fraction or an exponent is its `f64` value in
+//!   shortest round-trip form, always with a `.` or an exponent, so it never
+//!   equals an integer: `16.0` is not `16` (a backend may accept one and
+//!   refuse the other), `0.50` is `0.5` and `1e2` is `100.0` (every JSON
+//!   reader that reads floats as `f64` reads them equal); `-0.0` stays
+//!   `-0.0`;
 //! - a top-level field set to `null` is the same as the field being absent.
 //!
 //! Nothing else is: strings compare byte for byte, array order matters, and
 //! a field set to its default value is not the same as the field absent.
 //!
+//! **Not keyed at all** (the request bypasses the cache, see
+//! [`crate::json`]): a body naming a member twice in one object (backends
+//! disagree on which one counts; post-cache answers 400), and a number
+//! beyond 64-bit integers (serde reads it as an `f64`, so distinct integers
+//! would share a key).
+//!
 //! **The digest** is HMAC-SHA256 under a per-deployment secret (a key cannot
 //! be computed, or a cached entry probed for, without it) over
-//! `"zerolayer-cache-v1\0" || u64be(len(provider)) || provider || namespace
+//! `"zerolayer-cache-v2\0" || u64be(len(provider)) || provider || namespace
 //! || canonical JSON`, where the namespace is `'s'` for the shared namespace
 //! and `'t' || u64be(len(tenant)) || tenant` for a tenant: every field is
 //! length-prefixed or tagged, so no two (provider, namespace, body) triples
@@ -39,10 +49,12 @@ use serde_json::{Map, Number, Value};
 use sha2::{Digest, Sha256};
 
 use crate::auth::credential::hex;
+use crate::json::{BodyError, DuplicateMember, parse_request};
 
 /// Prefix of every digested message; a new canonical form gets a new version
+/// (v2: floats no longer equal integers)
 /// so that old entries can never be read as new ones.
-const DOMAIN: &[u8] = b"zerolayer-cache-v1\0";
+const DOMAIN: &[u8] = b"zerolayer-cache-v2\0";
 
 /// Block size of SHA-256, the size of an HMAC-SHA256 key after RFC 2104 §2.
 const HMAC_BLOCK: usize = 64;
@@ -57,13 +69,14 @@ pub enum Provider {
 }
 
 impl Provider {
-    /// The provider whose API is served at `path` (a `?query` is ignored).
-    /// The method is the caller's to check.
+    /// The provider whose API is served at `path` in its normal form (see
+    /// [`crate::path`]: `//v1/messages` is `/v1/messages`; a `?query` is
+    /// ignored). A path without a normal form is no provider's (Envoy
+    /// refuses it before the chain). The method is the caller's to check.
     pub fn for_path(path: &str) -> Option<Provider> {
-        let path = path.split_once('?').map_or(path, |(path, _)| path);
-        match path {
-            "/v1/messages" => Some(Provider::Anthropic),
-            "/v1/chat/completions" => Some(Provider::OpenAi),
+        match crate::path::normalize(path.as_bytes()).ok()?.as_ref() {
+            b"/v1/messages" => Some(Provider::Anthropic),
+            b"/v1/chat/completions" => Some(Provider::OpenAi),
             _ => None,
         }
     }
@@ -99,6 +112,13 @@ pub enum KeyError {
     /// A required top-level field is absent (or `null`).
     #[error("request body has no `{0}` field")]
     Missing(&'static str),
+    /// An object names a member twice: which one the backend reads is not
+    /// known, so the request is refused (400), never keyed.
+    #[error(transparent)]
+    Duplicate(#[from] DuplicateMember),
+    /// A number beyond 64-bit integers, which cannot be keyed exactly.
+    #[error("request body has a number beyond 64-bit integers")]
+    NumberOutOfRange,
     /// A top-level field has a type the API does not accept.
     #[error("request body field `{field}` is not {expected}")]
     WrongType {
@@ -214,8 +234,11 @@ struct Canonical {
 fn canonicalise(provider: Provider, body: &[u8]) -> Result<Canonical, KeyError> {
     // serde_json limits nesting to 128 levels, which bounds the recursion of
     // the writer below as well.
-    let value: Value =
-        serde_json::from_slice(body).map_err(|err| KeyError::NotJson(err.to_string()))?;
+    let value = parse_request(body).map_err(|err| match err {
+        BodyError::Duplicate(dup) => KeyError::Duplicate(dup),
+        BodyError::NumberOutOfRange => KeyError::NumberOutOfRange,
+        BodyError::NotJson(reason) => KeyError::NotJson(reason),
+    })?;
     let Value::Object(mut request) = value else {
         return Err(KeyError::NotAnObject);
     };
@@ -385,26 +408,20 @@ fn write_object(
     out.push(b'}');
 }
 
-/// Writes a number: integers as they are; a float with no fractional part
-/// that fits in an i64 as that integer; other floats in serde_json's
-/// shortest round-trip form.
+/// Writes a number: an integer (serde read it as one: it was written as
+/// one and fits 64 bits) as it is; a float in serde_json's shortest
+/// round-trip form, which always has a `.` or an exponent (`16.0`, `1e300`),
+/// so that no float is written like an integer.
 fn write_number(out: &mut Vec<u8>, n: &Number) {
-    // 2^63: floats in [-2^63, 2^63) convert to i64 exactly; outside, `as`
-    // would saturate and 1e19 would collide with i64::MAX.
-    const I64_BOUND: f64 = 9_223_372_036_854_775_808.0;
     if let Some(i) = n.as_i64() {
         out.extend_from_slice(i.to_string().as_bytes());
     } else if let Some(u) = n.as_u64() {
         out.extend_from_slice(u.to_string().as_bytes());
     } else if let Some(f) = n.as_f64() {
-        if f.fract() == 0.0 && (-I64_BOUND..I64_BOUND).contains(&f) {
-            out.extend_from_slice((f as i64).to_string().as_bytes());
-        } else {
-            // Through `from_f64` rather than `n`'s own Display, which prints
-            // the source text if serde_json's `arbitrary_precision` is on.
-            let n = Number::from_f64(f).unwrap_or_else(|| n.clone());
-            out.extend_from_slice(n.to_string().as_bytes());
-        }
+        // Through `from_f64` rather than `n`'s own Display, which prints
+        // the source text if serde_json's `arbitrary_precision` is on.
+        let n = Number::from_f64(f).unwrap_or_else(|| n.clone());
+        out.extend_from_slice(n.to_string().as_bytes());
     } else {
         out.extend_from_slice(n.to_string().as_bytes());
     }
@@ -491,22 +508,25 @@ mod tests {
     fn numbers() {
         let cases = [
             ("0", "0"),
-            ("0.0", "0"),
-            ("-0.0", "0"),
-            ("-0", "0"),
-            ("1.0", "1"),
-            ("1e2", "100"),
-            ("-3.0", "-3"),
+            // serde_json reads `-0` as the float -0.0 (a miss, never a wrong hit).
+            ("-0", "-0.0"),
+            ("16", "16"),
+            ("0.0", "0.0"),
+            ("-0.0", "-0.0"),
+            ("1.0", "1.0"),
+            ("16.0", "16.0"),
+            ("1e2", "100.0"),
+            ("-3.0", "-3.0"),
             ("0.5", "0.5"),
             ("0.50", "0.5"),
             ("1.5e-7", "1.5e-7"),
+            ("9007199254740993", "9007199254740993"),
+            ("9007199254740992", "9007199254740992"),
             ("18446744073709551615", "18446744073709551615"),
             ("9223372036854775807", "9223372036854775807"),
             ("-9223372036854775808", "-9223372036854775808"),
-            ("-9223372036854775808.0", "-9223372036854775808"),
-            ("9223372036854775808.0", "9.223372036854776e+18"),
+            ("-9223372036854775808.0", "-9.223372036854776e+18"),
             ("1e19", "1e+19"),
-            ("1e300", "1e+300"),
         ];
         for (input, expected) in cases {
             let Value::Number(n) = serde_json::from_str(input).unwrap() else {

@@ -1,8 +1,21 @@
 //! Whether a streamed response completed: only a stream that reached its
 //! provider's terminal event (`message_stop`, `data: [DONE]`) without an
 //! error event may be cached; an interrupted one never is.
+//!
+//! An error is an `event: error` (Anthropic), or an event whose data is a
+//! JSON object with a non-null top-level `error` member (OpenAI's
+//! `data: {"error": …}`) or with `"type": "error"` (Anthropic's payload),
+//! however the JSON is spaced or escaped; data that might be one but is not
+//! JSON counts as an error too. Any of these anywhere in the stream, before
+//! or after the terminal event, means it is not cached.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde::de::IgnoredAny;
 
 use crate::sse::SseParser;
+use crate::usage::needle::Needle;
 
 use super::key::Provider;
 
@@ -33,7 +46,7 @@ impl StreamCompletion {
         self.parser.push(chunk, |event| {
             // An error event, or any event after the terminal one, means the
             // stream is not a clean response.
-            if terminated || event.event == b"error" || is_openai_error(event.data) {
+            if terminated || event.event == b"error" || is_error_data(event.data) {
                 failed = true;
             }
             terminated |= match provider {
@@ -51,9 +64,37 @@ impl StreamCompletion {
     }
 }
 
-/// OpenAI reports mid-stream failures as `data: {"error": …}`.
-fn is_openai_error(data: &[u8]) -> bool {
-    data.starts_with(b"{\"error\"")
+/// The members of an event's data that say it is an error.
+#[derive(Deserialize)]
+struct ErrorProbe<'a> {
+    #[serde(default)]
+    error: Option<IgnoredAny>,
+    #[serde(default, borrow, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+}
+
+/// Every error payload names `error`, unless the JSON escapes its letters.
+const ERROR: Needle = Needle::new(b"error", 0);
+
+/// Whether an event's `data`, or a whole JSON response body, reports a
+/// failure (some compatible backends answer 200 with an error body): OpenAI's mid-stream
+/// `{"error": …}`, or a payload of `"type": "error"`. Only data that
+/// contains `error` or an escape is parsed, so ordinary chunks cost one
+/// byte search; of those, data that is not a JSON object (or names a member
+/// twice) counts as a failure, since it cannot be told apart from one.
+pub fn is_error_data(data: &[u8]) -> bool {
+    if ERROR.find(data).is_none() && !data.contains(&b'\\') {
+        return false;
+    }
+    if !data.trim_ascii_start().starts_with(b"{") {
+        // A JSON string or array naming `error` is no error object, but no
+        // provider sends one either.
+        return true;
+    }
+    match serde_json::from_slice::<ErrorProbe<'_>>(data) {
+        Ok(probe) => probe.error.is_some() || probe.kind.as_deref() == Some("error"),
+        Err(_) => true,
+    }
 }
 
 #[cfg(test)]
@@ -71,6 +112,75 @@ mod tests {
     const ANTHROPIC: &[u8] = b"event: message_start\ndata: {\"type\":\"message_start\"}\n\nevent: content_block_delta\ndata: {\"type\":\"content_block_delta\"}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
     const OPENAI: &[u8] =
         b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n";
+
+    /// Whether every split of `stream` into two and three chunks gives `expected`.
+    fn at_every_split(provider: Provider, stream: &[u8], expected: bool) {
+        assert_eq!(complete(provider, &[stream]), expected, "whole");
+        for i in 0..=stream.len() {
+            let (a, rest) = stream.split_at(i);
+            assert_eq!(complete(provider, &[a, rest]), expected, "split at {i}");
+            for j in 0..=rest.len() {
+                let (b, c) = rest.split_at(j);
+                assert_eq!(
+                    complete(provider, &[a, b, c]),
+                    expected,
+                    "split at {i},{}",
+                    i + j
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn every_split_point_gives_the_same_verdict() {
+        at_every_split(Provider::Anthropic, ANTHROPIC, true);
+        at_every_split(Provider::OpenAi, OPENAI, true);
+        at_every_split(Provider::OpenAi, b"data: {\"choices\":[{\"delta\":{\"content\":\"an error\"}}]}\r\n\r\ndata: [DONE]\r\n\r\n", true);
+        at_every_split(
+            Provider::Anthropic,
+            &ANTHROPIC[..ANTHROPIC.len() - 1],
+            false,
+        );
+        at_every_split(Provider::OpenAi, &OPENAI[..OPENAI.len() - 1], false);
+        at_every_split(
+            Provider::OpenAi,
+            b"data: {\"choices\":[]}\n\ndata: { \"error\": {\"message\":\"overloaded\"}}\n\ndata: [DONE]\n\n",
+            false,
+        );
+        at_every_split(
+            Provider::Anthropic,
+            b"event: message_start\ndata: {}\n\nevent: ping\ndata: {\"type\": \"error\", \"error\": {}}\n\nevent: message_stop\ndata: {}\n\n",
+            false,
+        );
+    }
+
+    #[test]
+    fn error_payloads_however_written() {
+        for data in [
+            &br#"{"error":{"message":"x"}}"#[..],
+            br#"{ "error": {"message": "x"}}"#,
+            b"{\n  \"error\" : \"x\"\n}",
+            br#"{"id":"c1","object":"chat.completion.chunk","error":{"code":500}}"#,
+            br#"{"\u0065rror":{"message":"x"}}"#,
+            br#"{"type":"error","error":{"type":"overloaded_error"}}"#,
+            br#"{"type":"\u0065rror"}"#,
+            br#"{"error":null,"error":{"message":"x"}}"#,
+            br#"{"error": {"message": "cut"#,
+            b"error: not json",
+        ] {
+            assert!(is_error_data(data), "{}", String::from_utf8_lossy(data));
+        }
+        for data in [
+            &br#"{"choices":[{"delta":{"content":"error"}}]}"#[..],
+            br#"{"error":null,"choices":[]}"#,
+            br#"{"type":"content_block_delta","delta":{"text":"error"}}"#,
+            br#"{"choices":[{"delta":{"content":"a \"quote\""}}]}"#,
+            b"[DONE]",
+            b"",
+        ] {
+            assert!(!is_error_data(data), "{}", String::from_utf8_lossy(data));
+        }
+    }
 
     #[test]
     fn terminal_events_complete_a_stream() {

@@ -126,8 +126,7 @@ impl ResponseFormat {
     /// The format for a `content-type` header value: event stream for
     /// `text/event-stream` (any case, parameters ignored), JSON otherwise.
     pub fn from_content_type(value: &str) -> ResponseFormat {
-        let media = value.split_once(';').map_or(value, |(media, _)| media);
-        if media.trim().eq_ignore_ascii_case("text/event-stream") {
+        if crate::sse::is_event_stream(value.as_bytes()) {
             ResponseFormat::EventStream
         } else {
             ResponseFormat::Json

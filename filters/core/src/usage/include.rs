@@ -13,6 +13,7 @@ use serde::de::IgnoredAny;
 use serde_json::{Map, Value};
 
 use crate::cache::key::Provider;
+use crate::json::{BodyError, check_unique_members};
 
 use super::extract::carries_usage;
 use super::needle::find_either;
@@ -29,6 +30,12 @@ pub enum Injection {
     ClientAsked,
     /// Forward this body instead, and strip the usage chunk from the response.
     Rewritten(Vec<u8>),
+    /// Answer 400 with this message: a streamed request whose reading is
+    /// ambiguous (a member named twice, see [`crate::json`]) or that could
+    /// stream without the usage chunk (`stream` not a boolean, which lenient
+    /// backends read as one; `stream_options` not an object, or written so
+    /// that it cannot be rewritten in place).
+    Refused(String),
 }
 
 impl Injection {
@@ -38,8 +45,8 @@ impl Injection {
     }
 }
 
-/// The two members that decide; serde skips every other one, and rejects a
-/// body naming either twice (which reading would be ambiguous).
+/// The two members that decide; serde skips every other one (a body naming
+/// any member twice was refused before).
 #[derive(Deserialize)]
 struct StreamRequest {
     stream: Option<Value>,
@@ -55,23 +62,40 @@ const STREAM_OPTIONS: &[Wanted] = &[Wanted {
 /// Makes a streamed OpenAI request ask for usage: with `"stream": true` and
 /// `stream_options.include_usage` not `true`, returns the body with
 /// `include_usage: true` set (other `stream_options` members kept, every
-/// other byte of the body unchanged).
+/// other byte of the body unchanged). An OpenAI body naming a member twice
+/// anywhere is [`Injection::Refused`], whatever its `stream`, as post-cache
+/// refuses it: every stage that reads a body agrees.
 pub fn inject_include_usage(provider: Provider, body: &[u8]) -> Injection {
     if provider != Provider::OpenAi || !body.trim_ascii_start().starts_with(b"{") {
         // serde would read an array as a struct's fields in order.
         return Injection::NotApplicable;
     }
+    match check_unique_members(body) {
+        Ok(()) => {}
+        Err(BodyError::Duplicate(duplicate)) => return Injection::Refused(duplicate.to_string()),
+        // Not JSON: the backend refuses it; that is the client's error to see.
+        Err(_) => return Injection::NotApplicable,
+    }
     let Ok(request) = serde_json::from_slice::<StreamRequest>(body) else {
         return Injection::NotApplicable;
     };
-    if request.stream != Some(Value::Bool(true)) {
-        return Injection::NotApplicable;
+    match request.stream {
+        Some(Value::Bool(true)) => {}
+        None | Some(Value::Null | Value::Bool(false)) => return Injection::NotApplicable,
+        // A lenient backend reads `"true"` or `1` as true and streams.
+        Some(_) => {
+            return Injection::Refused("request body field `stream` is not a boolean".into());
+        }
     }
+    let written = request.stream_options.is_some();
     let options = match request.stream_options {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(options)) => options,
-        // Upstream refuses it; that is the client's error to see.
-        Some(_) => return Injection::NotApplicable,
+        Some(_) => {
+            return Injection::Refused(
+                "request body field `stream_options` is not an object".into(),
+            );
+        }
     };
     if options.get("include_usage") == Some(&Value::Bool(true)) {
         return Injection::ClientAsked;
@@ -87,6 +111,13 @@ pub fn inject_include_usage(provider: Provider, body: &[u8]) -> Injection {
     let mut scanner = TopLevelScanner::new(STREAM_OPTIONS);
     let mut span = None;
     scanner.push(body, |value| span = Some(value.span));
+    if written && span.is_none() {
+        // Its name has escapes the scanner does not match: appending a
+        // second `stream_options` would make the body ambiguous.
+        return Injection::Refused(
+            "request body field `stream_options` cannot be rewritten (escaped name)".into(),
+        );
+    }
     let mut rewritten = Vec::with_capacity(body.len() + options.len() + 20);
     match (span, scanner.root_end()) {
         (Some(span), _) => {

@@ -6,7 +6,7 @@
 
 pub mod extract;
 pub mod include;
-mod needle;
+pub(crate) mod needle;
 pub mod scan;
 
 pub use extract::{

@@ -376,6 +376,13 @@ pub fn cache_key(data: &[u8]) {
         let original = serde_json::from_slice::<Value>(data).ok();
         match injection {
             Injection::NotApplicable => {}
+            Injection::Refused(_) => {
+                // Every stage reading the body refuses it: never keyed either.
+                assert_eq!(provider, Provider::OpenAi);
+                if zerolayer_core::json::check_unique_members(data).is_err() {
+                    assert!(CanonicalRequest::of(provider, data, None, SECRET).is_err());
+                }
+            }
             Injection::ClientAsked => {
                 assert_eq!(provider, Provider::OpenAi);
                 if let Some(original) = original {
