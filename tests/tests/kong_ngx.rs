@@ -736,13 +736,13 @@ fn a_sink_down_for_a_while_costs_no_request_and_no_record() -> Result<()> {
     })
 }
 
-/// The fleet tier through webdis does not work from ngx_wasm_module: its
-/// dispatch always sends `Connection: close` (it cannot be overridden), and
-/// webdis (Debian's 0.1.x) never answers such a request, so every write
-/// times out. Requests are unaffected, every failed write is logged, and
-/// nothing half-written reaches Redis (kong/README.md says what to use).
+/// The fleet tier through real Redis + webdis from ngx_wasm_module: its
+/// dispatch always sends `Connection: close` (a filter cannot override it),
+/// which webdis answers late or not at all, so some writes time out. Either
+/// way requests are unaffected, and each write lands in Redis or is logged
+/// as failed: none is lost silently (kong/README.md).
 #[test]
-fn fleet_writes_through_webdis_fail_visibly_and_cost_no_request() -> Result<()> {
+fn fleet_writes_land_in_redis_or_are_logged_and_cost_no_request() -> Result<()> {
     let options = KongChainOptions {
         fleet: true,
         ..KongChainOptions::default()
@@ -768,16 +768,15 @@ fn fleet_writes_through_webdis_fail_visibly_and_cost_no_request() -> Result<()> 
             unreachable!("the default host is ngx_wasm_module")
         };
         wait::until(
-            "the failed fleet write logged",
+            "the fleet write in Redis or logged as failed",
             Duration::from_secs(10),
             || {
-                Ok(ngx
-                    .log()
-                    .contains("a cache fleet write failed")
-                    .then_some(()))
+                let landed = fleet.keys()? > 0;
+                let failed = ngx.log().contains("a cache fleet write failed");
+                Ok((landed || failed).then_some(()))
             },
-        )?;
-        ensure!(fleet.keys()? == 0, "a fleet write landed after all");
+        )
+        .with_context(|| format!("{}; error.log:\n{}", chain.form, ngx.log_tail(30)))?;
     }
     Ok(())
 }
