@@ -260,8 +260,15 @@ impl KongConfig {
         for dir in ["client_body", "proxy", "fastcgi", "uwsgi", "scgi"] {
             out.push_str(&format!("    {dir}_temp_path {p}/{dir}_temp;\n"));
         }
+        // The exact per-request usage metering sets in `$zerolayer_usage`
+        // (declared per location below), as JSON lines that
+        // `host-sim reconcile` reads like Envoy's access log.
+        out.push_str(
+            "    log_format zerolayer escape=json \
+             '{\"request_id\":\"$http_x_request_id\",\"status\":\"$status\",\"usage\":\"$zerolayer_usage\"}';\n",
+        );
         out.push_str(&format!(
-            "    access_log {p}/access.log;\n    proxy_http_version 1.1;\n"
+            "    access_log {p}/access.log zerolayer;\n    proxy_http_version 1.1;\n"
         ));
         for line in &self.http {
             out.push_str(&format!("    {line}\n"));
@@ -282,6 +289,7 @@ impl KongConfig {
                     "            if ($request_method !~ ^({methods})$) {{ return 404; }}\n"
                 ));
             }
+            out.push_str("            set $zerolayer_usage \"\";\n");
             for filter in &self.filters {
                 out.push_str(&format!(
                     "            proxy_wasm {} '{}';\n",
@@ -435,6 +443,12 @@ impl NgxWasm {
     /// nginx's error log (the filters' `proxy_log` lines land here).
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default()
+    }
+
+    /// nginx's access log: one JSON line per request with metering's usage
+    /// entry (`$zerolayer_usage`), as Envoy's access log carries it.
+    pub fn access_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("access.log")).unwrap_or_default()
     }
 
     /// The last `lines` lines of the error log written since start-up (all

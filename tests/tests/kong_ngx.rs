@@ -14,6 +14,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
+use host_sim::reconcile::{self, Measure};
 use serde_json::{Value, json};
 use zerolayer_e2e::chain::{self, GOOD_API_KEY, anthropic, concurrently, openai};
 use zerolayer_e2e::kong_chain::{KongChain, KongChainOptions, KongGateway, KongHost};
@@ -486,6 +487,39 @@ fn usage_is_metered_for_both_providers_and_shipped_to_clickhouse() -> Result<()>
             !rows.iter().any(|r| r["request_id"] == "meter-cached-hit"),
             "a cache hit was metered: {rows:?}"
         );
+        if let KongGateway::NgxWasm(ngx) = &chain.gateway {
+            // nginx's access log carries every request's usage entry
+            // (`$zerolayer_usage`): reconciliation bills exactly its totals.
+            let log = wait::until(
+                "every metered request in nginx's access log",
+                Duration::from_secs(10),
+                || {
+                    let log = reconcile::read_access_log(ngx.access_log().as_bytes())?;
+                    let metered = |id: &str| log.rows.iter().any(|r| r.request_id == id);
+                    let all = cases.iter().all(|(id, _, _)| metered(id));
+                    Ok((all && metered("meter-sentinel")).then_some(log))
+                },
+            )?;
+            ensure!(
+                !log.rows.iter().any(|r| r.request_id == "meter-cached-hit"),
+                "the hit is in the access log's usage"
+            );
+            let sample = reconcile::fetch_sample(&chain.clickhouse.url(), "zerolayer_usage")?;
+            let report = reconcile::reconcile(&log.rows, &sample, 0.0);
+            let truth = |measure: fn(&reconcile::TruthRow) -> u64| -> f64 {
+                log.rows
+                    .iter()
+                    .filter(|r| r.tenant == "acme")
+                    .map(measure)
+                    .sum::<u64>() as f64
+            };
+            ensure!(
+                report.billed("acme", Measure::InputTokens) == truth(|r| r.tokens.input)
+                    && report.billed("acme", Measure::OutputTokens) == truth(|r| r.tokens.output),
+                "reconciled totals differ from the access log:\n{}",
+                report.summary()
+            );
+        }
         for (id, _, _) in &cases {
             let row = rows
                 .iter()

@@ -25,11 +25,11 @@ use zerolayer_stub::{Stub, StubConfig};
 use crate::{setup, step};
 
 /// The demo's cache secret (a deployment sets its own, ≥ 32 bytes).
-const DEMO_CACHE_SECRET: &str = "zerolayer-demo-cache-secret-not-for-production";
+pub(crate) const DEMO_CACHE_SECRET: &str = "zerolayer-demo-cache-secret-not-for-production";
 
 /// The credential a demo request carries.
 #[derive(Clone, Copy)]
-enum Credential {
+pub(crate) enum Credential {
     None,
     /// A JWT for `(subject, tenant)` signed by the demo identity provider.
     Jwt(&'static str, &'static str),
@@ -39,18 +39,18 @@ enum Credential {
 }
 
 /// One demo request.
-struct Case {
-    what: &'static str,
-    path: &'static str,
-    credential: Credential,
-    headers: &'static [(&'static str, &'static str)],
-    stream: bool,
+pub(crate) struct Case {
+    pub(crate) what: &'static str,
+    pub(crate) path: &'static str,
+    pub(crate) credential: Credential,
+    pub(crate) headers: &'static [(&'static str, &'static str)],
+    pub(crate) stream: bool,
     /// Wait for the observer's verdict on this request's credential before
     /// the next request (verification is off the request path).
-    then_wait: bool,
+    pub(crate) then_wait: bool,
 }
 
-const CASES: &[Case] = &[
+pub(crate) const CASES: &[Case] = &[
     Case {
         what: "no credential",
         path: "/v1/messages",
@@ -150,7 +150,7 @@ const CASES: &[Case] = &[
 ];
 
 /// The demo's introspection endpoint: `sk-demo-globex` is active.
-fn introspect(request: &zerolayer_e2e::SeenRequest) -> (u16, String) {
+pub(crate) fn introspect(request: &zerolayer_e2e::SeenRequest) -> (u16, String) {
     match request.header("x-api-key") {
         Some("sk-demo-globex") => (
             200,
@@ -161,14 +161,14 @@ fn introspect(request: &zerolayer_e2e::SeenRequest) -> (u16, String) {
 }
 
 /// What the demo talks to.
-enum Backend {
+pub(crate) enum Backend {
     Stub(Stub),
     Model(ModelServer),
     External(SocketAddr, String),
 }
 
 impl Backend {
-    fn addr(&self) -> SocketAddr {
+    pub(crate) fn addr(&self) -> SocketAddr {
         match self {
             Backend::Stub(s) => s.addr(),
             Backend::Model(m) => m.addr(),
@@ -176,7 +176,7 @@ impl Backend {
         }
     }
 
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             Backend::Stub(s) => format!(
                 "GPU backend stub on {} (150 ms to first token, 20 ms/token)",
@@ -188,7 +188,7 @@ impl Backend {
     }
 
     /// The `x-zerolayer-*` headers the backend received with request `id`.
-    fn internal_headers_seen(&self, id: &str) -> String {
+    pub(crate) fn internal_headers_seen(&self, id: &str) -> String {
         let Backend::Stub(stub) = self else {
             return "(not recorded)".into();
         };
@@ -217,7 +217,7 @@ impl Backend {
 
 /// Which Envoy configuration the demo runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Form {
+pub(crate) enum Form {
     /// `envoy/zerolayer.yaml`: four filters.
     Separate,
     /// `envoy/zerolayer-fused.yaml`: one filter instance.
@@ -239,6 +239,7 @@ pub fn run(args: &[String]) -> Result<()> {
     let mut real_model = false;
     let mut keep_running = false;
     let mut form = Form::Separate;
+    let mut host = DemoHost::Envoy;
     let mut iter = args.iter();
     while let Some(arg) = iter.next() {
         match arg.as_str() {
@@ -248,8 +249,15 @@ pub fn run(args: &[String]) -> Result<()> {
             "--real-model" => real_model = true,
             "--keep-running" => keep_running = true,
             "--fused" => form = Form::Fused,
+            "--host" => {
+                host = match iter.next().map(String::as_str) {
+                    Some("envoy") => DemoHost::Envoy,
+                    Some("ngx-wasm") => DemoHost::NgxWasm,
+                    other => bail!("--host: envoy or ngx-wasm, not {other:?}"),
+                }
+            }
             other => bail!(
-                "unknown demo option {other:?} (try --real-model, --upstream URL, --fused, --keep-running)"
+                "unknown demo option {other:?} (try --real-model, --upstream URL, --fused, --host envoy|ngx-wasm, --keep-running)"
             ),
         }
     }
@@ -269,7 +277,10 @@ pub fn run(args: &[String]) -> Result<()> {
                 .itl(Duration::from_millis(20)),
         )?),
     };
-    let seen = session(&backend, keep_running, form)?;
+    let seen = match host {
+        DemoHost::Envoy => session(&backend, keep_running, form)?,
+        DemoHost::NgxWasm => crate::demo_kong::session(&backend, keep_running, form)?,
+    };
     let admitted = seen.iter().filter(|s| s.status == 200).count();
     let verified = seen
         .iter()
@@ -295,18 +306,27 @@ pub fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// Which Proxy-Wasm host the demo runs the chain in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DemoHost {
+    /// Real Envoy (`envoy/`), the default.
+    Envoy,
+    /// Kong's host, ngx_wasm_module (`kong/`).
+    NgxWasm,
+}
+
 /// What one demo request came back with, as printed.
 #[derive(Debug)]
-struct Seen {
-    status: u16,
-    identity: String,
-    cache: String,
-    internal: String,
+pub(crate) struct Seen {
+    pub(crate) status: u16,
+    pub(crate) identity: String,
+    pub(crate) cache: String,
+    pub(crate) internal: String,
     /// metering's `input→output` tokens from the access log (`-`: not
     /// metered, e.g. refused or answered from the cache).
-    tokens: String,
+    pub(crate) tokens: String,
     /// Whether the request's full record landed in ClickHouse.
-    shipped: bool,
+    pub(crate) shipped: bool,
 }
 
 /// The demo's metering sample rate, percent (a deployment uses ~1%).
@@ -629,7 +649,7 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
     Ok(seen)
 }
 
-fn request_body(case: &Case) -> String {
+pub(crate) fn request_body(case: &Case) -> String {
     let messages = r#"[{"role":"user","content":"Say hello to the gateway in five words."}]"#;
     if case.path == "/v1/messages" {
         format!(
@@ -650,7 +670,7 @@ fn request_body(case: &Case) -> String {
 }
 
 /// The generated text (first words) and token usage of a reply.
-fn summarize(case: &Case, body: &str) -> String {
+pub(crate) fn summarize(case: &Case, body: &str) -> String {
     let mut text = String::new();
     let (mut input, mut output) = (None, None);
     let mut events = 0;
@@ -709,7 +729,7 @@ fn summarize(case: &Case, body: &str) -> String {
 
 /// `demo-N`, except for the canary cases, which get the first id inside
 /// (or outside) the 10% sample: the same `xxh3(id) mod 10000` the filter uses.
-fn request_id(n: usize, what: &str) -> String {
+pub(crate) fn request_id(n: usize, what: &str) -> String {
     let canary = Rate::from_percent(10.0).unwrap_or(Rate::NONE);
     let want = match what {
         w if w.contains("id in") => Some(true),
@@ -767,7 +787,7 @@ fn access_log_field(log: &str, field: &str) -> std::collections::HashMap<String,
 }
 
 /// The message of a JSON error reply (`{"error":{"message":…}}`).
-fn error_message(body: &str) -> String {
+pub(crate) fn error_message(body: &str) -> String {
     serde_json::from_str::<Value>(body)
         .ok()
         .and_then(|v| {
@@ -778,7 +798,7 @@ fn error_message(body: &str) -> String {
         .unwrap_or_else(|| body.chars().take(80).collect())
 }
 
-fn or_dash(s: &str) -> &str {
+pub(crate) fn or_dash(s: &str) -> &str {
     if s.is_empty() { "-" } else { s }
 }
 
@@ -812,6 +832,60 @@ mod tests {
     fn the_demo_tells_what_it_claims() -> Result<()> {
         for form in [Form::Separate, Form::Fused] {
             the_demo_tells_what_it_claims_as(form)?;
+        }
+        Ok(())
+    }
+
+    /// The same story in Kong's host: the same twelve requests, the same
+    /// statuses and cache column, identities from the audit records.
+    #[test]
+    fn the_demo_tells_the_same_story_in_ngx_wasm_module() -> Result<()> {
+        for form in [Form::Separate, Form::Fused] {
+            let backend = Backend::Stub(Stub::start(StubConfig::default())?);
+            let seen = crate::demo_kong::session(&backend, false, form)?;
+            let what: Vec<(&str, u16, &str, &str)> = CASES
+                .iter()
+                .zip(&seen)
+                .map(|(c, s)| (c.what, s.status, s.identity.as_str(), s.cache.as_str()))
+                .collect();
+            let acme = "verified tenant=acme";
+            let want: Vec<(&str, u16, &str, &str)> = vec![
+                ("no credential", 401, "-", "-"),
+                (
+                    "alice@acme JWT, first sight",
+                    200,
+                    "unverified tenant=acme",
+                    "BYPASS",
+                ),
+                ("same JWT, verified off-path", 200, acme, "MISS"),
+                ("API key, client says no-store", 200, "unverified", "BYPASS"),
+                ("same API key again", 200, "verified tenant=globex", "MISS"),
+                ("SDK client, id in 10% canary", 200, acme, "MISS"),
+                ("SDK client, id outside it", 200, acme, "HIT"),
+                (
+                    "forged JWT, first sight",
+                    200,
+                    "unverified tenant=acme",
+                    "BYPASS",
+                ),
+                ("same forged JWT", 401, "-", "-"),
+                ("unknown API key", 200, "unverified", "BYPASS"),
+                ("same unknown API key", 401, "-", "-"),
+                ("forged internal header", 200, acme, "HIT"),
+            ];
+            assert_eq!(what, want, "{form:?} in ngx_wasm_module");
+            for (case, s) in CASES.iter().zip(&seen) {
+                let reached = s.status == 200 && s.cache != "HIT";
+                let expected = if reached { "none" } else { "(not reached)" };
+                assert_eq!(s.internal, expected, "{}", case.what);
+                assert_eq!(
+                    s.tokens.contains('→'),
+                    reached,
+                    "{}: {}",
+                    case.what,
+                    s.tokens
+                );
+            }
         }
         Ok(())
     }

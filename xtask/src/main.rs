@@ -3,6 +3,7 @@
 //! Python 3 needs nothing else.
 
 mod demo;
+mod demo_kong;
 mod fuzz;
 mod setup;
 
@@ -13,11 +14,12 @@ use anyhow::{Context, Result, bail};
 const USAGE: &str = "\
 usage: cargo xtask <command>
 
-  demo [--real-model | --upstream URL] [--fused] [--keep-running]
+  demo [--real-model | --upstream URL] [--fused] [--host envoy|ngx-wasm] [--keep-running]
                          build the filters, run them inside real Envoy in front of the
                          GPU backend stub (or the real model server, or URL), print
                          what they decided per request (--fused: the chain as one
-                         filter instance)
+                         filter instance; --host ngx-wasm: in Kong's Proxy-Wasm host,
+                         ngx_wasm_module, from kong/)
   test                   set up, build, lint and run every test (what CI runs)
   setup                  install the wasm targets, the pinned Envoy, the llama.cpp
                          server with its model and wasm-bindgen's CLI into .venv, and

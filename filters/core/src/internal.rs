@@ -54,6 +54,13 @@ pub const AUTH_PROPERTY: &str = "wasmx.zerolayer_auth";
 /// see `crate::metering::UsageRecord::log_entry`), for the access log.
 pub const USAGE_PROPERTY: &str = "wasmx.zerolayer_usage";
 
+/// The nginx variable metering also sets, in ngx_wasm_module, to the
+/// request's usage entry: nginx's `log_format` cannot name `wasmx.*`
+/// properties, but it can log `$zerolayer_usage` once the operator declares
+/// it (`set $zerolayer_usage "";`), which gives plain nginx deployments the
+/// exact per-request log that reconciliation needs.
+pub const USAGE_NGX_VARIABLE: &str = "ngx.zerolayer_usage";
+
 /// Property: metering asked the backend for OpenAI's usage chunk and hides
 /// it from the client (`1`). Published only where the host runs response
 /// phases in chain order (ngx_wasm_module's separate filters), so that

@@ -104,7 +104,9 @@ impl MeteredStream {
             in_sample,
         };
         plan.meters.count(&record);
-        zerolayer_proxy::publish(internal::USAGE_PROPERTY, &record.log_entry());
+        let entry = record.log_entry();
+        zerolayer_proxy::publish(internal::USAGE_PROPERTY, &entry);
+        zerolayer_proxy::set_ngx_variable(internal::USAGE_NGX_VARIABLE, &entry);
         // Activation's `metering` observer asks for this request's full
         // record even outside the sample (it then weighs 0 in the estimate).
         let forced = || {

@@ -1,8 +1,9 @@
-//! The one host call the SDK has no allocation-free form of: a whole header
-//! map as the host serializes it, kept as one buffer
-//! ([`zerolayer_core::headers::HeaderBlock`]). The SDK's `get_map_bytes`
+//! The host calls the SDK has no safe form of. A whole header map as the
+//! host serializes it, kept as one buffer
+//! ([`zerolayer_core::headers::HeaderBlock`]): the SDK's `get_map_bytes`
 //! makes a `String` and a `Vec` per header (most of the cost of a read
-//! inside a Wasm VM) and panics on a status other than `Ok`.
+//! inside a Wasm VM) and panics on a status other than `Ok`. And setting a
+//! property the host may refuse: the SDK's `set_property` panics then.
 #![allow(unsafe_code)]
 
 use proxy_wasm::types::{MapType, Status};
@@ -15,6 +16,28 @@ unsafe extern "C" {
         return_map_data: *mut *mut u8,
         return_map_size: *mut usize,
     ) -> u32;
+    fn proxy_set_property(
+        path_data: *const u8,
+        path_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
+}
+
+/// Sets the one-segment property `path` to `value`; the host's refusal is
+/// a status, not a panic.
+pub fn set_property(path: &str, value: &[u8]) -> Result<(), Status> {
+    // SAFETY: both pointers and lengths describe live slices for the
+    // duration of the call; the host only reads them. A one-segment path
+    // is its bytes, as the SDK serializes it.
+    let status =
+        unsafe { proxy_set_property(path.as_ptr(), path.len(), value.as_ptr(), value.len()) };
+    match status {
+        0 => Ok(()),
+        1 => Err(Status::NotFound),
+        2 => Err(Status::BadArgument),
+        _ => Err(Status::InternalFailure),
+    }
 }
 
 /// Header map `map` of the current stream, read with one host call.

@@ -229,6 +229,17 @@ pub fn can_resume_from_tick() -> bool {
     !in_ngx_wasm()
 }
 
+/// Sets nginx variable `path` (`ngx.<name>`) where the host is
+/// ngx_wasm_module and the operator declared it; elsewhere, or undeclared,
+/// nothing happens. Call from a request context.
+pub fn set_ngx_variable(path: &str, value: &[u8]) {
+    if in_ngx_wasm() {
+        // An undeclared variable is refused (NotFound): the operator chose
+        // not to log it. Not through the SDK, which panics on a refusal.
+        let _ = host_map::set_property(path, value);
+    }
+}
+
 /// Whether later filters of the chain see a response before this one:
 /// ngx_wasm_module runs every phase in chain order, Envoy runs response
 /// phases in reverse (and the fused filter runs its stages so everywhere).
