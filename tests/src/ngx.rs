@@ -277,8 +277,11 @@ impl KongConfig {
             "    upstream llm {{ server {upstream}; keepalive 16; }}\n"
         ));
         out.push_str(&format!("    server {{\n        listen {listen};\n"));
+
+        // `$zerolayer_usage` is declared in every location (the access log
+        // names it); metering sets it where the chain runs.
         out.push_str(
-            "        location / { default_type application/json; \
+            "        location / { set $zerolayer_usage \"\"; default_type application/json; \
              return 404 '{\"message\":\"no Route matched with those values\"}'; }\n",
         );
         let methods = self.methods.join("|");
