@@ -23,7 +23,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, ensure};
 use serde_json::json;
 use zerolayer_e2e::chain::{AuthServices, CACHE_SECRET, Chain};
-use zerolayer_e2e::ngx::{KongConfig, NgxWasm};
+use zerolayer_e2e::ngx::{self, KongConfig, NgxWasm};
 use zerolayer_e2e::{MockServer, wait};
 use zerolayer_stub::{Stub, StubConfig};
 
@@ -418,7 +418,7 @@ fn parse_duration_us(text: &str) -> f64 {
 fn tree_cpu_secs(pid: u32) -> f64 {
     let ticks = 100.0; // USER_HZ on Linux.
     let mut total = 0.0;
-    for p in std::iter::once(pid).chain(children(pid)) {
+    for p in std::iter::once(pid).chain(ngx::children(pid)) {
         let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
             continue;
         };
@@ -432,26 +432,6 @@ fn tree_cpu_secs(pid: u32) -> f64 {
         total += (utime + stime) / ticks;
     }
     total
-}
-
-fn children(pid: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
-        .filter(|c| {
-            std::fs::read_to_string(format!("/proc/{c}/stat"))
-                .ok()
-                .and_then(|s| {
-                    s.rsplit_once(')')
-                        .and_then(|(_, r)| r.split_whitespace().nth(1).map(str::to_string))
-                })
-                .and_then(|p| p.parse::<u32>().ok())
-                == Some(pid)
-        })
-        .collect()
 }
 
 /// Pins this process (and so wrk and the upstream it starts) to `cpu`.
@@ -472,7 +452,7 @@ fn pin_self(cpu: u32) -> bool {
 
 /// Pins nginx's master and workers to `cpu`.
 fn pin_tree(pid: u32, cpu: u32) {
-    for p in std::iter::once(pid).chain(children(pid)) {
+    for p in std::iter::once(pid).chain(ngx::children(pid)) {
         let _ = Command::new("taskset")
             .args(["-a", "-p", "-c", &cpu.to_string(), &p.to_string()])
             .stdout(Stdio::null())

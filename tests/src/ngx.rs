@@ -493,7 +493,7 @@ impl Drop for NgxWasm {
 }
 
 /// The processes whose parent is `pid` (an nginx master's workers).
-fn children(pid: u32) -> Vec<u32> {
+pub fn children(pid: u32) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };

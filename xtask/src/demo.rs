@@ -431,24 +431,7 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
     let mut verifications = 0.0;
     for (i, case) in CASES.iter().enumerate() {
         let id = request_id(i + 1, case.what);
-        let credential = match case.credential {
-            Credential::None => None,
-            Credential::Jwt(sub, tenant) => Some((
-                "authorization",
-                format!(
-                    "Bearer {}",
-                    issuer().es256(&tokens::claims(sub, tenant, now, 3600))
-                ),
-            )),
-            Credential::ForgedJwt => Some((
-                "authorization",
-                format!(
-                    "Bearer {}",
-                    issuer().forged(&tokens::claims("mallory", "acme", now, 3600), 1)
-                ),
-            )),
-            Credential::ApiKey(key) => Some(("x-api-key", key.to_string())),
-        };
+        let credential = credential_header(case, now);
         let mut headers: Vec<(&str, &str)> = case.headers.to_vec();
         if let Some((name, value)) = &credential {
             headers.push((name, value));
@@ -483,28 +466,8 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
         .filter(|r| rate.includes(r.request_id.as_bytes()))
         .count();
     let shipped = clickhouse.wait_rows(sampled, Duration::from_secs(10))?;
-    let row = |n: &str,
-               what: &str,
-               status: &str,
-               auth: &str,
-               obs: &str,
-               cache: &str,
-               tokens: &str,
-               leak: &str| {
-        println!(
-            "{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<22} {cache:<7} {tokens:<11} {leak}"
-        );
-    };
-    row(
-        "#",
-        "request",
-        "status",
-        "identity (lazy-auth)",
-        "observers (activation)",
-        "cache",
-        "tokens",
-        "internal",
-    );
+    let row = print_row;
+    print_header();
     let mut seen = Vec::new();
     for (i, (case, (id, reply))) in CASES.iter().zip(&sent).enumerate() {
         let debug = reply.header("x-zerolayer-debug").unwrap_or("");
@@ -647,6 +610,58 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
         }
     }
     Ok(seen)
+}
+
+/// The credential header `case` carries (its JWTs signed at `now`, valid
+/// for an hour), as (name, value).
+pub(crate) fn credential_header(case: &Case, now: u64) -> Option<(&'static str, String)> {
+    match case.credential {
+        Credential::None => None,
+        Credential::Jwt(sub, tenant) => Some((
+            "authorization",
+            format!(
+                "Bearer {}",
+                issuer().es256(&tokens::claims(sub, tenant, now, 3600))
+            ),
+        )),
+        Credential::ForgedJwt => Some((
+            "authorization",
+            format!(
+                "Bearer {}",
+                issuer().forged(&tokens::claims("mallory", "acme", now, 3600), 1)
+            ),
+        )),
+        Credential::ApiKey(key) => Some(("x-api-key", key.to_string())),
+    }
+}
+
+/// One row of the demo's table.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn print_row(
+    n: &str,
+    what: &str,
+    status: &str,
+    auth: &str,
+    obs: &str,
+    cache: &str,
+    tokens: &str,
+    leak: &str,
+) {
+    println!("{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<22} {cache:<7} {tokens:<11} {leak}");
+}
+
+/// The demo table's header row.
+pub(crate) fn print_header() {
+    print_row(
+        "#",
+        "request",
+        "status",
+        "identity (lazy-auth)",
+        "observers (activation)",
+        "cache",
+        "tokens",
+        "internal",
+    );
 }
 
 pub(crate) fn request_body(case: &Case) -> String {

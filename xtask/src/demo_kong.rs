@@ -14,12 +14,12 @@ use serde_json::{Value, json};
 use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::clickhouse::ClickHouse;
 use zerolayer_e2e::ngx::{self, KongConfig, NgxWasm};
-use zerolayer_e2e::tokens::{self, issuer};
+use zerolayer_e2e::tokens;
 use zerolayer_e2e::{Client, wait};
 
 use crate::demo::{
-    Backend, CASES, Credential, DEMO_CACHE_SECRET, Form, Seen, error_message, introspect, or_dash,
-    request_body, request_id, summarize,
+    Backend, CASES, DEMO_CACHE_SECRET, Form, Seen, credential_header, error_message, introspect,
+    or_dash, print_header, print_row, request_body, request_id, summarize,
 };
 use crate::step;
 
@@ -107,24 +107,7 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
     let mut sent = Vec::new();
     for (i, case) in CASES.iter().enumerate() {
         let id = request_id(i + 1, case.what);
-        let credential = match case.credential {
-            Credential::None => None,
-            Credential::Jwt(sub, tenant) => Some((
-                "authorization",
-                format!(
-                    "Bearer {}",
-                    issuer().es256(&tokens::claims(sub, tenant, now, 3600))
-                ),
-            )),
-            Credential::ForgedJwt => Some((
-                "authorization",
-                format!(
-                    "Bearer {}",
-                    issuer().forged(&tokens::claims("mallory", "acme", now, 3600), 1)
-                ),
-            )),
-            Credential::ApiKey(key) => Some(("x-api-key", key.to_string())),
-        };
+        let credential = credential_header(case, now);
         let mut headers: Vec<(&str, &str)> = case.headers.to_vec();
         if let Some((name, value)) = &credential {
             headers.push((name, value));
@@ -181,28 +164,8 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
         .count();
     let shipped = clickhouse.wait_rows(reached, Duration::from_secs(10))?;
 
-    let row = |n: &str,
-               what: &str,
-               status: &str,
-               auth: &str,
-               obs: &str,
-               cache: &str,
-               tokens: &str,
-               leak: &str| {
-        println!(
-            "{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<22} {cache:<7} {tokens:<11} {leak}"
-        );
-    };
-    row(
-        "#",
-        "request",
-        "status",
-        "identity (lazy-auth)",
-        "observers (activation)",
-        "cache",
-        "tokens",
-        "internal",
-    );
+    let row = print_row;
+    print_header();
     let mut seen = Vec::new();
     for (i, (case, (id, reply))) in CASES.iter().zip(&sent).enumerate() {
         let debug = reply.header("x-zerolayer-debug").unwrap_or("");

@@ -323,7 +323,9 @@ pub fn property(path: &str) -> Option<Vec<u8>> {
 pub fn publish(path: &str, value: &[u8]) {
     fused::remember_handoff(path, value);
     let path = host_path(path);
-    if let Err(status) = hostcalls::set_property(vec![&path], Some(value)) {
+    // Not through the SDK's `set_property`, which panics (killing the VM)
+    // on a host's refusal instead of returning it.
+    if let Err(status) = host_map::set_property(&path, value) {
         log::warn!("could not publish {path}: {status:?}");
     }
 }
