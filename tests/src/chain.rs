@@ -223,14 +223,7 @@ impl Chain {
 
     /// Backend requests whose `x-request-id` starts with `prefix`.
     pub fn backend_requests(&self, prefix: &str) -> usize {
-        self.stub
-            .requests()
-            .iter()
-            .filter(|r| {
-                r.header("x-request-id")
-                    .is_some_and(|i| i.starts_with(prefix))
-            })
-            .count()
+        backend_requests(&self.stub, prefix)
     }
 
     /// POSTs `body` to `path` with JSON content type and `headers`.
@@ -260,6 +253,17 @@ impl Chain {
         )?;
         Ok(self.access_log_by_id())
     }
+}
+
+/// Requests `stub` received whose `x-request-id` starts with `prefix`.
+pub fn backend_requests(stub: &Stub, prefix: &str) -> usize {
+    stub.requests()
+        .iter()
+        .filter(|r| {
+            r.header("x-request-id")
+                .is_some_and(|i| i.starts_with(prefix))
+        })
+        .count()
 }
 
 /// Runs `client(i)` for `i` in `0..n` on `n` threads at once and returns

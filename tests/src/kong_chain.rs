@@ -273,14 +273,7 @@ impl KongChain {
 
     /// Backend requests whose `x-request-id` starts with `prefix`.
     pub fn backend_requests(&self, prefix: &str) -> usize {
-        self.stub
-            .requests()
-            .iter()
-            .filter(|r| {
-                r.header("x-request-id")
-                    .is_some_and(|i| i.starts_with(prefix))
-            })
-            .count()
+        crate::chain::backend_requests(&self.stub, prefix)
     }
 
     /// A Bearer JWT for `subject` of `tenant` that the observer has

@@ -18,7 +18,7 @@
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use serde_yaml::Value;
@@ -408,24 +408,17 @@ impl NgxWasm {
     /// Polls until a request is answered: any answer means the worker
     /// compiled the modules and configured the filters.
     fn wait_ready(&mut self) -> Result<()> {
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
-            if let Some(status) = self.child.try_wait()? {
+        let client = &self.client;
+        let child = &mut self.child;
+        let url = format!("http://{}/__zerolayer_ready", self.listen);
+        crate::wait::until("nginx answering", READY_TIMEOUT, || {
+            if let Some(status) = child.try_wait()? {
                 bail!("nginx exited with {status}");
             }
-            if Instant::now() > deadline {
-                bail!("timed out after {READY_TIMEOUT:?}");
-            }
-            if self
-                .client
-                .get(&self.url("/__zerolayer_ready"), &[])
-                .is_ok()
-            {
-                self.ready_at = self.log().len();
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+            Ok(client.get(&url, &[]).is_ok().then_some(()))
+        })?;
+        self.ready_at = self.log().len();
+        Ok(())
     }
 
     /// URL of `path` on the listener.
@@ -477,10 +470,10 @@ impl Drop for NgxWasm {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let child = &mut self.child;
+        let _ = crate::wait::until("nginx stopped", Duration::from_secs(3), || {
+            Ok(child.try_wait()?.map(|_| ()))
+        });
         let _ = self.child.kill();
         let _ = self.child.wait();
         for worker in workers {
