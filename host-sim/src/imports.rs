@@ -12,7 +12,7 @@ use wasmtime::{Caller, ExternType, Linker, Module, Val, ValType};
 
 use crate::abi::{self, BufferType, Headers, LogLevel, MapType, MetricType, Status};
 use crate::properties;
-use crate::vm::VmState;
+use crate::vm::{ContextKind, VmState};
 use crate::world::{Callout, Event, LocalResponse, Profile};
 
 type C<'a> = Caller<'a, VmState>;
@@ -767,6 +767,19 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
                 // on_tick, on_dispatch_response".
                 return Err(wasmtime::Error::msg(
                     "proxy_http_call from a response phase or on_log: ngx_wasm_module traps (Kong profile)",
+                ));
+            }
+            if state.world.borrow().profile == Profile::Kong
+                && state.call_response.is_some()
+                && matches!(state.contexts.get(&state.current), Some(ContextKind::Root))
+            {
+                // ngx_wasm_module hands the new call the answered call's
+                // fake request, freed when the answer returns: the worker
+                // crashes (signal 11) when the new call connects. Trapping
+                // makes the deterministic host fail where the real one
+                // fails at random.
+                return Err(wasmtime::Error::msg(
+                    "proxy_http_call from a root context's on_http_call_response: ngx_wasm_module runs it on the answered call's freed request and the worker crashes (Kong profile)",
                 ));
             }
         }

@@ -860,3 +860,72 @@ fn a_refusal_on_the_introspection_answer_reaches_the_client() -> Result<()> {
         Ok(())
     })
 }
+
+/// Many requests at once with audit on, and a sink slower than they
+/// arrive: every audit record reaches the sink and the worker stays up.
+/// The observer once shipped the next batch from the previous batch's
+/// answer; ngx_wasm_module runs such a callout on the answered call's
+/// freed request, and under load the worker crashed (signal 11) every
+/// few seconds. Batches now leave from `on_tick` only in tick mode
+/// (host-sim's `kong` profile traps the old pattern).
+#[test]
+fn audit_records_under_concurrent_load_all_reach_the_sink_and_the_worker_stays_up() -> Result<()> {
+    const CLIENTS: usize = 8;
+    const EACH: usize = 40;
+    let options = KongChainOptions {
+        // Small batches: many answers with records still waiting.
+        configure: Some(|sections| sections["lazy_auth"]["audit"]["batch_max"] = json!(5)),
+        ..KongChainOptions::default()
+    };
+    both_forms(options, |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("judy", "acme")?;
+        let results = concurrently(CLIENTS, |client| {
+            for n in 0..EACH {
+                let id = format!("audit-load-{client}-{n}");
+                let reply = chain.post(
+                    &id,
+                    "/v1/messages",
+                    &[
+                        ("authorization", &bearer),
+                        ("x-request-id", &id),
+                        ("cache-control", "no-store"),
+                    ],
+                    &anthropic(&id, false),
+                )?;
+                ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
+            }
+            Ok(())
+        });
+        for result in results {
+            result?;
+        }
+        let audited = |chain: &KongChain| -> usize {
+            let mut ids = std::collections::HashSet::new();
+            for request in chain.services.audit.seen() {
+                for line in request.body.lines() {
+                    if let Ok(row) = serde_json::from_str::<Value>(line)
+                        && let Some(id) = row["request_id"].as_str()
+                        && id.starts_with("audit-load-")
+                    {
+                        ids.insert(id.to_string());
+                    }
+                }
+            }
+            ids.len()
+        };
+        wait::until(
+            "every request's audit record at the sink",
+            Duration::from_secs(30),
+            || Ok((audited(chain) == CLIENTS * EACH).then_some(())),
+        )
+        .with_context(|| format!("{} of {} audited", audited(chain), CLIENTS * EACH))?;
+        if let KongGateway::NgxWasm(ngx) = &chain.gateway {
+            ensure!(
+                !ngx.log().contains("exited on signal"),
+                "a worker crashed:\n{}",
+                ngx.log_tail(30)
+            );
+        }
+        Ok(())
+    })
+}

@@ -441,7 +441,7 @@ fn rows(body: &[u8]) -> Result<Vec<Value>> {
 
 fn sink(extra: Value) -> Value {
     let mut sink = json!({"cluster": "sink", "path": "/?query=INSERT%20INTO%20zerolayer_usage%20FORMAT%20JSONEachRow",
-                          "batch_max": 3, "flush_ms": 1000, "buffer_max": 100});
+                          "batch_max": 3, "flush_ms": 1000, "buffer_max": 100, "max_in_flight": 1});
     if let (Some(base), Some(extra)) = (sink.as_object_mut(), extra.as_object()) {
         for (k, v) in extra {
             base.insert(k.clone(), v.clone());
@@ -561,6 +561,30 @@ fn a_failing_sink_is_retried_with_backoff_behind_a_breaker_and_nothing_is_lost()
             .logs_containing("usage sink sink answers again")
             .is_empty()
     );
+    Ok(())
+}
+
+#[test]
+fn up_to_max_in_flight_batches_leave_at_once() -> Result<()> {
+    let mut gw = gateway(metering_config(
+        json!({"sink": sink(json!({"max_in_flight": 2}))}),
+    ))?;
+    for i in 0..9 {
+        gw.plain("acme", &format!("r-{i}"))?;
+    }
+    sim::settle(&mut gw.host);
+    // Three full batches: two leave, the third waits for an answer.
+    let calls = gw.host.callouts();
+    assert_eq!(calls.len(), 2, "two batches in flight");
+    gw.host
+        .respond(calls[0].token, CallResponse::new(200, ""))?;
+    let calls = gw.host.callouts();
+    assert_eq!(calls.len(), 2, "the third left on the answer");
+    let ids: Vec<Value> = rows(&calls[1].body)?
+        .iter()
+        .map(|r| r["request_id"].clone())
+        .collect();
+    assert_eq!(ids, ["r-6", "r-7", "r-8"]);
     Ok(())
 }
 

@@ -8,6 +8,10 @@ use crate::auth::config::Endpoint;
 use crate::breaker::BreakerConfig;
 use crate::config::ConfigError;
 
+/// Most batches a sink may have in flight (each holds its records in
+/// memory until answered).
+pub const MAX_IN_FLIGHT: usize = 64;
+
 /// A sink: batches by size and age, a bounded buffer while it is down,
 /// exponential backoff between failed batches and a breaker in front.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -22,6 +26,10 @@ pub struct SinkConfig {
     /// Longest a record waits, ms.
     #[serde(default = "default_flush")]
     pub flush_ms: u64,
+    /// Batches posted at once. In tick mode batches leave only on tick, so
+    /// this × `batch_max` per tick is the most the sink can take.
+    #[serde(default = "default_in_flight")]
+    pub max_in_flight: usize,
     /// Records kept while the sink is down; beyond, drops are counted.
     #[serde(default = "default_buffer")]
     pub buffer_max: usize,
@@ -43,6 +51,9 @@ fn default_batch() -> usize {
 fn default_flush() -> u64 {
     1000
 }
+fn default_in_flight() -> usize {
+    4
+}
 fn default_buffer() -> usize {
     10_000
 }
@@ -60,6 +71,15 @@ impl SinkConfig {
             return Err(ConfigError::new(
                 format!("{at}.batch_max"),
                 "must be at least 1",
+            ));
+        }
+        if !(1..=MAX_IN_FLIGHT).contains(&self.max_in_flight) {
+            return Err(ConfigError::new(
+                format!("{at}.max_in_flight"),
+                format!(
+                    "{} is not between 1 and {MAX_IN_FLIGHT}",
+                    self.max_in_flight
+                ),
             ));
         }
         if self.buffer_max < self.batch_max {
@@ -119,8 +139,13 @@ mod tests {
     fn defaults_and_backoff() {
         let config = sink("").unwrap();
         assert_eq!(
-            (config.batch_max, config.flush_ms, config.buffer_max),
-            (100, 1000, 10_000)
+            (
+                config.batch_max,
+                config.flush_ms,
+                config.buffer_max,
+                config.max_in_flight
+            ),
+            (100, 1000, 10_000, 4)
         );
         let backoffs: Vec<u64> = (1..=8).map(|n| config.backoff(n)).collect();
         assert_eq!(backoffs, [250, 500, 1000, 2000, 4000, 8000, 10_000, 10_000]);
@@ -135,5 +160,7 @@ mod tests {
         assert!(err(r#","backoff_ms":0"#).starts_with("sink.backoff_ms:"));
         assert!(err(r#","breaker":{"failures":0}"#).starts_with("sink.breaker.failures:"));
         assert!(err(r#","flush_ms":0"#).starts_with("sink.flush_ms:"));
+        assert!(err(r#","max_in_flight":0"#).starts_with("sink.max_in_flight:"));
+        assert!(err(r#","max_in_flight":65"#).starts_with("sink.max_in_flight:"));
     }
 }

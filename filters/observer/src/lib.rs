@@ -257,6 +257,9 @@ pub struct Observer {
     /// Tick mode: the key of the queue's backlog count, which producers
     /// raise and the drain lowers (`zerolayer_core::queue`).
     backlog: Option<String>,
+    /// Tick mode: callouts start only from `on_tick` (see
+    /// `on_http_call_response`).
+    tick_mode: bool,
     auth: Option<AuthWorker>,
     audit: Option<Shipper>,
     usage: Option<Shipper>,
@@ -314,6 +317,7 @@ impl Observer {
         Ok(Observer {
             queue,
             backlog: link.backlog_key(who),
+            tick_mode: link.mode == zerolayer_core::auth::config::ObserverMode::Tick,
             audit: config
                 .lazy_auth
                 .as_ref()
@@ -471,8 +475,15 @@ impl Observer {
                 if let Some(shipper) = shipper {
                     shipper.answered(batch, status, zerolayer_proxy::now_ms(), &self.counters);
                 }
-                // The sink is back: ship what waits without waiting a tick.
-                self.flush_sinks();
+                // The sink is back: ship what waits without waiting a tick,
+                // except in tick mode. ngx_wasm_module gives a callout
+                // started in a callout's answer the answered call's fake
+                // request, freed when the answer returns: the new call
+                // then connects on freed memory and the worker crashes
+                // (signal 11, under load). The next tick ships it.
+                if !self.tick_mode {
+                    self.flush_sinks();
+                }
             }
             CallKind::CacheWrite => {
                 if let Some(fleet) = &mut self.fleet {

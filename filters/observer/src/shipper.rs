@@ -58,7 +58,8 @@ pub(crate) struct Shipper {
     failures: u32,
     /// No batch before this time (backoff after a failure).
     retry_at_ms: u64,
-    in_flight: bool,
+    /// Batches posted and not answered yet.
+    in_flight: usize,
     /// Drops since the last log line about them.
     unlogged_drops: u64,
 }
@@ -72,7 +73,7 @@ impl Shipper {
             buffer: VecDeque::new(),
             failures: 0,
             retry_at_ms: 0,
-            in_flight: false,
+            in_flight: 0,
             unlogged_drops: 0,
         }
     }
@@ -112,7 +113,7 @@ impl Shipper {
     pub(crate) fn report_drops(&mut self) {
         if self.unlogged_drops > 0 {
             log::warn!(
-                "observer: {} sink {}: dropped {} records (buffer of {} full while the sink fails)",
+                "observer: {} sink {}: dropped {} records (buffer of {} full: the sink fails, or takes fewer records than arrive)",
                 self.sink.name(),
                 self.config.endpoint.cluster,
                 self.unlogged_drops,
@@ -122,40 +123,53 @@ impl Shipper {
         }
     }
 
-    /// Ships a batch when one is due: full, or its oldest record waited
-    /// `flush_ms`; not while one is in flight, backing off, or the breaker
-    /// is open.
+    /// Ships batches while one is due (full, or its oldest record waited
+    /// `flush_ms`) and fewer than `max_in_flight` are out; none while
+    /// backing off or while the breaker is open.
     pub(crate) fn maybe_flush(
         &mut self,
         now_ms: u64,
         calls: &mut Calls,
         counters: &ObserverMetrics,
     ) {
-        let oldest = self.buffer.front().map(|(at, _)| *at);
-        let due = self.buffer.len() >= self.config.batch_max
-            || oldest.is_some_and(|at| now_ms >= at.saturating_add(self.config.flush_ms));
-        if !due || self.in_flight || now_ms < self.retry_at_ms || !self.breaker.allow(now_ms / 1000)
+        while self.in_flight < self.config.max_in_flight
+            && self.due(now_ms)
+            && now_ms >= self.retry_at_ms
+            && self.breaker.allow(now_ms / 1000)
         {
-            return;
+            let n = self.buffer.len().min(self.config.batch_max);
+            let batch: Vec<(u64, Vec<u8>)> = self.buffer.drain(..n).collect();
+            let body: Vec<u8> = batch
+                .iter()
+                .flat_map(|(_, line)| line.iter().copied())
+                .collect();
+            let headers = [("content-type", &b"application/x-ndjson"[..])];
+            match calls.dispatch(
+                &self.config.endpoint,
+                "POST",
+                &headers,
+                Some(&body),
+                CallKind::Batch(self.sink, batch),
+            ) {
+                Ok(()) => self.in_flight += 1,
+                Err(CallKind::Batch(_, batch)) => {
+                    // Backs off: the loop stops until `retry_at_ms`.
+                    self.failed(batch, now_ms, counters);
+                    return;
+                }
+                Err(_) => return,
+            }
         }
-        let n = self.buffer.len().min(self.config.batch_max);
-        let batch: Vec<(u64, Vec<u8>)> = self.buffer.drain(..n).collect();
-        let body: Vec<u8> = batch
-            .iter()
-            .flat_map(|(_, line)| line.iter().copied())
-            .collect();
-        let headers = [("content-type", &b"application/x-ndjson"[..])];
-        match calls.dispatch(
-            &self.config.endpoint,
-            "POST",
-            &headers,
-            Some(&body),
-            CallKind::Batch(self.sink, batch),
-        ) {
-            Ok(()) => self.in_flight = true,
-            Err(CallKind::Batch(_, batch)) => self.failed(batch, now_ms, counters),
-            Err(_) => {}
-        }
+    }
+
+    /// Whether a batch should leave: a full one waits, or the oldest
+    /// record waited `flush_ms`.
+    fn due(&self, now_ms: u64) -> bool {
+        self.buffer.len() >= self.config.batch_max
+            || self
+                .buffer
+                .front()
+                .is_some_and(|(at, _)| now_ms >= at.saturating_add(self.config.flush_ms))
     }
 
     /// The sink answered a batch (`None`: no answer, e.g. a timeout).
@@ -166,7 +180,7 @@ impl Shipper {
         now_ms: u64,
         counters: &ObserverMetrics,
     ) {
-        self.in_flight = false;
+        self.in_flight = self.in_flight.saturating_sub(1);
         match status {
             Some(200..=299) => {
                 counters.add(self.sink.counters().0, batch.len() as u64);
@@ -223,7 +237,7 @@ impl Shipper {
         }
     }
 
-    /// Records waiting (not counting a batch in flight).
+    /// Records waiting (not counting batches in flight).
     pub(crate) fn buffered(&self) -> usize {
         self.buffer.len()
     }
