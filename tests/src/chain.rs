@@ -330,3 +330,50 @@ pub fn host_sim_chain(sample_percent: f64) -> Result<host_sim::config_file::Chai
     }
     Ok(chain)
 }
+
+/// The usage a response body reports (JSON or SSE, either provider).
+pub fn reported_usage(body: &str) -> Result<(u64, u64)> {
+    let mut extractor_events = Vec::new();
+    if body.trim_start().starts_with('{') {
+        extractor_events.push(serde_json::from_str::<Value>(body)?);
+    } else {
+        zerolayer_core::sse::SseParser::new().push(body.as_bytes(), |e| {
+            if let Ok(v) = serde_json::from_slice::<Value>(e.data) {
+                extractor_events.push(v);
+            }
+        });
+    }
+    let (mut input, mut output) = (0, 0);
+    for v in extractor_events {
+        let usage = v.get("usage").or_else(|| v.pointer("/message/usage"));
+        if let Some(u) = usage.filter(|u| u.is_object()) {
+            if let Some(n) = u
+                .get("input_tokens")
+                .or_else(|| u.get("prompt_tokens"))
+                .and_then(Value::as_u64)
+            {
+                input = n;
+            }
+            if let Some(n) = u
+                .get("output_tokens")
+                .or_else(|| u.get("completion_tokens"))
+                .and_then(Value::as_u64)
+            {
+                output = n;
+            }
+        }
+    }
+    Ok((input, output))
+}
+
+/// The usage metering logged for request `id` (the access log's `usage`
+/// field, itself JSON).
+pub fn logged_usage(log: &HashMap<String, Value>, id: &str) -> Result<Value> {
+    let line = log
+        .get(id)
+        .with_context(|| format!("{id}: not in the access log"))?;
+    let text = line["usage"]
+        .as_str()
+        .with_context(|| format!("{id}: no usage in {line}"))?;
+    serde_json::from_str(text).with_context(|| format!("{id}: usage {text:?}"))
+}

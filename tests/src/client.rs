@@ -14,9 +14,27 @@ pub struct Reply {
     pub headers: Vec<(String, String)>,
     /// Body as text.
     pub body: String,
+    /// Body as received (compressed bodies are not decoded).
+    pub raw: Vec<u8>,
 }
 
 impl Reply {
+    /// The body with its `content-encoding` (gzip or none) undone.
+    pub fn decoded(&self) -> Result<Vec<u8>> {
+        match self.header("content-encoding") {
+            None => Ok(self.raw.clone()),
+            Some(coding) if coding.eq_ignore_ascii_case("gzip") => {
+                use std::io::Read;
+                let mut out = Vec::new();
+                flate2::read::GzDecoder::new(&self.raw[..])
+                    .read_to_end(&mut out)
+                    .context("decoding the gzip body")?;
+                Ok(out)
+            }
+            Some(other) => anyhow::bail!("content-encoding {other}: not decodable here"),
+        }
+    }
+
     /// The first value of header `name`.
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
@@ -153,6 +171,7 @@ fn read(mut response: ureq::http::Response<ureq::Body>) -> Partial {
             status,
             headers,
             body: String::from_utf8_lossy(&bytes).into_owned(),
+            raw: bytes,
         },
         cut,
     }

@@ -20,7 +20,7 @@ use zerolayer_e2e::chain::{self, GOOD_API_KEY, anthropic, concurrently, openai};
 use zerolayer_e2e::kong_chain::{KongChain, KongChainOptions, KongGateway, KongHost};
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{Reply, wait};
-use zerolayer_stub::StubConfig;
+use zerolayer_stub::{Compression, StubConfig};
 
 /// Runs `scenario` against the chain in both forms, in real
 /// ngx_wasm_module and in host-sim's `kong` profile: the same assertions
@@ -928,4 +928,107 @@ fn audit_records_under_concurrent_load_all_reach_the_sink_and_the_worker_stays_u
         }
         Ok(())
     })
+}
+
+/// Issue 21 item 6 in Kong's host: a client that accepts gzip, against a
+/// backend that compresses when asked and one that always does. The stages
+/// ask for `identity`, so the first answers plain (no compressor here: the
+/// client gets identity, which it accepts), is billed and cached; the
+/// second is billed from the decoded body, reaches the client with its
+/// `content-encoding`, and is never stored.
+#[test]
+fn compressing_backends_are_billed_exactly_and_never_cached_compressed() -> Result<()> {
+    for compression in [Compression::Negotiated, Compression::Always] {
+        let options = KongChainOptions {
+            stub: StubConfig::default().compression(compression),
+            ..KongChainOptions::default()
+        };
+        both_forms(options, |chain: &mut KongChain| {
+            let bearer = chain.verified_bearer("kim", "acme")?;
+            for (tag, stream) in [("json", false), ("sse", true)] {
+                let body = anthropic(&format!("{compression:?} {tag}"), stream);
+                let mut billed = Vec::new();
+                for round in 0..2 {
+                    let id = format!("gzip-{compression:?}-{tag}-{round}");
+                    let reply = chain.post(
+                        &id,
+                        "/v1/messages",
+                        &[
+                            ("authorization", &bearer),
+                            ("x-request-id", &id),
+                            ("accept-encoding", "gzip"),
+                        ],
+                        &body,
+                    )?;
+                    ensure!(reply.status == 200, "{id}: {}", reply.status);
+                    let seen = chain
+                        .stub
+                        .requests()
+                        .into_iter()
+                        .filter(|r| r.header("x-request-id") == Some(&id))
+                        .map(|r| r.header("accept-encoding").map(str::to_string))
+                        .collect::<Vec<_>>();
+                    let cached = compression == Compression::Negotiated && round == 1;
+                    let want_seen: Vec<Option<String>> = if cached {
+                        vec![]
+                    } else {
+                        vec![Some("identity".into())]
+                    };
+                    ensure!(seen == want_seen, "{id}: the backend saw {seen:?}");
+                    let (want_cache, want_coding) = match compression {
+                        Compression::Always => ("MISS", Some("gzip")),
+                        _ if cached => ("HIT", None),
+                        _ => ("MISS", None),
+                    };
+                    ensure!(
+                        reply.header("x-cache") == Some(want_cache),
+                        "{id}: x-cache {:?}",
+                        reply.header("x-cache")
+                    );
+                    ensure!(
+                        reply.header("content-encoding") == want_coding,
+                        "{id}: {:?}",
+                        reply.headers
+                    );
+                    let plain = String::from_utf8(reply.decoded()?)?;
+                    if !cached {
+                        billed.push((id.clone(), chain::reported_usage(&plain)?));
+                    }
+                    if compression == Compression::Negotiated && round == 0 {
+                        // The entry is written after the response: wait for it.
+                        wait::until(&format!("{id} stored"), Duration::from_secs(10), || {
+                            let probe = chain.post(
+                                &id,
+                                "/v1/messages",
+                                &[("authorization", &bearer), ("x-request-id", "gzip-probe")],
+                                &body,
+                            )?;
+                            Ok((probe.header("x-cache") == Some("HIT")).then_some(()))
+                        })?;
+                    }
+                }
+                let rows = wait::until("the rows in ClickHouse", Duration::from_secs(20), || {
+                    let rows = chain.clickhouse.rows()?;
+                    let all = billed
+                        .iter()
+                        .all(|(id, _)| rows.iter().any(|r| r["request_id"] == id.as_str()));
+                    Ok(all.then_some(rows))
+                })?;
+                for (id, (input, output)) in &billed {
+                    let row = rows
+                        .iter()
+                        .find(|r| r["request_id"] == id.as_str())
+                        .context("no row")?;
+                    ensure!(row["usage_missing"] == 0, "{id}: {row}");
+                    ensure!(
+                        row["output_tokens"].as_u64() == Some(*output)
+                            && row["input_tokens"].as_u64() == Some(*input),
+                        "{id}: billed {row}, told ({input}, {output})"
+                    );
+                }
+            }
+            Ok(())
+        })?;
+    }
+    Ok(())
 }

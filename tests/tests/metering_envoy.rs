@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use host_sim::reconcile::{self, Measure};
 use serde_json::{Value, json};
+use zerolayer_e2e::chain::reported_usage;
 use zerolayer_e2e::clickhouse::ClickHouse;
 use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer, paths, wait};
 use zerolayer_stub::{Stub, StubConfig};
@@ -97,41 +98,6 @@ fn traffic(envoy: &Envoy, tenant: &str, n: usize) -> Result<(u64, u64)> {
 fn tail(text: &str, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
-/// The usage a response body reports (JSON or SSE, either provider).
-fn reported_usage(body: &str) -> Result<(u64, u64)> {
-    let mut extractor_events = Vec::new();
-    if body.trim_start().starts_with('{') {
-        extractor_events.push(serde_json::from_str::<Value>(body)?);
-    } else {
-        zerolayer_core::sse::SseParser::new().push(body.as_bytes(), |e| {
-            if let Ok(v) = serde_json::from_slice::<Value>(e.data) {
-                extractor_events.push(v);
-            }
-        });
-    }
-    let (mut input, mut output) = (0, 0);
-    for v in extractor_events {
-        let usage = v.get("usage").or_else(|| v.pointer("/message/usage"));
-        if let Some(u) = usage.filter(|u| u.is_object()) {
-            if let Some(n) = u
-                .get("input_tokens")
-                .or_else(|| u.get("prompt_tokens"))
-                .and_then(Value::as_u64)
-            {
-                input = n;
-            }
-            if let Some(n) = u
-                .get("output_tokens")
-                .or_else(|| u.get("completion_tokens"))
-                .and_then(Value::as_u64)
-            {
-                output = n;
-            }
-        }
-    }
-    Ok((input, output))
 }
 
 /// Waits until ClickHouse holds `n` rows.

@@ -10,19 +10,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use serde_json::Value;
-use zerolayer_e2e::chain::{self, Chain, ChainOptions, GOOD_API_KEY, anthropic, openai};
+use zerolayer_e2e::chain::{
+    self, Chain, ChainOptions, GOOD_API_KEY, anthropic, logged_usage, openai,
+};
 use zerolayer_e2e::wait;
-
-/// The usage entry metering left in the access log for request `id`.
-fn usage(log: &std::collections::HashMap<String, Value>, id: &str) -> Result<Value> {
-    let line = log
-        .get(id)
-        .with_context(|| format!("{id}: not in the access log"))?;
-    let text = line["usage"]
-        .as_str()
-        .with_context(|| format!("{id}: no usage in {line}"))?;
-    serde_json::from_str(text).with_context(|| format!("{id}: usage {text:?}"))
-}
 
 #[test]
 fn backend_errors_reach_the_client_unchanged_and_are_neither_cached_nor_lost() -> Result<()> {
@@ -61,7 +52,7 @@ fn backend_errors_reach_the_client_unchanged_and_are_neither_cached_nor_lost() -
     // Every failed request is metered as such: usage missing, never zero.
     let log = chain.wait_access_log(ids.len() + 1)?;
     for id in &ids {
-        let usage = usage(&log, id)?;
+        let usage = logged_usage(&log, id)?;
         assert_eq!(usage["usage_missing"], 1, "{id}: {usage}");
         assert_eq!(
             usage["status"].to_string(),
@@ -116,7 +107,7 @@ fn a_backend_that_disconnects_mid_stream_is_neither_cached_nor_billed_as_complet
     );
     let log = chain.wait_access_log(3)?;
     for id in ["cut-0", "cut-1"] {
-        let usage = usage(&log, id)?;
+        let usage = logged_usage(&log, id)?;
         assert_eq!(
             usage["usage_missing"], 1,
             "{id}: billed as complete: {usage}"
@@ -192,7 +183,7 @@ fn a_stalled_backend_is_cut_at_the_route_timeout_for_the_holder_and_its_follower
         partial.reply.body
     );
     let log = chain.wait_access_log(5)?;
-    let streamed = usage(&log, "stall-streamed")?;
+    let streamed = logged_usage(&log, "stall-streamed")?;
     assert_eq!(streamed["usage_missing"], 1, "{streamed}");
     // Nothing stalled was cached; the lease was released for the next one.
     let reply = chain.post("/v1/messages", &[("authorization", &bearer)], &body)?;

@@ -6,8 +6,12 @@ use std::collections::HashMap;
 
 use anyhow::{Context, Result};
 use serde_json::json;
-use zerolayer_e2e::chain::{Chain, ChainOptions, anthropic};
+use std::time::Duration;
+
+use zerolayer_e2e::chain::{self, Chain, ChainOptions, anthropic, openai};
 use zerolayer_e2e::tokens::{self, issuer};
+use zerolayer_e2e::wait;
+use zerolayer_stub::{Compression, StubConfig};
 
 /// Headers a client might send to pass as another tenant or switch
 /// observers on; the chain must ignore and strip every one.
@@ -441,5 +445,149 @@ fn paths_bodies_numbers_and_gateway_headers_are_read_as_the_backend_reads_them()
         usage["usage_missing"], 0,
         "//v1//messages was not metered: {usage}"
     );
+    Ok(())
+}
+
+/// Issue 21 item 6, a backend that compresses when asked (as most do):
+/// the stages ask it for `identity`, so usage is read and entries are
+/// plain; Envoy's compressor (ahead of the chain) gzips JSON for clients
+/// that accept it, hits included, and nobody gets a coding they did not
+/// ask for. Before: 0 tokens billed and gzip bytes served, unlabelled, to
+/// clients that never accepted gzip.
+#[test]
+fn a_compressing_backend_is_asked_for_identity_and_clients_get_what_they_accept() -> Result<()> {
+    for fused in [false, true] {
+        let chain = Chain::start(ChainOptions {
+            stub: StubConfig::default().compression(Compression::Negotiated),
+            fused,
+            ..ChainOptions::default()
+        })?;
+        let bearer = chain.verified_bearer("alice", "acme")?;
+        let gzip = ("accept-encoding", "gzip, deflate, br");
+        for (id, stream) in [("gz-json", false), ("gz-sse", true)] {
+            let body = anthropic(id, stream);
+            let miss = chain.post(
+                "/v1/messages",
+                &[("authorization", &bearer), ("x-request-id", id), gzip],
+                &body,
+            )?;
+            assert_eq!(miss.status, 200, "{id}: {}", miss.body);
+            assert_eq!(miss.header("x-cache"), Some("MISS"), "{id}");
+            let seen = chain
+                .stub
+                .requests()
+                .into_iter()
+                .find(|r| r.header("x-request-id") == Some(id))
+                .context("not at the backend")?;
+            assert_eq!(seen.header("accept-encoding"), Some("identity"), "{id}");
+            // JSON is gzipped by Envoy for this client; streams are not.
+            let want = (!stream).then_some("gzip");
+            assert_eq!(miss.header("content-encoding"), want, "{id}");
+            let plain = String::from_utf8(miss.decoded()?)?;
+            let (input, output) = chain::reported_usage(&plain)?;
+            assert!(output > 0, "{id}: no usage in {plain}");
+            wait::until(
+                &format!("{id} in the access log"),
+                Duration::from_secs(10),
+                || Ok(chain.access_log_by_id().contains_key(id).then_some(())),
+            )?;
+            let usage = chain::logged_usage(&chain.access_log_by_id(), id)?;
+            assert_eq!(usage["usage_missing"], 0, "{id}: {usage}");
+            assert_eq!(
+                (
+                    usage["input_tokens"].as_u64(),
+                    usage["output_tokens"].as_u64()
+                ),
+                (Some(input), Some(output)),
+                "{id}: billed what the client was told"
+            );
+            // A hit for a client that accepts no coding: plain bytes, equal.
+            wait::until(&format!("{id} stored"), Duration::from_secs(10), || {
+                let hit = chain.post("/v1/messages", &[("authorization", &bearer)], &body)?;
+                Ok((hit.header("x-cache") == Some("HIT")).then_some(hit))
+            })
+            .and_then(|hit| {
+                anyhow::ensure!(
+                    hit.header("content-encoding").is_none(),
+                    "{id}: {:?}",
+                    hit.headers
+                );
+                anyhow::ensure!(hit.body == plain, "{id}: the hit differs from the miss");
+                Ok(())
+            })?;
+            // And for one that accepts gzip: gzipped by Envoy, the same bytes.
+            let hit = chain.post("/v1/messages", &[("authorization", &bearer), gzip], &body)?;
+            assert_eq!(hit.header("x-cache"), Some("HIT"), "{id}");
+            assert_eq!(hit.header("content-encoding"), want, "{id}");
+            assert_eq!(String::from_utf8(hit.decoded()?)?, plain, "{id}");
+        }
+    }
+    Ok(())
+}
+
+/// Issue 21 item 6, a backend that gzips whatever it is asked: metering
+/// decodes it and bills exactly, post-cache stores nothing (an entry would
+/// reach clients that never accepted gzip), and the client gets the
+/// backend's bytes with their `content-encoding`.
+#[test]
+fn a_backend_that_always_compresses_is_metered_exactly_and_never_cached() -> Result<()> {
+    let chain = Chain::start(ChainOptions {
+        stub: StubConfig::default().compression(Compression::Always),
+        ..ChainOptions::default()
+    })?;
+    let bearer = chain.verified_bearer("alice", "acme")?;
+    for (id, path, body) in [
+        ("always-json", "/v1/messages", anthropic("always", false)),
+        ("always-sse", "/v1/messages", anthropic("always", true)),
+        (
+            "always-openai",
+            "/v1/chat/completions",
+            openai("always", true),
+        ),
+    ] {
+        for round in 0..2 {
+            let rid = format!("{id}-{round}");
+            let reply = chain.post(
+                path,
+                &[("authorization", &bearer), ("x-request-id", &rid)],
+                &body,
+            )?;
+            assert_eq!(reply.status, 200, "{rid}: {}", reply.body);
+            assert_eq!(
+                reply.header("x-cache"),
+                Some("MISS"),
+                "{rid}: stored compressed"
+            );
+            assert_eq!(reply.header("content-encoding"), Some("gzip"), "{rid}");
+            let plain = String::from_utf8(reply.decoded()?)?;
+            let (input, output) = chain::reported_usage(&plain)?;
+            wait::until(
+                &format!("{rid} in the access log"),
+                Duration::from_secs(10),
+                || Ok(chain.access_log_by_id().contains_key(&rid).then_some(())),
+            )?;
+            let usage = chain::logged_usage(&chain.access_log_by_id(), &rid)?;
+            assert_eq!(usage["usage_missing"], 0, "{rid}: {usage}");
+            assert_eq!(
+                usage["output_tokens"].as_u64(),
+                Some(output),
+                "{rid}: {usage}"
+            );
+            if input > 0 {
+                assert_eq!(
+                    usage["input_tokens"].as_u64(),
+                    Some(input),
+                    "{rid}: {usage}"
+                );
+            }
+        }
+    }
+    chain
+        .envoy
+        .wait_metric(r#"zerolayer_cache_bypass{reason="encoded"}"#, 6.0)?;
+    chain.envoy.wait_metric(
+        r#"zerolayer_metering_encoded_responses{result="decoded"}"#,
+        6.0,
+    )?;
     Ok(())
 }

@@ -12,6 +12,7 @@ pub mod auth;
 pub mod breaker;
 pub mod cache;
 pub mod config;
+pub mod encoding;
 pub mod event;
 pub mod headers;
 pub mod internal;

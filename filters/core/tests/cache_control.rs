@@ -552,6 +552,7 @@ fn bypass_names() {
             "not_activated",
             "no_verified_tenant",
             "unkeyable",
+            "encoded",
         ]
     );
 }

@@ -3,7 +3,9 @@
 //! `zerolayer_metering_tokens{tenant,model,kind=input|output|cache_read|cache_creation}`.
 //! Fixed counters: `zerolayer_metering_usage{result=found|missing}`,
 //! `zerolayer_metering_records{outcome=queued|lost}` (lost: the observer's
-//! queue refused it), `zerolayer_metering_include_usage_injected`.
+//! queue refused it), `zerolayer_metering_include_usage_injected`,
+//! `zerolayer_metering_encoded_responses{result=decoded|unreadable}` (a
+//! backend compressed although asked for `identity`).
 //! Everything is added in Wasm memory and reported from the root's tick.
 
 use std::cell::RefCell;
@@ -23,6 +25,8 @@ const USAGE_MISSING: usize = 1;
 const RECORDS_QUEUED: usize = 2;
 const RECORDS_LOST: usize = 3;
 const INJECTED: usize = 4;
+const ENCODED_DECODED: usize = 5;
+const ENCODED_UNREADABLE: usize = 6;
 
 /// One series' metric ids (`None` where the host refused one) and the
 /// increments not yet reported.
@@ -45,6 +49,8 @@ impl Meters {
             "zerolayer_metering_records_outcome=queued",
             "zerolayer_metering_records_outcome=lost",
             "zerolayer_metering_include_usage_injected",
+            "zerolayer_metering_encoded_responses_result=decoded",
+            "zerolayer_metering_encoded_responses_result=unreadable",
         ]
         .map(String::from);
         Meters {
@@ -101,6 +107,19 @@ impl Meters {
     /// `include_usage` was added to a streamed OpenAI request.
     pub(crate) fn injected(&self) {
         self.fixed.add(INJECTED, 1);
+    }
+
+    /// A compressed response: its usage decoded, or unreadable (a coding
+    /// or bytes the decoder cannot read).
+    pub(crate) fn encoded(&self, decoded: bool) {
+        self.fixed.add(
+            if decoded {
+                ENCODED_DECODED
+            } else {
+                ENCODED_UNREADABLE
+            },
+            1,
+        );
     }
 
     /// Reports pending increments to the host.

@@ -8,6 +8,7 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType};
 use zerolayer_core::auth::identity::billing_tenant;
 use zerolayer_core::cache::key::Provider;
+use zerolayer_core::encoding::{BodyDecoder, ContentCoding};
 use zerolayer_core::event::Job;
 use zerolayer_core::internal;
 use zerolayer_core::metering::UsageRecord;
@@ -43,6 +44,9 @@ pub(crate) struct MeteredStream {
     /// The response's usage chunk is ours, not the client's: remove it.
     stripper: Option<UsageChunkStripper>,
     extractor: Option<UsageExtractor>,
+    /// The backend compressed the response anyway: its usage is read
+    /// through this (the client's bytes stay as they are).
+    decoder: Option<BodyDecoder>,
     status: u16,
     streamed: bool,
     /// The record was made (at the response's end, or in `on_log`).
@@ -61,6 +65,7 @@ impl MeteredStream {
             body_pending: false,
             stripper: None,
             extractor: None,
+            decoder: None,
             status: 0,
             streamed: false,
             recorded: false,
@@ -152,6 +157,8 @@ impl MeteredStream {
             return Action::Continue;
         };
         self.provider = Some(provider);
+        // Usage is read from the body as the backend sends it.
+        zerolayer_proxy::ask_identity_encoding();
         self.started_us = now_us();
         self.request_id = request_header("x-request-id")
             .map(|mut id| {
@@ -225,6 +232,63 @@ impl MeteredStream {
     }
 }
 
+impl MeteredStream {
+    /// A response the backend compressed although asked for `identity`:
+    /// gzip and deflate are decoded for the usage, anything else leaves it
+    /// missing. The bytes reach the client as sent, so a usage chunk this
+    /// filter asked for cannot be removed from them (logged).
+    fn encoded(&mut self, coding: ContentCoding) {
+        let Some(plan) = &self.plan else {
+            return;
+        };
+        match BodyDecoder::new(coding) {
+            Ok(decoder) => self.decoder = Some(decoder),
+            Err(_) => {
+                log::warn!(
+                    "metering: response {:?} has content-encoding {coding:?}: usage unreadable, recorded as missing",
+                    self.request_id
+                );
+                plan.meters.encoded(false);
+                self.extractor = None;
+            }
+        }
+        if self.stripper.take().is_some() {
+            log::warn!(
+                "metering: response {:?} is compressed: the usage chunk metering asked for reaches the client",
+                self.request_id
+            );
+        }
+    }
+
+    /// Decodes a compressed chunk into the usage extractor.
+    fn decode_chunk(&mut self, body_size: usize, end_of_stream: bool) {
+        if let (Some(decoder), Some(extractor)) = (&mut self.decoder, &mut self.extractor) {
+            let decoded = with_body(BufferType::HttpResponseBody, body_size, |chunk| {
+                decoder.push(chunk, |bytes| extractor.push(bytes))
+            });
+            if let Err(error) = decoded {
+                log::warn!(
+                    "metering: response {:?}: {error}: usage recorded as missing",
+                    self.request_id
+                );
+                self.decoder = None;
+                self.extractor = None;
+                if let Some(plan) = &self.plan {
+                    plan.meters.encoded(false);
+                }
+            }
+        }
+        if end_of_stream {
+            if self.decoder.take().is_some()
+                && let Some(plan) = &self.plan
+            {
+                plan.meters.encoded(true);
+            }
+            self.record();
+        }
+    }
+}
+
 impl Context for MeteredStream {}
 
 impl HttpContext for MeteredStream {
@@ -271,6 +335,14 @@ impl HttpContext for MeteredStream {
             self.stripper = None;
         }
         self.extractor = Some(UsageExtractor::new(provider, format));
+        let coding = ContentCoding::from_header(
+            response_header("content-encoding")
+                .as_deref()
+                .map(str::as_bytes),
+        );
+        if coding != ContentCoding::Identity {
+            self.encoded(coding);
+        }
         if end_of_stream {
             self.record();
         }
@@ -278,6 +350,10 @@ impl HttpContext for MeteredStream {
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if self.decoder.is_some() {
+            self.decode_chunk(body_size, end_of_stream);
+            return Action::Continue;
+        }
         let Some(extractor) = &mut self.extractor else {
             return Action::Continue;
         };

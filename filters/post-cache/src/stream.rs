@@ -18,6 +18,7 @@ use zerolayer_core::cache::key::{CacheKey, CanonicalRequest, KeyError, Provider}
 use zerolayer_core::cache::lease::LeaseOutcome;
 use zerolayer_core::cache::store::{FleetEntry, StoredResponse};
 use zerolayer_core::cache::stream::{StreamCompletion, is_error_data};
+use zerolayer_core::encoding::ContentCoding;
 use zerolayer_core::event::{CacheWrite, Job};
 use zerolayer_core::internal;
 use zerolayer_core::usage::UsageChunkStripper;
@@ -165,6 +166,9 @@ impl CacheStream {
         if end_of_stream {
             return self.bypass(Bypass::Unkeyable);
         }
+        // An entry is the body as the backend sent it: uncompressed, so
+        // any client can be served it (a compressed one is not stored).
+        zerolayer_proxy::ask_identity_encoding();
         self.phase = Phase::AwaitingBody;
         // Envoy: hold the headers, so a hit never opens an upstream request.
         // ngx_wasm_module reads the body only after the headers went on (a
@@ -467,6 +471,18 @@ impl CacheStream {
         if status != 200 {
             // Not stored: say why once, here.
             plan.metrics.bypass(Bypass::Status);
+            self.store = false;
+            return Action::Continue;
+        }
+        if ContentCoding::from_header(
+            response_header("content-encoding")
+                .as_deref()
+                .map(str::as_bytes),
+        ) != ContentCoding::Identity
+        {
+            // The backend compressed although asked not to: an entry would
+            // reach clients that never accepted the coding.
+            plan.metrics.bypass(Bypass::Encoded);
             self.store = false;
             return Action::Continue;
         }

@@ -97,6 +97,18 @@ pub fn set_request_header(name: &str, value: &[u8]) {
     set_header(MapType::HttpRequestHeaders, name, value);
 }
 
+/// Asks the backend for an uncompressed response (`accept-encoding:
+/// identity`) unless the request already does: a stage that reads the
+/// response body (usage, the cache entry) needs the bytes as sent. In
+/// Envoy a compressor before the chain can still compress towards the
+/// client (`envoy/zerolayer.yaml`).
+pub fn ask_identity_encoding() {
+    let accept = request_header("accept-encoding");
+    if !zerolayer_core::encoding::asks_identity(accept.as_deref()) {
+        set_request_header("accept-encoding", zerolayer_core::encoding::IDENTITY);
+    }
+}
+
 /// Removes header `name` of `map`; returns whether the host removed it.
 /// When the fused filter's copy shows it absent, the host is not asked.
 fn remove_header(map: MapType, name: &str) -> bool {

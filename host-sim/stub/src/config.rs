@@ -22,6 +22,22 @@ pub struct StubConfig {
     pub output_tokens: Option<u32>,
     /// Seconds advertised in `Retry-After` on 429 and 503 faults.
     pub retry_after_secs: u32,
+    /// Whether successful responses are gzip-compressed.
+    pub compression: Compression,
+}
+
+/// How the stub compresses successful responses (`content-encoding: gzip`;
+/// streams flushed per event, as compressing servers do).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Compression {
+    /// Never (the default).
+    #[default]
+    Off,
+    /// When the request's `accept-encoding` accepts gzip, as a compressing
+    /// backend behind a gateway does.
+    Negotiated,
+    /// Always, whatever the request accepts (a misbehaving backend).
+    Always,
 }
 
 impl Default for StubConfig {
@@ -33,6 +49,7 @@ impl Default for StubConfig {
             fault: None,
             output_tokens: None,
             retry_after_secs: 1,
+            compression: Compression::Off,
         }
     }
 }
@@ -70,6 +87,13 @@ impl StubConfig {
     #[must_use]
     pub fn output_tokens(mut self, tokens: u32) -> Self {
         self.output_tokens = Some(tokens);
+        self
+    }
+
+    /// Sets how successful responses are compressed.
+    #[must_use]
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
         self
     }
 

@@ -48,7 +48,7 @@ use std::thread::JoinHandle;
 use anyhow::Context as _;
 use tokio::sync::oneshot;
 
-pub use config::{Fault, FaultParseError, StubConfig};
+pub use config::{Compression, Fault, FaultParseError, StubConfig};
 pub use server::RecordedRequest;
 
 use server::Shared;

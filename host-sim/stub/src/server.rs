@@ -3,11 +3,13 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::io::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use flate2::write::GzEncoder;
 use futures_util::stream;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited, StreamBody};
@@ -23,7 +25,7 @@ use tokio::time::{Instant, sleep, sleep_until};
 
 use crate::StubError;
 use crate::completion::Completion;
-use crate::config::{Fault, StubConfig};
+use crate::config::{Compression, Fault, StubConfig};
 use crate::headers::RequestOptions;
 use crate::provider::{ErrorKind, Provider, Reply, StreamPlan};
 
@@ -243,9 +245,19 @@ async fn handle(
         ttft: options.ttft,
         itl: options.itl,
     };
+    let gzip = match shared.config.compression {
+        Compression::Off => false,
+        Compression::Always => true,
+        Compression::Negotiated => accepts_gzip(&parts.headers),
+    };
+    if gzip {
+        answer
+            .extra_headers
+            .push((header::CONTENT_ENCODING, HeaderValue::from_static("gzip")));
+    }
     if request.stream {
         let plan = provider.stream(&reply);
-        let body = event_stream(plan, schedule, options.fault);
+        let body = event_stream(plan, schedule, options.fault, gzip);
         Ok(answer.success(&reply.id, "text/event-stream", body))
     } else {
         let tokens = reply.completion.pieces.len();
@@ -260,7 +272,14 @@ async fn handle(
             }
             _ => {
                 wait_until(schedule.after_tokens(tokens)).await;
-                let body = Full::new(provider.body(&reply))
+                let mut bytes = provider.body(&reply);
+                if gzip {
+                    let mut encoder = Gzip::new();
+                    let mut out = encoder.push(&bytes);
+                    out.extend_from_slice(&encoder.finish());
+                    bytes = Bytes::from(out);
+                }
+                let body = Full::new(bytes)
                     .map_err(|never: Infallible| match never {})
                     .boxed_unsync();
                 Ok(answer.success(&reply.id, "application/json", body))
@@ -311,12 +330,54 @@ impl Schedule {
     }
 }
 
+/// Whether an `accept-encoding` header accepts gzip (`gzip` or `*`, not
+/// at `q=0`).
+fn accepts_gzip(headers: &hyper::HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|coding| {
+            let mut parts = coding.split(';').map(str::trim);
+            let name = parts.next().unwrap_or_default();
+            let refused = parts.any(|p| {
+                p.strip_prefix("q=")
+                    .and_then(|q| q.trim().parse::<f32>().ok())
+                    .is_some_and(|q| q == 0.0)
+            });
+            (name.eq_ignore_ascii_case("gzip") || name == "*") && !refused
+        })
+}
+
+/// A gzip stream flushed per push, so each event can be decoded on arrival.
+struct Gzip(GzEncoder<Vec<u8>>);
+
+impl Gzip {
+    fn new() -> Gzip {
+        Gzip(GzEncoder::new(Vec::new(), flate2::Compression::default()))
+    }
+
+    /// Compresses `data` and returns what can be sent now.
+    fn push(&mut self, data: &[u8]) -> Vec<u8> {
+        // Writing to a Vec cannot fail.
+        let _ = self.0.write_all(data).and_then(|()| self.0.flush());
+        std::mem::take(self.0.get_mut())
+    }
+
+    /// The stream's end (the last block and the gzip trailer).
+    fn finish(self) -> Vec<u8> {
+        self.0.finish().unwrap_or_default()
+    }
+}
+
 /// A streaming body fed by a task that follows the schedule, one body frame
 /// per event, so each event is flushed as it is produced.
-fn event_stream(plan: StreamPlan, schedule: Schedule, fault: Option<Fault>) -> Body {
-    let capacity = plan.lead.len() + plan.tokens.len() + plan.tail.len() + 1;
+fn event_stream(plan: StreamPlan, schedule: Schedule, fault: Option<Fault>, gzip: bool) -> Body {
+    let capacity = plan.lead.len() + plan.tokens.len() + plan.tail.len() + 2;
     let (events, mut frames) = mpsc::channel(capacity);
-    tokio::spawn(produce(events, plan, schedule, fault));
+    let encoder = gzip.then(Gzip::new);
+    tokio::spawn(produce(events, plan, schedule, fault, encoder));
     StreamBody::new(stream::poll_fn(move |cx| frames.poll_recv(cx))).boxed_unsync()
 }
 
@@ -331,13 +392,24 @@ async fn wait_until(deadline: Instant) {
     }
 }
 
-async fn produce(events: FrameSender, plan: StreamPlan, schedule: Schedule, fault: Option<Fault>) {
+async fn produce(
+    events: FrameSender,
+    plan: StreamPlan,
+    schedule: Schedule,
+    fault: Option<Fault>,
+    mut gzip: Option<Gzip>,
+) {
     let cut = fault
         .and_then(Fault::cut_after)
         .map(|n| usize::try_from(n).unwrap_or(usize::MAX));
+    // An event as it goes on the wire (compressed and flushed with gzip).
+    let mut frame = |event: Bytes| match &mut gzip {
+        Some(encoder) => Frame::data(Bytes::from(encoder.push(&event))),
+        None => Frame::data(event),
+    };
     wait_until(schedule.token(0)).await;
     for event in plan.lead {
-        if events.send(Ok(Frame::data(event))).await.is_err() {
+        if events.send(Ok(frame(event))).await.is_err() {
             return; // the client went away
         }
     }
@@ -346,7 +418,7 @@ async fn produce(events: FrameSender, plan: StreamPlan, schedule: Schedule, faul
             break;
         }
         wait_until(schedule.token(index)).await;
-        if events.send(Ok(Frame::data(event))).await.is_err() {
+        if events.send(Ok(frame(event))).await.is_err() {
             return;
         }
     }
@@ -367,9 +439,14 @@ async fn produce(events: FrameSender, plan: StreamPlan, schedule: Schedule, faul
         Some(Fault::StallAfter(_)) => events.closed().await,
         _ => {
             for event in plan.tail {
-                if events.send(Ok(Frame::data(event))).await.is_err() {
+                if events.send(Ok(frame(event))).await.is_err() {
                     return;
                 }
+            }
+            if let Some(encoder) = gzip.take() {
+                let _ = events
+                    .send(Ok(Frame::data(Bytes::from(encoder.finish()))))
+                    .await;
             }
         }
     }

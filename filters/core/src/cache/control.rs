@@ -209,11 +209,14 @@ pub enum Bypass {
     NoVerifiedTenant,
     /// The body is not a request the cache can key (not JSON, no model, …).
     Unkeyable,
+    /// The response is compressed (the backend ignored `accept-encoding:
+    /// identity`): not stored, so no client gets a coding it did not accept.
+    Encoded,
 }
 
 impl Bypass {
     /// Every reason, for registering metrics up front.
-    pub const ALL: [Bypass; 13] = [
+    pub const ALL: [Bypass; 14] = [
         Bypass::RequestNoStore,
         Bypass::Temperature,
         Bypass::NotCacheableMethod,
@@ -227,6 +230,7 @@ impl Bypass {
         Bypass::NotActivated,
         Bypass::NoVerifiedTenant,
         Bypass::Unkeyable,
+        Bypass::Encoded,
     ];
 
     /// Stable name for logs and metrics.
@@ -245,6 +249,7 @@ impl Bypass {
             Bypass::NotActivated => "not_activated",
             Bypass::NoVerifiedTenant => "no_verified_tenant",
             Bypass::Unkeyable => "unkeyable",
+            Bypass::Encoded => "encoded",
         }
     }
 }
