@@ -15,7 +15,7 @@ use anyhow::{Context as _, Result, anyhow, bail};
 use wasmtime::{Config, Engine, Module};
 
 use crate::abi::{Action, Headers, LogLevel};
-use crate::vm::{HttpCallback, RootInfo, Vm};
+use crate::vm::{ContextKind, HttpCallback, RootInfo, Vm};
 use crate::world::{
     CallResponse, Callout, Clock, Event, LocalResponse, LogLine, Profile, StreamData, StreamId,
     StreamInfo, VmIndex, World,
@@ -937,7 +937,7 @@ impl Host {
         let Some(run) = self.streams.get_mut(&id) else {
             return;
         };
-        if run.reset || run.finished {
+        if run.reset || run.finished || run.local.is_some() {
             return;
         }
         // Envoy 1.40 drops the filter's headers map once it continues, by
@@ -1251,10 +1251,35 @@ impl Host {
         let Some(callout) = callout else {
             return;
         };
+        let kong = self.world.borrow().profile == Profile::Kong;
+        let mut resume = None;
         if let Some(vm) = self.vms.get_mut(callout.vm) {
             // Envoy cancels a stream's callouts when the stream ends.
             if vm.has_context(callout.context) {
+                if kong
+                    && let Some(ContextKind::Http { stream, filter, .. }) =
+                        vm.store.data().contexts.get(&callout.context)
+                {
+                    resume = Some((*stream, *filter));
+                }
                 let _ = vm.http_call_response(callout.context, token, response);
+            }
+        }
+        if let Some((stream, filter)) = resume {
+            // ngx_wasm_module resumes the paused request step itself once
+            // the last callout its filter made has answered.
+            let pending = self
+                .world
+                .borrow()
+                .callouts
+                .values()
+                .any(|c| c.vm == callout.vm && c.context == callout.context);
+            if !pending {
+                self.world.borrow_mut().events.push_back(Event::Resume {
+                    stream,
+                    filter,
+                    response: false,
+                });
             }
         }
         self.run_events();

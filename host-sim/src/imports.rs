@@ -658,6 +658,18 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         let Some((stream, filter)) = c.data().current_stream() else {
             return kong_root_stream_call(&c, "proxy_continue_stream");
         };
+        if kind == 0
+            && c.data().world.borrow().profile == Profile::Kong
+            && c.data().call_response.is_some()
+        {
+            // ngx_wasm_module resumes the step itself after the last answer;
+            // this extra continue now and then left the request answered
+            // but never finalized, hanging the next request on its
+            // connection. Trapping makes the deterministic host fail.
+            return Err(wasmtime::Error::msg(
+                "proxy_continue_stream(request) from on_http_call_response: ngx_wasm_module resumes the request itself, and this extra continue can leave it never finalized (Kong profile)",
+            ));
+        }
         let response = match kind {
             0 => false,
             1 => {

@@ -241,11 +241,22 @@ impl KongChain {
         self.client
             .send("POST", &self.gateway.url(path), &all, body)
             .map_err(|err| {
+                // Where it stopped: before the backend, or after it answered.
+                let id = headers
+                    .iter()
+                    .find(|(k, _)| k.eq_ignore_ascii_case("x-request-id"))
+                    .map(|(_, v)| *v);
+                let upstream = id.map_or("(no x-request-id)".to_string(), |id| {
+                    format!(
+                        "{} request(s) with it reached the backend",
+                        crate::chain::backend_requests(&self.stub, id)
+                    )
+                });
                 anyhow::anyhow!(
                     "{what}: POST {path} through {} got no answer within {REQUEST_DEADLINE:?} \
-                     ({err:#}); log tail:\n{}",
+                     ({err:#}); {upstream}; log tail:\n{}",
                     self.form,
-                    self.gateway.log_tail(20)
+                    self.gateway.log_tail(40)
                 )
             })
     }

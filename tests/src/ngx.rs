@@ -233,8 +233,11 @@ impl KongConfig {
         out.push_str("# Rendered by tests/src/ngx.rs from kong/kong.conf and the chain's .yml\n");
         out.push_str("daemon off;\nmaster_process on;\n");
         out.push_str(&format!("worker_processes {};\n", self.workers));
+        // `ZEROLAYER_NGX_LOG_LEVEL=debug` shows the filters' debug lines and
+        // the host's step-by-step resumes (no debug build needed for those).
+        let level = std::env::var("ZEROLAYER_NGX_LOG_LEVEL").unwrap_or_else(|_| "info".into());
         out.push_str(&format!(
-            "pid {p}/nginx.pid;\nerror_log {p}/error.log info;\n"
+            "pid {p}/nginx.pid;\nerror_log {p}/error.log {level};\n"
         ));
         for line in &self.main {
             out.push_str(line);

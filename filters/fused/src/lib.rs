@@ -190,7 +190,7 @@ impl FusedRoot {
 /// A stage resumed the current stream: the stages after it run, then the
 /// stream continues if none of them paused it again.
 fn resume(pipeline: &RefCell<Pipeline>) {
-    if pipeline.borrow_mut().resume() {
+    if pipeline.borrow_mut().resume() && !zerolayer_proxy::resumes_after_callouts() {
         let _ = hostcalls::resume_http_request();
     }
 }

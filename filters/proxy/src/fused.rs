@@ -320,6 +320,10 @@ pub fn resume_request() -> Result<(), Status> {
         RESUMES.with(|r| r.borrow_mut().push(id));
         return Ok(());
     }
+    if crate::resumes_after_callouts() {
+        // The host continues the request itself once the answer returns.
+        return Ok(());
+    }
     hostcalls::resume_http_request()
 }
 

@@ -241,6 +241,16 @@ pub fn can_resume_from_tick() -> bool {
     !in_ngx_wasm()
 }
 
+/// Whether the host continues a request by itself once the callouts its
+/// callbacks made have answered (ngx_wasm_module: it resumes the paused
+/// step after the last one). There a `proxy_continue_stream` from the
+/// answer is one continue too many: now and then the request was never
+/// finalized and its keep-alive connection hung. Call from a request
+/// context.
+pub fn resumes_after_callouts() -> bool {
+    in_ngx_wasm()
+}
+
 /// Sets nginx variable `path` (`ngx.<name>`) where the host is
 /// ngx_wasm_module and the operator declared it; elsewhere, or undeclared,
 /// nothing happens. Call from a request context.
