@@ -50,7 +50,7 @@ const ROUNDS: usize = 3;
 /// Seconds of each loaded phase (`-c16`).
 const LOADED_SECS: u64 = 5;
 /// The fused filter's sections, in chain order.
-const FUSED_STAGES: [&str; 4] = ["activation", "lazy_auth", "post_cache", "metering"];
+const FUSED_STAGES: [&str; 4] = ["lazy_auth", "activation", "post_cache", "metering"];
 /// Seconds of each one-connection phase (`-c1`).
 const SINGLE_SECS: u64 = 2;
 /// Connections of the loaded phase.
@@ -608,7 +608,7 @@ fn targets(summaries: &[Summary]) -> Vec<String> {
     if found.len() == steps.len() {
         let parts: Vec<String> = found
             .windows(2)
-            .zip(["activation", "+ lazy-auth", "+ post-cache", "+ metering"])
+            .zip(["lazy-auth", "+ activation", "+ post-cache", "+ metering"])
             .map(|(w, stage)| format!("{stage} {:+.1} µs", overhead(w[1]) - overhead(w[0])))
             .collect();
         lines.push(format!(
@@ -807,8 +807,8 @@ impl Shipped {
             .and_then(|v| v.get_mut("config"))
             .ok_or_else(|| anyhow!("lazy-auth: no Wasm config"))?;
         let all = [
-            &self.activation,
             &self.lazy_auth,
+            &self.activation,
             &self.post_cache,
             &self.metering,
         ];
@@ -856,8 +856,8 @@ impl Shipped {
     fn variants(&self) -> Result<Vec<Variant>> {
         use Group::{Baseline, Chain, Filter, Native};
         let chain = [
-            "zerolayer.activation",
             "zerolayer.lazy_auth",
+            "zerolayer.activation",
             "zerolayer.post_cache",
             "zerolayer.metering",
         ]
@@ -869,7 +869,7 @@ impl Shipped {
         let mut no_audit = self.activation.clone();
         no_audit["defaults"] = json!([]);
         let mut chain_no_audit = chain.clone();
-        chain_no_audit[0] = self.filter("zerolayer.activation", Some(&no_audit))?;
+        chain_no_audit[1] = self.filter("zerolayer.activation", Some(&no_audit))?;
         // Alone, post-cache has no verified tenant to key by: the shared
         // namespace, so it serves hits (its hit path is what is measured).
         let mut shared = self.post_cache.clone();
@@ -965,18 +965,19 @@ impl Shipped {
             .observer(self.observer(true, true))
             .request(Request::NoStore),
             // The fused filter stage by stage (what each adds inside one
-            // instance): activation; + lazy-auth; + post-cache (bypassed:
+            // instance): lazy-auth; + activation; + post-cache (bypassed:
             // no-store). All four is c-fused.
             Variant::new(
                 "c-fused-1",
-                "fused filter, activation only",
+                "fused filter, lazy-auth only, + observer",
                 Chain,
                 vec![self.fused_stages(1)?],
             )
+            .observer(self.observer(true, false))
             .request(Request::NoStore),
             Variant::new(
                 "c-fused-2",
-                "fused filter, activation + lazy-auth, + observer",
+                "fused filter, lazy-auth + activation, + observer",
                 Chain,
                 vec![self.fused_stages(2)?],
             )

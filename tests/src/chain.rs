@@ -1,5 +1,5 @@
 //! The whole zerolayer chain in real Envoy, as shipped in
-//! `envoy/zerolayer.yaml` (activation → lazy-auth → post-cache → metering,
+//! `envoy/zerolayer.yaml` (lazy-auth → activation → post-cache → metering,
 //! the observer singleton), with every service it calls on loopback: the GPU
 //! backend stub, the identity provider, the API key introspection endpoint,
 //! the audit sink, ClickHouse for usage records and, optionally, Redis +

@@ -120,8 +120,8 @@ pub struct KongChain {
 
 /// The stage sections of the chain's configuration, by stage.
 const STAGES: [(&str, &str); 4] = [
-    ("activation", "zerolayer_activation"),
     ("lazy_auth", "zerolayer_lazy_auth"),
+    ("activation", "zerolayer_activation"),
     ("post_cache", "zerolayer_post_cache"),
     ("metering", "zerolayer_metering"),
 ];

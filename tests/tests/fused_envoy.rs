@@ -360,7 +360,7 @@ fn the_fused_filter_behaves_as_the_separate_chain() -> Result<()> {
     let log = fused.envoy.log();
     assert!(
         log.contains(
-            "zerolayer: fused filter with stages activation → lazy_auth → post_cache → metering"
+            "zerolayer: fused filter with stages lazy_auth → activation → post_cache → metering"
         ),
         "{}",
         fused.envoy.log_tail(30)

@@ -86,12 +86,12 @@ fn gateway(fused: bool) -> Result<(Host, ChainId)> {
         ]
     } else {
         vec![
-            PluginSpec::new("activation", paths::wasm("activation")?)
-                .vm_id("zerolayer.activation")
-                .configuration(stages["activation"].to_string()),
             PluginSpec::new("lazy-auth", paths::wasm("lazy_auth")?)
                 .vm_id("zerolayer")
                 .configuration(stages["lazy_auth"].to_string()),
+            PluginSpec::new("activation", paths::wasm("activation")?)
+                .vm_id("zerolayer.activation")
+                .configuration(stages["activation"].to_string()),
             PluginSpec::new("post-cache", paths::wasm("post_cache")?)
                 .vm_id("zerolayer.cache")
                 .configuration(stages["post_cache"].to_string())

@@ -34,7 +34,7 @@ use zerolayer_e2e::{EnvoyConfig, paths};
 /// The chain, in the documented order (filter names as the filters call
 /// themselves: Kong's name is `zerolayer_<name>` with `_` for `-`, the crate
 /// `zerolayer-<name>`).
-const CHAIN: [&str; 4] = ["activation", "lazy-auth", "post-cache", "metering"];
+const CHAIN: [&str; 4] = ["lazy-auth", "activation", "post-cache", "metering"];
 
 /// The fused filter's crate: xtask builds it in a cargo run of its own, not
 /// from FILTERS.

@@ -494,7 +494,12 @@ fn audit_records_reach_the_sink_when_activation_asks_and_never_carry_the_credent
         .iter()
         .filter_map(|l| l["decision"].as_str())
         .collect();
-    assert_eq!(decisions, ["lazy", "valid_cached", "missing"], "{lines:?}");
+    // The refusal marked x-quiet is audited too: every refusal is.
+    assert_eq!(
+        decisions,
+        ["lazy", "valid_cached", "missing", "missing"],
+        "{lines:?}"
+    );
     assert_eq!(lines[1]["tenant"], "acme");
     assert_eq!(lines[1]["verified"], true);
     assert_eq!(lines[1]["credential"].as_str().map(str::len), Some(16));
@@ -506,7 +511,7 @@ fn audit_records_reach_the_sink_when_activation_asks_and_never_carry_the_credent
     }
     // The observer reports its counters on its next tick.
     gw.host.advance(Duration::from_millis(200));
-    assert_eq!(gw.counter("zerolayer_audit_records_outcome=shipped"), 3);
+    assert_eq!(gw.counter("zerolayer_audit_records_outcome=shipped"), 4);
     Ok(())
 }
 

@@ -157,32 +157,47 @@ fn replay_reports_decisions_auth_cache_usage_and_filter_times() -> Result<()> {
     for r in of(5) {
         assert_eq!(r.auth, "public", "{r:?}");
     }
-    // Every request: activation decided, four filters timed, a baseline.
+    // Every request timed and baselined; activation (after lazy-auth)
+    // decided every request lazy-auth let through, and only those.
     let filters: Vec<&str> = requests[0].wasm.iter().map(|w| w.filter.as_str()).collect();
     assert_eq!(
         filters,
         [
-            "zerolayer.activation",
             "zerolayer.lazy_auth",
+            "zerolayer.activation",
             "zerolayer.post_cache",
             "zerolayer.metering"
         ]
     );
     for r in requests {
-        assert!(r.decision.is_some(), "{r:?}");
-        assert!(r.wasm.iter().all(|w| w.us > 0.0), "{r:?}");
+        let refused = r.auth == "rejected" && r.local_reply;
+        assert_eq!(r.decision.is_some(), !refused, "{r:?}");
+        assert!(r.wasm.first().is_some_and(|w| w.us > 0.0), "{r:?}");
+        if !refused {
+            assert!(r.wasm.iter().all(|w| w.us > 0.0), "{r:?}");
+        }
         assert!(r.baseline_ms.is_some() && r.latency_ms > 0.0, "{r:?}");
     }
     // The arrival schedule was kept: request 59 left about 1.18 s in.
     assert!(requests[59].sent_ms >= 1180.0, "{}", requests[59].sent_ms);
 
-    // The shipped sample is exactly the hash sample of the metered requests,
-    // and the estimate is what its weights say.
+    // The shipped records are exactly the hash sample of the metered
+    // requests plus the premium tenants' (the shipped rule `premium_tenants`
+    // turns activation's `metering` observer on for acme and globex once
+    // lazy-auth verified them: full records weighing 0 in the estimate),
+    // and the estimate is what the weights say.
     let metered: Vec<_> = requests.iter().filter(|r| r.usage.is_some()).collect();
+    let premium = |r: &&_| {
+        let r: &host_sim::replay::RequestResult = r;
+        r.usage
+            .as_ref()
+            .and_then(|u| u["tenant"].as_str())
+            .is_some_and(|t| matches!(t, "acme" | "globex"))
+    };
     let expected: HashSet<&str> = metered
         .iter()
+        .filter(|r| sampling::bucket(r.request_id.as_bytes()) < 5000 || premium(r))
         .map(|r| r.request_id.as_str())
-        .filter(|id| sampling::bucket(id.as_bytes()) < 5000)
         .collect();
     let shipped: HashSet<&str> = replay
         .sample
@@ -208,7 +223,15 @@ fn replay_reports_decisions_auth_cache_usage_and_filter_times() -> Result<()> {
         .map(|s| s.sample_weight * (s.tokens.input + s.tokens.output) as f64)
         .sum();
     assert_eq!(estimate, weighted);
-    assert!(replay.sample.iter().all(|s| s.sample_weight == 2.0));
+    // In the 50 % sample a record weighs 2; a forced one outside it 0.
+    for s in &replay.sample {
+        let want = if sampling::bucket(s.request_id.as_bytes()) < 5000 {
+            2.0
+        } else {
+            0.0
+        };
+        assert_eq!(s.sample_weight, want, "{}", s.request_id);
+    }
 
     let summary = replay.summary();
     for needle in [

@@ -591,3 +591,68 @@ fn a_backend_that_always_compresses_is_metered_exactly_and_never_cached() -> Res
     )?;
     Ok(())
 }
+
+/// Issue 21 item 4 in the shipped order (lazy-auth → activation): a
+/// forged token claiming acme, sent with `x-tenant-id: acme`, is matched by
+/// activation's tenant rules as `unverified`, never as acme (with activation
+/// first it matched the claim, and a tenant rule could switch an observer
+/// such as audit on or off for a client that names the tenant); its
+/// refusal, which activation never sees, is still audited. Both forms.
+#[test]
+fn tenant_rules_match_only_the_verified_tenant_and_refusals_are_audited() -> Result<()> {
+    const PREMIUM: &str = r#"zerolayer_activation_rule_matches{rule="premium_tenants"}"#;
+    for fused in [false, true] {
+        let chain = Chain::start(ChainOptions {
+            fused,
+            ..ChainOptions::default()
+        })?;
+        let claims = tokens::claims("mallory", "acme", tokens::now(), 3600);
+        let forged = format!("Bearer {}", issuer().forged(&claims, 11));
+        let send = |id: &str| {
+            chain.post(
+                "/v1/messages",
+                &[
+                    ("authorization", &forged),
+                    ("x-tenant-id", "acme"),
+                    ("x-request-id", id),
+                    ("cache-control", "no-store"),
+                ],
+                &anthropic("claimed", false),
+            )
+        };
+        // Its one lazily admitted request: activation sees `unverified`.
+        let first = send("claimed-0")?;
+        assert_eq!(first.status, 200, "{}", first.body);
+        let refused = wait::until("the forged token refused", Duration::from_secs(10), || {
+            let reply = send("claimed-n")?;
+            Ok((reply.status == 401).then_some(reply))
+        })?;
+        assert_eq!(refused.status, 401);
+        let matched = chain.envoy.metric(PREMIUM)?.unwrap_or(0.0);
+        assert_eq!(matched, 0.0, "a claimed tenant matched the premium rule");
+        // A verified acme token does match it.
+        let bearer = chain.verified_bearer("alice", "acme")?;
+        let reply = chain.post(
+            "/v1/messages",
+            &[("authorization", &bearer), ("cache-control", "no-store")],
+            &anthropic("verified", false),
+        )?;
+        assert_eq!(reply.status, 200);
+        chain.envoy.wait_metric(PREMIUM, 1.0)?;
+        // The refusal reached the audit sink though activation never ran.
+        wait::until(
+            "the refusal's audit record",
+            Duration::from_secs(10),
+            || {
+                let audited = chain.services.audit.seen().iter().any(|r| {
+                    r.body.lines().any(|line| {
+                        line.contains("\"request_id\":\"claimed-n\"")
+                            && line.contains("\"decision\":\"")
+                    })
+                });
+                Ok(audited.then_some(()))
+            },
+        )?;
+    }
+    Ok(())
+}

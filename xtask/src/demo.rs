@@ -1,7 +1,7 @@
 //! `cargo xtask demo`: every landed filter at work inside real Envoy.
 //!
 //! Builds the filters and starts Envoy from the shipped `envoy/zerolayer.yaml`
-//! (activation, lazy-auth, post-cache, and the observer as a singleton
+//! (lazy-auth, activation, post-cache, and the observer as a singleton
 //! service; free loopback ports; activation's debug response header on so
 //! its decision is visible) in front of the GPU backend stub, or the real llama.cpp model
 //! server with `--real-model`, or any `--upstream URL`. A local identity
@@ -343,7 +343,7 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
     clickhouse.create_usage_table()?;
     let file = form.file();
     step(&format!(
-        "starting Envoy with envoy/{file} (activation, lazy-auth, post-cache, metering{}, observer)",
+        "starting Envoy with envoy/{file} (lazy-auth, activation, post-cache, metering{}, observer)",
         if form == Form::Fused {
             " as one filter"
         } else {
@@ -396,7 +396,7 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
 
     println!();
     println!(
-        "zerolayer demo: activation, lazy-auth, post-cache and metering (Wasm, V8) inside real Envoy,"
+        "zerolayer demo: lazy-auth, activation, post-cache and metering (Wasm, V8) inside real Envoy,"
     );
     println!(
         "with the observer verifying credentials and shipping audit and usage records off the request path"
@@ -453,7 +453,13 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
         Duration::from_secs(10),
         || Ok((envoy.access_log().lines().count() >= sent.len()).then_some(())),
     )?;
-    envoy.wait_metric("zerolayer_activation_requests", sent.len() as f64)?;
+    // Activation decides every request lazy-auth let through (it follows
+    // lazy-auth; a refusal never reaches it): those carry its debug header.
+    let decided = sent
+        .iter()
+        .filter(|(_, reply)| reply.header("x-zerolayer-debug").is_some())
+        .count();
+    envoy.wait_metric("zerolayer_activation_requests", decided as f64)?;
     let log = envoy.access_log();
     let auth_by_id = access_log_field(&log, "auth");
     let usage_by_id = access_log_field(&log, "usage");

@@ -76,7 +76,7 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
 
     println!();
     println!(
-        "zerolayer demo: activation, lazy-auth, post-cache and metering (Wasm, wasmtime) inside Kong's"
+        "zerolayer demo: lazy-auth, activation, post-cache and metering (Wasm, wasmtime) inside Kong's"
     );
     println!(
         "Proxy-Wasm host, with each filter's observer verifying credentials and shipping records on tick"

@@ -1,4 +1,4 @@
-//! zerolayer fused: the whole chain — activation → lazy-auth → post-cache →
+//! zerolayer fused: the whole chain — lazy-auth → activation → post-cache →
 //! metering — in one filter instance, so a request pays the host's
 //! per-filter cost once instead of four times. The stages are the separate
 //! filters' own root and stream contexts, composed, not copied: the same
@@ -62,8 +62,8 @@ pub enum Stage {
 impl Stage {
     /// Every stage, in the order requests meet them.
     pub const ALL: [Stage; 4] = [
-        Stage::Activation,
         Stage::LazyAuth,
+        Stage::Activation,
         Stage::PostCache,
         Stage::Metering,
     ];

@@ -51,12 +51,16 @@ pub(crate) struct Stream {
     claimed_tenant: Option<String>,
     /// Outcome and reason, for metrics and the audit record.
     outcome: &'static str,
+    /// This stage answered the request itself (a refusal, a 503).
+    answered: bool,
     reason: String,
     tenant: Option<String>,
     verified: bool,
     decided_us: u64,
     /// A synchronous introspection in flight: its callout and why it is synchronous.
     introspection: Option<(u32, SyncReason)>,
+    /// Deciding in the introspection's answer (the body may be unread).
+    in_answer: bool,
 }
 
 impl Stream {
@@ -67,11 +71,13 @@ impl Stream {
             credential: None,
             claimed_tenant: None,
             outcome: "",
+            answered: false,
             reason: String::new(),
             tenant: None,
             verified: false,
             decided_us: 0,
             introspection: None,
+            in_answer: false,
         }
     }
 
@@ -360,12 +366,14 @@ impl Stream {
             .ok()
             .flatten()
             .unwrap_or_default();
-        let Some(verdict) = introspection::verdict(&plan.config, &hash, now, status, &body) else {
+        self.in_answer = true;
+        let action = match introspection::verdict(&plan.config, &hash, now, status, &body) {
+            Some(verdict) => self.concluded(verdict, reason),
             // The verifier did not answer: refuse rather than admit.
-            self.unavailable();
-            return;
+            None => self.unavailable(),
         };
-        if self.concluded(verdict, reason) == Action::Continue {
+        self.in_answer = false;
+        if action == Action::Continue {
             let _ = zerolayer_proxy::fused::resume_request();
         }
     }
@@ -438,14 +446,23 @@ impl Stream {
         reason: &str,
         message: &str,
     ) -> Action {
-        send_json_error(status, "authentication_error", message);
+        self.send_refusal(status, message);
         self.done(outcome, reason, Action::Pause)
     }
 
+    /// Sends a refusal (from an answer: see `send_json_error_before_body`).
+    fn send_refusal(&mut self, status: u32, message: &str) {
+        self.answered = true;
+        if self.in_answer {
+            zerolayer_proxy::send_json_error_before_body(status, "authentication_error", message);
+        } else {
+            send_json_error(status, "authentication_error", message);
+        }
+    }
+
     fn unavailable(&mut self) -> Action {
-        send_json_error(
+        self.send_refusal(
             503,
-            "authentication_error",
             "the credential cannot be verified right now; retry later",
         );
         self.done("unavailable", "verifier_unavailable", Action::Pause)
@@ -468,8 +485,12 @@ impl Stream {
         if plan.config.audit.is_none() || self.outcome.is_empty() {
             return;
         }
-        let audited = zerolayer_proxy::property(internal::OBSERVERS_PROPERTY)
-            .is_some_and(|list| list.split(|b| *b == b',').any(|o| o == b"audit"));
+        // A refusal is always audited: it is a security event, and in the
+        // shipped chains activation comes after this stage, so it never
+        // decides for a request refused here. Others when activation asks.
+        let audited = self.answered
+            || zerolayer_proxy::property(internal::OBSERVERS_PROPERTY)
+                .is_some_and(|list| list.split(|b| *b == b',').any(|o| o == b"audit"));
         if !audited {
             return;
         }

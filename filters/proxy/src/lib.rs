@@ -435,12 +435,25 @@ pub fn release_backlog(key: &str, bytes: u64) {
 
 /// Answers the request with `{"error":{"type":…,"message":…}}`.
 pub fn send_json_error(status: u32, kind: &str, message: &str) {
+    json_error(status, kind, message, false);
+}
+
+/// [`send_json_error`] from a callout's answer, before the host read the
+/// request body. ngx_wasm_module reads the body only after the request
+/// headers went on, and a body left unread there was now and then parsed
+/// as the next request on the keep-alive connection (a 400 for it): there
+/// the response closes the connection.
+pub fn send_json_error_before_body(status: u32, kind: &str, message: &str) {
+    json_error(status, kind, message, in_ngx_wasm());
+}
+
+fn json_error(status: u32, kind: &str, message: &str, close: bool) {
     let body = serde_json::json!({"error": {"type": kind, "message": message}}).to_string();
-    if let Err(err) = send_response(
-        status,
-        vec![("content-type", "application/json")],
-        body.as_bytes(),
-    ) {
+    let mut headers = vec![("content-type", "application/json")];
+    if close {
+        headers.push(("connection", "close"));
+    }
+    if let Err(err) = send_response(status, headers, body.as_bytes()) {
         log::error!("could not send a {status} response: {err:?}");
     }
 }
