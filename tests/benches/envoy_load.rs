@@ -42,7 +42,7 @@ use serde_json::{Value as Json, json};
 use serde_yaml::Value as Yaml;
 use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{Envoy, EnvoyConfig, MockServer, paths, wait};
+use zerolayer_e2e::{Envoy, EnvoyConfig, MockServer, paths, wait, wrk};
 use zerolayer_stub::{Stub, StubConfig};
 
 /// Interleaved rounds over all configurations.
@@ -298,7 +298,7 @@ impl Services {
 
 fn main() -> Result<()> {
     let plan = Plan::from_env()?;
-    let wrk = wrk_binary()?;
+    let wrk = wrk::binary()?;
     let envoy_binary = paths::envoy_binary()?;
     for name in [
         "activation",
@@ -1263,97 +1263,29 @@ fn write_script(dir: &Path, request: Request, bearer: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// `/usr/bin/wrk` (installed by `cargo xtask setup`), or `wrk` on PATH.
-fn wrk_binary() -> Result<PathBuf> {
-    let debian = PathBuf::from("/usr/bin/wrk");
-    if debian.is_file() {
-        return Ok(debian);
-    }
-    std::env::var_os("PATH")
-        .into_iter()
-        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-        .map(|dir| dir.join("wrk"))
-        .find(|p| p.is_file())
-        .ok_or_else(|| {
-            anyhow!("wrk not found: install it with `cargo xtask setup` (apt-get install wrk)")
-        })
-}
-
 /// Runs wrk against `url` and parses its report; fails on any non-2xx/3xx
 /// answer or socket error.
 fn run_wrk(wrk: &Path, url: &str, script: &Path, connections: u32, secs: u64) -> Result<Phase> {
-    let output = Command::new(wrk)
-        .args(["-t1", &format!("-c{connections}"), &format!("-d{secs}s")])
-        .args(["--latency", "--timeout", "5s", "-s"])
-        .arg(script)
-        .arg(url)
-        .stdin(Stdio::null())
-        .output()
-        .context("running wrk")?;
-    let text = String::from_utf8_lossy(&output.stdout).into_owned();
+    let report = wrk::run(wrk, url, script, connections, secs)?;
     ensure!(
-        output.status.success(),
-        "wrk failed ({}):\n{text}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
+        report.non_2xx == 0,
+        "{} answers were not 2xx/3xx",
+        report.non_2xx
     );
-    parse_wrk(&text, connections).with_context(|| format!("wrk's report:\n{text}"))
-}
-
-fn parse_wrk(text: &str, connections: u32) -> Result<Phase> {
-    let mut phase = Phase {
+    ensure!(
+        report.socket_errors == 0,
+        "{} socket errors",
+        report.socket_errors
+    );
+    Ok(Phase {
         connections,
-        requests: 0,
-        seconds: 0.0,
-        rps: 0.0,
-        p50_us: f64::NAN,
-        p99_us: f64::NAN,
+        requests: report.requests,
+        seconds: report.seconds,
+        rps: report.rps,
+        p50_us: report.p50_us,
+        p99_us: report.p99_us,
         envoy_cpu_secs: 0.0,
-    };
-    for line in text.lines().map(str::trim) {
-        if let Some(n) = line.strip_prefix("Non-2xx or 3xx responses:") {
-            bail!("{} answers were not 2xx/3xx", n.trim());
-        }
-        if line.starts_with("Socket errors:") {
-            bail!("{line}");
-        }
-        if let Some(v) = line.strip_prefix("50%") {
-            phase.p50_us = duration_us(v.trim())?;
-        } else if let Some(v) = line.strip_prefix("99%") {
-            phase.p99_us = duration_us(v.trim())?;
-        } else if let Some(v) = line.strip_prefix("Requests/sec:") {
-            phase.rps = v.trim().parse()?;
-        } else if let Some((n, rest)) = line.split_once(" requests in ") {
-            phase.requests = n.trim().parse()?;
-            let secs = rest.split(',').next().unwrap_or_default();
-            phase.seconds = duration_us(secs.trim())? / 1e6;
-        }
-    }
-    ensure!(
-        phase.requests > 0 && phase.p50_us.is_finite() && phase.p99_us.is_finite(),
-        "incomplete report"
-    );
-    Ok(phase)
-}
-
-/// wrk's durations (`123.45us`, `1.20ms`, `5.00s`, `2.00m`) in µs.
-fn duration_us(text: &str) -> Result<f64> {
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .ok_or_else(|| anyhow!("no unit in {text:?}"))?;
-    let (number, unit) = text.split_at(split);
-    let number: f64 = number
-        .parse()
-        .with_context(|| format!("parsing {text:?}"))?;
-    let scale = match unit {
-        "us" => 1.0,
-        "ms" => 1e3,
-        "s" => 1e6,
-        "m" => 60e6,
-        "h" => 3600e6,
-        other => bail!("unknown unit {other:?} in {text:?}"),
-    };
-    Ok(number * scale)
+    })
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -1636,7 +1568,7 @@ fn machine(envoy: &Path) -> Json {
 
 /// wrk's first `-v` line (wrk exits with 1 after printing it).
 fn wrk_version() -> String {
-    wrk_binary()
+    wrk::binary()
         .ok()
         .and_then(|wrk| Command::new(wrk).arg("-v").output().ok())
         .and_then(|o| {

@@ -20,11 +20,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, ensure};
+use anyhow::{Context, Result, ensure};
 use serde_json::json;
 use zerolayer_e2e::chain::{AuthServices, CACHE_SECRET, Chain};
 use zerolayer_e2e::ngx::{self, KongConfig, NgxWasm};
-use zerolayer_e2e::{MockServer, wait};
+use zerolayer_e2e::{MockServer, wait, wrk};
 use zerolayer_stub::{Stub, StubConfig};
 
 const NGINX_CPU: u32 = 0;
@@ -102,11 +102,7 @@ fn main() -> Result<()> {
     let rounds = secs("ZEROLAYER_LOAD_ROUNDS", ROUNDS)?;
     let loaded = secs("ZEROLAYER_LOAD_SECS", LOADED_SECS)?;
     let single = (loaded / 2).clamp(1, SINGLE_SECS);
-    let wrk = PathBuf::from("/usr/bin/wrk");
-    ensure!(
-        wrk.is_file(),
-        "wrk not found at /usr/bin/wrk: install it with `cargo xtask setup`"
-    );
+    let wrk = wrk::binary()?;
     let pinned = pin_self(CLIENT_CPU);
     let dir = tempfile::tempdir()?;
     let stub = Stub::start(StubConfig::default()).context("starting the backend stub")?;
@@ -333,7 +329,7 @@ fn write_script(dir: &Path, no_store: bool, bearer: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Runs wrk; fails on any non-2xx answer or socket error.
+/// Runs wrk; fails on any non-2xx answer (socket errors are counted).
 fn run_wrk(
     wrk: &Path,
     url: &str,
@@ -343,75 +339,23 @@ fn run_wrk(
     nginx: u32,
 ) -> Result<Phase> {
     let before = tree_cpu_secs(nginx);
-    let output = Command::new(wrk)
-        .args(["-t1", &format!("-c{connections}"), &format!("-d{secs}s")])
-        .args(["--latency", "--timeout", "5s", "-s"])
-        .arg(script)
-        .arg(url)
-        .stdin(Stdio::null())
-        .output()
-        .context("running wrk")?;
+    let report = wrk::run(wrk, url, script, connections, secs)?;
     let cpu_secs = tree_cpu_secs(nginx) - before;
-    let text = String::from_utf8_lossy(&output.stdout).into_owned();
-    ensure!(output.status.success(), "wrk failed:\n{text}");
-    ensure!(!text.contains("Non-2xx"), "wrk saw errors:\n{text}");
+    ensure!(
+        report.non_2xx == 0,
+        "wrk saw {} answers that were not 2xx",
+        report.non_2xx
+    );
     // Socket errors are reported, not fatal: ngx_wasm_module drops
     // connections under load here (BENCHMARKS.md), which is what to measure.
-    let socket_errors: u64 = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("Socket errors:"))
-        .map(|errors| {
-            errors
-                .split(',')
-                .filter_map(|part| part.split_whitespace().last()?.parse::<u64>().ok())
-                .sum()
-        })
-        .unwrap_or(0);
-    let p99 = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("99%"))
-        .map(|v| parse_duration_us(v.trim()))
-        .unwrap_or(0.0);
-    let number = |prefix: &str| -> Option<f64> {
-        text.lines()
-            .find_map(|l| l.trim().strip_prefix(prefix))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-    };
-    let requests = text
-        .lines()
-        .find(|l| l.contains("requests in"))
-        .and_then(|l| l.split_whitespace().next())
-        .and_then(|v| v.parse::<u64>().ok())
-        .ok_or_else(|| anyhow!("no request count in wrk's report:\n{text}"))?;
-    let p50 = text
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("50%"))
-        .map(|v| parse_duration_us(v.trim()))
-        .unwrap_or(0.0);
     Ok(Phase {
-        requests,
-        rps: number("Requests/sec:").unwrap_or(0.0),
-        p50_us: p50,
-        p99_us: p99,
-        socket_errors,
+        requests: report.requests,
+        rps: report.rps,
+        p50_us: report.p50_us,
+        p99_us: report.p99_us,
+        socket_errors: report.socket_errors,
         cpu_secs,
     })
-}
-
-/// `123.45us`, `1.20ms`, `2.00s` → µs.
-fn parse_duration_us(text: &str) -> f64 {
-    let split = text
-        .find(|c: char| c.is_ascii_alphabetic())
-        .unwrap_or(text.len());
-    let (value, unit) = text.split_at(split);
-    let value: f64 = value.parse().unwrap_or(0.0);
-    match unit {
-        "us" => value,
-        "ms" => value * 1e3,
-        "s" => value * 1e6,
-        _ => value,
-    }
 }
 
 /// User + system CPU seconds of `pid` and its children (nginx's workers).

