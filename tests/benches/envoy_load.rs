@@ -40,6 +40,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use serde_json::{Value as Json, json};
 use serde_yaml::Value as Yaml;
+use zerolayer_e2e::bench::{cpus, median};
 use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{Envoy, EnvoyConfig, MockServer, paths, wait, wrk};
@@ -1288,15 +1289,6 @@ fn run_wrk(wrk: &Path, url: &str, script: &Path, connections: u32, secs: u64) ->
     })
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    match values.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => values[n / 2],
-        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
-    }
-}
-
 /// Each number is the median over rounds (one disturbed round does not
 /// move it); the rounds themselves are kept in the JSON.
 fn summarize(variant: &Variant, loaded: Vec<Phase>, single: Vec<Phase>, counters: Json) -> Summary {
@@ -1518,10 +1510,6 @@ fn pin(pid: u32, cpu: usize) -> bool {
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success())
-}
-
-fn cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, usize::from)
 }
 
 fn load_average() -> String {

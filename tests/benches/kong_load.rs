@@ -17,13 +17,13 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use serde_json::json;
+use zerolayer_e2e::bench::{median, pin_self, pin_tree, tree_cpu_secs};
 use zerolayer_e2e::chain::{AuthServices, CACHE_SECRET, Chain};
-use zerolayer_e2e::ngx::{self, KongConfig, NgxWasm};
+use zerolayer_e2e::ngx::{KongConfig, NgxWasm};
 use zerolayer_e2e::{MockServer, wait, wrk};
 use zerolayer_stub::{Stub, StubConfig};
 
@@ -117,7 +117,7 @@ fn main() -> Result<()> {
         for (variant, loaded_phases, single_phases) in &mut results {
             let ngx = start(variant, &services, &usage, stub.addr())?;
             if pinned {
-                pin_tree(ngx.pid(), NGINX_CPU);
+                let _ = pin_tree(ngx.pid(), NGINX_CPU);
             }
             let script = write_script(dir.path(), variant.no_store, &bearer)?;
             let url = ngx.url(PATH);
@@ -141,11 +141,6 @@ fn main() -> Result<()> {
             );
         }
     }
-    let median = |values: Vec<f64>| -> f64 {
-        let mut v = values;
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    };
     let summary: Vec<(Variant, f64, f64, f64, f64, u64)> = results
         .iter()
         .map(|(v, loaded, single)| {
@@ -338,9 +333,9 @@ fn run_wrk(
     secs: u64,
     nginx: u32,
 ) -> Result<Phase> {
-    let before = tree_cpu_secs(nginx);
+    let before = tree_cpu_secs(nginx)?;
     let report = wrk::run(wrk, url, script, connections, secs)?;
-    let cpu_secs = tree_cpu_secs(nginx) - before;
+    let cpu_secs = tree_cpu_secs(nginx)? - before;
     ensure!(
         report.non_2xx == 0,
         "wrk saw {} answers that were not 2xx",
@@ -356,50 +351,4 @@ fn run_wrk(
         socket_errors: report.socket_errors,
         cpu_secs,
     })
-}
-
-/// User + system CPU seconds of `pid` and its children (nginx's workers).
-fn tree_cpu_secs(pid: u32) -> f64 {
-    let ticks = 100.0; // USER_HZ on Linux.
-    let mut total = 0.0;
-    for p in std::iter::once(pid).chain(ngx::children(pid)) {
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-            continue;
-        };
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .map(|(_, rest)| rest.split_whitespace().collect())
-            .unwrap_or_default();
-        // After "(comm)": state is field 0, utime 11, stime 12.
-        let utime: f64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0);
-        let stime: f64 = fields.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
-        total += (utime + stime) / ticks;
-    }
-    total
-}
-
-/// Pins this process (and so wrk and the upstream it starts) to `cpu`.
-fn pin_self(cpu: u32) -> bool {
-    std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2)
-        && Command::new("taskset")
-            .args([
-                "-a",
-                "-p",
-                "-c",
-                &cpu.to_string(),
-                &std::process::id().to_string(),
-            ])
-            .stdout(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-}
-
-/// Pins nginx's master and workers to `cpu`.
-fn pin_tree(pid: u32, cpu: u32) {
-    for p in std::iter::once(pid).chain(ngx::children(pid)) {
-        let _ = Command::new("taskset")
-            .args(["-a", "-p", "-c", &cpu.to_string(), &p.to_string()])
-            .stdout(Stdio::null())
-            .status();
-    }
 }

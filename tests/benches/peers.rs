@@ -52,15 +52,16 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, anyhow, ensure};
 use serde_json::{Value as Json, json};
+use zerolayer_e2e::bench::{cpus, median, pin_self, pin_tree, tree_cpu_secs};
 use zerolayer_e2e::chain::{AuthServices, CACHE_SECRET, Chain, reported_usage};
 use zerolayer_e2e::litellm::{self, EventLoop, LiteLlm};
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, Reply, ngx, paths, wait, wrk};
+use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, Reply, paths, wait, wrk};
 use zerolayer_stub::{Stub, StubConfig};
 
 /// Where the proxies run; wrk and the stub get the other CPU.
@@ -414,7 +415,7 @@ fn main() -> Result<()> {
     litellm::binary()?;
     let versions = versions(&envoy_binary);
     // Children (the stub's threads, wrk) inherit this process's CPU.
-    let pinned = cpus() >= 2 && pin(std::process::id(), CLIENT_CPU);
+    let pinned = pin_self(CLIENT_CPU);
     if !pinned {
         eprintln!("note: not pinned to CPUs (needs 2 CPUs and taskset); numbers are noisier");
     }
@@ -814,15 +815,6 @@ fn measure(
     })
 }
 
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    match values.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => values[n / 2],
-        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
-    }
-}
-
 /// Each number is the median over rounds; the rounds are kept in the JSON.
 fn summarize(
     variants: &[Variant],
@@ -956,72 +948,6 @@ fn shipped(servers: &Servers) -> Json {
         "audit_records": records(&servers.services.audit),
         "usage_records": records(&servers.usage),
     })
-}
-
-/// `pid` and its descendants.
-fn tree(pid: u32) -> Vec<u32> {
-    let mut all = vec![pid];
-    let mut i = 0;
-    while let Some(&p) = all.get(i) {
-        all.extend(ngx::children(p));
-        i += 1;
-    }
-    all
-}
-
-/// User + system CPU seconds of `pid` and its descendants (every thread,
-/// ended ones included).
-fn tree_cpu_secs(pid: u32) -> Result<f64> {
-    let ticks = clock_ticks();
-    let mut total = 0;
-    for p in tree(pid) {
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-            // Gone since the listing: its time went with it.
-            continue;
-        };
-        let fields: Vec<&str> = stat
-            .rsplit_once(')')
-            .map(|(_, rest)| rest.split_whitespace().collect())
-            .ok_or_else(|| anyhow!("unparsable /proc/{p}/stat"))?;
-        // After "(comm)": state is field 0, utime 11, stime 12.
-        let field = |i: usize| -> Result<u64> {
-            Ok(fields
-                .get(i)
-                .ok_or_else(|| anyhow!("short /proc/{p}/stat"))?
-                .parse()?)
-        };
-        total += field(11)? + field(12)?;
-    }
-    if std::fs::metadata(format!("/proc/{pid}")).is_err() {
-        bail!("process {pid} exited");
-    }
-    Ok(total as f64 / ticks)
-}
-
-/// Clock ticks per second (`getconf CLK_TCK`; 100 on Linux).
-fn clock_ticks() -> f64 {
-    command_output("getconf", &["CLK_TCK"])
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(100.0)
-}
-
-/// Pins every thread of `pid` to `cpu`.
-fn pin(pid: u32, cpu: u32) -> bool {
-    Command::new("taskset")
-        .args(["-a", "-p", "-c", &cpu.to_string(), &pid.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-/// Pins `pid`, its descendants and all their threads to `cpu`.
-fn pin_tree(pid: u32, cpu: u32) -> bool {
-    tree(pid).into_iter().all(|p| pin(p, cpu))
-}
-
-fn cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, usize::from)
 }
 
 fn load_average() -> String {

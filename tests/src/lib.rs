@@ -5,6 +5,7 @@
 //! Everything binds to 127.0.0.1 on ports the kernel picks, so tests run in
 //! parallel; every process started here is stopped by PID when dropped.
 
+pub mod bench;
 pub mod chain;
 pub mod clickhouse;
 pub mod client;

@@ -9,7 +9,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use serde_json::json;
@@ -175,19 +175,15 @@ impl LiteLlm {
     fn wait_ready(&mut self) -> Result<()> {
         let client = Client::new();
         let url = self.url("/health/liveliness");
-        let deadline = Instant::now() + READY_TIMEOUT;
-        loop {
+        crate::wait::until("LiteLLM answering", READY_TIMEOUT, || {
             if let Some(status) = self.child.try_wait()? {
                 bail!("litellm exited with {status}");
             }
-            if Instant::now() > deadline {
-                bail!("timed out after {READY_TIMEOUT:?}");
-            }
-            if client.get(&url, &[]).is_ok_and(|r| r.status == 200) {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+            Ok(client
+                .get(&url, &[])
+                .is_ok_and(|r| r.status == 200)
+                .then_some(()))
+        })
     }
 
     /// URL of `path` on the proxy.
@@ -241,12 +237,10 @@ impl Drop for LiteLlm {
                 .status();
         };
         signal("-TERM");
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let mut exited = false;
-        while !exited && Instant::now() < deadline {
-            exited = matches!(self.child.try_wait(), Ok(Some(_)));
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let exited = crate::wait::until("LiteLLM exiting", Duration::from_secs(5), || {
+            Ok(matches!(self.child.try_wait(), Ok(Some(_))).then_some(()))
+        })
+        .is_ok();
         // Once the leader is reaped its id may be reused: the group is
         // signalled again only while a member of it is left.
         if !exited || !group_members(group).is_empty() {

@@ -255,7 +255,7 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
         println!();
         println!("nginx keeps running on {}; Ctrl-C stops it.", ngx.url("/"));
         loop {
-            std::thread::sleep(Duration::from_secs(3600));
+            std::thread::park();
         }
     }
     Ok(seen)
