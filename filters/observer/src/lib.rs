@@ -255,11 +255,9 @@ impl ObserverMetrics {
 pub struct Observer {
     queue: u32,
     /// Tick mode: the key of the queue's backlog count, which producers
-    /// raise and the drain lowers (`zerolayer_core::queue`).
+    /// raise and the drain lowers (`zerolayer_core::queue`); `None` in
+    /// singleton mode.
     backlog: Option<String>,
-    /// Tick mode: callouts start only from `on_tick` (see
-    /// `on_http_call_response`).
-    tick_mode: bool,
     auth: Option<AuthWorker>,
     audit: Option<Shipper>,
     usage: Option<Shipper>,
@@ -317,7 +315,6 @@ impl Observer {
         Ok(Observer {
             queue,
             backlog: link.backlog_key(who),
-            tick_mode: link.mode == zerolayer_core::auth::config::ObserverMode::Tick,
             audit: config
                 .lazy_auth
                 .as_ref()
@@ -481,7 +478,7 @@ impl Observer {
                 // request, freed when the answer returns: the new call
                 // then connects on freed memory and the worker crashes
                 // (signal 11, under load). The next tick ships it.
-                if !self.tick_mode {
+                if self.backlog.is_none() {
                     self.flush_sinks();
                 }
             }
