@@ -2,6 +2,7 @@
 //! unknown fields refused, and errors that name the field path and the bad
 //! value, so one log line tells an operator what to fix.
 
+use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
 /// A configuration error: the dotted field path (`rules[2].when.path.matches`)
@@ -98,6 +99,129 @@ pub fn is_lowercase_header_name(name: &str) -> bool {
 /// and whitespace stay visible.
 pub fn quoted(value: &str) -> String {
     serde_json::to_string(value).unwrap_or_else(|_| format!("{value:?}"))
+}
+
+/// Where filters reach the observer.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ObserverLink {
+    /// `vm_id` of the observer (and of the shared data verdicts live in).
+    #[serde(default = "default_vm_id")]
+    pub vm_id: String,
+    /// Name of the job queue.
+    #[serde(default = "default_queue")]
+    pub queue: String,
+    /// `singleton`: an Envoy bootstrap service owns the queue (filters
+    /// resolve it); `tick`: each filter's root context owns one and drains
+    /// it on tick (Kong, which has neither singletons nor queue
+    /// notifications).
+    #[serde(default)]
+    pub mode: ObserverMode,
+    /// Tick mode: bytes of jobs that may wait in the queue (each counted
+    /// with a 4-byte prefix); a job past it is refused and counted as lost.
+    /// Keep it below the queue's declared size (Kong's `shm_queue`), whose
+    /// overflow traps the filter.
+    #[serde(default = "default_max_queued_bytes")]
+    pub max_queued_bytes: u64,
+}
+
+impl ObserverLink {
+    /// The queue's name: the configured one for the singleton, which every
+    /// filter shares; `<queue>.<filter>` in tick mode, where each filter's
+    /// own observer owns one.
+    pub fn queue_name(&self, filter: &str) -> String {
+        match self.mode {
+            ObserverMode::Singleton => self.queue.clone(),
+            ObserverMode::Tick => format!("{}.{filter}", self.queue),
+        }
+    }
+
+    /// The shared-data key producers and the drain keep `filter`'s queue
+    /// backlog under, in tick mode (where the host's queue may be a
+    /// fixed-size ring, see [`crate::queue`]); `None` for the singleton.
+    pub fn backlog_key(&self, filter: &str) -> Option<String> {
+        (self.mode == ObserverMode::Tick)
+            .then(|| crate::queue::backlog_key(&self.queue_name(filter)))
+    }
+
+    /// Checks what serde cannot (fields named as `observer.*`).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.queue.is_empty() {
+            return Err(ConfigError::new("observer.queue", "must not be empty"));
+        }
+        if self.max_queued_bytes < MIN_QUEUED_BYTES {
+            return Err(ConfigError::new(
+                "observer.max_queued_bytes",
+                format!("must be at least {MIN_QUEUED_BYTES}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The smallest queue bound accepted (a few large jobs).
+pub const MIN_QUEUED_BYTES: u64 = 64 * 1024;
+
+fn default_max_queued_bytes() -> u64 {
+    // Half the smallest queue `kong/kong.conf` declares (4 MiB).
+    2 * 1024 * 1024
+}
+
+/// How the observer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ObserverMode {
+    /// A singleton service (Envoy bootstrap extension).
+    #[default]
+    Singleton,
+    /// Inside each filter root context, driven by its tick.
+    Tick,
+}
+
+fn default_vm_id() -> String {
+    "zerolayer".into()
+}
+
+fn default_queue() -> String {
+    "zerolayer.jobs".into()
+}
+
+impl Default for ObserverLink {
+    fn default() -> Self {
+        ObserverLink {
+            vm_id: default_vm_id(),
+            queue: default_queue(),
+            mode: ObserverMode::default(),
+            max_queued_bytes: default_max_queued_bytes(),
+        }
+    }
+}
+
+/// A cluster endpoint reached with `dispatch_http_call`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Endpoint {
+    /// Envoy cluster name.
+    pub cluster: String,
+    /// Request path.
+    pub path: String,
+    /// `:authority` to send (defaults to the cluster name).
+    #[serde(default)]
+    pub authority: Option<String>,
+    /// Timeout, ms.
+    #[serde(default = "default_timeout_ms")]
+    pub timeout_ms: u32,
+}
+
+fn default_timeout_ms() -> u32 {
+    1000
+}
+
+impl Endpoint {
+    /// The `:authority` header value.
+    pub fn authority(&self) -> &str {
+        self.authority.as_deref().unwrap_or(&self.cluster)
+    }
 }
 
 #[cfg(test)]

@@ -4,9 +4,9 @@
 
 use serde::Deserialize;
 
-use crate::auth::config::Endpoint;
 use crate::breaker::BreakerConfig;
 use crate::config::ConfigError;
+use crate::config::Endpoint;
 
 /// Most batches a sink may have in flight (each holds its records in
 /// memory until answered).

@@ -21,10 +21,11 @@ use std::time::Duration;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
-use zerolayer_core::auth::config::{LazyAuthConfig, ObserverMode};
+use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::auth::credential::RecentCredentials;
 use zerolayer_core::auth::jwt::Validation;
 use zerolayer_core::auth::policy::Policy;
+use zerolayer_core::config::ObserverMode;
 use zerolayer_observer::{Observer, ObserverConfig};
 use zerolayer_proxy::ObserverQueue;
 use zerolayer_proxy::fused::{self, Callback};

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
-use zerolayer_core::auth::config::ObserverMode;
+use zerolayer_core::config::ObserverMode;
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_core::metering::config::SamplingPlan;
 use zerolayer_observer::{Observer, ObserverConfig};

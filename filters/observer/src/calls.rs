@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use proxy_wasm::hostcalls;
-use zerolayer_core::auth::config::Endpoint;
+use zerolayer_core::config::Endpoint;
 use zerolayer_core::event::VerifyJob;
 
 use crate::shipper::Sink;

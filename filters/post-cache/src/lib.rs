@@ -27,9 +27,9 @@ use std::time::Duration;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::ContextType;
-use zerolayer_core::auth::config::ObserverMode;
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::cache::key::CacheKey;
+use zerolayer_core::config::ObserverMode;
 use zerolayer_observer::{Observer, ObserverConfig};
 use zerolayer_proxy::ObserverQueue;
 

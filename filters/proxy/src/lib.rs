@@ -14,7 +14,7 @@ use std::time::{Duration, UNIX_EPOCH};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use zerolayer_core::ConfigError;
-use zerolayer_core::auth::config::ObserverLink;
+use zerolayer_core::config::ObserverLink;
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal;
 use zerolayer_core::metrics::PendingCounters;

@@ -5,8 +5,8 @@ use serde::Deserialize;
 
 use super::control::TtlPolicy;
 use super::key::CacheKey;
-use crate::auth::config::{Endpoint, ObserverLink};
 use crate::config::{ConfigError, is_lowercase_header_name, quoted};
+use crate::config::{Endpoint, ObserverLink};
 
 /// Whose cache a request reads and fills.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::Deserialize;
 
 use super::labels::LabelLimits;
-use crate::auth::config::ObserverLink;
+use crate::config::ObserverLink;
 use crate::config::{ConfigError, is_lowercase_header_name, quoted};
 use crate::sampling::Rate;
 use crate::sink::SinkConfig;
