@@ -1,5 +1,5 @@
 //! The filter's metrics: gathered in Wasm memory per request, reported to
-//! the host from the root context's tick (`zerolayer_proxy::Counters`).
+//! the host from the root's tick (`zerolayer_host::Counters`).
 //!
 //! Names (Prometheus form with the `stats_tags` in `envoy/*.yaml`):
 //! - `zerolayer_activation_requests`: requests evaluated;
@@ -9,6 +9,7 @@
 
 use zerolayer_core::activation::{Decision, RuleSet};
 use zerolayer_core::metrics::labelled;
+use zerolayer_host::Host;
 
 const REQUESTS: usize = 0;
 const FORGED_HEADERS: usize = 1;
@@ -16,13 +17,13 @@ const FIRST_RULE: usize = 2;
 
 /// The activation counters.
 pub(crate) struct Counters {
-    inner: zerolayer_proxy::Counters,
+    inner: zerolayer_host::Counters,
     first_observer: usize,
 }
 
 impl Counters {
     /// Defines one host counter per name.
-    pub(crate) fn define(rules: &RuleSet) -> Self {
+    pub(crate) fn define(host: &mut impl Host, rules: &RuleSet) -> Self {
         let mut names = vec![
             "zerolayer_activation_requests".to_string(),
             "zerolayer_activation_forged_headers".to_string(),
@@ -41,7 +42,7 @@ impl Counters {
                 .map(|(_, o)| labelled("zerolayer_activation_observer_on", "observer", o)),
         );
         Counters {
-            inner: zerolayer_proxy::Counters::define("activation", &names),
+            inner: zerolayer_host::Counters::define(host, "activation", &names),
             first_observer,
         }
     }
@@ -63,7 +64,7 @@ impl Counters {
     }
 
     /// Reports pending increments to the host.
-    pub(crate) fn flush(&self) {
-        self.inner.flush();
+    pub(crate) fn flush(&self, host: &mut impl Host) {
+        self.inner.flush(host);
     }
 }

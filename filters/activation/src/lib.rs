@@ -6,7 +6,8 @@
 //! request headers (strip client-sent internal headers, evaluate, publish) →
 //! response headers (debug header, if enabled) → tick (flush counters).
 //! The rule logic lives in `zerolayer_core::activation`; this crate only
-//! moves bytes between the host and it.
+//! moves bytes between the host (any `zerolayer_host::Host`) and it; the
+//! module crate beside it (`module/`) registers it as its own `.wasm`.
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
@@ -18,12 +19,9 @@ mod request;
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType, MapType};
 use zerolayer_core::activation::{Decision, RuleSet};
 use zerolayer_core::internal;
-use zerolayer_proxy::fused::{self, Callback};
+use zerolayer_host::{Action, Callback, Headers, Host, RootStage, StreamStage};
 
 use counters::Counters;
 use request::HostRequest;
@@ -31,44 +29,21 @@ use request::HostRequest;
 /// How often pending counters reach the host's metrics.
 const COUNTER_FLUSH_PERIOD: Duration = Duration::from_secs(1);
 
-/// The module's entry point (`_initialize`): registers the root context.
-#[cfg(not(feature = "stage"))]
-#[allow(missing_docs)]
-mod entry {
-    use super::*;
-
-    proxy_wasm::main! {{
-        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(ActivationRoot::default()) });
-    }}
-}
-
 /// What every request of this plugin shares: the compiled rules and counters.
 struct Plan {
     rules: RuleSet,
     counters: Counters,
 }
 
-/// The plugin's root context: owns the configuration.
+/// The stage's root: owns the configuration.
 #[derive(Default)]
 pub struct ActivationRoot {
     plan: Option<Rc<Plan>>,
 }
 
-impl Context for ActivationRoot {
-    fn on_done(&mut self) -> bool {
-        // Report what the last tick did not, before the VM goes away.
-        if let Some(plan) = &self.plan {
-            plan.counters.flush();
-        }
-        true
-    }
-}
-
-impl RootContext for ActivationRoot {
-    fn on_configure(&mut self, _size: usize) -> bool {
-        let config = zerolayer_proxy::fused::plugin_configuration();
-        let rules = match RuleSet::from_json(&config) {
+impl<H: Host> RootStage<H> for ActivationRoot {
+    fn configure(&mut self, host: &mut H, configuration: &[u8]) -> bool {
+        let rules = match RuleSet::from_json(configuration) {
             Ok(rules) => rules,
             Err(err) => {
                 // One line naming the field; returning false makes the host
@@ -77,60 +52,58 @@ impl RootContext for ActivationRoot {
                 return false;
             }
         };
-        let counters = Counters::define(&rules);
+        let counters = Counters::define(host, &rules);
         log::info!(
             "activation: configured {} rules, {} observers, defaults [{}]",
             rules.rule_names().len(),
             rules.observers().all().count(),
             render(&rules, rules.defaults()),
         );
-        if let Err(status) = zerolayer_proxy::fused::set_tick_period(COUNTER_FLUSH_PERIOD) {
+        if let Err(status) = host.set_tick_period(COUNTER_FLUSH_PERIOD) {
             log::warn!("activation: no tick ({status:?}); counters flush at shutdown only");
         }
         self.plan = Some(Rc::new(Plan { rules, counters }));
         true
     }
 
-    fn on_tick(&mut self) {
+    fn tick(&mut self, host: &mut H) {
         if let Some(plan) = &self.plan {
-            plan.counters.flush();
+            plan.counters.flush(host);
         }
     }
 
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
+    fn done(&mut self, host: &mut H) {
+        // Report what the last tick did not, before the VM goes away.
+        if let Some(plan) = &self.plan {
+            plan.counters.flush(host);
+        }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        // Always return a context: the SDK panics on None. Without a plan
-        // (the host ran us despite a refused configuration) the stream passes
-        // through and later filters see no decision, i.e. their defaults.
-        Some(Box::new(ActivationStream {
+    fn stream(&self, _context_id: u32) -> Box<dyn StreamStage<H>> {
+        // Without a plan (the host ran us despite a refused configuration)
+        // the stream passes through and later filters see no decision,
+        // i.e. their defaults.
+        Box::new(ActivationStream {
             plan: self.plan.clone(),
             decision: None,
-        }))
+        })
     }
 }
 
-/// One request passing through the filter.
+/// One request passing through the stage.
 struct ActivationStream {
     plan: Option<Rc<Plan>>,
     decision: Option<Decision>,
 }
 
-impl Context for ActivationStream {}
-
-impl HttpContext for ActivationStream {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+impl<H: Host> StreamStage<H> for ActivationStream {
+    fn request_headers(&mut self, host: &mut H, _end_of_stream: bool) -> Action {
         // Activation reads headers only: no body callback of its is needed.
-        fused::done_with(Callback::RequestBody);
-        fused::done_with(Callback::ResponseBody);
+        host.done_with(Callback::RequestBody);
+        host.done_with(Callback::ResponseBody);
         let Some(plan) = self.plan.clone() else {
             return Action::Continue;
         };
-        // The rules read the headers where they are (no copy); no rule
-        // reads an internal header (refused at load), so removing the
-        // forged ones afterwards changes no decision.
         // Tenant rules match the verified identity when lazy-auth ran
         // before (`unverified` for an unverified request, never its claim
         // or the header); the header only in a chain without it. One
@@ -138,15 +111,23 @@ impl HttpContext for ActivationStream {
         let verified_tenant = plan
             .rules
             .needs_tenant()
-            .then(|| zerolayer_proxy::property(zerolayer_core::internal::AUTH_PROPERTY))
+            .then(|| host.property(internal::AUTH_PROPERTY))
             .flatten()
             .map(|identity| {
                 zerolayer_core::auth::identity::billing_tenant(Some(&identity), None, None)
             });
-        let (decision, forged) = zerolayer_proxy::with_request_headers(|headers| {
+        // Only rules with `hours`/`weekdays` read the clock.
+        let now = plan.rules.needs_clock().then(|| host.now_secs() as i64);
+        // The rules read the headers where they are (no copy); no rule
+        // reads an internal header (refused at load), so removing the
+        // forged ones afterwards changes no decision.
+        let (decision, forged) = host.with_headers(Headers::Request, |headers| {
             let mut request = HostRequest::new(headers, &plan.rules);
             if let Some(tenant) = &verified_tenant {
                 request.set_tenant(tenant.as_bytes());
+            }
+            if let Some(now) = now {
+                request.set_now(now);
             }
             let forged: Vec<String> = request.forbidden_headers().map(str::to_string).collect();
             (plan.rules.evaluate(&request), forged)
@@ -155,19 +136,19 @@ impl HttpContext for ActivationStream {
         // A client must never choose its own observers: drop every internal
         // header it sent before a later filter reads the request.
         for name in &forged {
-            if zerolayer_proxy::remove_request_header(name) {
+            if host.remove_header(Headers::Request, name) {
                 plan.counters.forged_header();
             }
         }
 
         let published = render(&plan.rules, decision.observers);
-        zerolayer_proxy::publish(internal::OBSERVERS_PROPERTY, published.as_bytes());
+        host.publish(internal::OBSERVERS_PROPERTY, published.as_bytes());
         plan.counters.decision(&decision);
         self.decision = Some(decision);
         Action::Continue
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn response_headers(&mut self, host: &mut H, _end_of_stream: bool) -> Action {
         let Some(plan) = &self.plan else {
             return Action::Continue;
         };
@@ -175,13 +156,13 @@ impl HttpContext for ActivationStream {
         // the client, which would read it as the gateway's (no stage but
         // this one sets a reserved response header, so none of ours is lost
         // whatever order the host runs the stages' response callbacks in).
-        zerolayer_proxy::remove_reserved_response_headers(internal::is_internal_header);
+        host.remove_reserved_response_headers(internal::is_internal_header);
         if plan.rules.debug_response_header()
             && let Some(decision) = &self.decision
         {
             let value = debug_value(&plan.rules, decision);
-            let _ = hostcalls::add_map_value_bytes(
-                MapType::HttpResponseHeaders,
+            host.add_header(
+                Headers::Response,
                 internal::DEBUG_RESPONSE_HEADER,
                 value.as_bytes(),
             );

@@ -1,9 +1,5 @@
 //! The request as the rule engine sees it, read from the host once.
 
-use std::cell::Cell;
-use std::time::UNIX_EPOCH;
-
-use proxy_wasm::hostcalls;
 use zerolayer_core::activation::{HeaderSlot, RequestFacts, RuleSet};
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal::is_internal_header;
@@ -19,7 +15,9 @@ pub(crate) struct HostRequest<'h> {
     method: Option<&'h [u8]>,
     tenant: Option<&'h [u8]>,
     request_id: Option<&'h [u8]>,
-    now: Cell<Option<i64>>,
+    /// The host's time, when a rule reads it (only rules with
+    /// `hours`/`weekdays` do, so only they pay for the read).
+    now: Option<i64>,
 }
 
 impl<'h> HostRequest<'h> {
@@ -35,7 +33,7 @@ impl<'h> HostRequest<'h> {
             method: headers.get(":method"),
             tenant: headers.get(rules.tenant_header()),
             request_id: headers.get("x-request-id"),
-            now: Cell::new(None),
+            now: None,
             headers,
         }
     }
@@ -44,6 +42,11 @@ impl<'h> HostRequest<'h> {
     /// tenant header's.
     pub(crate) fn set_tenant(&mut self, tenant: &'h [u8]) {
         self.tenant = Some(tenant);
+    }
+
+    /// Gives the rules the host's time (Unix seconds).
+    pub(crate) fn set_now(&mut self, unix_seconds: i64) {
+        self.now = Some(unix_seconds);
     }
 
     /// Names of zerolayer-internal headers the client sent.
@@ -77,15 +80,6 @@ impl RequestFacts for HostRequest<'_> {
     }
 
     fn unix_seconds(&self) -> i64 {
-        if let Some(now) = self.now.get() {
-            return now;
-        }
-        // Only rules with `hours`/`weekdays` ask, so only they pay the call.
-        let now = hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_secs() as i64);
-        self.now.set(Some(now));
-        now
+        self.now.unwrap_or(0)
     }
 }

@@ -10,7 +10,9 @@
 use std::time::Duration;
 
 use proxy_wasm::traits::{Context, RootContext};
+use zerolayer_host::Host;
 use proxy_wasm::types::LogLevel;
+use zerolayer_host::WasmHost;
 use zerolayer_observer::{Observer, ObserverConfig};
 
 /// The module's entry point (`_initialize`): registers the root context.
@@ -39,13 +41,13 @@ impl Context for ObserverService {
         _trailers: usize,
     ) {
         if let Some(observer) = &mut self.observer {
-            observer.on_http_call_response(token, body_size);
+            observer.on_http_call_response(&mut WasmHost, token, body_size);
         }
     }
 
     fn on_done(&mut self) -> bool {
         if let Some(observer) = &self.observer {
-            observer.flush_counters();
+            observer.flush_counters(&mut WasmHost);
         }
         true
     }
@@ -53,30 +55,36 @@ impl Context for ObserverService {
 
 impl RootContext for ObserverService {
     fn on_configure(&mut self, _size: usize) -> bool {
-        let Some(config) = zerolayer_proxy::load_config("observer", ObserverConfig::from_json)
+        let mut host = WasmHost;
+        let configuration = host.plugin_configuration();
+        let Some(config) =
+            zerolayer_host::load_config("observer", &configuration, ObserverConfig::from_json)
         else {
             return false;
         };
-        match Observer::configure(&config, "observer") {
+        match Observer::configure(&mut host, &config, "observer") {
             Ok(observer) => self.observer = Some(observer),
             Err(err) => {
                 log::error!("observer: invalid configuration: {err}");
                 return false;
             }
         }
-        self.set_tick_period(Duration::from_millis(config.tick_ms.max(10)));
+        let tick = Duration::from_millis(config.tick_ms.max(10));
+        if let Err(status) = host.set_tick_period(tick) {
+            log::warn!("observer: no tick ({status:?}): JWKS refresh and sink flushes wait for queue wake-ups");
+        }
         true
     }
 
     fn on_queue_ready(&mut self, _queue_id: u32) {
         if let Some(observer) = &mut self.observer {
-            observer.drain();
+            observer.drain(&mut WasmHost);
         }
     }
 
     fn on_tick(&mut self) {
         if let Some(observer) = &mut self.observer {
-            observer.on_tick();
+            observer.on_tick(&mut WasmHost);
         }
     }
 }

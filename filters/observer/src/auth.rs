@@ -11,7 +11,7 @@ use zerolayer_core::auth::jwt::{self, KeySet, Validation, VerifyingKey};
 use zerolayer_core::auth::verdict::{self, Verdict};
 use zerolayer_core::breaker::{Breaker, Transition};
 use zerolayer_core::event::{VerifyJob, VerifyOutcome};
-use zerolayer_proxy::{shared_put, shared_update};
+use zerolayer_host::Host;
 
 use crate::calls::{CallKind, Calls};
 use crate::{ObserverMetrics, counter};
@@ -92,16 +92,16 @@ impl AuthWorker {
     }
 
     /// Verifies one credential (or starts to: introspection answers later).
-    pub(crate) fn verify(&mut self, job: VerifyJob, calls: &mut Calls, counters: &ObserverMetrics) {
-        let now = zerolayer_proxy::now_secs();
+    pub(crate) fn verify(&mut self, host: &mut impl Host, job: VerifyJob, calls: &mut Calls, counters: &ObserverMetrics) {
+        let now = host.now_secs();
         match job.kind {
-            CredentialKind::Jwt => self.verify_jwt(job, now, calls, counters),
-            CredentialKind::ApiKey => self.introspect(job, now, calls, counters),
+            CredentialKind::Jwt => self.verify_jwt(host, job, now, calls, counters),
+            CredentialKind::ApiKey => self.introspect(host, job, now, calls, counters),
         }
     }
 
     fn verify_jwt(
-        &mut self,
+        &mut self, host: &mut impl Host,
         job: VerifyJob,
         now: u64,
         calls: &mut Calls,
@@ -110,8 +110,8 @@ impl AuthWorker {
         let jwks = self.config.jwt.jwks.is_some();
         if jwks && self.jwks_fetched_at.is_none() {
             // Keys are on their way: verify when they arrive.
-            self.defer(job, counters);
-            self.fetch_jwks(now, calls, counters);
+            self.defer(host, job, counters);
+            self.fetch_jwks(host, now, calls, counters);
             return;
         }
         match jwt::verify(&job.credential, &self.keys, &self.validation, now) {
@@ -122,13 +122,13 @@ impl AuthWorker {
                         .is_some_and(|at| now >= at + JWKS_MIN_REFETCH_SECS) =>
             {
                 // Perhaps a key rotation: refetch once, then decide.
-                self.defer(job, counters);
+                self.defer(host, job, counters);
                 self.jwks_next = now;
-                self.fetch_jwks(now, calls, counters);
+                self.fetch_jwks(host, now, calls, counters);
             }
             result => {
                 let verdict = verdict::of_jwt(&self.config, &TokenHash(job.hash), now, result);
-                self.conclude(&job, verdict, counters);
+                self.conclude(host, &job, verdict, counters);
             }
         }
     }
@@ -142,25 +142,25 @@ impl AuthWorker {
         )
     }
 
-    fn defer(&mut self, job: VerifyJob, counters: &ObserverMetrics) {
+    fn defer(&mut self, host: &mut impl Host, job: VerifyJob, counters: &ObserverMetrics) {
         if self.deferred.len() < MAX_DEFERRED {
             counters.add(counter::VERIFY_DEFERRED, 1);
             self.deferred.push(job);
         } else {
-            self.drop_job(counters);
+            self.drop_job(host, counters);
         }
     }
 
     /// A job that cannot be verified now (verifier down, too many waiting):
     /// no verdict is written, the credential stays unknown (its next
     /// requests are bounded by the exposure limits), and it is counted.
-    fn drop_job(&self, counters: &ObserverMetrics) {
+    fn drop_job(&self, host: &mut impl Host, counters: &ObserverMetrics) {
         counters.add(counter::VERIFY_DROPPED, 1);
-        finish_job();
+        finish_job(host);
     }
 
     fn introspect(
-        &mut self,
+        &mut self, host: &mut impl Host,
         job: VerifyJob,
         now: u64,
         calls: &mut Calls,
@@ -168,17 +168,18 @@ impl AuthWorker {
     ) {
         let Some(api) = self.config.api_keys.clone() else {
             let verdict = self.invalid(&job, now, "api_keys_not_configured");
-            self.conclude(&job, verdict, counters);
+            self.conclude(host, &job, verdict, counters);
             return;
         };
         if !self.breaker.allow(now) {
-            self.drop_job(counters);
+            self.drop_job(host, counters);
             return;
         }
         let key = job.credential.clone();
         let headers = [(api.key_header.as_str(), key.as_slice())];
         if calls
             .dispatch(
+                host,
                 &api.endpoint,
                 "GET",
                 &headers,
@@ -187,32 +188,32 @@ impl AuthWorker {
             )
             .is_err()
         {
-            self.failure(now, counters);
-            self.drop_job(counters);
+            self.failure(host, now, counters);
+            self.drop_job(host, counters);
         }
     }
 
     /// A callout answered (`status` `None`: it failed or timed out).
     pub(crate) fn answered(
-        &mut self,
+        &mut self, host: &mut impl Host,
         kind: CallKind,
         status: Option<u16>,
         body: &[u8],
         calls: &mut Calls,
         counters: &ObserverMetrics,
     ) {
-        let now = zerolayer_proxy::now_secs();
+        let now = host.now_secs();
         match kind {
-            CallKind::Jwks => self.jwks_answer(now, status, body, calls, counters),
+            CallKind::Jwks => self.jwks_answer(host, now, status, body, calls, counters),
             CallKind::Introspect(job) => {
-                self.introspection_answer(job, now, status, body, counters)
+                self.introspection_answer(host, job, now, status, body, counters)
             }
             CallKind::Batch(..) | CallKind::CacheWrite => {}
         }
     }
 
     fn introspection_answer(
-        &mut self,
+        &mut self, host: &mut impl Host,
         job: VerifyJob,
         now: u64,
         status: Option<u16>,
@@ -221,18 +222,18 @@ impl AuthWorker {
     ) {
         match introspection::verdict(&self.config, &TokenHash(job.hash), now, status, body) {
             Some(verdict) => {
-                self.success(counters);
-                self.conclude(&job, verdict, counters);
+                self.success(host, counters);
+                self.conclude(host, &job, verdict, counters);
             }
             None => {
-                self.failure(now, counters);
-                self.drop_job(counters);
+                self.failure(host, now, counters);
+                self.drop_job(host, counters);
             }
         }
     }
 
     fn jwks_answer(
-        &mut self,
+        &mut self, host: &mut impl Host,
         now: u64,
         status: Option<u16>,
         body: &[u8],
@@ -265,34 +266,34 @@ impl AuthWorker {
                 self.jwks_fetched_at = Some(now);
                 self.jwks_next = now + refresh;
                 counters.add(counter::JWKS_FETCHED, 1);
-                self.success(counters);
-                shared_put(JWKS_KEY, body);
+                self.success(host, counters);
+                host.shared_put(JWKS_KEY, body);
                 for job in std::mem::take(&mut self.deferred) {
-                    self.verify_jwt(job, now, calls, counters);
+                    self.verify_jwt(host, job, now, calls, counters);
                 }
             }
             Err(why) => {
                 log::warn!("observer: JWKS fetch failed: {why}");
                 counters.add(counter::JWKS_FAILED, 1);
-                self.failure(now, counters);
+                self.failure(host, now, counters);
                 self.jwks_next = now + JWKS_RETRY_SECS;
                 if self.jwks_fetched_at.is_some() {
                     // Keys from the last good fetch still decide the waiting jobs.
                     for job in std::mem::take(&mut self.deferred) {
-                        self.conclude_with_current_keys(job, now, counters);
+                        self.conclude_with_current_keys(host, job, now, counters);
                     }
                 }
             }
         }
     }
 
-    fn conclude_with_current_keys(&mut self, job: VerifyJob, now: u64, counters: &ObserverMetrics) {
+    fn conclude_with_current_keys(&mut self, host: &mut impl Host, job: VerifyJob, now: u64, counters: &ObserverMetrics) {
         let result = jwt::verify(&job.credential, &self.keys, &self.validation, now);
         let verdict = verdict::of_jwt(&self.config, &TokenHash(job.hash), now, result);
-        self.conclude(&job, verdict, counters);
+        self.conclude(host, &job, verdict, counters);
     }
 
-    fn fetch_jwks(&mut self, now: u64, calls: &mut Calls, counters: &ObserverMetrics) {
+    fn fetch_jwks(&mut self, host: &mut impl Host, now: u64, calls: &mut Calls, counters: &ObserverMetrics) {
         let Some(jwks) = self.config.jwt.jwks.clone() else {
             return;
         };
@@ -303,21 +304,22 @@ impl AuthWorker {
             return;
         }
         if calls
-            .dispatch(&jwks.endpoint, "GET", &[], None, CallKind::Jwks)
+            .dispatch(host, &jwks.endpoint, "GET", &[], None, CallKind::Jwks)
             .is_err()
         {
             counters.add(counter::JWKS_FAILED, 1);
-            self.failure(now, counters);
+            self.failure(host, now, counters);
             self.jwks_next = now + JWKS_RETRY_SECS;
         }
     }
 
     /// Writes the verdict, counts it, and feeds the escalation window.
-    fn conclude(&mut self, job: &VerifyJob, verdict: Verdict, counters: &ObserverMetrics) {
-        counters.verify_latency(zerolayer_proxy::now_ms().saturating_sub(job.enqueued_at_ms));
+    fn conclude(&mut self, host: &mut impl Host, job: &VerifyJob, verdict: Verdict, counters: &ObserverMetrics) {
+        let waited = host.now_ms().saturating_sub(job.enqueued_at_ms);
+        counters.verify_latency(host, waited);
         let key = verdict::key(&TokenHash(job.hash), self.config.verdict_slots);
-        let (now, ways) = (zerolayer_proxy::now_secs(), self.config.verdict_ways);
-        let _ = shared_update(&key, |set| (verdict::insert(set, &verdict, now, ways), ()));
+        let (now, ways) = (host.now_secs(), self.config.verdict_ways);
+        let _ = host.shared_update(&key, |set| (verdict::insert(set, &verdict, now, ways), ()));
         counters.add(
             if verdict.valid {
                 counter::VERDICT_VALID
@@ -327,27 +329,27 @@ impl AuthWorker {
             1,
         );
         let tenant = verdict.tenant.clone().or_else(|| job.tenant_hint.clone());
-        self.record(
+        self.record(host,
             tenant.as_deref(),
             !verdict.valid,
             verdict.verified_at,
             counters,
         );
-        finish_job();
+        finish_job(host);
     }
 
     /// A verification a filter did itself.
-    pub(crate) fn record_outcome(&mut self, outcome: &VerifyOutcome, counters: &ObserverMetrics) {
+    pub(crate) fn record_outcome(&mut self, host: &mut impl Host, outcome: &VerifyOutcome, counters: &ObserverMetrics) {
         // An empty tenant is none.
-        self.record(Some(&outcome.tenant), outcome.failed, outcome.at, counters);
+        self.record(host, Some(&outcome.tenant), outcome.failed, outcome.at, counters);
     }
 
-    fn record(&mut self, tenant: Option<&str>, failed: bool, now: u64, counters: &ObserverMetrics) {
+    fn record(&mut self, host: &mut impl Host, tenant: Option<&str>, failed: bool, now: u64, counters: &ObserverMetrics) {
         let flips = self.escalation.record(tenant, failed, now);
-        self.flipped(&flips, counters);
+        self.flipped(host, &flips, counters);
     }
 
-    fn flipped(&self, flips: &[Flip], counters: &ObserverMetrics) {
+    fn flipped(&self, host: &mut impl Host, flips: &[Flip], counters: &ObserverMetrics) {
         for flip in flips {
             match flip {
                 Flip::Escalated(scope) => {
@@ -363,20 +365,20 @@ impl AuthWorker {
             }
         }
         if !flips.is_empty() {
-            counters.escalated(self.escalation.escalated().len());
-            shared_put(ESCALATED_KEY, &self.escalation.published().encode());
+            counters.escalated(host, self.escalation.escalated().len());
+            host.shared_put(ESCALATED_KEY, &self.escalation.published().encode());
         }
     }
 
-    fn success(&mut self, counters: &ObserverMetrics) {
+    fn success(&mut self, host: &mut impl Host, counters: &ObserverMetrics) {
         if self.breaker.success() == Some(Transition::Closed) {
             log::info!("observer: verifier breaker closed: the verifier answers again");
             counters.add(counter::BREAKER_CLOSED, 1);
-            shared_put(VERIFIER_DOWN_KEY, b"0");
+            host.shared_put(VERIFIER_DOWN_KEY, b"0");
         }
     }
 
-    fn failure(&mut self, now: u64, counters: &ObserverMetrics) {
+    fn failure(&mut self, host: &mut impl Host, now: u64, counters: &ObserverMetrics) {
         if self.breaker.failure(now) == Some(Transition::Opened) {
             log::warn!(
                 "observer: verifier breaker opened after {} failures: no calls for {} s",
@@ -386,24 +388,24 @@ impl AuthWorker {
             counters.add(counter::BREAKER_OPENED, 1);
         }
         if let zerolayer_core::breaker::State::Open { until } = self.breaker.state() {
-            shared_put(VERIFIER_DOWN_KEY, until.to_string().as_bytes());
+            host.shared_put(VERIFIER_DOWN_KEY, until.to_string().as_bytes());
         }
     }
 
     /// Periodic work.
-    pub(crate) fn maintain(&mut self, now: u64, calls: &mut Calls, counters: &ObserverMetrics) {
+    pub(crate) fn maintain(&mut self, host: &mut impl Host, now: u64, calls: &mut Calls, counters: &ObserverMetrics) {
         if self.config.jwt.jwks.is_some() && now >= self.jwks_next {
-            self.fetch_jwks(now, calls, counters);
+            self.fetch_jwks(host, now, calls, counters);
         }
         let flips = self.escalation.slide(now);
-        self.flipped(&flips, counters);
+        self.flipped(host, &flips, counters);
     }
 }
 
 /// One verification job less pending (filters compare this with the jobs
 /// enqueued to bound what is pending).
-fn finish_job() {
-    let _ = shared_update(FINISHED_KEY, |current| {
+fn finish_job(host: &mut impl Host) {
+    let _ = host.shared_update(FINISHED_KEY, |current| {
         let next = zerolayer_core::auth::exposure::decode_count(current).saturating_add(1);
         (next.to_string().into_bytes(), ())
     });

@@ -3,8 +3,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use proxy_wasm::hostcalls;
 use zerolayer_core::config::Endpoint;
+use zerolayer_host::Host;
 use zerolayer_core::event::VerifyJob;
 
 use crate::shipper::Sink;
@@ -32,18 +32,20 @@ impl Calls {
     /// arguments) logs and gives the payload back.
     pub(crate) fn dispatch(
         &mut self,
+        host: &mut impl Host,
         endpoint: &Endpoint,
         method: &str,
         extra_headers: &[(&str, &[u8])],
         body: Option<&[u8]>,
         kind: CallKind,
     ) -> Result<(), CallKind> {
-        self.dispatch_to(endpoint, &endpoint.path, method, extra_headers, body, kind)
+        self.dispatch_to(host, endpoint, &endpoint.path, method, extra_headers, body, kind)
     }
 
     /// Like [`Calls::dispatch`], to `path` instead of the endpoint's own.
     pub(crate) fn dispatch_to(
         &mut self,
+        host: &mut impl Host,
         endpoint: &Endpoint,
         path: &str,
         method: &str,
@@ -63,11 +65,10 @@ impl Calls {
             .map(|(k, v)| (*k, String::from_utf8_lossy(v).into_owned()))
             .collect();
         let borrowed: Vec<(&str, &str)> = text.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        match hostcalls::dispatch_http_call(
+        match host.dispatch(
             &endpoint.cluster,
-            borrowed,
+            &borrowed,
             body,
-            vec![],
             Duration::from_millis(u64::from(endpoint.timeout_ms)),
         ) {
             Ok(token) => {

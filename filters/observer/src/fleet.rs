@@ -8,6 +8,8 @@ use zerolayer_core::cache::config::FleetConfig;
 use zerolayer_core::cache::key::CacheKey;
 use zerolayer_core::event::CacheWrite;
 
+use zerolayer_host::Host;
+
 use crate::ObserverMetrics;
 use crate::calls::{CallKind, Calls};
 use crate::counter;
@@ -35,7 +37,7 @@ impl FleetWriter {
     }
 
     /// Sends one entry to Redis.
-    pub(crate) fn write(&mut self, job: CacheWrite, calls: &mut Calls, counters: &ObserverMetrics) {
+    pub(crate) fn write(&mut self, host: &mut impl Host, job: CacheWrite, calls: &mut Calls, counters: &ObserverMetrics) {
         if self.in_flight >= MAX_IN_FLIGHT {
             counters.add(counter::FLEET_DROPPED, 1);
             return;
@@ -44,6 +46,7 @@ impl FleetWriter {
             .config
             .setex_path(&CacheKey(job.digest), job.ttl_secs.max(1));
         match calls.dispatch_to(
+            host,
             &self.config.endpoint,
             &path,
             "PUT",

@@ -25,15 +25,14 @@ mod calls;
 mod fleet;
 mod shipper;
 
-use proxy_wasm::hostcalls;
 use serde::Deserialize;
 use zerolayer_core::ConfigError;
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::cache::config::PostCacheConfig;
-use zerolayer_core::config::ObserverLink;
+use zerolayer_core::config::{ObserverLink, ObserverMode};
 use zerolayer_core::event::{AuditRecord, Job};
 use zerolayer_core::metering::MeteringConfig;
-use zerolayer_proxy::{Counters, Metric, now_ms};
+use zerolayer_host::{Counters, Host, Metric, ObserverQueue};
 
 use auth::AuthWorker;
 use calls::{CallKind, Calls};
@@ -225,14 +224,13 @@ pub struct ObserverMetrics {
 }
 
 impl ObserverMetrics {
-    fn define(who: &str) -> Self {
-        let names: Vec<String> = COUNTER_NAMES.iter().map(|s| s.to_string()).collect();
+    fn define(host: &mut impl Host, who: &str) -> Self {
         ObserverMetrics {
-            counters: Counters::define(who, &names),
-            queue_depth: Metric::histogram("zerolayer_observer_queue_depth"),
-            escalated: Metric::gauge("zerolayer_auth_escalated_tenants"),
-            verify_latency_ms: Metric::histogram("zerolayer_auth_verify_latency_ms"),
-            usage_buffered: Metric::gauge("zerolayer_metering_records_buffered"),
+            counters: Counters::define(host, who, &COUNTER_NAMES),
+            queue_depth: Metric::histogram(host, "zerolayer_observer_queue_depth"),
+            escalated: Metric::gauge(host, "zerolayer_auth_escalated_tenants"),
+            verify_latency_ms: Metric::histogram(host, "zerolayer_auth_verify_latency_ms"),
+            usage_buffered: Metric::gauge(host, "zerolayer_metering_records_buffered"),
         }
     }
 
@@ -242,13 +240,13 @@ impl ObserverMetrics {
     }
 
     /// Records how long a credential waited for its verdict.
-    pub(crate) fn verify_latency(&self, ms: u64) {
-        self.verify_latency_ms.record(ms);
+    pub(crate) fn verify_latency(&self, host: &mut impl Host, ms: u64) {
+        self.verify_latency_ms.record(host, ms);
     }
 
     /// Records how many tenants are escalated.
-    pub(crate) fn escalated(&self, n: usize) {
-        self.escalated.record(n as u64);
+    pub(crate) fn escalated(&self, host: &mut impl Host, n: usize) {
+        self.escalated.record(host, n as u64);
     }
 }
 
@@ -270,14 +268,19 @@ pub struct Observer {
 impl Observer {
     /// Builds the observer for the filters `config` names and registers
     /// (owns) the job queue. `who` names it in log lines.
-    pub fn configure(config: &ObserverConfig, who: &str) -> Result<Observer, String> {
+    pub fn configure(
+        host: &mut impl Host,
+        config: &ObserverConfig,
+        who: &str,
+    ) -> Result<Observer, String> {
         let link = config.link();
         // In tick mode every filter embeds its own observer, configured for
         // that filter only: each owns its own queue, or one filter's
         // observer would drain (and drop) another's jobs. Kong shares queues
         // by name across the whole gateway, so the name says whose it is.
         let queue_name = link.queue_name(who);
-        let queue = hostcalls::register_shared_queue(&queue_name)
+        let queue = host
+            .register_queue(&queue_name)
             .map_err(|s| format!("cannot register queue {queue_name}: {s:?}"))?;
         let auth = config.lazy_auth.as_ref().map(AuthWorker::new).transpose()?;
         let fleet = config
@@ -325,19 +328,19 @@ impl Observer {
             auth,
             fleet,
             calls: Calls::default(),
-            counters: ObserverMetrics::define(who),
+            counters: ObserverMetrics::define(host, who),
         })
     }
 
     /// Handles the jobs waiting in the queue (up to a budget).
-    pub fn drain(&mut self) {
+    pub fn drain(&mut self, host: &mut impl Host) {
         // One clock read per wake-up: the jobs of a burst arrive together.
-        let now = now_ms();
+        let now = host.now_ms();
         let mut drained = 0u64;
         let mut drained_bytes = 0u64;
         let mut emptied = false;
         for _ in 0..DRAIN_BUDGET {
-            let item = match hostcalls::dequeue_shared_queue(self.queue) {
+            let item = match host.dequeue(self.queue) {
                 Ok(Some(item)) => item,
                 Ok(None) => {
                     emptied = true;
@@ -353,33 +356,35 @@ impl Observer {
                 Some(Job::Verify(job)) => {
                     self.counters.add(counter::JOBS_VERIFY, 1);
                     match &mut self.auth {
-                        Some(auth) => auth.verify(job, &mut self.calls, &self.counters),
+                        Some(auth) => auth.verify(host, job, &mut self.calls, &self.counters),
                         None => self.counters.add(counter::VERIFY_DROPPED, 1),
                     }
                 }
                 // One record (filters before batching) or a VM's batch.
-                Some(Job::Audit(record)) => self.audit(std::slice::from_ref(&record), now),
-                Some(Job::AuditBatch(records)) => self.audit(&records, now),
+                Some(Job::Audit(record)) => {
+                    self.audit(host, std::slice::from_ref(&record), now)
+                }
+                Some(Job::AuditBatch(records)) => self.audit(host, &records, now),
                 Some(Job::Usage(record)) => {
                     self.counters.add(counter::JOBS_USAGE, 1);
                     match &mut self.usage {
                         Some(usage) => {
                             let mut line = Vec::with_capacity(256);
                             record.write_sink_row(&mut line);
-                            usage.push(line, now, &mut self.calls, &self.counters);
+                            usage.push(host, line, now, &mut self.calls, &self.counters);
                         }
                         None => self.counters.add(counter::USAGE_DROPPED, 1),
                     }
                 }
                 Some(Job::Outcome(outcome)) => {
                     if let Some(auth) = &mut self.auth {
-                        auth.record_outcome(&outcome, &self.counters);
+                        auth.record_outcome(host, &outcome, &self.counters);
                     }
                 }
                 Some(Job::CacheWrite(write)) => {
                     self.counters.add(counter::JOBS_CACHE_WRITE, 1);
                     match &mut self.fleet {
-                        Some(fleet) => fleet.write(write, &mut self.calls, &self.counters),
+                        Some(fleet) => fleet.write(host, write, &mut self.calls, &self.counters),
                         None => self.counters.add(counter::FLEET_DROPPED, 1),
                     }
                 }
@@ -388,21 +393,21 @@ impl Observer {
             drained += 1;
         }
         if drained > 0 {
-            self.counters.queue_depth.record(drained);
+            self.counters.queue_depth.record(host, drained);
             if let Some(key) = &self.backlog {
                 if emptied {
                     // Exact again: what producers counted but had not yet
                     // enqueued is forgotten (bounded by one job each).
-                    zerolayer_proxy::shared_put(key, &zerolayer_core::queue::encode_backlog(0));
+                    host.shared_put(key, &zerolayer_core::queue::encode_backlog(0));
                 } else {
-                    zerolayer_proxy::release_backlog(key, drained_bytes);
+                    zerolayer_host::release_backlog(host, key, drained_bytes);
                 }
             }
         }
     }
 
     /// Hands audit records to the audit sink (dropped, counted, without one).
-    fn audit(&mut self, records: &[AuditRecord], now: u64) {
+    fn audit(&mut self, host: &mut impl Host, records: &[AuditRecord], now: u64) {
         let n = records.len() as u64;
         self.counters.add(counter::JOBS_AUDIT, n);
         let Some(audit) = &mut self.audit else {
@@ -412,58 +417,51 @@ impl Observer {
         for record in records {
             let mut line = Vec::with_capacity(256);
             record.write_sink_row(&mut line);
-            audit.push(line, now, &mut self.calls, &self.counters);
+            audit.push(host, line, now, &mut self.calls, &self.counters);
         }
     }
 
     /// Ships the sinks' batches that are due.
-    fn flush_sinks(&mut self) {
-        let now_ms = zerolayer_proxy::now_ms();
+    fn flush_sinks(&mut self, host: &mut impl Host) {
+        let now_ms = host.now_ms();
         for shipper in [&mut self.audit, &mut self.usage].into_iter().flatten() {
-            shipper.maybe_flush(now_ms, &mut self.calls, &self.counters);
+            shipper.maybe_flush(host, now_ms, &mut self.calls, &self.counters);
         }
         if let Some(usage) = &self.usage {
-            self.counters.usage_buffered.record(usage.buffered() as u64);
+            self.counters
+                .usage_buffered
+                .record(host, usage.buffered() as u64);
         }
     }
 
     /// Periodic work: drain (hosts without queue notifications), JWKS
     /// refresh, audit flush, escalation windows, counters.
-    pub fn on_tick(&mut self) {
-        self.drain();
-        let now = zerolayer_proxy::now_secs();
+    pub fn on_tick(&mut self, host: &mut impl Host) {
+        self.drain(host);
+        let now = host.now_secs();
         if let Some(auth) = &mut self.auth {
-            auth.maintain(now, &mut self.calls, &self.counters);
+            auth.maintain(host, now, &mut self.calls, &self.counters);
         }
-        self.flush_sinks();
+        self.flush_sinks(host);
         for shipper in [&mut self.audit, &mut self.usage].into_iter().flatten() {
             shipper.report_drops();
         }
-        self.counters.counters.flush();
+        self.counters.counters.flush(host);
     }
 
     /// A callout this observer made has an answer (or failed: no `:status`).
     /// Returns whether the token was ours.
-    pub fn on_http_call_response(&mut self, token: u32, body_size: usize) -> bool {
+    pub fn on_http_call_response(
+        &mut self,
+        host: &mut impl Host,
+        token: u32,
+        body_size: usize,
+    ) -> bool {
         let Some(kind) = self.calls.take(token) else {
             return false;
         };
-        let status = hostcalls::get_map_value_bytes(
-            proxy_wasm::types::MapType::HttpCallResponseHeaders,
-            ":status",
-        )
-        .ok()
-        .flatten()
-        .and_then(|s| String::from_utf8(s).ok())
-        .and_then(|s| s.parse::<u16>().ok());
-        let body = hostcalls::get_buffer(
-            proxy_wasm::types::BufferType::HttpCallResponseBody,
-            0,
-            body_size,
-        )
-        .ok()
-        .flatten()
-        .unwrap_or_default();
+        let answer = host.callout_answer(body_size);
+        let status = answer.status;
         match kind {
             CallKind::Batch(sink, batch) => {
                 let shipper = match sink {
@@ -471,7 +469,8 @@ impl Observer {
                     Sink::Usage => &mut self.usage,
                 };
                 if let Some(shipper) = shipper {
-                    shipper.answered(batch, status, zerolayer_proxy::now_ms(), &self.counters);
+                    let now_ms = host.now_ms();
+                    shipper.answered(batch, status, now_ms, &self.counters);
                 }
                 // The sink is back: ship what waits without waiting a tick,
                 // except in tick mode. ngx_wasm_module gives a callout
@@ -480,7 +479,7 @@ impl Observer {
                 // then connects on freed memory and the worker crashes
                 // (signal 11, under load). The next tick ships it.
                 if self.backlog.is_none() {
-                    self.flush_sinks();
+                    self.flush_sinks(host);
                 }
             }
             CallKind::CacheWrite => {
@@ -490,7 +489,14 @@ impl Observer {
             }
             other => {
                 if let Some(auth) = &mut self.auth {
-                    auth.answered(other, status, &body, &mut self.calls, &self.counters);
+                    auth.answered(
+                        host,
+                        other,
+                        status,
+                        &answer.body,
+                        &mut self.calls,
+                        &self.counters,
+                    );
                 }
             }
         }
@@ -503,8 +509,58 @@ impl Observer {
     }
 
     /// Reports counters (at shutdown, too).
-    pub fn flush_counters(&self) {
-        self.counters.counters.flush();
+    pub fn flush_counters(&self, host: &mut impl Host) {
+        self.counters.counters.flush(host);
+    }
+}
+
+/// The observer a filter's root embeds in tick mode (hosts without
+/// singletons or queue notifications: Kong), or none in singleton mode.
+/// The three filters that post jobs embed it the same way.
+#[derive(Default)]
+pub struct EmbeddedObserver(Option<Observer>);
+
+impl EmbeddedObserver {
+    /// In tick mode, when the filter has work for an observer (`needed`),
+    /// the observer `config` describes, owning its queue; otherwise none.
+    pub fn configure(
+        host: &mut impl Host,
+        link: &ObserverLink,
+        needed: bool,
+        config: impl FnOnce() -> ObserverConfig,
+        who: &str,
+    ) -> Result<EmbeddedObserver, String> {
+        if !needed || link.mode != ObserverMode::Tick {
+            return Ok(EmbeddedObserver(None));
+        }
+        Observer::configure(host, &config(), who).map(|o| EmbeddedObserver(Some(o)))
+    }
+
+    /// The queue the filter posts to: the embedded observer's, or the
+    /// singleton's `link` names.
+    pub fn queue(&self, link: &ObserverLink, who: &str) -> ObserverQueue {
+        ObserverQueue::new(link.clone(), self.0.as_ref().map(Observer::queue), who)
+    }
+
+    /// The root's tick: the embedded observer's periodic work.
+    pub fn tick(&mut self, host: &mut impl Host) {
+        if let Some(observer) = &mut self.0 {
+            observer.on_tick(host);
+        }
+    }
+
+    /// A callout answered at the root: the embedded observer's, if its own.
+    pub fn call_answered(&mut self, host: &mut impl Host, token: u32, body_size: usize) {
+        if let Some(observer) = &mut self.0 {
+            observer.on_http_call_response(host, token, body_size);
+        }
+    }
+
+    /// The VM is going away: report the observer's counters.
+    pub fn done(&mut self, host: &mut impl Host) {
+        if let Some(observer) = &self.0 {
+            observer.flush_counters(host);
+        }
     }
 }
 

@@ -9,6 +9,8 @@ use std::collections::VecDeque;
 use zerolayer_core::breaker::{Breaker, Transition};
 use zerolayer_core::sink::SinkConfig;
 
+use zerolayer_host::Host;
+
 use crate::calls::{CallKind, Calls};
 use crate::{ObserverMetrics, counter};
 
@@ -87,7 +89,7 @@ impl Shipper {
     /// full leaves at once, before the rest of a burst can overflow the
     /// buffer (batches by age leave on tick).
     pub(crate) fn push(
-        &mut self,
+        &mut self, host: &mut impl Host,
         line: Vec<u8>,
         now_ms: u64,
         calls: &mut Calls,
@@ -99,7 +101,7 @@ impl Shipper {
         }
         self.buffer.push_back((now_ms, line));
         if self.buffer.len() >= self.config.batch_max {
-            self.maybe_flush(now_ms, calls, counters);
+            self.maybe_flush(host, now_ms, calls, counters);
         }
     }
 
@@ -127,7 +129,7 @@ impl Shipper {
     /// `flush_ms`) and fewer than `max_in_flight` are out; none while
     /// backing off or while the breaker is open.
     pub(crate) fn maybe_flush(
-        &mut self,
+        &mut self, host: &mut impl Host,
         now_ms: u64,
         calls: &mut Calls,
         counters: &ObserverMetrics,
@@ -145,6 +147,7 @@ impl Shipper {
                 .collect();
             let headers = [("content-type", &b"application/x-ndjson"[..])];
             match calls.dispatch(
+                host,
                 &self.config.endpoint,
                 "POST",
                 &headers,

@@ -201,6 +201,16 @@ impl RuleSet {
             .any(|r| uses(&r.when, &|c| matches!(c, Cond::Percent(_))))
     }
 
+    /// Whether any rule reads the clock (`hours`, `weekdays` conditions):
+    /// only then does a filter read the host's time for the rules.
+    pub fn needs_clock(&self) -> bool {
+        self.rules.iter().any(|r| {
+            uses(&r.when, &|c| {
+                matches!(c, Cond::Hours { .. } | Cond::Weekdays(_))
+            })
+        })
+    }
+
     /// Whether any rule needs the tenant.
     pub fn needs_tenant(&self) -> bool {
         self.rules

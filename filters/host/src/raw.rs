@@ -1,4 +1,4 @@
-//! The host calls the SDK has no safe form of. A whole header map as the
+//! The host calls the SDK has no safe form of (used by [`crate::WasmHost`]). A whole header map as the
 //! host serializes it, kept as one buffer
 //! ([`zerolayer_core::headers::HeaderBlock`]): the SDK's `get_map_bytes`
 //! makes a `String` and a `Vec` per header (most of the cost of a read

@@ -1,0 +1,468 @@
+//! [`FakeHost`]: a recording host for native tests of stage code. It holds
+//! what a test sets up (headers, bodies, properties, shared data, the
+//! clock, a callout's answer) and records what the stage did (headers set,
+//! hand-offs, callouts dispatched, resumes, local responses, metrics), so a
+//! stage's decisions are asserted beside its code without building Wasm.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
+
+use proxy_wasm::types::Status;
+use zerolayer_core::headers::HeaderBlock;
+
+use crate::host::{Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform};
+
+/// A callout a stage dispatched.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dispatched {
+    /// The token its answer carries.
+    pub token: u32,
+    /// The cluster called.
+    pub cluster: String,
+    /// Its headers, pseudo-headers included.
+    pub headers: Vec<(String, String)>,
+    /// Its body.
+    pub body: Option<Vec<u8>>,
+    /// Its timeout.
+    pub timeout: Duration,
+}
+
+impl Dispatched {
+    /// Header `name`'s value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A local response a stage sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sent {
+    /// Its status.
+    pub status: u32,
+    /// Its headers.
+    pub headers: Vec<(String, String)>,
+    /// Its body.
+    pub body: Vec<u8>,
+    /// The stream it went to when sent from a root (`set_effective_context`).
+    pub effective: Option<u32>,
+}
+
+impl Sent {
+    /// Header `name`'s value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body as text (lossy).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+/// A defined metric and its value (counters: the sum of increments).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FakeMetric {
+    /// Its name.
+    pub name: String,
+    /// Its kind.
+    pub kind: MetricKind,
+    /// Counter: sum of increments; gauge: last value; histogram: last sample.
+    pub value: i64,
+    /// Histogram: every sample.
+    pub samples: Vec<u64>,
+}
+
+/// The recording host (see the module docs). Fields are public: a test
+/// sets up and inspects them directly.
+#[derive(Debug)]
+pub struct FakeHost {
+    /// The clock.
+    pub clock: Duration,
+    /// The platform the stage believes it runs on.
+    pub platform: Platform,
+    /// Whether the stage runs in the fused filter.
+    pub fused: bool,
+    /// The tick period asked for.
+    pub tick: Option<Duration>,
+    /// The request headers, in order.
+    pub request_headers: Vec<(String, Vec<u8>)>,
+    /// The response headers, in order.
+    pub response_headers: Vec<(String, Vec<u8>)>,
+    /// The request body.
+    pub request_body: Vec<u8>,
+    /// The current response chunk.
+    pub response_body: Vec<u8>,
+    /// Properties and hand-offs, by path.
+    pub properties: BTreeMap<String, Vec<u8>>,
+    /// Shared data: value and CAS, by key.
+    pub shared: BTreeMap<String, (Vec<u8>, u32)>,
+    /// Queues: name and items, id = index + 1.
+    pub queues: Vec<(String, VecDeque<Vec<u8>>)>,
+    /// Whether enqueues are refused (a full queue).
+    pub refuse_enqueue: bool,
+    /// Callouts dispatched, in order.
+    pub dispatched: Vec<Dispatched>,
+    /// Whether dispatches are refused (unknown cluster).
+    pub refuse_dispatch: bool,
+    /// The answer of the callout being answered.
+    pub answer: CalloutAnswer,
+    /// Resumes asked for, with the effective stream (roots).
+    pub resumes: Vec<Option<u32>>,
+    /// Local responses sent.
+    pub sent: Vec<Sent>,
+    /// The stream made effective last.
+    pub effective: Option<u32>,
+    /// Callbacks the stage said it is done with.
+    pub done_with: Vec<Callback>,
+    /// Metrics, id = index.
+    pub metrics: Vec<FakeMetric>,
+    next_token: u32,
+    next_cas: u32,
+}
+
+impl Default for FakeHost {
+    fn default() -> Self {
+        FakeHost {
+            clock: Duration::from_secs(1_700_000_000),
+            platform: Platform::Envoy,
+            fused: false,
+            tick: None,
+            request_headers: Vec::new(),
+            response_headers: Vec::new(),
+            request_body: Vec::new(),
+            response_body: Vec::new(),
+            properties: BTreeMap::new(),
+            shared: BTreeMap::new(),
+            queues: Vec::new(),
+            refuse_enqueue: false,
+            dispatched: Vec::new(),
+            refuse_dispatch: false,
+            answer: CalloutAnswer::default(),
+            resumes: Vec::new(),
+            sent: Vec::new(),
+            effective: None,
+            done_with: Vec::new(),
+            metrics: Vec::new(),
+            next_token: 1,
+            next_cas: 1,
+        }
+    }
+}
+
+impl FakeHost {
+    /// A host with `headers` as the request headers.
+    pub fn with_request(headers: &[(&str, &str)]) -> FakeHost {
+        FakeHost {
+            request_headers: headers
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+                .collect(),
+            ..FakeHost::default()
+        }
+    }
+
+    /// Sets the response headers.
+    pub fn respond_with(&mut self, headers: &[(&str, &str)]) {
+        self.response_headers = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect();
+    }
+
+    /// Makes `status` and `body` the answer of the callout being answered
+    /// (`None`: the call failed, no status).
+    pub fn answer_with(&mut self, status: Option<u16>, body: &[u8]) {
+        self.answer = CalloutAnswer {
+            status,
+            body: body.to_vec(),
+        };
+    }
+
+    /// Advances the clock.
+    pub fn advance(&mut self, by: Duration) {
+        self.clock += by;
+    }
+
+    /// A counter's value by name (0 if never incremented; `None` if never defined).
+    pub fn metric(&self, name: &str) -> Option<i64> {
+        self.metrics
+            .iter()
+            .find(|m| m.name == name)
+            .map(|m| m.value)
+    }
+
+    /// Shared data `key`'s value.
+    pub fn shared_value(&self, key: &str) -> Option<&[u8]> {
+        self.shared.get(key).map(|(v, _)| v.as_slice())
+    }
+
+    /// Items waiting in queue `name`.
+    pub fn queued(&self, name: &str) -> Vec<Vec<u8>> {
+        self.queues
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, q)| q.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    /// The last callout dispatched.
+    pub fn last_dispatched(&self) -> Option<&Dispatched> {
+        self.dispatched.last()
+    }
+
+    /// A response header's value, as set by the stage.
+    pub fn response_header_value(&self, name: &str) -> Option<String> {
+        find(&self.response_headers, name).map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+
+    /// A request header's value, as set by the stage.
+    pub fn request_header_value(&self, name: &str) -> Option<String> {
+        find(&self.request_headers, name).map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+
+    fn map(&mut self, map: Headers) -> &mut Vec<(String, Vec<u8>)> {
+        match map {
+            Headers::Request => &mut self.request_headers,
+            Headers::Response => &mut self.response_headers,
+        }
+    }
+
+    fn body(&mut self, body: Body) -> &mut Vec<u8> {
+        match body {
+            Body::Request => &mut self.request_body,
+            Body::Response => &mut self.response_body,
+        }
+    }
+}
+
+fn find<'a>(headers: &'a [(String, Vec<u8>)], name: &str) -> Option<&'a [u8]> {
+    headers
+        .iter()
+        .find(|(n, _)| n.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_slice())
+}
+
+fn owned(headers: &[(&str, &str)]) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_string()))
+        .collect()
+}
+
+impl Host for FakeHost {
+    fn now(&mut self) -> Duration {
+        self.clock
+    }
+
+    fn platform(&mut self) -> Platform {
+        self.platform
+    }
+
+    fn fused(&self) -> bool {
+        self.fused
+    }
+
+    fn set_tick_period(&mut self, period: Duration) -> Result<(), Status> {
+        self.tick = Some(period);
+        Ok(())
+    }
+
+    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
+        find(self.map(map), name).map(<[u8]>::to_vec)
+    }
+
+    fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
+        let pairs = self.map(map).iter().map(|(n, v)| (n.as_str(), v.as_slice()));
+        let block = HeaderBlock::parse(HeaderBlock::serialize(pairs)).unwrap_or_default();
+        f(&block)
+    }
+
+    fn set_header(&mut self, map: Headers, name: &str, value: &[u8]) {
+        let headers = self.map(map);
+        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        headers.push((name.to_string(), value.to_vec()));
+    }
+
+    fn add_header(&mut self, map: Headers, name: &str, value: &[u8]) {
+        self.map(map).push((name.to_string(), value.to_vec()));
+    }
+
+    fn remove_header(&mut self, map: Headers, name: &str) -> bool {
+        let headers = self.map(map);
+        let before = headers.len();
+        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        headers.len() != before
+    }
+
+    fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+        let bytes = self.body(body);
+        f(bytes.get(..size).unwrap_or(bytes))
+    }
+
+    fn set_body(&mut self, body: Body, size: usize, bytes: &[u8]) -> Result<(), Status> {
+        let current = self.body(body);
+        let size = size.min(current.len());
+        current.splice(..size, bytes.iter().copied());
+        Ok(())
+    }
+
+    fn property(&mut self, path: &str) -> Option<Vec<u8>> {
+        self.properties.get(path).cloned()
+    }
+
+    fn publish(&mut self, path: &str, value: &[u8]) {
+        self.properties.insert(path.to_string(), value.to_vec());
+    }
+
+    fn set_property(&mut self, path: &str, value: &[u8]) -> Result<(), Status> {
+        self.properties.insert(path.to_string(), value.to_vec());
+        Ok(())
+    }
+
+    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        match self.shared.get(key) {
+            Some((value, cas)) => (Some(value.clone()), Some(*cas)),
+            None => (None, None),
+        }
+    }
+
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
+        if let (Some(expected), Some((_, current))) = (cas, self.shared.get(key))
+            && expected != *current
+        {
+            return Err(Status::CasMismatch);
+        }
+        self.next_cas += 1;
+        self.shared
+            .insert(key.to_string(), (value.to_vec(), self.next_cas));
+        Ok(())
+    }
+
+    fn register_queue(&mut self, name: &str) -> Result<u32, Status> {
+        if let Some(i) = self.queues.iter().position(|(n, _)| n == name) {
+            return Ok(i as u32 + 1);
+        }
+        self.queues.push((name.to_string(), VecDeque::new()));
+        Ok(self.queues.len() as u32)
+    }
+
+    fn resolve_queue(&mut self, _vm_id: &str, name: &str) -> Option<u32> {
+        self.queues
+            .iter()
+            .position(|(n, _)| n == name)
+            .map(|i| i as u32 + 1)
+    }
+
+    fn enqueue(&mut self, queue: u32, bytes: &[u8]) -> Result<(), Status> {
+        if self.refuse_enqueue {
+            return Err(Status::InternalFailure);
+        }
+        let (_, items) = self
+            .queues
+            .get_mut((queue as usize).wrapping_sub(1))
+            .ok_or(Status::NotFound)?;
+        items.push_back(bytes.to_vec());
+        Ok(())
+    }
+
+    fn dequeue(&mut self, queue: u32) -> Result<Option<Vec<u8>>, Status> {
+        let (_, items) = self
+            .queues
+            .get_mut((queue as usize).wrapping_sub(1))
+            .ok_or(Status::NotFound)?;
+        Ok(items.pop_front())
+    }
+
+    fn dispatch(
+        &mut self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<u32, Status> {
+        if self.refuse_dispatch {
+            return Err(Status::BadArgument);
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        self.dispatched.push(Dispatched {
+            token,
+            cluster: cluster.to_string(),
+            headers: owned(headers),
+            body: body.map(<[u8]>::to_vec),
+            timeout,
+        });
+        Ok(token)
+    }
+
+    fn callout_status(&mut self) -> Option<u16> {
+        self.answer.status
+    }
+
+    fn callout_body(&mut self, size: usize) -> Vec<u8> {
+        let body = &self.answer.body;
+        body.get(..size).unwrap_or(body).to_vec()
+    }
+
+    fn resume(&mut self) {
+        self.resumes.push(self.effective);
+    }
+
+    fn send_local_response(
+        &mut self,
+        status: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), Status> {
+        self.sent.push(Sent {
+            status,
+            headers: owned(headers),
+            body: body.to_vec(),
+            effective: self.effective,
+        });
+        Ok(())
+    }
+
+    fn set_effective_context(&mut self, context_id: u32) -> Result<(), Status> {
+        self.effective = Some(context_id);
+        Ok(())
+    }
+
+    fn done_with(&mut self, callback: Callback) {
+        if !self.done_with.contains(&callback) {
+            self.done_with.push(callback);
+        }
+    }
+
+    fn define_metric(&mut self, kind: MetricKind, name: &str) -> Result<u32, Status> {
+        if let Some(i) = self.metrics.iter().position(|m| m.name == name) {
+            return Ok(i as u32);
+        }
+        self.metrics.push(FakeMetric {
+            name: name.to_string(),
+            kind,
+            value: 0,
+            samples: Vec::new(),
+        });
+        Ok(self.metrics.len() as u32 - 1)
+    }
+
+    fn increment_metric(&mut self, id: u32, delta: i64) {
+        if let Some(m) = self.metrics.get_mut(id as usize) {
+            m.value = m.value.saturating_add(delta);
+        }
+    }
+
+    fn record_metric(&mut self, id: u32, value: u64) {
+        if let Some(m) = self.metrics.get_mut(id as usize) {
+            m.value = i64::try_from(value).unwrap_or(i64::MAX);
+            m.samples.push(value);
+        }
+    }
+}

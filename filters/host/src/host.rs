@@ -1,0 +1,417 @@
+//! The [`Host`] trait: everything a stage asks of the proxy, in one place.
+//! Its implementations are the plain Proxy-Wasm host ([`crate::WasmHost`]),
+//! the fused filter's ([`crate::FusedHost`]) and a recording fake for
+//! native tests ([`crate::FakeHost`], feature `fake`).
+//!
+//! The required methods are the host's primitives; the provided ones
+//! compose them the same way for every stage and host (JSON errors, CAS
+//! updates, callout answers, what a platform can do).
+
+use std::time::Duration;
+
+use zerolayer_core::headers::HeaderBlock;
+
+pub use proxy_wasm::types::{Action, Status};
+
+/// A header map of the current stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Headers {
+    /// The request headers.
+    Request,
+    /// The response headers.
+    Response,
+}
+
+/// A body of the current stream (as the current callback has it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Body {
+    /// The request body buffered so far.
+    Request,
+    /// The response chunk.
+    Response,
+}
+
+/// Body callbacks a stage can be done with before its stream is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Callback {
+    /// `on_http_request_body`.
+    RequestBody,
+    /// `on_http_response_body`.
+    ResponseBody,
+}
+
+/// Which Proxy-Wasm host runs the filter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Platform {
+    /// Envoy (and host-sim's Envoy profile).
+    Envoy,
+    /// ngx_wasm_module: Kong Gateway's host, or nginx with the module.
+    NgxWasm,
+}
+
+/// A metric's kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Only ever incremented.
+    Counter,
+    /// Set to a value.
+    Gauge,
+    /// Samples.
+    Histogram,
+}
+
+/// A callout's answer as a stage reads it: `status` is `None` when the
+/// call failed (timeout, reset: no `:status`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CalloutAnswer {
+    /// The answer's `:status`.
+    pub status: Option<u16>,
+    /// The answer's body.
+    pub body: Vec<u8>,
+}
+
+/// What a stage asks of the proxy. Stage code takes `&mut impl Host` and
+/// never calls `proxy_wasm::hostcalls` itself (clippy's
+/// `disallowed-methods` keeps it so).
+pub trait Host {
+    // --- clock, platform ---------------------------------------------------
+
+    /// Host time since the Unix epoch (zero if the host cannot tell).
+    fn now(&mut self) -> Duration;
+
+    /// Which host runs the filter. Call from a request context: only a
+    /// request has the variable that tells ngx_wasm_module apart.
+    fn platform(&mut self) -> Platform;
+
+    /// Whether the stage runs inside the fused filter (one filter instance
+    /// for the whole chain) rather than as its own filter.
+    fn fused(&self) -> bool;
+
+    /// Asks for the root's tick every `period`.
+    fn set_tick_period(&mut self, period: Duration) -> Result<(), Status>;
+
+    // --- headers -------------------------------------------------------------
+
+    /// Header `name` of `map`.
+    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>>;
+
+    /// Runs `f` on the whole of `map` (an empty map if the host has none
+    /// to give). `f` cannot reach the host: change headers after it returns.
+    fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T;
+
+    /// Sets (replacing) header `name` of `map`.
+    fn set_header(&mut self, map: Headers, name: &str, value: &[u8]);
+
+    /// Adds a value for header `name` of `map` (keeping any other).
+    fn add_header(&mut self, map: Headers, name: &str, value: &[u8]);
+
+    /// Removes header `name` of `map`; returns whether the host removed one.
+    fn remove_header(&mut self, map: Headers, name: &str) -> bool;
+
+    // --- bodies --------------------------------------------------------------
+
+    /// Runs `f` on the first `size` bytes of `body`, as the current
+    /// callback has it.
+    fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T;
+
+    /// Replaces the first `size` bytes of `body` (all of it, as the callback
+    /// has it) with `bytes`.
+    fn set_body(&mut self, body: Body, size: usize, bytes: &[u8]) -> Result<(), Status>;
+
+    // --- properties and hand-offs ---------------------------------------------
+
+    /// Reads a property (filter state, a hand-off, an Envoy attribute).
+    fn property(&mut self, path: &str) -> Option<Vec<u8>>;
+
+    /// Publishes `value` to later filters of the same request under
+    /// hand-off `path` (see `zerolayer_core::internal`).
+    fn publish(&mut self, path: &str, value: &[u8]);
+
+    /// Sets property `path` as it is named; the host's refusal is a status.
+    fn set_property(&mut self, path: &str, value: &[u8]) -> Result<(), Status>;
+
+    // --- shared data -----------------------------------------------------------
+
+    /// Shared data `key`: value and CAS.
+    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>);
+
+    /// Writes shared data `key` if its CAS is still `cas` (`None`: any).
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status>;
+
+    // --- queues ----------------------------------------------------------------
+
+    /// Registers (owns) queue `name`; returns its id.
+    fn register_queue(&mut self, name: &str) -> Result<u32, Status>;
+
+    /// The id of queue `name` of VM `vm_id`, if it is registered.
+    fn resolve_queue(&mut self, vm_id: &str, name: &str) -> Option<u32>;
+
+    /// Adds `bytes` to queue `queue`.
+    fn enqueue(&mut self, queue: u32, bytes: &[u8]) -> Result<(), Status>;
+
+    /// Takes the oldest item of queue `queue`.
+    fn dequeue(&mut self, queue: u32) -> Result<Option<Vec<u8>>, Status>;
+
+    // --- callouts ----------------------------------------------------------------
+
+    /// Sends a request to `cluster`; returns the token its answer will carry.
+    fn dispatch(
+        &mut self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<u32, Status>;
+
+    /// The `:status` of the callout being answered (in its answer only).
+    fn callout_status(&mut self) -> Option<u16>;
+
+    /// The first `size` bytes of the body of the callout being answered.
+    fn callout_body(&mut self, size: usize) -> Vec<u8>;
+
+    // --- stream control ------------------------------------------------------------
+
+    /// Lets the current stream continue after a pause (in the fused
+    /// filter: through the stages after this one first).
+    fn resume(&mut self);
+
+    /// Answers the current stream from the gateway with exactly this
+    /// status, headers and body.
+    fn send_local_response(
+        &mut self,
+        status: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), Status>;
+
+    /// Makes stream `context_id` the one later calls act on (from a root).
+    fn set_effective_context(&mut self, context_id: u32) -> Result<(), Status>;
+
+    /// The current stream's stage will do nothing in `callback` from now
+    /// on: in the fused filter it is no longer called for it.
+    fn done_with(&mut self, _callback: Callback) {}
+
+    // --- metrics ---------------------------------------------------------------------
+
+    /// Defines a metric; returns its id.
+    fn define_metric(&mut self, kind: MetricKind, name: &str) -> Result<u32, Status>;
+
+    /// Adds `delta` to counter `id`.
+    fn increment_metric(&mut self, id: u32, delta: i64);
+
+    /// Sets gauge `id` / records a histogram sample.
+    fn record_metric(&mut self, id: u32, value: u64);
+
+    // === provided: composed the same way for every host =================================
+
+    /// Host time, Unix seconds.
+    fn now_secs(&mut self) -> u64 {
+        self.now().as_secs()
+    }
+
+    /// Host time, Unix milliseconds.
+    fn now_ms(&mut self) -> u64 {
+        self.now().as_millis() as u64
+    }
+
+    /// Host time, Unix microseconds.
+    fn now_us(&mut self) -> u64 {
+        self.now().as_micros() as u64
+    }
+
+    /// A request header's value.
+    fn request_header(&mut self, name: &str) -> Option<Vec<u8>> {
+        self.header(Headers::Request, name)
+    }
+
+    /// A response header's value, as text (`None` if absent or not UTF-8).
+    fn response_header(&mut self, name: &str) -> Option<String> {
+        self.header(Headers::Response, name)
+            .and_then(|v| String::from_utf8(v).ok())
+    }
+
+    /// Sets (replacing) a request header.
+    fn set_request_header(&mut self, name: &str, value: &[u8]) {
+        self.set_header(Headers::Request, name, value);
+    }
+
+    /// Sets (replacing) a response header.
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        self.set_header(Headers::Response, name, value.as_bytes());
+    }
+
+    /// Removes every response header whose name `reserved` accepts (names
+    /// the upstream must not set: the client would read them as the
+    /// gateway's); returns how many were removed. Nothing is copied unless
+    /// a name matches.
+    fn remove_reserved_response_headers(&mut self, reserved: impl Fn(&str) -> bool) -> usize {
+        let names: Vec<String> = self.with_headers(Headers::Response, |headers| {
+            headers
+                .iter()
+                .filter_map(|(name, _)| std::str::from_utf8(name).ok())
+                .filter(|name| reserved(name))
+                .map(str::to_string)
+                .collect()
+        });
+        for name in &names {
+            self.remove_header(Headers::Response, name);
+        }
+        names.len()
+    }
+
+    /// Asks the backend for an uncompressed response (`accept-encoding:
+    /// identity`) unless the request already does: a stage that reads the
+    /// response body (usage, the cache entry) needs the bytes as sent.
+    fn ask_identity_encoding(&mut self) {
+        let accept = self.request_header("accept-encoding");
+        if !zerolayer_core::encoding::asks_identity(accept.as_deref()) {
+            self.set_request_header("accept-encoding", zerolayer_core::encoding::IDENTITY);
+        }
+    }
+
+    /// Whether a stage may return `Pause` from the request headers to wait
+    /// for the body. Envoy resumes it when the body arrives;
+    /// ngx_wasm_module never does (it reads the body only after every
+    /// filter let the headers through), so there a body-dependent decision
+    /// is made in the body callback. Call from a request context.
+    fn can_hold_headers_for_body(&mut self) -> bool {
+        self.platform() != Platform::NgxWasm
+    }
+
+    /// Whether a root context can act on a paused request (answer or resume
+    /// it from `on_tick` after `set_effective_context`): not in
+    /// ngx_wasm_module, whose `proxy_set_effective_context` does nothing.
+    fn can_resume_from_tick(&mut self) -> bool {
+        self.platform() != Platform::NgxWasm
+    }
+
+    /// Whether the host continues a request by itself once the callouts its
+    /// callbacks made have answered (ngx_wasm_module): a resume from the
+    /// answer would be one too many there.
+    fn resumes_after_callouts(&mut self) -> bool {
+        self.platform() == Platform::NgxWasm
+    }
+
+    /// Whether later filters of the chain see a response before this one:
+    /// ngx_wasm_module runs every phase in chain order, Envoy runs response
+    /// phases in reverse (and the fused filter runs its stages so everywhere).
+    fn responses_in_chain_order(&mut self) -> bool {
+        !self.fused() && self.platform() == Platform::NgxWasm
+    }
+
+    /// Sets nginx variable `path` (`ngx.<name>`) where the host is
+    /// ngx_wasm_module and the operator declared it; elsewhere nothing.
+    fn set_ngx_variable(&mut self, path: &str, value: &[u8]) {
+        if self.platform() == Platform::NgxWasm {
+            // An undeclared variable is refused: the operator chose not to log it.
+            let _ = self.set_property(path, value);
+        }
+    }
+
+    /// Answers the request with exactly `body`. ngx_wasm_module appends a
+    /// line feed to every local response body; a body that ends in one is
+    /// sent there without it, so the client still gets these bytes.
+    fn send_response(
+        &mut self,
+        status: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), Status> {
+        let body = match body.strip_suffix(b"\n") {
+            Some(trimmed) if self.platform() == Platform::NgxWasm => trimmed,
+            _ => body,
+        };
+        self.send_local_response(status, headers, body)
+    }
+
+    /// Answers the request with `{"error":{"type":…,"message":…}}`.
+    fn send_json_error(&mut self, status: u32, kind: &str, message: &str) {
+        json_error(self, status, kind, message, false);
+    }
+
+    /// [`Host::send_json_error`] from a callout's answer, before the host
+    /// read the request body. ngx_wasm_module reads the body only after the
+    /// request headers went on, and a body left unread there was now and
+    /// then parsed as the next request on the keep-alive connection: there
+    /// the response closes the connection.
+    fn send_json_error_before_body(&mut self, status: u32, kind: &str, message: &str) {
+        let close = self.platform() == Platform::NgxWasm;
+        json_error(self, status, kind, message, close);
+    }
+
+    /// The answer of the callout being answered: its status and body.
+    fn callout_answer(&mut self, body_size: usize) -> CalloutAnswer {
+        CalloutAnswer {
+            status: self.callout_status(),
+            body: self.callout_body(body_size),
+        }
+    }
+
+    /// Writes shared data `key` unconditionally (Envoy) or with the current
+    /// CAS where a host requires it to overwrite (Kong).
+    fn shared_put(&mut self, key: &str, value: &[u8]) -> bool {
+        for _ in 0..4 {
+            let (_, cas) = self.shared_get(key);
+            match self.shared_set(key, value, cas) {
+                Ok(()) => return true,
+                Err(Status::CasMismatch) => continue,
+                Err(status) => {
+                    log::warn!("shared data {key}: {status:?}");
+                    return false;
+                }
+            }
+        }
+        false
+    }
+
+    /// Read-modify-write of shared data `key` with compare-and-swap, retried
+    /// a few times under contention: `update` gets the current value and
+    /// returns the new one. Returns `update`'s result, or `None` if it lost
+    /// every race.
+    fn shared_update<T>(
+        &mut self,
+        key: &str,
+        mut update: impl FnMut(Option<&[u8]>) -> (Vec<u8>, T),
+    ) -> Option<T> {
+        self.shared_update_if(key, |current| {
+            let (next, result) = update(current);
+            (Some(next), result)
+        })
+    }
+
+    /// [`Host::shared_update`] where `update` may leave the value as it is
+    /// (`None`: nothing is written, its result is returned at once).
+    fn shared_update_if<T>(
+        &mut self,
+        key: &str,
+        mut update: impl FnMut(Option<&[u8]>) -> (Option<Vec<u8>>, T),
+    ) -> Option<T> {
+        for _ in 0..8 {
+            let (current, cas) = self.shared_get(key);
+            let (next, result) = update(current.as_deref());
+            let Some(next) = next else {
+                return Some(result);
+            };
+            match self.shared_set(key, &next, cas) {
+                Ok(()) => return Some(result),
+                Err(Status::CasMismatch) => continue,
+                Err(status) => {
+                    log::warn!("shared data {key}: {status:?}");
+                    return None;
+                }
+            }
+        }
+        None
+    }
+}
+
+fn json_error<H: Host + ?Sized>(host: &mut H, status: u32, kind: &str, message: &str, close: bool) {
+    let body = serde_json::json!({"error": {"type": kind, "message": message}}).to_string();
+    let mut headers = vec![("content-type", "application/json")];
+    if close {
+        headers.push(("connection", "close"));
+    }
+    if let Err(err) = host.send_response(status, &headers, body.as_bytes()) {
+        log::error!("could not send a {status} response: {err:?}");
+    }
+}

@@ -1,0 +1,81 @@
+//! The one surface between zerolayer's stages and the proxy. A stage gets
+//! its host explicitly, as a [`Host`] (`&mut impl Host`) in every callback
+//! of its [`RootStage`] and [`StreamStage`]; which host that is decides
+//! whether it runs as its own filter ([`WasmHost`], registered by a module
+//! crate with [`standalone`]), inside the fused filter ([`FusedHost`]), or
+//! in a native test ([`FakeHost`], feature `fake`).
+//!
+//! Logic stays in `zerolayer-core`; what this crate adds is composed the
+//! same way for every stage: configuration loading with one clear log
+//! line, counters batched in memory ([`Counters`]), shared data with CAS,
+//! the observer's queue ([`ObserverQueue`]), JSON error responses.
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
+
+#[cfg(feature = "fake")]
+mod fake;
+mod fused;
+mod host;
+mod metrics;
+mod queue;
+mod raw;
+mod stage;
+pub mod timing;
+mod wasm;
+
+#[cfg(feature = "fake")]
+pub use fake::{Dispatched, FakeHost, FakeMetric, Sent};
+pub use fused::{DoneWith, FusedHost, Wake};
+pub use host::{
+    Action, Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status,
+};
+pub use metrics::{Counters, Metric};
+pub use queue::{ObserverQueue, release_backlog};
+pub use stage::{RootStage, StreamStage, standalone};
+pub use wasm::WasmHost;
+
+use zerolayer_core::ConfigError;
+
+/// Parses `configuration` with `parse`; on error logs one line naming the
+/// field (`<filter>: invalid configuration: <path>: <problem>`) and
+/// returns `None`, so `configure` can refuse.
+pub fn load_config<T>(
+    filter: &str,
+    configuration: &[u8],
+    parse: impl FnOnce(&[u8]) -> Result<T, ConfigError>,
+) -> Option<T> {
+    match parse(configuration) {
+        Ok(config) => Some(config),
+        Err(err) => {
+            log::error!("{filter}: invalid configuration: {err}");
+            None
+        }
+    }
+}
+
+/// A map by stream (context) id: ids are the host's small integers, not
+/// attacker input, so a multiplicative hash replaces SipHash's cost.
+pub type StreamMap<V> =
+    std::collections::HashMap<u32, V, std::hash::BuildHasherDefault<StreamIdHasher>>;
+
+/// Fibonacci hashing of a context id (see [`StreamMap`]).
+#[derive(Default)]
+pub struct StreamIdHasher(u64);
+
+impl std::hash::Hasher for StreamIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(*byte)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u32(&mut self, id: u32) {
+        self.0 = u64::from(id).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}

@@ -1,0 +1,141 @@
+//! A stage of the chain as zerolayer writes it: a root ([`RootStage`]) and
+//! a stream per request ([`StreamStage`]), each callback handed its host.
+//! The same stage runs as its own filter ([`standalone`]: a module crate
+//! registers it), inside the fused filter (on [`crate::FusedHost`]), and in
+//! native tests (on [`crate::FakeHost`]).
+
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, ContextType};
+
+use crate::host::Host;
+use crate::wasm::WasmHost;
+
+/// A stage's root: configuration, tick, its own callouts' answers.
+pub trait RootStage<H: Host> {
+    /// Configures the stage from `configuration` (its plugin configuration,
+    /// or its section of the fused filter's); `false` refuses it, after one
+    /// log line naming the field.
+    fn configure(&mut self, host: &mut H, configuration: &[u8]) -> bool;
+
+    /// The tick the stage asked for with `Host::set_tick_period`.
+    fn tick(&mut self, _host: &mut H) {}
+
+    /// A callout the root made has an answer (the token may be another's:
+    /// the fused root asks every stage).
+    fn call_answered(&mut self, _host: &mut H, _token: u32, _body_size: usize) {}
+
+    /// The VM is going away: report what is pending.
+    fn done(&mut self, _host: &mut H) {}
+
+    /// The stage's part of a new request (`context_id` is the stream's).
+    fn stream(&self, context_id: u32) -> Box<dyn StreamStage<H>>;
+}
+
+/// A stage's part of one request, callback by callback.
+pub trait StreamStage<H: Host> {
+    /// The request headers.
+    fn request_headers(&mut self, _host: &mut H, _end_of_stream: bool) -> Action {
+        Action::Continue
+    }
+
+    /// The request body (`body_size`: buffered so far).
+    fn request_body(&mut self, _host: &mut H, _body_size: usize, _end_of_stream: bool) -> Action {
+        Action::Continue
+    }
+
+    /// The response headers.
+    fn response_headers(&mut self, _host: &mut H, _end_of_stream: bool) -> Action {
+        Action::Continue
+    }
+
+    /// A response chunk.
+    fn response_body(&mut self, _host: &mut H, _body_size: usize, _end_of_stream: bool) -> Action {
+        Action::Continue
+    }
+
+    /// A callout this stream made has an answer (or another stage's did).
+    fn call_answered(&mut self, _host: &mut H, _token: u32, _body_size: usize) {}
+
+    /// The access log: the request is over.
+    fn log(&mut self, _host: &mut H) {}
+}
+
+/// `stage` as a filter of its own: the root context a module crate
+/// registers with `proxy_wasm::set_root_context`.
+pub fn standalone<R: RootStage<WasmHost> + 'static>(stage: R) -> Box<dyn RootContext> {
+    Box::new(FilterRoot { stage })
+}
+
+/// A stage's root as a Proxy-Wasm root context.
+struct FilterRoot<R> {
+    stage: R,
+}
+
+impl<R: RootStage<WasmHost>> Context for FilterRoot<R> {
+    fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
+        self.stage.call_answered(&mut WasmHost, token, body_size);
+    }
+
+    fn on_done(&mut self) -> bool {
+        self.stage.done(&mut WasmHost);
+        true
+    }
+}
+
+impl<R: RootStage<WasmHost>> RootContext for FilterRoot<R> {
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let mut host = WasmHost;
+        let configuration = host.plugin_configuration();
+        self.stage.configure(&mut host, &configuration)
+    }
+
+    fn on_tick(&mut self) {
+        self.stage.tick(&mut WasmHost);
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        // Always a context: the SDK panics on `None`.
+        Some(Box::new(FilterStream {
+            stage: self.stage.stream(context_id),
+        }))
+    }
+}
+
+/// A stage's stream as a Proxy-Wasm HTTP context.
+struct FilterStream {
+    stage: Box<dyn StreamStage<WasmHost>>,
+}
+
+impl Context for FilterStream {
+    fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
+        self.stage.call_answered(&mut WasmHost, token, body_size);
+    }
+}
+
+impl HttpContext for FilterStream {
+    fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
+        self.stage.request_headers(&mut WasmHost, end_of_stream)
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.stage
+            .request_body(&mut WasmHost, body_size, end_of_stream)
+    }
+
+    fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
+        self.stage.response_headers(&mut WasmHost, end_of_stream)
+    }
+
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.stage
+            .response_body(&mut WasmHost, body_size, end_of_stream)
+    }
+
+    fn on_log(&mut self) {
+        self.stage.log(&mut WasmHost);
+    }
+}
