@@ -37,20 +37,16 @@ use zerolayer_e2e::{EnvoyConfig, paths};
 /// `zerolayer-<name>`).
 const CHAIN: [&str; 4] = ["lazy-auth", "activation", "post-cache", "metering"];
 
-/// The fused filter's crate: xtask builds it in a cargo run of its own, not
-/// from FILTERS.
-const FUSED_CRATE: &str = "zerolayer-fused";
-
 /// Kong's name of the fused filter.
 const FUSED_FILTER: &str = "zerolayer_fused";
 
-/// Crates in xtask's FILTERS that are deliberately not in Kong's chain.
+/// Modules xtask builds (by `.wasm` name) that are deliberately not in Kong's chain.
 const NOT_IN_KONG: [(&str, &str); 2] = [
     (
-        "zerolayer-observer-service",
+        "zerolayer_observer_service",
         "Envoy's singleton; in Kong each filter embeds its observer",
     ),
-    ("zerolayer-probe", "a test-only filter"),
+    ("zerolayer_probe", "a test-only filter"),
 ];
 
 /// Stock nginx refuses a single directive string longer than this; Kong's
@@ -522,56 +518,53 @@ fn callout_targets_are_ip_and_port_with_an_explicit_authority() -> Result<()> {
     Ok(())
 }
 
-/// The crate names xtask builds as `.wasm`: its FILTERS list, and the
-/// fused filter if `cargo xtask build-wasm` builds it (in a run of its own).
-fn built_filters() -> Result<Vec<String>> {
+/// The `.wasm` files xtask builds, by name: one per crate of its MODULES
+/// list (`zerolayer-<name>-module` makes `zerolayer_<name>.wasm`, any other
+/// crate its own name with `_` for `-`).
+fn built_modules() -> Result<Vec<String>> {
     let source = fs::read_to_string(paths::root().join("xtask/src/main.rs"))
         .context("reading xtask/src/main.rs")?;
     let start = source
-        .find("pub const FILTERS: &[&str] = &[")
-        .context("xtask/src/main.rs: no `pub const FILTERS: &[&str] = &[` list")?;
+        .find("pub const MODULES: &[&str] = &[")
+        .context("xtask/src/main.rs: no `pub const MODULES: &[&str] = &[` list")?;
     let list = &source[start..];
     let end = list
         .find("];")
-        .context("xtask/src/main.rs: FILTERS list not closed")?;
-    let mut built: Vec<String> = list[..end]
+        .context("xtask/src/main.rs: MODULES list not closed")?;
+    Ok(list[..end]
         .split('"')
         .skip(1)
         .step_by(2)
-        .map(str::to_string)
-        .collect();
-    if source.contains(&format!("[\"--package\", \"{FUSED_CRATE}\"]")) {
-        built.push(FUSED_CRATE.to_string());
-    }
-    Ok(built)
+        .map(|krate| {
+            krate
+                .strip_suffix("-module")
+                .unwrap_or(krate)
+                .replace('-', "_")
+        })
+        .collect())
 }
 
 #[test]
 fn the_chains_and_the_build_list_the_same_filters() -> Result<()> {
-    let built: BTreeSet<String> = built_filters()?.into_iter().collect();
+    let built: BTreeSet<String> = built_modules()?.into_iter().collect();
     ensure!(
         !built.is_empty(),
-        "xtask/src/main.rs: FILTERS lists no crates"
+        "xtask/src/main.rs: MODULES lists no crates"
     );
     let mut chain = BTreeSet::new();
     for form in Form::ALL {
         let kong = Kong::load(form)?;
         for filter in &kong.chain()?.filters {
-            // Kong's name is the .wasm file name: zerolayer_<name>, built
-            // from the crate zerolayer-<name>.
-            let krate = filter
-                .name
-                .strip_prefix("zerolayer_")
-                .map(|n| format!("zerolayer-{}", n.replace('_', "-")))
-                .unwrap_or_else(|| filter.name.clone());
+            // Kong's name is the .wasm file name: zerolayer_<name>.
+            let module = filter.name.clone();
             ensure!(
-                built.contains(&krate),
+                built.contains(&module),
                 "{} names {}, which no crate xtask builds makes (Kong would find no {WASM_DIR}/{}.wasm)",
                 kong.at,
                 filter.name,
                 filter.name
             );
-            chain.insert(krate);
+            chain.insert(module);
         }
     }
     let skipped: BTreeSet<String> = NOT_IN_KONG.iter().map(|(c, _)| c.to_string()).collect();
@@ -583,10 +576,10 @@ fn the_chains_and_the_build_list_the_same_filters() -> Result<()> {
         missing.is_empty(),
         "xtask builds {missing:?}, which neither kong/kong.yml's nor kong/kong-fused.yml's chain has: add it to a chain (and kong/README.md), or to NOT_IN_KONG here with the reason"
     );
-    for (krate, why) in NOT_IN_KONG {
+    for (module, why) in NOT_IN_KONG {
         ensure!(
-            built.contains(krate),
-            "NOT_IN_KONG lists {krate} ({why}), which xtask's FILTERS no longer builds: drop it here"
+            built.contains(module),
+            "NOT_IN_KONG lists {module} ({why}), which xtask's MODULES no longer builds: drop it here"
         );
     }
     Ok(())

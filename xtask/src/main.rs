@@ -40,12 +40,14 @@ usage: cargo xtask <command>
                          600 s, 1,000,000 requests): memory, errors, reconciliation
 ";
 
-/// Filter crates built as `.wasm`.
-pub const FILTERS: &[&str] = &[
-    "zerolayer-activation",
-    "zerolayer-lazy-auth",
-    "zerolayer-post-cache",
-    "zerolayer-metering",
+/// The module crates, each a loadable `.wasm` (`filters/<name>/module`
+/// registers the library beside it; the fused one registers the chain).
+pub const MODULES: &[&str] = &[
+    "zerolayer-activation-module",
+    "zerolayer-lazy-auth-module",
+    "zerolayer-post-cache-module",
+    "zerolayer-metering-module",
+    "zerolayer-fused-module",
     "zerolayer-observer-service",
     "zerolayer-probe",
 ];
@@ -114,15 +116,9 @@ fn build_wasm() -> Result<()> {
         "--profile",
         "wasm",
     ];
-    for filter in FILTERS {
-        args.extend(["--package", filter]);
+    for module in MODULES {
+        args.extend(["--package", module]);
     }
-    cargo(&args)?;
-    // The fused filter in a cargo run of its own: it builds the stages with
-    // their `stage` feature (no entry point of their own), which must not
-    // reach the standalone filters above.
-    args.truncate(6);
-    args.extend(["--package", "zerolayer-fused"]);
     cargo(&args)
 }
 

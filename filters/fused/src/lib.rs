@@ -6,8 +6,10 @@
 //! metrics, the same behaviour (`tests/tests/fused_envoy.rs` and
 //! `fused_host_sim.rs` compare them). What the stages would each ask the
 //! host again (request and response headers, hand-off values, the current
-//! callback's body) they share, and a stage done with a body callback
-//! (`zerolayer_proxy::fused::done_with`) is no longer called for it.
+//! callback's body) they share through their host, `zerolayer_host::FusedHost`,
+//! and a stage done with a body callback (`Host::done_with`) is no longer
+//! called for it. The module crate beside it (`module/`) registers
+//! [`FusedRoot`] as `zerolayer_fused.wasm`.
 //!
 //! Lifecycle, top to bottom: configuration (each stage configured from its
 //! section; sections left out are stages left out) → request headers, body
@@ -26,25 +28,12 @@ use std::cell::RefCell;
 use std::rc::{Rc, Weak};
 use std::time::Duration;
 
-use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, MapType};
-use zerolayer_proxy::fused;
-use zerolayer_proxy::timing::{self, Span};
+use proxy_wasm::types::{Action, ContextType};
+use zerolayer_host::timing::{self, Span};
+use zerolayer_host::{FusedHost, Headers, Host, RootStage, StreamMap, Wake, WasmHost};
 
 pub use pipeline::{Column, Pipeline, StageStream};
-
-/// The module's entry point (`_initialize`): registers the root context.
-#[allow(missing_docs)]
-mod entry {
-    use super::*;
-
-    proxy_wasm::main! {{
-        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-        zerolayer_proxy::fused::enable();
-        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(FusedRoot::default()) });
-    }}
-}
 
 /// A stage of the chain, in chain order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,7 +68,7 @@ impl Stage {
     }
 
     /// The stage's timing labels, by [`Column`].
-    fn labels(self) -> &'static [&'static str; 7] {
+    fn labels(self) -> &'static [&'static str; 6] {
         macro_rules! labels {
             ($stage:literal) => {
                 &[
@@ -88,7 +77,6 @@ impl Stage {
                     concat!($stage, ".response_headers"),
                     concat!($stage, ".response_body"),
                     concat!($stage, ".log"),
-                    concat!($stage, ".done"),
                     concat!($stage, ".call_response"),
                 ]
             };
@@ -101,8 +89,8 @@ impl Stage {
         }
     }
 
-    /// A new root context of the stage's filter.
-    fn root(self) -> Box<dyn RootContext> {
+    /// A new root of the stage.
+    fn root(self) -> Box<dyn RootStage<FusedHost>> {
         match self {
             Stage::Activation => Box::new(zerolayer_activation::ActivationRoot::default()),
             Stage::LazyAuth => Box::new(zerolayer_lazy_auth::AuthRoot::default()),
@@ -154,35 +142,52 @@ pub fn sections(config: &[u8]) -> Result<Vec<(Stage, Vec<u8>)>, String> {
 /// A configured stage's root and its tick.
 struct StageRoot {
     stage: Stage,
-    root: Box<dyn RootContext>,
+    root: Box<dyn RootStage<FusedHost>>,
     tick: Option<Duration>,
     next_tick_ms: u64,
 }
 
 /// Streams by context id, so that a stage resuming one from its root (a
 /// post-cache follower) reaches the stages after it.
-type Streams = Rc<RefCell<fused::StreamMap<Weak<RefCell<Pipeline>>>>>;
+type Streams = Rc<RefCell<StreamMap<Weak<RefCell<Pipeline>>>>>;
 
 /// The fused filter's root context: the stages' roots.
-#[derive(Default)]
 pub struct FusedRoot {
     stages: Vec<StageRoot>,
     streams: Streams,
+    /// The host the stages' roots see.
+    host: FusedHost,
+}
+
+impl Default for FusedRoot {
+    fn default() -> Self {
+        FusedRoot {
+            stages: Vec::new(),
+            streams: Streams::default(),
+            host: FusedHost::root(),
+        }
+    }
 }
 
 impl FusedRoot {
-    /// Continues the streams stages asked to resume.
-    fn resume_requested(&self) {
-        for id in fused::take_resumes() {
+    /// Carries on the streams the stages' roots resumed or answered.
+    fn wake_streams(&mut self) {
+        self.host.leave_stream();
+        for (id, wake) in self.host.take_woken() {
             let pipeline = self.streams.borrow().get(&id).and_then(Weak::upgrade);
             let Some(pipeline) = pipeline else {
                 continue;
             };
-            // The stages' host calls act on that stream.
-            if fused::set_effective_context(id).is_err() {
-                continue;
+            match wake {
+                Wake::Answered => pipeline.borrow_mut().host.mark_answered(),
+                Wake::Resume => {
+                    // The stages' host calls act on that stream.
+                    if WasmHost.set_effective_context(id).is_err() {
+                        continue;
+                    }
+                    resume(&pipeline);
+                }
             }
-            resume(&pipeline);
         }
     }
 }
@@ -190,42 +195,32 @@ impl FusedRoot {
 /// A stage resumed the current stream: the stages after it run, then the
 /// stream continues if none of them paused it again.
 fn resume(pipeline: &RefCell<Pipeline>) {
-    if pipeline.borrow_mut().resume() && !zerolayer_proxy::resumes_after_callouts() {
-        let _ = hostcalls::resume_http_request();
+    let go = pipeline.borrow_mut().resume();
+    if go {
+        WasmHost.continue_request();
     }
 }
 
 impl Context for FusedRoot {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        headers: usize,
-        body_size: usize,
-        trailers: usize,
-    ) {
+    fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
         // Each stage's root knows its own callouts and ignores the others.
         for stage in &mut self.stages {
-            stage
-                .root
-                .on_http_call_response(token, headers, body_size, trailers);
+            stage.root.call_answered(&mut self.host, token, body_size);
         }
-        self.resume_requested();
+        self.wake_streams();
     }
 
     fn on_done(&mut self) -> bool {
         for stage in &mut self.stages {
-            let _ = stage.root.on_done();
+            stage.root.done(&mut self.host);
         }
         true
     }
 }
 
 impl RootContext for FusedRoot {
-    fn on_configure(&mut self, size: usize) -> bool {
-        let config = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
-            Ok(Some(bytes)) => bytes,
-            _ => Vec::new(),
-        };
+    fn on_configure(&mut self, _size: usize) -> bool {
+        let config = WasmHost.plugin_configuration();
         let sections = match sections(&config) {
             Ok(sections) => sections,
             Err(err) => {
@@ -237,7 +232,8 @@ impl RootContext for FusedRoot {
         for (stage, section) in sections {
             let mut root = stage.root();
             // The stage logs its own error, naming the field.
-            let (ok, tick) = fused::configure_stage(section, || root.on_configure(size));
+            let ok = root.configure(&mut self.host, &section);
+            let tick = self.host.take_tick();
             if !ok {
                 log::error!(
                     "zerolayer: invalid configuration: {}: refused (see the line above)",
@@ -255,7 +251,7 @@ impl RootContext for FusedRoot {
         let names: Vec<&str> = stages.iter().map(|s| s.stage.section()).collect();
         log::info!("zerolayer: fused filter with stages {}", names.join(" → "));
         if let Some(tick) = stages.iter().filter_map(|s| s.tick).min()
-            && let Err(status) = hostcalls::set_tick_period(tick)
+            && let Err(status) = WasmHost.set_tick_period(tick)
         {
             log::warn!("zerolayer: no tick ({status:?}); counters flush at shutdown only");
         }
@@ -264,17 +260,17 @@ impl RootContext for FusedRoot {
     }
 
     fn on_tick(&mut self) {
-        let now = zerolayer_proxy::now_ms();
+        let now = self.host.now_ms();
         for stage in &mut self.stages {
             let Some(tick) = stage.tick else {
                 continue;
             };
             if now >= stage.next_tick_ms {
                 stage.next_tick_ms = now + tick.as_millis() as u64;
-                stage.root.on_tick();
+                stage.root.tick(&mut self.host);
             }
         }
-        self.resume_requested();
+        self.wake_streams();
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -286,16 +282,15 @@ impl RootContext for FusedRoot {
         let stages = self
             .stages
             .iter()
-            .filter_map(|s| {
-                Some(StageStream::new(
-                    s.root.create_http_context(context_id)?,
+            .map(|s| {
+                StageStream::new(
+                    s.root.stream(context_id),
                     s.stage.headers_pause_withholds_body(),
                     s.stage.labels(),
-                ))
+                )
             })
             .collect();
         let pipeline = Rc::new(RefCell::new(Pipeline::new(stages)));
-        fused::open_stream(context_id);
         self.streams
             .borrow_mut()
             .insert(context_id, Rc::downgrade(&pipeline));
@@ -320,18 +315,14 @@ impl FusedStream {
     /// stream if a stage resumed it meanwhile (a callout answered).
     fn step<T>(&mut self, label: &'static str, step: impl FnOnce(&mut Pipeline) -> T) -> T {
         let span = Span::start();
-        fused::enter_stream(self.id);
-        let result = step(&mut self.pipeline.borrow_mut());
-        for id in fused::take_resumes() {
-            // A stream's stages resume only the stream they run in.
-            if id == self.id {
-                resume(&self.pipeline);
-            } else {
-                log::warn!(
-                    "zerolayer: stream {} asked to resume stream {id}; ignored",
-                    self.id
-                );
-            }
+        let mut pipeline = self.pipeline.borrow_mut();
+        // Bodies are read per callback: the next one may carry a new chunk.
+        pipeline.host.begin_callback();
+        let result = step(&mut pipeline);
+        let resumed = pipeline.host.take_resumed();
+        drop(pipeline);
+        if resumed {
+            resume(&self.pipeline);
         }
         span.end(label);
         result
@@ -342,39 +333,25 @@ impl Drop for FusedStream {
     fn drop(&mut self) {
         let span = Span::start();
         self.streams.borrow_mut().remove(&self.id);
-        fused::leave_stream(self.id);
         span.end("fused.drop");
         timing::stream_ended();
     }
 }
 
 impl Context for FusedStream {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        headers: usize,
-        body_size: usize,
-        trailers: usize,
-    ) {
-        self.step("fused.call_response", |p| {
-            p.http_call_response(token, headers, body_size, trailers)
-        });
-    }
-
-    fn on_done(&mut self) -> bool {
-        self.step("fused.done", Pipeline::done);
-        true
+    fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
+        self.step("fused.call_response", |p| p.call_answered(token, body_size));
     }
 }
 
 impl HttpContext for FusedStream {
-    fn on_http_request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+    fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         self.step("fused.request_headers", |p| {
             // One read of the headers for every stage (they ask for ~a dozen).
             let span = Span::start();
-            fused::read_headers(MapType::HttpRequestHeaders);
+            p.host.read_headers(Headers::Request);
             span.end("fused.read_request_headers");
-            p.request_headers(num_headers, end_of_stream)
+            p.request_headers(end_of_stream)
         })
     }
 
@@ -384,12 +361,12 @@ impl HttpContext for FusedStream {
         })
     }
 
-    fn on_http_response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         self.step("fused.response_headers", |p| {
             let span = Span::start();
-            fused::read_headers(MapType::HttpResponseHeaders);
+            p.host.read_headers(Headers::Response);
             span.end("fused.read_response_headers");
-            p.response_headers(num_headers, end_of_stream)
+            p.response_headers(end_of_stream)
         })
     }
 

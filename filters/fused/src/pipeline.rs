@@ -3,18 +3,16 @@
 //! response callbacks in reverse, a stage that pauses stops the stages after
 //! it until it resumes, and a local response goes back only through the
 //! stages that saw the request. A stage that said it is done with a body
-//! callback (`zerolayer_proxy::fused::done_with`) is no longer called for
-//! it: it would return `Continue` and touch nothing.
+//! callback (`Host::done_with`) is no longer called for it: it would return
+//! `Continue` and touch nothing.
 
-use proxy_wasm::traits::HttpContext;
-use proxy_wasm::types::Action;
-use zerolayer_proxy::fused::{self, Callback, DoneWith};
-use zerolayer_proxy::timing::Span;
+use zerolayer_host::timing::Span;
+use zerolayer_host::{Action, Callback, DoneWith, FusedHost, StreamStage};
 
 /// One stage's part of the request.
 pub struct StageStream {
-    /// The stage's own stream context.
-    pub context: Box<dyn HttpContext>,
+    /// The stage's own stream.
+    pub stream: Box<dyn StreamStage<FusedHost>>,
     /// Whether a pause on request headers also withholds the body, as
     /// Envoy's default for a Wasm filter does; stages configured with
     /// `allow_on_headers_stop_iteration` get the body while paused.
@@ -22,7 +20,7 @@ pub struct StageStream {
     /// The callbacks the stage said it is done with for this request.
     pub done: DoneWith,
     /// The stage's timing labels, by [`Column`] (`timing` builds).
-    pub labels: &'static [&'static str; 7],
+    pub labels: &'static [&'static str; 6],
 }
 
 /// A callback's place in a stage's timing labels.
@@ -38,8 +36,6 @@ pub enum Column {
     ResponseBody,
     /// `on_log`.
     Log,
-    /// `on_done`.
-    Done,
     /// `on_http_call_response`.
     CallResponse,
 }
@@ -47,44 +43,51 @@ pub enum Column {
 impl StageStream {
     /// The stage's part of a request, every callback wanted so far.
     pub fn new(
-        context: Box<dyn HttpContext>,
+        stream: Box<dyn StreamStage<FusedHost>>,
         headers_pause_withholds_body: bool,
-        labels: &'static [&'static str; 7],
+        labels: &'static [&'static str; 6],
     ) -> StageStream {
         StageStream {
-            context,
+            stream,
             headers_pause_withholds_body,
             done: DoneWith::default(),
             labels,
         }
     }
 
-    /// Runs `f` on the stage's context, noting what it says it is done with.
-    fn call<T>(&mut self, column: Column, f: impl FnOnce(&mut dyn HttpContext) -> T) -> T {
+    /// Runs `f` on the stage's stream, noting what it says it is done with.
+    fn call<T>(
+        &mut self,
+        host: &mut FusedHost,
+        column: Column,
+        f: impl FnOnce(&mut dyn StreamStage<FusedHost>, &mut FusedHost) -> T,
+    ) -> T {
         let span = Span::start();
-        let context = &mut self.context;
-        let result = fused::run_stage(&mut self.done, || f(context.as_mut()));
+        // Said outside this stage's callback: nobody's.
+        host.take_done();
+        let result = f(self.stream.as_mut(), host);
+        self.done.add(host.take_done());
         span.end(self.labels[column as usize]);
         result
     }
 
     /// The request body callback, unless the stage is done with it.
-    fn request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+    fn request_body(&mut self, host: &mut FusedHost, size: usize, end_of_stream: bool) -> Action {
         if self.done.contains(Callback::RequestBody) {
             return Action::Continue;
         }
-        self.call(Column::RequestBody, |c| {
-            c.on_http_request_body(size, end_of_stream)
+        self.call(host, Column::RequestBody, |s, h| {
+            s.request_body(h, size, end_of_stream)
         })
     }
 
     /// The response body callback, unless the stage is done with it.
-    fn response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+    fn response_body(&mut self, host: &mut FusedHost, size: usize, end_of_stream: bool) -> Action {
         if self.done.contains(Callback::ResponseBody) {
             return Action::Continue;
         }
-        self.call(Column::ResponseBody, |c| {
-            c.on_http_response_body(size, end_of_stream)
+        self.call(host, Column::ResponseBody, |s, h| {
+            s.response_body(h, size, end_of_stream)
         })
     }
 }
@@ -101,11 +104,13 @@ enum Stop {
 /// The request's progress through the stages.
 pub struct Pipeline {
     stages: Vec<StageStream>,
+    /// The host as the stages see it: what they share for this stream.
+    pub host: FusedHost,
     /// How many stages got the request headers (and so the response).
     decoded: usize,
     stopped: Option<Stop>,
-    /// The request headers callback's arguments.
-    headers: (usize, bool),
+    /// The request headers callback's `end_of_stream`.
+    headers_end: bool,
     /// The latest request body callback's arguments, once the body came.
     body: Option<(usize, bool)>,
 }
@@ -115,22 +120,23 @@ impl Pipeline {
     pub fn new(stages: Vec<StageStream>) -> Pipeline {
         Pipeline {
             stages,
+            host: FusedHost::stream(),
             decoded: 0,
             stopped: None,
-            headers: (0, false),
+            headers_end: false,
             body: None,
         }
     }
 
     /// Request headers: every stage in turn until one pauses.
-    pub fn request_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
-        self.headers = (num_headers, end_of_stream);
+    pub fn request_headers(&mut self, end_of_stream: bool) -> Action {
+        self.headers_end = end_of_stream;
         self.run(0)
     }
 
     /// Request body: the stages that may see it, then onwards.
     pub fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if fused::was_answered() {
+        if self.host.answered() {
             // A stage answered already (ngx_wasm_module still hands over
             // the body): holding it would hang the answer.
             return Action::Continue;
@@ -156,7 +162,7 @@ impl Pipeline {
                 // Withheld until now: the body reaches the resumed stage.
                 if self.stages[i].headers_pause_withholds_body
                     && let Some((size, eos)) = self.body
-                    && self.stages[i].request_body(size, eos) == Action::Pause
+                    && self.stages[i].request_body(&mut self.host, size, eos) == Action::Pause
                 {
                     self.stopped = Some(Stop::Body(i));
                     return false;
@@ -174,9 +180,9 @@ impl Pipeline {
             let stage = &mut self.stages[i];
             if self.decoded <= i {
                 self.decoded = i + 1;
-                let (n, eos) = self.headers;
-                if stage.call(Column::RequestHeaders, |c| {
-                    c.on_http_request_headers(n, eos)
+                let eos = self.headers_end;
+                if stage.call(&mut self.host, Column::RequestHeaders, |s, h| {
+                    s.request_headers(h, eos)
                 }) == Action::Pause
                 {
                     self.stopped = Some(Stop::Headers(i));
@@ -188,7 +194,7 @@ impl Pipeline {
                 }
             }
             if let Some((size, eos)) = self.body
-                && stage.request_body(size, eos) == Action::Pause
+                && stage.request_body(&mut self.host, size, eos) == Action::Pause
             {
                 self.stopped = Some(Stop::Body(i));
                 return Action::Pause;
@@ -199,11 +205,11 @@ impl Pipeline {
     }
 
     /// Response headers: back through the stages that saw the request.
-    pub fn response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
+    pub fn response_headers(&mut self, end_of_stream: bool) -> Action {
         for i in (0..self.decoded).rev() {
             let stage = &mut self.stages[i];
-            if stage.call(Column::ResponseHeaders, |c| {
-                c.on_http_response_headers(num_headers, end_of_stream)
+            if stage.call(&mut self.host, Column::ResponseHeaders, |s, h| {
+                s.response_headers(h, end_of_stream)
             }) == Action::Pause
             {
                 return Action::Pause;
@@ -215,7 +221,9 @@ impl Pipeline {
     /// Response body: back through the stages that saw the request.
     pub fn response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         for i in (0..self.decoded).rev() {
-            if self.stages[i].response_body(body_size, end_of_stream) == Action::Pause {
+            if self.stages[i].response_body(&mut self.host, body_size, end_of_stream)
+                == Action::Pause
+            {
                 return Action::Pause;
             }
         }
@@ -223,16 +231,10 @@ impl Pipeline {
     }
 
     /// A callout's answer: each stage checks whether the token is its own.
-    pub fn http_call_response(
-        &mut self,
-        token: u32,
-        headers: usize,
-        body_size: usize,
-        trailers: usize,
-    ) {
+    pub fn call_answered(&mut self, token: u32, body_size: usize) {
         for stage in &mut self.stages {
-            stage.call(Column::CallResponse, |c| {
-                c.on_http_call_response(token, headers, body_size, trailers)
+            stage.call(&mut self.host, Column::CallResponse, |s, h| {
+                s.call_answered(h, token, body_size)
             });
         }
     }
@@ -240,14 +242,7 @@ impl Pipeline {
     /// The access log: every stage, as Envoy logs every filter.
     pub fn log(&mut self) {
         for stage in &mut self.stages {
-            stage.call(Column::Log, |c| c.on_log());
-        }
-    }
-
-    /// The stream is done: every stage.
-    pub fn done(&mut self) {
-        for stage in &mut self.stages {
-            let _ = stage.call(Column::Done, |c| c.on_done());
+            stage.call(&mut self.host, Column::Log, |s, h| s.log(h));
         }
     }
 }

@@ -278,7 +278,10 @@ impl Host for FakeHost {
     }
 
     fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
-        let pairs = self.map(map).iter().map(|(n, v)| (n.as_str(), v.as_slice()));
+        let pairs = self
+            .map(map)
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()));
         let block = HeaderBlock::parse(HeaderBlock::serialize(pairs)).unwrap_or_default();
         f(&block)
     }

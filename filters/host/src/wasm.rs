@@ -47,10 +47,11 @@ impl WasmHost {
     /// `path` as this host names it: hand-off properties move to
     /// `kong.ctx.shared.*` in Kong Gateway, everything else stays.
     fn host_path(path: &str) -> std::borrow::Cow<'_, str> {
-        if path.starts_with(internal::HANDOFF_PREFIX) && kong_handoffs() {
-            if let Some(kong) = internal::kong_handoff_path(path) {
-                return std::borrow::Cow::Owned(kong);
-            }
+        if path.starts_with(internal::HANDOFF_PREFIX)
+            && kong_handoffs()
+            && let Some(kong) = internal::kong_handoff_path(path)
+        {
+            return std::borrow::Cow::Owned(kong);
         }
         std::borrow::Cow::Borrowed(path)
     }

@@ -5,8 +5,6 @@
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::{Action, BufferType, MapType};
 use zerolayer_core::auth::budget::{self, Scope};
 use zerolayer_core::auth::credential::{self, CredentialKind, TokenHash};
 use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants};
@@ -20,11 +18,8 @@ use zerolayer_core::auth::policy::{Admission, Route, SyncReason};
 use zerolayer_core::auth::verdict::{self, Lookup, Verdict};
 use zerolayer_core::event::{AuditRecord, Job, VerifyJob, VerifyOutcome};
 use zerolayer_core::internal;
+use zerolayer_host::{Action, Host};
 use zerolayer_observer::auth::VERIFIER_DOWN_KEY;
-use zerolayer_proxy::{
-    now_secs, now_us, property, publish, request_header, send_json_error, shared_get,
-    shared_update, shared_update_if,
-};
 
 use crate::Plan;
 
@@ -81,24 +76,30 @@ impl Stream {
         }
     }
 
-    pub(crate) fn on_request_headers(&mut self) -> Action {
+    pub(crate) fn on_request_headers(&mut self, host: &mut impl Host) -> Action {
         // Every host call counts on this path (~0.3 µs each in V8): one
         // clock read serves the whole decision, and the path is read only
         // when public paths are configured.
-        self.started_us = now_us();
+        self.started_us = host.now_us();
         let now = self.started_us / 1_000_000;
         let plan = self.plan.clone();
         if !plan.config.public_paths.is_empty() {
-            let path = request_header(":path").unwrap_or_default();
+            let path = host.request_header(":path").unwrap_or_default();
             if plan.config.is_public(&path) {
-                publish(internal::AUTH_PROPERTY, &Identity::Public.render());
-                return self.done("public", "public_path", Action::Continue);
+                host.publish(internal::AUTH_PROPERTY, &Identity::Public.render());
+                return self.done(host, "public", "public_path", Action::Continue);
             }
         }
-        let credential = match self.read_credential() {
+        let credential = match self.read_credential(host) {
             Read::Found(credential) => credential,
             Read::Missing => {
-                return self.refuse(401, "missing", "missing_credential", "missing credential");
+                return self.refuse(
+                    host,
+                    401,
+                    "missing",
+                    "missing_credential",
+                    "missing credential",
+                );
             }
             Read::TooLong => {
                 // Never hashed, counted, queued or sent to a verifier: a
@@ -107,33 +108,33 @@ impl Stream {
                     "credential longer than {} bytes",
                     plan.config.max_credential_bytes
                 );
-                return self.refuse(431, "too_long", "credential_too_long", &message);
+                return self.refuse(host, 431, "too_long", "credential_too_long", &message);
             }
         };
         let key = verdict::key(&credential.hash, plan.config.verdict_slots);
-        let entry = shared_get(&key).0.unwrap_or_default();
+        let entry = host.shared_get(&key).0.unwrap_or_default();
         let found = verdict::view(&entry, &credential.hash, now);
         self.credential = Some(credential);
         match found {
             Some(v) if v.valid => {
                 // The hot path: one header, one hash, one shared-data read,
                 // the verdict read in place.
-                self.allow_view(v.tenant, v.subject, "valid_cached", "cached");
+                self.allow_view(host, v.tenant, v.subject, "valid_cached", "cached");
                 return Action::Continue;
             }
             Some(v) => {
                 let reason = v.reason.to_string();
-                return self.refuse(401, "invalid_cached", &reason, "invalid credential");
+                return self.refuse(host, 401, "invalid_cached", &reason, "invalid credential");
             }
             None => {}
         }
-        self.unknown(now)
+        self.unknown(host, now)
     }
 
-    fn read_credential(&self) -> Read {
+    fn read_credential(&self, host: &mut impl Host) -> Read {
         let max = self.plan.config.max_credential_bytes as usize;
         for source in &self.plan.config.credentials {
-            let Some(value) = request_header(&source.header) else {
+            let Some(value) = host.request_header(&source.header) else {
                 continue;
             };
             if let Some(token) = credential::extract(source, &value) {
@@ -162,11 +163,19 @@ impl Stream {
     }
 
     /// A credential nobody verified yet (or whose verdict expired).
-    fn unknown(&mut self, now: u64) -> Action {
+    fn unknown(&mut self, host: &mut impl Host, now: u64) -> Action {
         let plan = self.plan.clone();
         let (kind, hash) = match &self.credential {
             Some(c) => (c.kind, c.hash),
-            None => return self.refuse(401, "missing", "missing_credential", "missing credential"),
+            None => {
+                return self.refuse(
+                    host,
+                    401,
+                    "missing",
+                    "missing_credential",
+                    "missing credential",
+                );
+            }
         };
         if kind == CredentialKind::Jwt {
             // Unverified claims: only for escalation and attribution, never trusted.
@@ -179,13 +188,14 @@ impl Stream {
             });
         }
         // A claimed tenant, "no tenant" or the whole gateway may be escalated.
-        let escalated = EscalatedTenants::decode(shared_get(ESCALATED_KEY).0.as_deref())
+        let escalated = EscalatedTenants::decode(host.shared_get(ESCALATED_KEY).0.as_deref())
             .covers(self.claimed_tenant.as_deref());
         let trusted = !plan.trusted.is_empty()
-            && request_header("user-agent")
+            && host
+                .request_header("user-agent")
                 .is_some_and(|ua| plan.trusted.iter().any(|r| r.is_match(&ua)));
-        let inline_ok = kind == CredentialKind::Jwt && plan.keys.available();
-        let verifier_down = decode_count(shared_get(VERIFIER_DOWN_KEY).0.as_deref()) > now;
+        let inline_ok = kind == CredentialKind::Jwt && plan.keys.available(host);
+        let verifier_down = decode_count(host.shared_get(VERIFIER_DOWN_KEY).0.as_deref()) > now;
         match plan.policy.route(
             &Lookup::Unknown,
             escalated,
@@ -193,13 +203,13 @@ impl Stream {
             inline_ok,
             verifier_down,
         ) {
-            Route::Sync(reason) => self.verify_now(reason, now),
-            Route::Unavailable => self.unavailable(),
+            Route::Sync(reason) => self.verify_now(host, reason, now),
+            Route::Unavailable => self.unavailable(host),
             Route::TryLazy => {
                 let config = &plan.config;
                 let (ways, retention) = (config.verdict_ways, config.exposure_retention_secs());
-                let count =
-                    shared_update_if(&exposure::key(&hash, config.verdict_slots), |current| {
+                let count = host
+                    .shared_update_if(&exposure::key(&hash, config.verdict_slots), |current| {
                         match exposure::bump(current, &hash, now, ways, retention) {
                             Bump::Counted(next, count) => (Some(next), count),
                             // Every way held by a recent credential: over the bound.
@@ -209,35 +219,37 @@ impl Stream {
                     // Lost every CAS race: count as over the bound (never open).
                     .unwrap_or(u32::MAX);
                 let waiting = pending(
-                    decode_count(shared_get(ENQUEUED_KEY).0.as_deref()),
-                    decode_count(shared_get(FINISHED_KEY).0.as_deref()),
+                    decode_count(host.shared_get(ENQUEUED_KEY).0.as_deref()),
+                    decode_count(host.shared_get(FINISHED_KEY).0.as_deref()),
                 );
-                let take_budget = || self.take_budget();
+                let take_budget = || self.take_budget(host);
                 match plan
                     .policy
                     .admit(count, waiting, inline_ok, verifier_down, take_budget)
                 {
-                    Admission::Lazy => self.admit_lazily(),
-                    Admission::Sync(reason) => self.verify_now(reason, now),
-                    Admission::Unavailable => self.unavailable(),
+                    Admission::Lazy => self.admit_lazily(host),
+                    Admission::Sync(reason) => self.verify_now(host, reason, now),
+                    Admission::Unavailable => self.unavailable(host),
                 }
             }
             // Cached verdicts were handled before.
             Route::Allow(v) => {
-                self.allow(&v, "valid_cached", "cached");
+                self.allow(host, &v, "valid_cached", "cached");
                 Action::Continue
             }
-            Route::Deny(v) => self.refuse(401, "invalid_cached", &v.reason, "invalid credential"),
+            Route::Deny(v) => {
+                self.refuse(host, 401, "invalid_cached", &v.reason, "invalid credential")
+            }
         }
     }
 
     /// One lazy admission from the client's, the claimed tenant's and the
     /// gateway's buckets, narrowest first (false: one is empty; what the
     /// narrower ones gave is not returned, which only errs towards strict).
-    fn take_budget(&self) -> bool {
+    fn take_budget(&self, host: &mut impl Host) -> bool {
         let budget = &self.plan.config.lazy_budget;
         let now_ms = self.started_us / 1000;
-        let address = property("source.address").unwrap_or_default();
+        let address = host.property("source.address").unwrap_or_default();
         [
             (Scope::Client(&address), budget.per_client),
             (
@@ -248,7 +260,7 @@ impl Stream {
         ]
         .into_iter()
         .all(|(scope, rate)| {
-            shared_update_if(&budget::key(scope), |current| {
+            host.shared_update_if(&budget::key(scope), |current| {
                 match budget::take(current, rate, now_ms) {
                     Some(next) => (Some(next), true),
                     None => (None, false),
@@ -260,10 +272,16 @@ impl Stream {
     }
 
     /// Continue unverified; the observer verifies off the path.
-    fn admit_lazily(&mut self) -> Action {
+    fn admit_lazily(&mut self, host: &mut impl Host) -> Action {
         let plan = self.plan.clone();
         let Some(c) = &self.credential else {
-            return self.refuse(401, "missing", "missing_credential", "missing credential");
+            return self.refuse(
+                host,
+                401,
+                "missing",
+                "missing_credential",
+                "missing credential",
+            );
         };
         let job = Job::Verify(VerifyJob {
             hash: c.hash.0,
@@ -272,13 +290,14 @@ impl Stream {
             tenant_hint: self.claimed_tenant.clone(),
             enqueued_at_ms: self.started_us / 1000,
         });
-        if !plan.queue.post(&job.encode()) {
+        if !plan.queue.post(host, &job.encode()) {
             // Without an observer the credential would never be verified:
             // verify it now instead of admitting it blind.
             plan.metrics.lost();
-            return self.verify_now(SyncReason::PendingBound, now_secs());
+            let now = host.now_secs();
+            return self.verify_now(host, SyncReason::PendingBound, now);
         }
-        let _ = shared_update(ENQUEUED_KEY, |current| {
+        let _ = host.shared_update(ENQUEUED_KEY, |current| {
             (
                 (decode_count(current).saturating_add(1))
                     .to_string()
@@ -290,38 +309,44 @@ impl Stream {
         let identity = Identity::Unverified {
             claimed_tenant: self.claimed_tenant.as_deref(),
         };
-        publish(internal::AUTH_PROPERTY, &identity.render());
+        host.publish(internal::AUTH_PROPERTY, &identity.render());
         self.tenant = self.claimed_tenant.clone();
-        self.done("lazy", "unverified_within_bound", Action::Continue)
+        self.done(host, "lazy", "unverified_within_bound", Action::Continue)
     }
 
     /// Verifies on the request path: inline for JWTs, by introspection
     /// (request paused) for API keys.
-    fn verify_now(&mut self, reason: SyncReason, now: u64) -> Action {
+    fn verify_now(&mut self, host: &mut impl Host, reason: SyncReason, now: u64) -> Action {
         let plan = self.plan.clone();
         plan.metrics.sync(reason.name());
         let Some(c) = &self.credential else {
-            return self.refuse(401, "missing", "missing_credential", "missing credential");
+            return self.refuse(
+                host,
+                401,
+                "missing",
+                "missing_credential",
+                "missing credential",
+            );
         };
         match c.kind {
             CredentialKind::Jwt => {
-                if !plan.keys.available() {
-                    return self.unavailable();
+                if !plan.keys.available(host) {
+                    return self.unavailable(host);
                 }
-                let result = plan
-                    .keys
-                    .with(|keys| jwt::verify(&c.token, keys, &plan.validation, now));
+                let result = plan.keys.with(host, |keys| {
+                    jwt::verify(&c.token, keys, &plan.validation, now)
+                });
                 let verdict = verdict::of_jwt(&plan.config, &c.hash, now, result);
-                self.concluded(verdict, reason)
+                self.concluded(host, verdict, reason)
             }
-            CredentialKind::ApiKey => self.introspect(reason),
+            CredentialKind::ApiKey => self.introspect(host, reason),
         }
     }
 
-    fn introspect(&mut self, reason: SyncReason) -> Action {
+    fn introspect(&mut self, host: &mut impl Host, reason: SyncReason) -> Action {
         let plan = self.plan.clone();
         let (Some(api), Some(c)) = (&plan.config.api_keys, &self.credential) else {
-            return self.unavailable();
+            return self.unavailable(host);
         };
         let key = String::from_utf8_lossy(&c.token).into_owned();
         let headers = vec![
@@ -330,23 +355,27 @@ impl Stream {
             (":authority", api.endpoint.authority()),
             (api.key_header.as_str(), key.as_str()),
         ];
-        match hostcalls::dispatch_http_call(
+        match host.dispatch(
             &api.endpoint.cluster,
-            headers,
+            &headers,
             None,
-            vec![],
             Duration::from_millis(u64::from(api.endpoint.timeout_ms)),
         ) {
             Ok(token) => {
                 self.introspection = Some((token, reason));
                 Action::Pause
             }
-            Err(_) => self.unavailable(),
+            Err(_) => self.unavailable(host),
         }
     }
 
     /// The introspection endpoint answered a synchronous check.
-    pub(crate) fn introspection_answered(&mut self, token: u32, body_size: usize) {
+    pub(crate) fn introspection_answered(
+        &mut self,
+        host: &mut impl Host,
+        token: u32,
+        body_size: usize,
+    ) {
         let reason = match self.introspection {
             Some((pending, reason)) if pending == token => reason,
             _ => return,
@@ -356,36 +385,30 @@ impl Stream {
         let Some(hash) = self.credential.as_ref().map(|c| c.hash) else {
             return;
         };
-        let now = now_secs();
-        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten()
-            .and_then(|s| String::from_utf8(s).ok())
-            .and_then(|s| s.parse::<u16>().ok());
-        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-            .ok()
-            .flatten()
-            .unwrap_or_default();
+        let now = host.now_secs();
+        let answer = host.callout_answer(body_size);
         self.in_answer = true;
-        let action = match introspection::verdict(&plan.config, &hash, now, status, &body) {
-            Some(verdict) => self.concluded(verdict, reason),
-            // The verifier did not answer: refuse rather than admit.
-            None => self.unavailable(),
-        };
+        let action =
+            match introspection::verdict(&plan.config, &hash, now, answer.status, &answer.body) {
+                Some(verdict) => self.concluded(host, verdict, reason),
+                // The verifier did not answer: refuse rather than admit.
+                None => self.unavailable(host),
+            };
         self.in_answer = false;
         if action == Action::Continue {
-            let _ = zerolayer_proxy::fused::resume_request();
+            host.resume();
         }
     }
 
     /// A synchronous verdict: store it (so the next request is a cache
     /// hit), report the outcome for escalation, and act on it.
-    fn concluded(&mut self, verdict: Verdict, reason: SyncReason) -> Action {
+    fn concluded(&mut self, host: &mut impl Host, verdict: Verdict, reason: SyncReason) -> Action {
         let plan = self.plan.clone();
         let hash = TokenHash(verdict.hash);
         let ways = plan.config.verdict_ways;
-        let _ = shared_update(&verdict::key(&hash, plan.config.verdict_slots), |set| {
-            (verdict::insert(set, &verdict, now_secs(), ways), ())
+        let now = host.now_secs();
+        let _ = host.shared_update(&verdict::key(&hash, plan.config.verdict_slots), |set| {
+            (verdict::insert(set, &verdict, now, ways), ())
         });
         // Every outcome counts: for its tenant, for "no tenant" (empty) and
         // for the gateway as a whole.
@@ -400,20 +423,27 @@ impl Stream {
             at: verdict.verified_at,
         });
         // Feeds the escalation windows only; a lost one is counted.
-        if !plan.queue.post(&outcome.encode()) {
+        if !plan.queue.post(host, &outcome.encode()) {
             plan.metrics.lost();
         }
         if verdict.valid {
-            self.allow(&verdict, "sync_valid", reason.name());
+            self.allow(host, &verdict, "sync_valid", reason.name());
             Action::Continue
         } else {
             let why = verdict.reason.clone();
-            self.refuse(401, "sync_invalid", &why, "invalid credential")
+            self.refuse(host, 401, "sync_invalid", &why, "invalid credential")
         }
     }
 
-    fn allow(&mut self, verdict: &Verdict, outcome: &'static str, reason: &str) {
+    fn allow(
+        &mut self,
+        host: &mut impl Host,
+        verdict: &Verdict,
+        outcome: &'static str,
+        reason: &str,
+    ) {
         self.allow_view(
+            host,
             verdict.tenant.as_deref(),
             verdict.subject.as_deref(),
             outcome,
@@ -423,12 +453,13 @@ impl Stream {
 
     fn allow_view(
         &mut self,
+        host: &mut impl Host,
         tenant: Option<&str>,
         subject: Option<&str>,
         outcome: &'static str,
         reason: &str,
     ) {
-        publish(
+        host.publish(
             internal::AUTH_PROPERTY,
             &Identity::Verified { tenant, subject }.render(),
         );
@@ -436,51 +467,59 @@ impl Stream {
             self.tenant = tenant.map(str::to_string);
         }
         self.verified = true;
-        let _ = self.done(outcome, reason, Action::Continue);
+        let _ = self.done(host, outcome, reason, Action::Continue);
     }
 
     fn refuse(
         &mut self,
+        host: &mut impl Host,
         status: u32,
         outcome: &'static str,
         reason: &str,
         message: &str,
     ) -> Action {
-        self.send_refusal(status, message);
-        self.done(outcome, reason, Action::Pause)
+        self.send_refusal(host, status, message);
+        self.done(host, outcome, reason, Action::Pause)
     }
 
     /// Sends a refusal (from an answer: see `send_json_error_before_body`).
-    fn send_refusal(&mut self, status: u32, message: &str) {
+    fn send_refusal(&mut self, host: &mut impl Host, status: u32, message: &str) {
         self.answered = true;
         if self.in_answer {
-            zerolayer_proxy::send_json_error_before_body(status, "authentication_error", message);
+            host.send_json_error_before_body(status, "authentication_error", message);
         } else {
-            send_json_error(status, "authentication_error", message);
+            host.send_json_error(status, "authentication_error", message);
         }
     }
 
-    fn unavailable(&mut self) -> Action {
+    fn unavailable(&mut self, host: &mut impl Host) -> Action {
         self.send_refusal(
+            host,
             503,
             "the credential cannot be verified right now; retry later",
         );
-        self.done("unavailable", "verifier_unavailable", Action::Pause)
+        self.done(host, "unavailable", "verifier_unavailable", Action::Pause)
     }
 
-    fn done(&mut self, outcome: &'static str, reason: &str, action: Action) -> Action {
+    fn done(
+        &mut self,
+        host: &mut impl Host,
+        outcome: &'static str,
+        reason: &str,
+        action: Action,
+    ) -> Action {
         self.outcome = outcome;
         // Only audit records need the reason and the decision's latency.
         if self.plan.config.audit.is_some() {
             self.reason = reason.to_string();
-            self.decided_us = now_us();
+            self.decided_us = host.now_us();
         }
         self.plan.metrics.outcome(outcome);
         action
     }
 
     /// After the response: an audit record when activation asked for one.
-    pub(crate) fn on_log(&self) {
+    pub(crate) fn on_log(&self, host: &mut impl Host) {
         let plan = &self.plan;
         if plan.config.audit.is_none() || self.outcome.is_empty() {
             return;
@@ -489,7 +528,8 @@ impl Stream {
         // shipped chains activation comes after this stage, so it never
         // decides for a request refused here. Others when activation asks.
         let audited = self.answered
-            || zerolayer_proxy::property(internal::OBSERVERS_PROPERTY)
+            || host
+                .property(internal::OBSERVERS_PROPERTY)
                 .is_some_and(|list| list.split(|b| *b == b',').any(|o| o == b"audit"));
         if !audited {
             return;
@@ -506,7 +546,8 @@ impl Stream {
             decision: self.outcome.to_string(),
             reason: self.reason.clone(),
             latency_us: self.decided_us.saturating_sub(self.started_us),
-            request_id: request_header("x-request-id")
+            request_id: host
+                .request_header("x-request-id")
                 .map(|v| String::from_utf8_lossy(&v).into_owned())
                 .unwrap_or_default(),
         };
@@ -516,7 +557,7 @@ impl Stream {
             batch.len() >= crate::AUDIT_BATCH
         };
         if full {
-            plan.flush_audit();
+            plan.flush_audit(host);
         }
     }
 }

@@ -6,8 +6,8 @@ use std::cell::RefCell;
 
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::auth::jwt::KeySet;
+use zerolayer_host::Host;
 use zerolayer_observer::auth::{JWKS_KEY, configured_keys};
-use zerolayer_proxy::shared_get;
 
 /// Configured keys and the cached JWKS.
 pub(crate) struct InlineKeys {
@@ -28,24 +28,24 @@ impl InlineKeys {
 
     /// Whether any key is at hand right now (without reading shared data
     /// when only configured keys are used).
-    pub(crate) fn available(&self) -> bool {
+    pub(crate) fn available(&self, host: &mut impl Host) -> bool {
         if !self.uses_jwks {
             return !self.configured.is_empty();
         }
-        self.refresh();
+        self.refresh(host);
         !self.current.borrow().1.is_empty()
     }
 
     /// Runs `f` with the current keys.
-    pub(crate) fn with<T>(&self, f: impl FnOnce(&KeySet) -> T) -> T {
+    pub(crate) fn with<T>(&self, host: &mut impl Host, f: impl FnOnce(&KeySet) -> T) -> T {
         if self.uses_jwks {
-            self.refresh();
+            self.refresh(host);
         }
         f(&self.current.borrow().1)
     }
 
-    fn refresh(&self) {
-        let (bytes, cas) = shared_get(JWKS_KEY);
+    fn refresh(&self, host: &mut impl Host) {
+        let (bytes, cas) = host.shared_get(JWKS_KEY);
         if cas.is_none() || cas == self.current.borrow().0 {
             return;
         }

@@ -19,16 +19,12 @@ mod metrics;
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType};
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::auth::credential::RecentCredentials;
 use zerolayer_core::auth::jwt::Validation;
 use zerolayer_core::auth::policy::Policy;
-use zerolayer_core::config::ObserverMode;
-use zerolayer_observer::{Observer, ObserverConfig};
-use zerolayer_proxy::ObserverQueue;
-use zerolayer_proxy::fused::{self, Callback};
+use zerolayer_host::{Action, Callback, Host, ObserverQueue, RootStage, StreamStage};
+use zerolayer_observer::{EmbeddedObserver, ObserverConfig};
 
 use decide::Stream;
 use inline::InlineKeys;
@@ -36,18 +32,6 @@ use metrics::Metrics;
 
 /// Tick period: counters (and the embedded observer in tick mode).
 const TICK: Duration = Duration::from_millis(200);
-
-/// The module's entry point (`_initialize`): registers the root context.
-#[cfg(not(feature = "stage"))]
-#[allow(missing_docs)]
-mod entry {
-    use super::*;
-
-    proxy_wasm::main! {{
-        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(AuthRoot::default()) });
-    }}
-}
 
 /// What every request of this plugin shares.
 pub(crate) struct Plan {
@@ -76,57 +60,31 @@ pub(crate) const AUDIT_BATCH: usize = 64;
 impl Plan {
     /// Enqueues the waiting audit records as one job (counted as lost,
     /// each, if the observer cannot take it).
-    pub(crate) fn flush_audit(&self) {
+    pub(crate) fn flush_audit(&self, host: &mut impl Host) {
         let records = std::mem::take(&mut *self.audit_batch.borrow_mut());
         if records.is_empty() {
             return;
         }
         let n = records.len() as u64;
-        if !self
-            .queue
-            .post(&zerolayer_core::event::Job::AuditBatch(records).encode())
-        {
+        let job = zerolayer_core::event::Job::AuditBatch(records).encode();
+        if !self.queue.post(host, &job) {
             self.metrics.lost_n(n);
         }
     }
 }
 
-/// The plugin's root context.
+/// The stage's root.
 #[derive(Default)]
 pub struct AuthRoot {
     plan: Option<Rc<Plan>>,
     /// The observer, embedded in tick mode.
-    observer: Option<Observer>,
+    observer: EmbeddedObserver,
 }
 
-impl Context for AuthRoot {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
-        if let Some(observer) = &mut self.observer {
-            observer.on_http_call_response(token, body_size);
-        }
-    }
-
-    fn on_done(&mut self) -> bool {
-        if let Some(plan) = &self.plan {
-            plan.flush_audit();
-            plan.metrics.flush();
-        }
-        if let Some(observer) = &self.observer {
-            observer.flush_counters();
-        }
-        true
-    }
-}
-
-impl RootContext for AuthRoot {
-    fn on_configure(&mut self, _size: usize) -> bool {
-        let Some(config) = zerolayer_proxy::load_config("lazy-auth", LazyAuthConfig::from_json)
+impl<H: Host> RootStage<H> for AuthRoot {
+    fn configure(&mut self, host: &mut H, configuration: &[u8]) -> bool {
+        let Some(config) =
+            zerolayer_host::load_config("lazy-auth", configuration, LazyAuthConfig::from_json)
         else {
             return false;
         };
@@ -142,26 +100,26 @@ impl RootContext for AuthRoot {
             .iter()
             .filter_map(|c| regex::bytes::Regex::new(&c.user_agent).ok())
             .collect();
-        if config.observer.mode == ObserverMode::Tick {
-            match Observer::configure(&ObserverConfig::for_lazy_auth(config.clone()), "lazy-auth") {
-                Ok(observer) => self.observer = Some(observer),
-                Err(err) => {
-                    log::error!("lazy-auth: invalid configuration: observer: {err}");
-                    return false;
-                }
+        self.observer = match EmbeddedObserver::configure(
+            host,
+            &config.observer,
+            true,
+            || ObserverConfig::for_lazy_auth(config.clone()),
+            "lazy-auth",
+        ) {
+            Ok(observer) => observer,
+            Err(err) => {
+                log::error!("lazy-auth: invalid configuration: observer: {err}");
+                return false;
             }
-        }
+        };
         let plan = Plan {
             policy: config.policy(),
             validation: zerolayer_observer::auth::validation(&config),
             trusted,
             keys,
-            queue: ObserverQueue::new(
-                config.observer.clone(),
-                self.observer.as_ref().map(Observer::queue),
-                "lazy-auth",
-            ),
-            metrics: Metrics::define(),
+            queue: self.observer.queue(&config.observer, "lazy-auth"),
+            metrics: Metrics::define(host),
             audit_batch: std::cell::RefCell::new(Vec::new()),
             recent: std::cell::RefCell::new(RecentCredentials::new(RECENT_CREDENTIALS)),
             config,
@@ -174,30 +132,36 @@ impl RootContext for AuthRoot {
             plan.config.observer.mode,
         );
         self.plan = Some(Rc::new(plan));
-        if let Err(status) = zerolayer_proxy::fused::set_tick_period(TICK) {
+        if let Err(status) = host.set_tick_period(TICK) {
             log::warn!("lazy-auth: no tick ({status:?}); counters flush at shutdown only");
         }
         true
     }
 
-    fn on_tick(&mut self) {
+    fn tick(&mut self, host: &mut H) {
         if let Some(plan) = &self.plan {
-            plan.flush_audit();
-            plan.metrics.flush();
+            plan.flush_audit(host);
+            plan.metrics.flush(host);
         }
-        if let Some(observer) = &mut self.observer {
-            observer.on_tick();
-        }
+        self.observer.tick(host);
     }
 
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
+    fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
+        self.observer.call_answered(host, token, body_size);
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(AuthStream {
+    fn done(&mut self, host: &mut H) {
+        if let Some(plan) = &self.plan {
+            plan.flush_audit(host);
+            plan.metrics.flush(host);
+        }
+        self.observer.done(host);
+    }
+
+    fn stream(&self, _context_id: u32) -> Box<dyn StreamStage<H>> {
+        Box::new(AuthStream {
             stream: self.plan.clone().map(Stream::new),
-        }))
+        })
     }
 }
 
@@ -208,42 +172,30 @@ struct AuthStream {
     stream: Option<Stream>,
 }
 
-impl Context for AuthStream {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
-        if let Some(stream) = &mut self.stream {
-            stream.introspection_answered(token, body_size);
-        }
-    }
-}
-
-impl HttpContext for AuthStream {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+impl<H: Host> StreamStage<H> for AuthStream {
+    fn request_headers(&mut self, host: &mut H, _end_of_stream: bool) -> Action {
         // lazy-auth decides on headers: no body callback of its is needed.
-        fused::done_with(Callback::RequestBody);
-        fused::done_with(Callback::ResponseBody);
+        host.done_with(Callback::RequestBody);
+        host.done_with(Callback::ResponseBody);
         match &mut self.stream {
-            Some(stream) => stream.on_request_headers(),
+            Some(stream) => stream.on_request_headers(host),
             None => {
                 // Lazy must never mean open: no configuration, no entry.
-                zerolayer_proxy::send_json_error(
-                    500,
-                    "api_error",
-                    "authentication is not configured",
-                );
+                host.send_json_error(500, "api_error", "authentication is not configured");
                 Action::Pause
             }
         }
     }
 
-    fn on_log(&mut self) {
+    fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
+        if let Some(stream) = &mut self.stream {
+            stream.introspection_answered(host, token, body_size);
+        }
+    }
+
+    fn log(&mut self, host: &mut H) {
         if let Some(stream) = &self.stream {
-            stream.on_log();
+            stream.on_log(host);
         }
     }
 }

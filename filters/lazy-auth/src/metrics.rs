@@ -3,7 +3,7 @@
 //! `zerolayer_auth_decisions{outcome=…}`, `zerolayer_auth_sync{reason=…}`,
 //! `zerolayer_auth_jobs_enqueued`, `zerolayer_auth_jobs_lost`.
 
-use zerolayer_proxy::Counters;
+use zerolayer_host::{Counters, Host};
 
 /// Decision outcomes, in counter order.
 pub(crate) const OUTCOMES: [&str; 10] = [
@@ -35,7 +35,7 @@ const LOST: usize = ENQUEUED + 1;
 pub(crate) struct Metrics(Counters);
 
 impl Metrics {
-    pub(crate) fn define() -> Metrics {
+    pub(crate) fn define(host: &mut impl Host) -> Metrics {
         let mut names: Vec<String> = OUTCOMES
             .iter()
             .map(|o| format!("zerolayer_auth_decisions_outcome={o}"))
@@ -47,7 +47,7 @@ impl Metrics {
         );
         names.push("zerolayer_auth_jobs_enqueued".into());
         names.push("zerolayer_auth_jobs_lost".into());
-        Metrics(Counters::define("lazy-auth", &names))
+        Metrics(Counters::define(host, "lazy-auth", &names))
     }
 
     pub(crate) fn outcome(&self, outcome: &str) {
@@ -74,7 +74,7 @@ impl Metrics {
         self.0.add(LOST, n);
     }
 
-    pub(crate) fn flush(&self) {
-        self.0.flush();
+    pub(crate) fn flush(&self, host: &mut impl Host) {
+        self.0.flush(host);
     }
 }

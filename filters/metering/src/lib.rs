@@ -22,28 +22,13 @@ mod stream;
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::ContextType;
-use zerolayer_core::config::ObserverMode;
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_core::metering::config::SamplingPlan;
-use zerolayer_observer::{Observer, ObserverConfig};
-use zerolayer_proxy::ObserverQueue;
+use zerolayer_host::{Host, ObserverQueue, RootStage, StreamStage};
+use zerolayer_observer::{EmbeddedObserver, ObserverConfig};
 
 use meters::Meters;
 use stream::MeteredStream;
-
-/// The module's entry point (`_initialize`): registers the root context.
-#[cfg(not(feature = "stage"))]
-#[allow(missing_docs)]
-mod entry {
-    use super::*;
-
-    proxy_wasm::main! {{
-        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(MeteringRoot::default()) });
-    }}
-}
 
 /// What every request of this plugin shares.
 pub(crate) struct Plan {
@@ -54,41 +39,18 @@ pub(crate) struct Plan {
     pub queue: ObserverQueue,
 }
 
-/// The plugin's root context.
+/// The stage's root.
 #[derive(Default)]
 pub struct MeteringRoot {
     plan: Option<Rc<Plan>>,
     /// The observer, embedded in tick mode (shipping records).
-    observer: Option<Observer>,
+    observer: EmbeddedObserver,
 }
 
-impl Context for MeteringRoot {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
-        if let Some(observer) = &mut self.observer {
-            observer.on_http_call_response(token, body_size);
-        }
-    }
-
-    fn on_done(&mut self) -> bool {
-        if let Some(plan) = &self.plan {
-            plan.meters.flush();
-        }
-        if let Some(observer) = &self.observer {
-            observer.flush_counters();
-        }
-        true
-    }
-}
-
-impl RootContext for MeteringRoot {
-    fn on_configure(&mut self, _size: usize) -> bool {
-        let Some(config) = zerolayer_proxy::load_config("metering", MeteringConfig::from_json)
+impl<H: Host> RootStage<H> for MeteringRoot {
+    fn configure(&mut self, host: &mut H, configuration: &[u8]) -> bool {
+        let Some(config) =
+            zerolayer_host::load_config("metering", configuration, MeteringConfig::from_json)
         else {
             return false;
         };
@@ -109,46 +71,50 @@ impl RootContext for MeteringRoot {
                 None => "not shipped (no sink)".into(),
             }
         );
-        if config.sink.is_some() && config.observer.mode == ObserverMode::Tick {
-            let observer = ObserverConfig::for_metering(config.clone());
-            match Observer::configure(&observer, "metering") {
-                Ok(observer) => self.observer = Some(observer),
-                Err(err) => {
-                    log::error!("metering: invalid configuration: observer: {err}");
-                    return false;
-                }
+        self.observer = match EmbeddedObserver::configure(
+            host,
+            &config.observer,
+            config.sink.is_some(),
+            || ObserverConfig::for_metering(config.clone()),
+            "metering",
+        ) {
+            Ok(observer) => observer,
+            Err(err) => {
+                log::error!("metering: invalid configuration: observer: {err}");
+                return false;
             }
-        }
+        };
         self.plan = Some(Rc::new(Plan {
             sampling,
-            meters: Meters::define(config.labels),
-            queue: ObserverQueue::new(
-                config.observer.clone(),
-                self.observer.as_ref().map(Observer::queue),
-                "metering",
-            ),
+            meters: Meters::define(host, config.labels),
+            queue: self.observer.queue(&config.observer, "metering"),
             config,
         }));
-        if let Err(status) = zerolayer_proxy::fused::set_tick_period(Duration::from_millis(200)) {
+        if let Err(status) = host.set_tick_period(Duration::from_millis(200)) {
             log::warn!("metering: no tick ({status:?}); metrics are reported at shutdown only");
         }
         true
     }
 
-    fn on_tick(&mut self) {
+    fn tick(&mut self, host: &mut H) {
         if let Some(plan) = &self.plan {
-            plan.meters.flush();
+            plan.meters.flush(host);
         }
-        if let Some(observer) = &mut self.observer {
-            observer.on_tick();
-        }
+        self.observer.tick(host);
     }
 
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
+    fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
+        self.observer.call_answered(host, token, body_size);
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(MeteredStream::new(self.plan.clone())))
+    fn done(&mut self, host: &mut H) {
+        if let Some(plan) = &self.plan {
+            plan.meters.flush(host);
+        }
+        self.observer.done(host);
+    }
+
+    fn stream(&self, _context_id: u32) -> Box<dyn StreamStage<H>> {
+        Box::new(MeteredStream::new(self.plan.clone()))
     }
 }

@@ -10,10 +10,8 @@
 
 use std::cell::RefCell;
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::MetricType;
 use zerolayer_core::metering::{LabelLimits, SeriesTable, UsageRecord};
-use zerolayer_proxy::Counters;
+use zerolayer_host::{Counters, Host, MetricKind};
 
 /// Token kinds, in series order (after the request count).
 const KINDS: [&str; 4] = ["input", "output", "cache_read", "cache_creation"];
@@ -42,7 +40,7 @@ pub(crate) struct Meters {
 }
 
 impl Meters {
-    pub(crate) fn define(limits: LabelLimits) -> Meters {
+    pub(crate) fn define(host: &mut impl Host, limits: LabelLimits) -> Meters {
         let names = [
             "zerolayer_metering_usage_result=found",
             "zerolayer_metering_usage_result=missing",
@@ -54,14 +52,14 @@ impl Meters {
         ]
         .map(String::from);
         Meters {
-            fixed: Counters::define("metering", &names),
+            fixed: Counters::define(host, "metering", &names),
             table: RefCell::new(SeriesTable::new(limits)),
             series: RefCell::new(Vec::new()),
         }
     }
 
     /// Counts one request's usage under its tenant and model.
-    pub(crate) fn count(&self, record: &UsageRecord) {
+    pub(crate) fn count(&self, host: &mut impl Host, record: &UsageRecord) {
         self.fixed.add(
             if record.usage_missing {
                 USAGE_MISSING
@@ -80,7 +78,7 @@ impl Meters {
         if found.new {
             let (tenant, model) = table.labels(found.index).unwrap_or(("other", "other"));
             series.push(SeriesMetrics {
-                ids: define_series(tenant, model),
+                ids: define_series(host, tenant, model),
                 pending: [0; PER_SERIES],
             });
         }
@@ -123,8 +121,8 @@ impl Meters {
     }
 
     /// Reports pending increments to the host.
-    pub(crate) fn flush(&self) {
-        self.fixed.flush();
+    pub(crate) fn flush(&self, host: &mut impl Host) {
+        self.fixed.flush(host);
         let Ok(mut series) = self.series.try_borrow_mut() else {
             return;
         };
@@ -135,7 +133,7 @@ impl Meters {
                 }
                 if let Some(id) = id {
                     let delta = i64::try_from(*pending).unwrap_or(i64::MAX);
-                    let _ = hostcalls::increment_metric(*id, delta);
+                    host.increment_metric(*id, delta);
                 }
                 *pending = 0;
             }
@@ -145,7 +143,7 @@ impl Meters {
 
 /// Defines a new series' counters. Label order puts `kind` last: its values
 /// contain `_`, which Envoy's tag regexes for the other labels stop at.
-fn define_series(tenant: &str, model: &str) -> [Option<u32>; PER_SERIES] {
+fn define_series(host: &mut impl Host, tenant: &str, model: &str) -> [Option<u32>; PER_SERIES] {
     let labels = format!("_tenant={tenant}_model={model}");
     let mut names = vec![format!("zerolayer_metering_requests{labels}")];
     names.extend(
@@ -155,7 +153,7 @@ fn define_series(tenant: &str, model: &str) -> [Option<u32>; PER_SERIES] {
     );
     let mut ids = [None; PER_SERIES];
     for (id, name) in ids.iter_mut().zip(&names) {
-        *id = match hostcalls::define_metric(MetricType::Counter, name) {
+        *id = match host.define_metric(MetricKind::Counter, name) {
             Ok(id) => Some(id),
             Err(status) => {
                 log::warn!("metering: metric {name} unavailable: {status:?}");

@@ -4,8 +4,6 @@
 
 use std::rc::Rc;
 
-use proxy_wasm::traits::{Context, HttpContext};
-use proxy_wasm::types::{Action, BufferType};
 use zerolayer_core::auth::identity::billing_tenant;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::encoding::{BodyDecoder, ContentCoding};
@@ -15,8 +13,7 @@ use zerolayer_core::metering::UsageRecord;
 use zerolayer_core::usage::{
     Injection, ResponseFormat, UsageChunkStripper, UsageExtractor, inject_include_usage,
 };
-use zerolayer_proxy::fused::{self, Callback};
-use zerolayer_proxy::{now_us, property, request_header, response_header, set_body, with_body};
+use zerolayer_host::{Action, Body, Callback, Host, StreamStage};
 
 use crate::Plan;
 
@@ -74,21 +71,21 @@ impl MeteredStream {
 
     /// Makes the request's record: metrics for every request, the access
     /// log's ground truth, and a full record for the sample.
-    fn record(&mut self) {
+    fn record(&mut self, host: &mut impl Host) {
         let (Some(plan), Some(_)) = (self.plan.clone(), self.provider) else {
             return;
         };
         if std::mem::replace(&mut self.recorded, true) {
             return;
         }
-        let end_us = now_us();
+        let end_us = host.now_us();
         let extracted = self.extractor.as_ref().map(UsageExtractor::finish);
         let (usage, model) = match extracted {
             Some(e) => (e.usage.ok(), e.model),
             None => (None, None),
         };
         let request_id = std::mem::take(&mut self.request_id);
-        let tenant = self.tenant();
+        let tenant = self.tenant(host);
         let rate = plan.sampling.rate(&tenant);
         let in_sample = rate.includes(request_id.as_bytes());
         let record = UsageRecord {
@@ -108,18 +105,18 @@ impl MeteredStream {
             rate_bp: rate.basis_points(),
             in_sample,
         };
-        plan.meters.count(&record);
+        plan.meters.count(host, &record);
         let entry = record.log_entry();
-        zerolayer_proxy::publish(internal::USAGE_PROPERTY, &entry);
-        zerolayer_proxy::set_ngx_variable(internal::USAGE_NGX_VARIABLE, &entry);
+        host.publish(internal::USAGE_PROPERTY, &entry);
+        host.set_ngx_variable(internal::USAGE_NGX_VARIABLE, &entry);
         // Activation's `metering` observer asks for this request's full
         // record even outside the sample (it then weighs 0 in the estimate).
-        let forced = || {
-            property(internal::OBSERVERS_PROPERTY)
+        let mut forced = || {
+            host.property(internal::OBSERVERS_PROPERTY)
                 .is_some_and(|list| list.split(|b| *b == b',').any(|o| o == b"metering"))
         };
         if plan.config.sink.is_some() && (in_sample || forced()) {
-            let queued = plan.queue.post(&Job::Usage(record).encode());
+            let queued = plan.queue.post(host, &Job::Usage(record).encode());
             plan.meters.record_posted(queued);
         }
     }
@@ -128,13 +125,13 @@ impl MeteredStream {
     /// unverified request (never what it claims), the configured default
     /// for a tenant-less one; the operator's header only when lazy-auth
     /// published nothing (see `auth::identity::billing_tenant`).
-    fn tenant(&mut self) -> String {
+    fn tenant(&mut self, host: &mut impl Host) -> String {
         let default = self
             .plan
             .as_ref()
             .and_then(|p| p.config.default_tenant.clone());
         billing_tenant(
-            property(internal::AUTH_PROPERTY).as_deref(),
+            host.property(internal::AUTH_PROPERTY).as_deref(),
             self.tenant_header.take().as_deref(),
             default.as_deref(),
         )
@@ -142,14 +139,15 @@ impl MeteredStream {
 
     /// The request headers: is it an LLM call, and may its body need
     /// `include_usage`.
-    fn request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+    fn on_request_headers(&mut self, host: &mut impl Host, end_of_stream: bool) -> Action {
         let Some(plan) = &self.plan else {
             return Action::Continue;
         };
-        if request_header(":method").as_deref() != Some(b"POST") {
+        if host.request_header(":method").as_deref() != Some(b"POST") {
             return Action::Continue;
         }
-        let Some(provider) = request_header(":path")
+        let Some(provider) = host
+            .request_header(":path")
             .as_deref()
             .and_then(|p| std::str::from_utf8(p).ok())
             .and_then(Provider::for_path)
@@ -158,9 +156,10 @@ impl MeteredStream {
         };
         self.provider = Some(provider);
         // Usage is read from the body as the backend sends it.
-        zerolayer_proxy::ask_identity_encoding();
-        self.started_us = now_us();
-        self.request_id = request_header("x-request-id")
+        host.ask_identity_encoding();
+        self.started_us = host.now_us();
+        self.request_id = host
+            .request_header("x-request-id")
             .map(|mut id| {
                 id.truncate(MAX_REQUEST_ID);
                 String::from_utf8_lossy(&id).into_owned()
@@ -170,12 +169,14 @@ impl MeteredStream {
             .config
             .tenant_header
             .as_deref()
-            .and_then(request_header)
+            .and_then(|name| host.request_header(name))
             .and_then(|v| String::from_utf8(v).ok());
-        let holds_headers = zerolayer_proxy::can_hold_headers_for_body();
+        let holds_headers = host.can_hold_headers_for_body();
         if !holds_headers {
-            self.body_pending = request_header("content-length").is_some_and(|l| l != b"0")
-                || request_header("transfer-encoding").is_some();
+            self.body_pending = host
+                .request_header("content-length")
+                .is_some_and(|l| l != b"0")
+                || host.request_header("transfer-encoding").is_some();
         }
         if plan.config.openai_include_usage && provider == Provider::OpenAi && !end_of_stream {
             // The body may grow: hold the headers until it is rewritten, so
@@ -191,7 +192,12 @@ impl MeteredStream {
     }
 
     /// The request body: `include_usage` once it is complete.
-    fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn on_request_body(
+        &mut self,
+        host: &mut impl Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
         self.body_pending = false;
         if !self.rewrite_pending {
             return Action::Continue;
@@ -203,26 +209,23 @@ impl MeteredStream {
         let (Some(plan), Some(provider)) = (&self.plan, self.provider) else {
             return Action::Continue;
         };
-        let injection = with_body(BufferType::HttpRequestBody, body_size, |body| {
+        let injection = host.with_body(Body::Request, body_size, |body| {
             inject_include_usage(provider, body)
         });
         if let Injection::Refused(message) = &injection {
             // Forwarded, it could stream without the usage chunk: refused
             // (a request the backend never saw is not metered).
-            zerolayer_proxy::send_json_error(400, "invalid_request_error", message);
+            host.send_json_error(400, "invalid_request_error", message);
             self.provider = None;
             return Action::Pause;
         }
         if let Injection::Rewritten(rewritten) = injection {
-            if set_body(BufferType::HttpRequestBody, body_size, &rewritten).is_ok() {
-                zerolayer_proxy::set_request_header(
-                    "content-length",
-                    rewritten.len().to_string().as_bytes(),
-                );
+            if host.set_body(Body::Request, body_size, &rewritten).is_ok() {
+                host.set_request_header("content-length", rewritten.len().to_string().as_bytes());
                 self.stripper = Some(UsageChunkStripper::new());
                 plan.meters.injected();
-                if zerolayer_proxy::responses_in_chain_order() {
-                    zerolayer_proxy::publish(internal::USAGE_HIDDEN_PROPERTY, b"1");
+                if host.responses_in_chain_order() {
+                    host.publish(internal::USAGE_HIDDEN_PROPERTY, b"1");
                 }
             } else {
                 log::warn!("metering: could not rewrite the request body; usage may be missing");
@@ -261,9 +264,9 @@ impl MeteredStream {
     }
 
     /// Decodes a compressed chunk into the usage extractor.
-    fn decode_chunk(&mut self, body_size: usize, end_of_stream: bool) {
+    fn decode_chunk(&mut self, host: &mut impl Host, body_size: usize, end_of_stream: bool) {
         if let (Some(decoder), Some(extractor)) = (&mut self.decoder, &mut self.extractor) {
-            let decoded = with_body(BufferType::HttpResponseBody, body_size, |chunk| {
+            let decoded = host.with_body(Body::Response, body_size, |chunk| {
                 decoder.push(chunk, |bytes| extractor.push(bytes))
             });
             if let Err(error) = decoded {
@@ -284,49 +287,49 @@ impl MeteredStream {
             {
                 plan.meters.encoded(true);
             }
-            self.record();
+            self.record(host);
         }
     }
 }
 
-impl Context for MeteredStream {}
-
-impl HttpContext for MeteredStream {
-    fn on_http_request_headers(&mut self, headers: usize, end_of_stream: bool) -> Action {
-        let action = self.request_headers(headers, end_of_stream);
+impl<H: Host> StreamStage<H> for MeteredStream {
+    fn request_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
+        let action = self.on_request_headers(host, end_of_stream);
         if !self.rewrite_pending && !self.body_pending {
             // No rewrite to make: the request body is not ours.
-            fused::done_with(Callback::RequestBody);
+            host.done_with(Callback::RequestBody);
         }
         if self.provider.is_none() {
             // Not metered: neither is its response.
-            fused::done_with(Callback::ResponseBody);
+            host.done_with(Callback::ResponseBody);
         }
         action
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let action = self.request_body(body_size, end_of_stream);
+    fn request_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
+        let action = self.on_request_body(host, body_size, end_of_stream);
         if !self.rewrite_pending {
-            fused::done_with(Callback::RequestBody);
+            host.done_with(Callback::RequestBody);
         }
         action
     }
 
-    fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+    fn response_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         if self.body_pending {
             // Answered before its body reached this filter: not from the
             // backend (see `body_pending`).
             self.provider = None;
         }
         let Some(provider) = self.provider else {
-            fused::done_with(Callback::ResponseBody);
+            host.done_with(Callback::ResponseBody);
             return Action::Continue;
         };
-        self.status = response_header(":status")
+        self.status = host
+            .response_header(":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
-        let format = response_header("content-type")
+        let format = host
+            .response_header("content-type")
             .as_deref()
             .map_or(ResponseFormat::Json, ResponseFormat::from_content_type);
         self.streamed = format == ResponseFormat::EventStream;
@@ -336,7 +339,7 @@ impl HttpContext for MeteredStream {
         }
         self.extractor = Some(UsageExtractor::new(provider, format));
         let coding = ContentCoding::from_header(
-            response_header("content-encoding")
+            host.response_header("content-encoding")
                 .as_deref()
                 .map(str::as_bytes),
         );
@@ -344,14 +347,14 @@ impl HttpContext for MeteredStream {
             self.encoded(coding);
         }
         if end_of_stream {
-            self.record();
+            self.record(host);
         }
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn response_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
         if self.decoder.is_some() {
-            self.decode_chunk(body_size, end_of_stream);
+            self.decode_chunk(host, body_size, end_of_stream);
             return Action::Continue;
         }
         let Some(extractor) = &mut self.extractor else {
@@ -359,7 +362,7 @@ impl HttpContext for MeteredStream {
         };
         let stripper = &mut self.stripper;
         // The chunk without the usage chunk, when that changed it.
-        let stripped = with_body(BufferType::HttpResponseBody, body_size, |chunk| {
+        let stripped = host.with_body(Body::Response, body_size, |chunk| {
             extractor.push(chunk);
             let stripper = stripper.as_mut()?;
             let mut out = Vec::with_capacity(chunk.len());
@@ -370,21 +373,21 @@ impl HttpContext for MeteredStream {
             (out != chunk).then_some(out)
         });
         if let Some(out) = stripped
-            && let Err(status) = set_body(BufferType::HttpResponseBody, body_size, &out)
+            && let Err(status) = host.set_body(Body::Response, body_size, &out)
         {
             log::warn!("metering: could not strip the usage chunk: {status:?}");
         }
         if end_of_stream {
-            self.record();
+            self.record(host);
         }
         Action::Continue
     }
 
-    fn on_log(&mut self) {
+    fn log(&mut self, host: &mut H) {
         // A response that never ended (client gone, upstream reset) still
         // gets its record: usage missing unless the stream carried it.
         if !self.body_pending {
-            self.record();
+            self.record(host);
         }
     }
 }

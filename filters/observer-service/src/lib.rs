@@ -10,8 +10,8 @@
 use std::time::Duration;
 
 use proxy_wasm::traits::{Context, RootContext};
-use zerolayer_host::Host;
 use proxy_wasm::types::LogLevel;
+use zerolayer_host::Host;
 use zerolayer_host::WasmHost;
 use zerolayer_observer::{Observer, ObserverConfig};
 
@@ -71,7 +71,9 @@ impl RootContext for ObserverService {
         }
         let tick = Duration::from_millis(config.tick_ms.max(10));
         if let Err(status) = host.set_tick_period(tick) {
-            log::warn!("observer: no tick ({status:?}): JWKS refresh and sink flushes wait for queue wake-ups");
+            log::warn!(
+                "observer: no tick ({status:?}): JWKS refresh and sink flushes wait for queue wake-ups"
+            );
         }
         true
     }

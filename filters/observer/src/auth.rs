@@ -13,7 +13,7 @@ use zerolayer_core::breaker::{Breaker, Transition};
 use zerolayer_core::event::{VerifyJob, VerifyOutcome};
 use zerolayer_host::Host;
 
-use crate::calls::{CallKind, Calls};
+use crate::calls::{CallKind, Calls, Request};
 use crate::{ObserverMetrics, counter};
 
 /// Shared-data key with the JWKS document last fetched (filters verify
@@ -92,7 +92,13 @@ impl AuthWorker {
     }
 
     /// Verifies one credential (or starts to: introspection answers later).
-    pub(crate) fn verify(&mut self, host: &mut impl Host, job: VerifyJob, calls: &mut Calls, counters: &ObserverMetrics) {
+    pub(crate) fn verify(
+        &mut self,
+        host: &mut impl Host,
+        job: VerifyJob,
+        calls: &mut Calls,
+        counters: &ObserverMetrics,
+    ) {
         let now = host.now_secs();
         match job.kind {
             CredentialKind::Jwt => self.verify_jwt(host, job, now, calls, counters),
@@ -101,7 +107,8 @@ impl AuthWorker {
     }
 
     fn verify_jwt(
-        &mut self, host: &mut impl Host,
+        &mut self,
+        host: &mut impl Host,
         job: VerifyJob,
         now: u64,
         calls: &mut Calls,
@@ -160,7 +167,8 @@ impl AuthWorker {
     }
 
     fn introspect(
-        &mut self, host: &mut impl Host,
+        &mut self,
+        host: &mut impl Host,
         job: VerifyJob,
         now: u64,
         calls: &mut Calls,
@@ -180,10 +188,10 @@ impl AuthWorker {
         if calls
             .dispatch(
                 host,
-                &api.endpoint,
-                "GET",
-                &headers,
-                None,
+                Request {
+                    headers: &headers,
+                    ..Request::to(&api.endpoint, "GET")
+                },
                 CallKind::Introspect(job),
             )
             .is_err()
@@ -195,7 +203,8 @@ impl AuthWorker {
 
     /// A callout answered (`status` `None`: it failed or timed out).
     pub(crate) fn answered(
-        &mut self, host: &mut impl Host,
+        &mut self,
+        host: &mut impl Host,
         kind: CallKind,
         status: Option<u16>,
         body: &[u8],
@@ -213,7 +222,8 @@ impl AuthWorker {
     }
 
     fn introspection_answer(
-        &mut self, host: &mut impl Host,
+        &mut self,
+        host: &mut impl Host,
         job: VerifyJob,
         now: u64,
         status: Option<u16>,
@@ -233,7 +243,8 @@ impl AuthWorker {
     }
 
     fn jwks_answer(
-        &mut self, host: &mut impl Host,
+        &mut self,
+        host: &mut impl Host,
         now: u64,
         status: Option<u16>,
         body: &[u8],
@@ -287,13 +298,25 @@ impl AuthWorker {
         }
     }
 
-    fn conclude_with_current_keys(&mut self, host: &mut impl Host, job: VerifyJob, now: u64, counters: &ObserverMetrics) {
+    fn conclude_with_current_keys(
+        &mut self,
+        host: &mut impl Host,
+        job: VerifyJob,
+        now: u64,
+        counters: &ObserverMetrics,
+    ) {
         let result = jwt::verify(&job.credential, &self.keys, &self.validation, now);
         let verdict = verdict::of_jwt(&self.config, &TokenHash(job.hash), now, result);
         self.conclude(host, &job, verdict, counters);
     }
 
-    fn fetch_jwks(&mut self, host: &mut impl Host, now: u64, calls: &mut Calls, counters: &ObserverMetrics) {
+    fn fetch_jwks(
+        &mut self,
+        host: &mut impl Host,
+        now: u64,
+        calls: &mut Calls,
+        counters: &ObserverMetrics,
+    ) {
         let Some(jwks) = self.config.jwt.jwks.clone() else {
             return;
         };
@@ -304,7 +327,7 @@ impl AuthWorker {
             return;
         }
         if calls
-            .dispatch(host, &jwks.endpoint, "GET", &[], None, CallKind::Jwks)
+            .dispatch(host, Request::to(&jwks.endpoint, "GET"), CallKind::Jwks)
             .is_err()
         {
             counters.add(counter::JWKS_FAILED, 1);
@@ -314,7 +337,13 @@ impl AuthWorker {
     }
 
     /// Writes the verdict, counts it, and feeds the escalation window.
-    fn conclude(&mut self, host: &mut impl Host, job: &VerifyJob, verdict: Verdict, counters: &ObserverMetrics) {
+    fn conclude(
+        &mut self,
+        host: &mut impl Host,
+        job: &VerifyJob,
+        verdict: Verdict,
+        counters: &ObserverMetrics,
+    ) {
         let waited = host.now_ms().saturating_sub(job.enqueued_at_ms);
         counters.verify_latency(host, waited);
         let key = verdict::key(&TokenHash(job.hash), self.config.verdict_slots);
@@ -329,7 +358,8 @@ impl AuthWorker {
             1,
         );
         let tenant = verdict.tenant.clone().or_else(|| job.tenant_hint.clone());
-        self.record(host,
+        self.record(
+            host,
             tenant.as_deref(),
             !verdict.valid,
             verdict.verified_at,
@@ -339,12 +369,30 @@ impl AuthWorker {
     }
 
     /// A verification a filter did itself.
-    pub(crate) fn record_outcome(&mut self, host: &mut impl Host, outcome: &VerifyOutcome, counters: &ObserverMetrics) {
+    pub(crate) fn record_outcome(
+        &mut self,
+        host: &mut impl Host,
+        outcome: &VerifyOutcome,
+        counters: &ObserverMetrics,
+    ) {
         // An empty tenant is none.
-        self.record(host, Some(&outcome.tenant), outcome.failed, outcome.at, counters);
+        self.record(
+            host,
+            Some(&outcome.tenant),
+            outcome.failed,
+            outcome.at,
+            counters,
+        );
     }
 
-    fn record(&mut self, host: &mut impl Host, tenant: Option<&str>, failed: bool, now: u64, counters: &ObserverMetrics) {
+    fn record(
+        &mut self,
+        host: &mut impl Host,
+        tenant: Option<&str>,
+        failed: bool,
+        now: u64,
+        counters: &ObserverMetrics,
+    ) {
         let flips = self.escalation.record(tenant, failed, now);
         self.flipped(host, &flips, counters);
     }
@@ -393,7 +441,13 @@ impl AuthWorker {
     }
 
     /// Periodic work.
-    pub(crate) fn maintain(&mut self, host: &mut impl Host, now: u64, calls: &mut Calls, counters: &ObserverMetrics) {
+    pub(crate) fn maintain(
+        &mut self,
+        host: &mut impl Host,
+        now: u64,
+        calls: &mut Calls,
+        counters: &ObserverMetrics,
+    ) {
         if self.config.jwt.jwks.is_some() && now >= self.jwks_next {
             self.fetch_jwks(host, now, calls, counters);
         }

@@ -4,8 +4,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use zerolayer_core::config::Endpoint;
-use zerolayer_host::Host;
 use zerolayer_core::event::VerifyJob;
+use zerolayer_host::Host;
 
 use crate::shipper::Sink;
 
@@ -27,39 +27,51 @@ pub(crate) struct Calls {
     pending: HashMap<u32, CallKind>,
 }
 
+/// A request to an endpoint, as the observer sends it.
+pub(crate) struct Request<'a> {
+    /// Where it goes (cluster, authority, timeout; the path by default).
+    pub endpoint: &'a Endpoint,
+    /// `:method`.
+    pub method: &'a str,
+    /// `:path`, when not the endpoint's own.
+    pub path: Option<&'a str>,
+    /// Headers besides the pseudo-headers.
+    pub headers: &'a [(&'a str, &'a [u8])],
+    /// The body.
+    pub body: Option<&'a [u8]>,
+}
+
+impl<'a> Request<'a> {
+    /// `method` to `endpoint`'s path, no headers, no body.
+    pub(crate) fn to(endpoint: &'a Endpoint, method: &'a str) -> Request<'a> {
+        Request {
+            endpoint,
+            method,
+            path: None,
+            headers: &[],
+            body: None,
+        }
+    }
+}
+
 impl Calls {
-    /// Dispatches a request to `endpoint`; on refusal (unknown cluster, bad
-    /// arguments) logs and gives the payload back.
+    /// Dispatches `request`, remembering `kind` for its answer; on refusal
+    /// (unknown cluster, bad arguments) logs and gives `kind` back.
     pub(crate) fn dispatch(
         &mut self,
         host: &mut impl Host,
-        endpoint: &Endpoint,
-        method: &str,
-        extra_headers: &[(&str, &[u8])],
-        body: Option<&[u8]>,
+        request: Request<'_>,
         kind: CallKind,
     ) -> Result<(), CallKind> {
-        self.dispatch_to(host, endpoint, &endpoint.path, method, extra_headers, body, kind)
-    }
-
-    /// Like [`Calls::dispatch`], to `path` instead of the endpoint's own.
-    pub(crate) fn dispatch_to(
-        &mut self,
-        host: &mut impl Host,
-        endpoint: &Endpoint,
-        path: &str,
-        method: &str,
-        extra_headers: &[(&str, &[u8])],
-        body: Option<&[u8]>,
-        kind: CallKind,
-    ) -> Result<(), CallKind> {
+        let endpoint = request.endpoint;
+        let path = request.path.unwrap_or(&endpoint.path);
         let mut headers: Vec<(&str, &[u8])> = vec![
-            (":method", method.as_bytes()),
+            (":method", request.method.as_bytes()),
             (":path", path.as_bytes()),
             (":authority", endpoint.authority().as_bytes()),
         ];
-        headers.extend_from_slice(extra_headers);
-        // The SDK takes &str header values; credentials are ASCII tokens.
+        headers.extend_from_slice(request.headers);
+        // The host takes text header values; credentials are ASCII tokens.
         let text: Vec<(&str, String)> = headers
             .iter()
             .map(|(k, v)| (*k, String::from_utf8_lossy(v).into_owned()))
@@ -68,7 +80,7 @@ impl Calls {
         match host.dispatch(
             &endpoint.cluster,
             &borrowed,
-            body,
+            request.body,
             Duration::from_millis(u64::from(endpoint.timeout_ms)),
         ) {
             Ok(token) => {

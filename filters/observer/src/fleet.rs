@@ -11,7 +11,7 @@ use zerolayer_core::event::CacheWrite;
 use zerolayer_host::Host;
 
 use crate::ObserverMetrics;
-use crate::calls::{CallKind, Calls};
+use crate::calls::{CallKind, Calls, Request};
 use crate::counter;
 
 /// Writes in flight at most.
@@ -37,7 +37,13 @@ impl FleetWriter {
     }
 
     /// Sends one entry to Redis.
-    pub(crate) fn write(&mut self, host: &mut impl Host, job: CacheWrite, calls: &mut Calls, counters: &ObserverMetrics) {
+    pub(crate) fn write(
+        &mut self,
+        host: &mut impl Host,
+        job: CacheWrite,
+        calls: &mut Calls,
+        counters: &ObserverMetrics,
+    ) {
         if self.in_flight >= MAX_IN_FLIGHT {
             counters.add(counter::FLEET_DROPPED, 1);
             return;
@@ -45,15 +51,13 @@ impl FleetWriter {
         let path = self
             .config
             .setex_path(&CacheKey(job.digest), job.ttl_secs.max(1));
-        match calls.dispatch_to(
-            host,
-            &self.config.endpoint,
-            &path,
-            "PUT",
-            &[("content-type", b"application/octet-stream")],
-            Some(&job.entry),
-            CallKind::CacheWrite,
-        ) {
+        let request = Request {
+            path: Some(&path),
+            headers: &[("content-type", b"application/octet-stream")],
+            body: Some(&job.entry),
+            ..Request::to(&self.config.endpoint, "PUT")
+        };
+        match calls.dispatch(host, request, CallKind::CacheWrite) {
             Ok(()) => self.in_flight += 1,
             Err(_) => counters.add(counter::FLEET_FAILED, 1),
         }

@@ -361,9 +361,7 @@ impl Observer {
                     }
                 }
                 // One record (filters before batching) or a VM's batch.
-                Some(Job::Audit(record)) => {
-                    self.audit(host, std::slice::from_ref(&record), now)
-                }
+                Some(Job::Audit(record)) => self.audit(host, std::slice::from_ref(&record), now),
                 Some(Job::AuditBatch(records)) => self.audit(host, &records, now),
                 Some(Job::Usage(record)) => {
                     self.counters.add(counter::JOBS_USAGE, 1);

@@ -11,7 +11,7 @@ use zerolayer_core::sink::SinkConfig;
 
 use zerolayer_host::Host;
 
-use crate::calls::{CallKind, Calls};
+use crate::calls::{CallKind, Calls, Request};
 use crate::{ObserverMetrics, counter};
 
 /// Which sink a batch is for.
@@ -89,7 +89,8 @@ impl Shipper {
     /// full leaves at once, before the rest of a burst can overflow the
     /// buffer (batches by age leave on tick).
     pub(crate) fn push(
-        &mut self, host: &mut impl Host,
+        &mut self,
+        host: &mut impl Host,
         line: Vec<u8>,
         now_ms: u64,
         calls: &mut Calls,
@@ -129,7 +130,8 @@ impl Shipper {
     /// `flush_ms`) and fewer than `max_in_flight` are out; none while
     /// backing off or while the breaker is open.
     pub(crate) fn maybe_flush(
-        &mut self, host: &mut impl Host,
+        &mut self,
+        host: &mut impl Host,
         now_ms: u64,
         calls: &mut Calls,
         counters: &ObserverMetrics,
@@ -146,14 +148,12 @@ impl Shipper {
                 .flat_map(|(_, line)| line.iter().copied())
                 .collect();
             let headers = [("content-type", &b"application/x-ndjson"[..])];
-            match calls.dispatch(
-                host,
-                &self.config.endpoint,
-                "POST",
-                &headers,
-                Some(&body),
-                CallKind::Batch(self.sink, batch),
-            ) {
+            let request = Request {
+                headers: &headers,
+                body: Some(&body),
+                ..Request::to(&self.config.endpoint, "POST")
+            };
+            match calls.dispatch(host, request, CallKind::Batch(self.sink, batch)) {
                 Ok(()) => self.in_flight += 1,
                 Err(CallKind::Batch(_, batch)) => {
                     // Backs off: the loop stops until `retry_at_ms`.

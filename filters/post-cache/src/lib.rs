@@ -25,29 +25,14 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Duration;
 
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::ContextType;
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::cache::key::CacheKey;
-use zerolayer_core::config::ObserverMode;
-use zerolayer_observer::{Observer, ObserverConfig};
-use zerolayer_proxy::ObserverQueue;
+use zerolayer_host::{Host, ObserverQueue, RootStage, StreamStage};
+use zerolayer_observer::{EmbeddedObserver, ObserverConfig};
 
 use metrics::{Metrics, WaitEnd};
 use shelf::{Shelf, serve};
 use stream::CacheStream;
-
-/// The module's entry point (`_initialize`): registers the root context.
-#[cfg(not(feature = "stage"))]
-#[allow(missing_docs)]
-mod entry {
-    use super::*;
-
-    proxy_wasm::main! {{
-        proxy_wasm::set_log_level(proxy_wasm::types::LogLevel::Info);
-        proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(CacheRoot::default()) });
-    }}
-}
 
 /// What every request of this plugin shares.
 pub(crate) struct Plan {
@@ -68,8 +53,8 @@ impl Plan {
     /// Whether a follower may wait for the lease holder here: only where a
     /// root context can answer or resume it on tick. Elsewhere (ngx_wasm_module)
     /// followers go to the backend, as in `pass_through` mode, said once.
-    pub fn followers_can_wait(&self) -> bool {
-        if zerolayer_proxy::can_resume_from_tick() {
+    pub fn followers_can_wait(&self, host: &mut impl Host) -> bool {
+        if host.can_resume_from_tick() {
             return true;
         }
         if !self.said_no_waiting.replace(true) {
@@ -94,41 +79,18 @@ pub(crate) struct Waiter {
     pub outcome: Rc<Cell<Option<WaitEnd>>>,
 }
 
-/// The plugin's root context.
+/// The stage's root.
 #[derive(Default)]
 pub struct CacheRoot {
     plan: Option<Rc<Plan>>,
     /// The observer, embedded in tick mode (fleet writes).
-    observer: Option<Observer>,
+    observer: EmbeddedObserver,
 }
 
-impl Context for CacheRoot {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
-        if let Some(observer) = &mut self.observer {
-            observer.on_http_call_response(token, body_size);
-        }
-    }
-
-    fn on_done(&mut self) -> bool {
-        if let Some(plan) = &self.plan {
-            plan.metrics.flush();
-        }
-        if let Some(observer) = &self.observer {
-            observer.flush_counters();
-        }
-        true
-    }
-}
-
-impl RootContext for CacheRoot {
-    fn on_configure(&mut self, _size: usize) -> bool {
-        let Some(config) = zerolayer_proxy::load_config("post-cache", PostCacheConfig::from_json)
+impl<H: Host> RootStage<H> for CacheRoot {
+    fn configure(&mut self, host: &mut H, configuration: &[u8]) -> bool {
+        let Some(config) =
+            zerolayer_host::load_config("post-cache", configuration, PostCacheConfig::from_json)
         else {
             return false;
         };
@@ -149,31 +111,30 @@ impl RootContext for CacheRoot {
             config.memory_bound() / (1024 * 1024),
             config.stampede.mode,
         );
-        if config.fleet.is_some() && config.observer.mode == ObserverMode::Tick {
-            let observer = ObserverConfig::for_post_cache(config.clone());
-            match Observer::configure(&observer, "post-cache") {
-                Ok(observer) => self.observer = Some(observer),
-                Err(err) => {
-                    log::error!("post-cache: invalid configuration: observer: {err}");
-                    return false;
-                }
+        self.observer = match EmbeddedObserver::configure(
+            host,
+            &config.observer,
+            config.fleet.is_some(),
+            || ObserverConfig::for_post_cache(config.clone()),
+            "post-cache",
+        ) {
+            Ok(observer) => observer,
+            Err(err) => {
+                log::error!("post-cache: invalid configuration: observer: {err}");
+                return false;
             }
-        }
+        };
         let tick = Duration::from_millis(config.stampede.poll_ms.clamp(1, 1000));
         self.plan = Some(Rc::new(Plan {
             shelf: Shelf::new(config.max_entries),
             secret: secret.unwrap_or_default(),
-            metrics: Metrics::define(),
-            queue: ObserverQueue::new(
-                config.observer.clone(),
-                self.observer.as_ref().map(Observer::queue),
-                "post-cache",
-            ),
+            metrics: Metrics::define(host),
+            queue: self.observer.queue(&config.observer, "post-cache"),
             waiters: RefCell::new(Vec::new()),
             said_no_waiting: Cell::new(false),
             config,
         }));
-        if let Err(status) = zerolayer_proxy::fused::set_tick_period(tick) {
+        if let Err(status) = host.set_tick_period(tick) {
             log::warn!(
                 "post-cache: no tick ({status:?}); waiting followers fall back to their lease expiry"
             );
@@ -181,55 +142,58 @@ impl RootContext for CacheRoot {
         true
     }
 
-    fn on_tick(&mut self) {
+    fn tick(&mut self, host: &mut H) {
         let Some(plan) = &self.plan else {
             return;
         };
-        wake_followers(plan);
-        plan.metrics.flush();
-        if let Some(observer) = &mut self.observer {
-            observer.on_tick();
+        wake_followers(host, plan);
+        plan.metrics.flush(host);
+        self.observer.tick(host);
+    }
+
+    fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
+        self.observer.call_answered(host, token, body_size);
+    }
+
+    fn done(&mut self, host: &mut H) {
+        if let Some(plan) = &self.plan {
+            plan.metrics.flush(host);
         }
+        self.observer.done(host);
     }
 
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
-    }
-
-    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(CacheStream::new(self.plan.clone(), context_id)))
+    fn stream(&self, context_id: u32) -> Box<dyn StreamStage<H>> {
+        Box::new(CacheStream::new(self.plan.clone(), context_id))
     }
 }
 
 /// Serves followers whose response is now cached; sends upstream those whose
 /// lease is gone or whose wait ran out.
-fn wake_followers(plan: &Plan) {
+fn wake_followers(host: &mut impl Host, plan: &Plan) {
     let mut waiters = plan.waiters.borrow_mut();
     if waiters.is_empty() {
         return;
     }
-    let now_ms = zerolayer_proxy::now_ms();
+    let now_ms = host.now_ms();
     let now = now_ms / 1000;
     waiters.retain(|w| {
         if Rc::strong_count(&w.outcome) == 1 {
             return false;
         }
-        let end = if let Some(hit) = plan.shelf.lookup(&w.key, now, w.max_age) {
-            if zerolayer_proxy::fused::set_effective_context(w.context_id).is_ok() {
-                serve(&hit);
+        let end = if let Some(hit) = plan.shelf.lookup(host, &w.key, now, w.max_age) {
+            if host.set_effective_context(w.context_id).is_ok() {
+                serve(host, &hit);
             }
             WaitEnd::Hit
-        } else if !plan.shelf.lease_held(&w.key, now_ms) {
+        } else if !plan.shelf.lease_held(host, &w.key, now_ms) {
             WaitEnd::Upstream
         } else if now_ms >= w.deadline_ms {
             WaitEnd::Timeout
         } else {
             return true;
         };
-        if end != WaitEnd::Hit
-            && zerolayer_proxy::fused::set_effective_context(w.context_id).is_ok()
-        {
-            let _ = zerolayer_proxy::fused::resume_request();
+        if end != WaitEnd::Hit && host.set_effective_context(w.context_id).is_ok() {
+            host.resume();
         }
         w.outcome.set(Some(end));
         plan.metrics.wait_ended(end);

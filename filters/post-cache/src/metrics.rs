@@ -9,7 +9,7 @@
 //! `zerolayer_cache_fleet_writes_queued`, `zerolayer_cache_fleet_writes_lost`.
 
 use zerolayer_core::cache::control::Bypass;
-use zerolayer_proxy::Counters;
+use zerolayer_host::{Counters, Host};
 
 /// Lookup results, in counter order.
 const RESULTS: [&str; 3] = ["hit", "miss", "bypass"];
@@ -58,7 +58,7 @@ pub(crate) enum WaitEnd {
 pub(crate) struct Metrics(Counters);
 
 impl Metrics {
-    pub(crate) fn define() -> Metrics {
+    pub(crate) fn define(host: &mut impl Host) -> Metrics {
         let mut names: Vec<String> = RESULTS
             .iter()
             .map(|r| format!("zerolayer_cache_lookups_result={r}"))
@@ -83,7 +83,7 @@ impl Metrics {
         );
         names.push("zerolayer_cache_fleet_writes_queued".into());
         names.push("zerolayer_cache_fleet_writes_lost".into());
-        Metrics(Counters::define("post-cache", &names))
+        Metrics(Counters::define(host, "post-cache", &names))
     }
 
     pub(crate) fn lookup(&self, result: Lookup) {
@@ -121,7 +121,7 @@ impl Metrics {
             .add(if queued { FLEET_QUEUED } else { FLEET_LOST }, 1);
     }
 
-    pub(crate) fn flush(&self) {
-        self.0.flush();
+    pub(crate) fn flush(&self, host: &mut impl Host) {
+        self.0.flush(host);
     }
 }

@@ -6,7 +6,7 @@ use zerolayer_core::cache::control::{age, fresh_enough};
 use zerolayer_core::cache::key::CacheKey;
 use zerolayer_core::cache::lease::{LeaseOutcome, LeaseTable};
 use zerolayer_core::cache::store::{Layout, SetIndex, StoredResponse, WayRecord};
-use zerolayer_proxy::{shared_get, shared_put, shared_update};
+use zerolayer_host::Host;
 
 /// A stored response found for a request.
 pub(crate) struct Hit {
@@ -29,16 +29,22 @@ impl Shelf {
 
     /// A fresh entry for `key` at `now` (seconds) no older than `max_age`.
     /// One small read on a miss; a second, of the body, on a match.
-    pub(crate) fn lookup(&self, key: &CacheKey, now: u64, max_age: Option<u64>) -> Option<Hit> {
+    pub(crate) fn lookup(
+        &self,
+        host: &mut impl Host,
+        key: &CacheKey,
+        now: u64,
+        max_age: Option<u64>,
+    ) -> Option<Hit> {
         let set = self.layout.set_of(key);
-        let (index, _) = shared_get(&self.layout.index_key(set));
+        let (index, _) = host.shared_get(&self.layout.index_key(set));
         let index = SetIndex::decode(index.as_deref());
         let (way, record) = index.find(key, now)?;
         let stored_at = record.stored_at_ms / 1000;
         if !fresh_enough(stored_at, record.expires_at, now, max_age) {
             return None;
         }
-        let (body, _) = shared_get(&self.layout.body_key(set, way));
+        let (body, _) = host.shared_get(&self.layout.body_key(set, way));
         let response = StoredResponse::decode(&body?)?;
         // A writer may have replaced the slot between the two reads.
         response.belongs_to(key, record).then(|| Hit {
@@ -53,6 +59,7 @@ impl Shelf {
     /// a write failed.
     pub(crate) fn store(
         &self,
+        host: &mut impl Host,
         key: &CacheKey,
         response: &StoredResponse,
         expires_at: u64,
@@ -60,10 +67,10 @@ impl Shelf {
     ) -> Option<bool> {
         let set = self.layout.set_of(key);
         let index_key = self.layout.index_key(set);
-        let (index, _) = shared_get(&index_key);
+        let (index, _) = host.shared_get(&index_key);
         let placement = SetIndex::decode(index.as_deref()).place(key, now);
         let body = response.encode();
-        if !shared_put(&self.layout.body_key(set, placement.way), &body) {
+        if !host.shared_put(&self.layout.body_key(set, placement.way), &body) {
             return None;
         }
         let record = WayRecord {
@@ -72,7 +79,7 @@ impl Shelf {
             expires_at,
             size: u32::try_from(body.len()).unwrap_or(u32::MAX),
         };
-        shared_update(&index_key, |current| {
+        host.shared_update(&index_key, |current| {
             let mut index = SetIndex::decode(current);
             index.put(placement.way, record.clone());
             (index.encode(), ())
@@ -81,9 +88,15 @@ impl Shelf {
     }
 
     /// Asks for `key`'s lease at `now_ms`.
-    pub(crate) fn take_lease(&self, key: &CacheKey, now_ms: u64, ttl_ms: u64) -> LeaseOutcome {
+    pub(crate) fn take_lease(
+        &self,
+        host: &mut impl Host,
+        key: &CacheKey,
+        now_ms: u64,
+        ttl_ms: u64,
+    ) -> LeaseOutcome {
         let lease_key = self.layout.lease_key(self.layout.set_of(key));
-        shared_update(&lease_key, |current| {
+        host.shared_update(&lease_key, |current| {
             let mut table = LeaseTable::decode(current);
             let outcome = table.take(key, now_ms, ttl_ms);
             (table.encode(), outcome)
@@ -94,18 +107,18 @@ impl Shelf {
     }
 
     /// Whether someone holds `key`'s lease at `now_ms`.
-    pub(crate) fn lease_held(&self, key: &CacheKey, now_ms: u64) -> bool {
+    pub(crate) fn lease_held(&self, host: &mut impl Host, key: &CacheKey, now_ms: u64) -> bool {
         let lease_key = self.layout.lease_key(self.layout.set_of(key));
-        let (current, _) = shared_get(&lease_key);
+        let (current, _) = host.shared_get(&lease_key);
         LeaseTable::decode(current.as_deref())
             .held_until(key, now_ms)
             .is_some()
     }
 
     /// Releases `key`'s lease.
-    pub(crate) fn release_lease(&self, key: &CacheKey) {
+    pub(crate) fn release_lease(&self, host: &mut impl Host, key: &CacheKey) {
         let lease_key = self.layout.lease_key(self.layout.set_of(key));
-        let _ = shared_update(&lease_key, |current| {
+        let _ = host.shared_update(&lease_key, |current| {
             let mut table = LeaseTable::decode(current);
             table.release(key);
             (table.encode(), ())
@@ -114,7 +127,7 @@ impl Shelf {
 }
 
 /// Answers the current request with a stored response.
-pub(crate) fn serve(hit: &Hit) {
+pub(crate) fn serve(host: &mut impl Host, hit: &Hit) {
     let age = hit.age.to_string();
     let mut headers: Vec<(&str, &str)> = hit
         .response
@@ -125,7 +138,7 @@ pub(crate) fn serve(hit: &Hit) {
     headers.push(("x-cache", "HIT"));
     headers.push(("age", &age));
     if let Err(status) =
-        zerolayer_proxy::send_response(u32::from(hit.response.status), headers, &hit.response.body)
+        host.send_response(u32::from(hit.response.status), &headers, &hit.response.body)
     {
         log::warn!("post-cache: could not send a cached response: {status:?}");
     }

@@ -4,11 +4,8 @@
 use std::cell::Cell;
 use std::rc::Rc;
 
-use proxy_wasm::hostcalls;
-use proxy_wasm::traits::{Context, HttpContext};
 use std::time::Duration;
 
-use proxy_wasm::types::{Action, BufferType, MapType};
 use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_core::cache::config::{Namespace, StampedeMode};
 use zerolayer_core::cache::control::{
@@ -22,11 +19,7 @@ use zerolayer_core::encoding::ContentCoding;
 use zerolayer_core::event::{CacheWrite, Job};
 use zerolayer_core::internal;
 use zerolayer_core::usage::UsageChunkStripper;
-use zerolayer_proxy::fused::{self, Callback};
-use zerolayer_proxy::{
-    now_ms, property, remove_response_header, request_header, response_header, send_json_error,
-    set_response_header, with_body,
-};
+use zerolayer_host::{Action, Body, Callback, Headers, Host, StreamStage};
 
 use crate::metrics::{FleetRead, Lookup, WaitEnd};
 use crate::shelf::{Hit, serve};
@@ -115,8 +108,8 @@ impl CacheStream {
     }
 
     /// `only-if-cached` with nothing usable cached: 504, as RFC 9111 asks.
-    fn unsatisfiable(&mut self) -> Action {
-        send_json_error(
+    fn unsatisfiable(&mut self, host: &mut impl Host) -> Action {
+        host.send_json_error(
             504,
             "cache_miss",
             "only-if-cached: nothing usable is cached",
@@ -127,19 +120,21 @@ impl CacheStream {
 
     /// Header-only checks, so a request the cache will not touch is never
     /// held for its body.
-    fn admit(&mut self, plan: &Plan, end_of_stream: bool) -> Action {
-        let Some(provider) = request_header(":path")
+    fn admit(&mut self, host: &mut impl Host, plan: &Plan, end_of_stream: bool) -> Action {
+        let Some(provider) = host
+            .request_header(":path")
             .and_then(|p| String::from_utf8(p).ok())
             .and_then(|p| Provider::for_path(&p))
         else {
             return Action::Continue;
         };
         self.provider = provider;
-        if request_header(":method").as_deref() != Some(b"POST") {
+        if host.request_header(":method").as_deref() != Some(b"POST") {
             return self.bypass(Bypass::NotCacheableMethod);
         }
-        self.cache_control =
-            request_header("cache-control").and_then(|v| String::from_utf8(v).ok());
+        self.cache_control = host
+            .request_header("cache-control")
+            .and_then(|v| String::from_utf8(v).ok());
         if let Some(cc) = &self.cache_control
             && RequestDirectives::parse(cc).no_store
         {
@@ -147,13 +142,13 @@ impl CacheStream {
         }
         // Without activation in the chain the cache runs for every request;
         // with it, only where a rule turned `cache` on.
-        if let Some(list) = property(internal::OBSERVERS_PROPERTY)
+        if let Some(list) = host.property(internal::OBSERVERS_PROPERTY)
             && !list.split(|b| *b == b',').any(|o| o == b"cache")
         {
             return self.bypass(Bypass::NotActivated);
         }
         if plan.config.namespace == Namespace::Tenant {
-            let identity = property(internal::AUTH_PROPERTY);
+            let identity = host.property(internal::AUTH_PROPERTY);
             let tenant = identity
                 .as_deref()
                 .and_then(ParsedIdentity::parse)
@@ -168,13 +163,13 @@ impl CacheStream {
         }
         // An entry is the body as the backend sent it: uncompressed, so
         // any client can be served it (a compressed one is not stored).
-        zerolayer_proxy::ask_identity_encoding();
+        host.ask_identity_encoding();
         self.phase = Phase::AwaitingBody;
         // Envoy: hold the headers, so a hit never opens an upstream request.
         // ngx_wasm_module reads the body only after the headers went on (a
         // hold would never end): the body callback decides there, before
         // nginx contacts the upstream.
-        if zerolayer_proxy::can_hold_headers_for_body() {
+        if host.can_hold_headers_for_body() {
             Action::Pause
         } else {
             Action::Continue
@@ -182,8 +177,8 @@ impl CacheStream {
     }
 
     /// The whole body is here: key it, look it up, take the lease.
-    fn decide(&mut self, plan: &Plan, body_size: usize) -> Action {
-        let keyed = with_body(BufferType::HttpRequestBody, body_size, |body| {
+    fn decide(&mut self, host: &mut impl Host, plan: &Plan, body_size: usize) -> Action {
+        let keyed = host.with_body(Body::Request, body_size, |body| {
             CanonicalRequest::of(self.provider, body, self.namespace.as_deref(), &plan.secret)
         });
         let request = match keyed {
@@ -191,7 +186,7 @@ impl CacheStream {
             Err(KeyError::Duplicate(duplicate)) => {
                 // Which member the backend reads is not known: refused, as
                 // every stage that reads the body refuses it.
-                send_json_error(400, "invalid_request_error", &duplicate.to_string());
+                host.send_json_error(400, "invalid_request_error", &duplicate.to_string());
                 self.phase = Phase::Answered;
                 return Action::Pause;
             }
@@ -212,7 +207,7 @@ impl CacheStream {
             RequestPlan::Bypass(reason) => return self.bypass(reason),
             RequestPlan::Unsatisfiable => {
                 plan.metrics.lookup(Lookup::Miss);
-                return self.unsatisfiable();
+                return self.unsatisfiable(host);
             }
             RequestPlan::Refresh => {
                 plan.metrics.lookup(Lookup::Miss);
@@ -226,10 +221,10 @@ impl CacheStream {
                 only_if_cached,
             } => (max_age, store, only_if_cached),
         };
-        let now_ms = now_ms();
-        if let Some(hit) = plan.shelf.lookup(&key, now_ms / 1000, max_age) {
+        let now_ms = host.now_ms();
+        if let Some(hit) = plan.shelf.lookup(host, &key, now_ms / 1000, max_age) {
             plan.metrics.lookup(Lookup::Hit);
-            serve(&hit);
+            serve(host, &hit);
             self.phase = Phase::Answered;
             return Action::Pause;
         }
@@ -243,15 +238,14 @@ impl CacheStream {
             // Ask the fleet tier before the backend; the request waits for
             // the answer (at most the endpoint's timeout).
             let path = fleet.get_path(&key);
-            match hostcalls::dispatch_http_call(
+            match host.dispatch(
                 &fleet.endpoint.cluster,
-                vec![
+                &[
                     (":method", "GET"),
                     (":path", &path),
                     (":authority", fleet.endpoint.authority()),
                 ],
                 None,
-                vec![],
                 Duration::from_millis(u64::from(fleet.endpoint.timeout_ms)),
             ) {
                 Ok(token) => {
@@ -264,11 +258,11 @@ impl CacheStream {
                 }
             }
         }
-        self.missed(plan, miss, now_ms)
+        self.missed(host, plan, miss, now_ms)
     }
 
     /// The fleet tier answered a read this request is waiting for.
-    fn fleet_answered(&mut self, plan: &Plan, token: u32, body_size: usize) {
+    fn fleet_answered(&mut self, host: &mut impl Host, plan: &Plan, token: u32, body_size: usize) {
         let miss = match self.remote.take() {
             Some((pending, miss)) if pending == token => miss,
             other => {
@@ -276,17 +270,13 @@ impl CacheStream {
                 return;
             }
         };
-        let now_ms = now_ms();
+        let now_ms = host.now_ms();
         let now = now_ms / 1000;
-        let status = hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten();
-        let entry = match status.as_deref() {
-            Some(b"200") => hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                .ok()
-                .flatten()
-                .and_then(|body| FleetEntry::decode(&body)),
-            Some(b"404") => {
+        let answer = host.callout_answer(body_size);
+        let status = answer.status;
+        let entry = match status {
+            Some(200) => FleetEntry::decode(&answer.body),
+            Some(404) => {
                 plan.metrics.fleet_read(FleetRead::Miss);
                 None
             }
@@ -309,25 +299,25 @@ impl CacheStream {
                 age: age(entry.response.stored_at_ms / 1000, now),
                 response: entry.response,
             };
-            serve(&hit);
+            serve(host, &hit);
             self.phase = Phase::Answered;
             // Kept locally too: the next request on this gateway stays local.
             let _ = plan
                 .shelf
-                .store(&miss.key, &hit.response, entry.expires_at, now);
+                .store(host, &miss.key, &hit.response, entry.expires_at, now);
             return;
         }
-        if status.as_deref() == Some(b"200") {
+        if status == Some(200) {
             plan.metrics.fleet_read(FleetRead::Error);
         }
-        if self.missed(plan, miss, now_ms) == Action::Continue {
-            let _ = zerolayer_proxy::fused::resume_request();
+        if self.missed(host, plan, miss, now_ms) == Action::Continue {
+            host.resume();
         }
     }
 
     /// Nothing usable is cached: go upstream, as the lease holder, a
     /// waiting follower, or without a lease.
-    fn missed(&mut self, plan: &Plan, miss: Miss, now_ms: u64) -> Action {
+    fn missed(&mut self, host: &mut impl Host, plan: &Plan, miss: Miss, now_ms: u64) -> Action {
         let Miss {
             key,
             max_age,
@@ -336,7 +326,7 @@ impl CacheStream {
         } = miss;
         plan.metrics.lookup(Lookup::Miss);
         if only_if_cached {
-            return self.unsatisfiable();
+            return self.unsatisfiable(host);
         }
         self.store = store;
         self.phase = Phase::Upstream;
@@ -344,10 +334,10 @@ impl CacheStream {
             return Action::Continue;
         }
         let stampede = &plan.config.stampede;
-        match plan.shelf.take_lease(&key, now_ms, stampede.lease_ms) {
+        match plan.shelf.take_lease(host, &key, now_ms, stampede.lease_ms) {
             LeaseOutcome::Taken => self.holds_lease = true,
             LeaseOutcome::HeldUntil(_)
-                if stampede.mode == StampedeMode::Wait && plan.followers_can_wait() =>
+                if stampede.mode == StampedeMode::Wait && plan.followers_can_wait(host) =>
             {
                 let outcome = Rc::new(Cell::new(None));
                 plan.waiters.borrow_mut().push(Waiter {
@@ -366,7 +356,7 @@ impl CacheStream {
     }
 
     /// The response is complete: store it if everything allows.
-    fn finish(&mut self, plan: &Plan) {
+    fn finish(&mut self, host: &mut impl Host, plan: &Plan) {
         let (Some(key), Some(capture)) = (self.key, self.capture.take()) else {
             return;
         };
@@ -392,7 +382,7 @@ impl CacheStream {
                 return;
             }
         };
-        let now = now_ms();
+        let now = host.now_ms();
         let response = StoredResponse {
             digest: key.0,
             stored_at_ms: now,
@@ -402,7 +392,10 @@ impl CacheStream {
             streamed: capture.completion.is_some(),
         };
         let expires_at = (now / 1000).saturating_add(ttl);
-        match plan.shelf.store(&key, &response, expires_at, now / 1000) {
+        match plan
+            .shelf
+            .store(host, &key, &response, expires_at, now / 1000)
+        {
             Some(evicted) => plan.metrics.stored(evicted),
             None => plan.metrics.write_failed(),
         }
@@ -417,7 +410,8 @@ impl CacheStream {
                 }
                 .encode(),
             });
-            plan.metrics.fleet_write(plan.queue.post(&job.encode()));
+            let queued = plan.queue.post(host, &job.encode());
+            plan.metrics.fleet_write(queued);
         }
     }
 
@@ -434,14 +428,14 @@ impl CacheStream {
 
     /// Says (to the fused filter) that the request body is no longer of
     /// interest unless the key still waits for it.
-    fn done_with_request_body_unless_awaited(&self) {
+    fn done_with_request_body_unless_awaited(&self, host: &mut impl Host) {
         if !matches!(self.phase, Phase::AwaitingBody) {
-            fused::done_with(Callback::RequestBody);
+            host.done_with(Callback::RequestBody);
         }
     }
 
     /// The response headers: `x-cache`, and whether (and what) to keep.
-    fn response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+    fn on_response_headers(&mut self, host: &mut impl Host, end_of_stream: bool) -> Action {
         self.settle_wait();
         let label = match self.phase {
             Phase::Bypassed => "BYPASS",
@@ -453,19 +447,20 @@ impl CacheStream {
             Phase::Ignored | Phase::AwaitingBody | Phase::Waiting(_) => {
                 // An upstream's `x-cache` would read as this cache's verdict.
                 if self.plan.is_some() {
-                    remove_response_header("x-cache");
+                    host.remove_header(Headers::Response, "x-cache");
                 }
                 return Action::Continue;
             }
         };
-        set_response_header("x-cache", label);
+        host.set_response_header("x-cache", label);
         let Some(plan) = &self.plan else {
             return Action::Continue;
         };
         if !self.store {
             return Action::Continue;
         }
-        let status = response_header(":status")
+        let status = host
+            .response_header(":status")
             .and_then(|s| s.parse::<u16>().ok())
             .unwrap_or(0);
         if status != 200 {
@@ -475,7 +470,7 @@ impl CacheStream {
             return Action::Continue;
         }
         if ContentCoding::from_header(
-            response_header("content-encoding")
+            host.response_header("content-encoding")
                 .as_deref()
                 .map(str::as_bytes),
         ) != ContentCoding::Identity
@@ -486,7 +481,7 @@ impl CacheStream {
             self.store = false;
             return Action::Continue;
         }
-        let content_type = response_header("content-type");
+        let content_type = host.response_header("content-type");
         let streamed = content_type
             .as_deref()
             .is_some_and(|ct| zerolayer_core::sse::is_event_stream(ct.as_bytes()));
@@ -495,17 +490,17 @@ impl CacheStream {
             headers.push(("content-type".into(), ct));
         }
         for name in &plan.config.stored_headers {
-            if let Some(value) = response_header(name) {
+            if let Some(value) = host.response_header(name) {
                 headers.push((name.clone(), value));
             }
         }
         let usage_hidden = (streamed
-            && zerolayer_proxy::responses_in_chain_order()
-            && property(internal::USAGE_HIDDEN_PROPERTY).is_some())
+            && host.responses_in_chain_order()
+            && host.property(internal::USAGE_HIDDEN_PROPERTY).is_some())
         .then(UsageChunkStripper::new);
         self.capture = Some(Capture {
             status,
-            cache_control: response_header("cache-control"),
+            cache_control: host.response_header("cache-control"),
             headers,
             body: Vec::new(),
             completion: streamed.then(|| StreamCompletion::new(self.provider)),
@@ -516,7 +511,12 @@ impl CacheStream {
     }
 
     /// A response chunk: kept for the cache while it is to be stored.
-    fn response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn on_response_body(
+        &mut self,
+        host: &mut impl Host,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> Action {
         let Some(plan) = &self.plan else {
             return Action::Continue;
         };
@@ -529,7 +529,7 @@ impl CacheStream {
             return Action::Continue;
         }
         if body_size > 0 {
-            with_body(BufferType::HttpResponseBody, body_size, |chunk| {
+            host.with_body(Body::Response, body_size, |chunk| {
                 if let Some(completion) = &mut capture.completion {
                     completion.push(chunk);
                 }
@@ -547,31 +547,17 @@ impl CacheStream {
     }
 }
 
-impl Context for CacheStream {
-    fn on_http_call_response(
-        &mut self,
-        token: u32,
-        _headers: usize,
-        body_size: usize,
-        _trailers: usize,
-    ) {
-        if let Some(plan) = self.plan.clone() {
-            self.fleet_answered(&plan, token, body_size);
-        }
-    }
-}
-
-impl HttpContext for CacheStream {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+impl<H: Host> StreamStage<H> for CacheStream {
+    fn request_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         let action = match self.plan.clone() {
-            Some(plan) => self.admit(&plan, end_of_stream),
+            Some(plan) => self.admit(host, &plan, end_of_stream),
             None => Action::Continue,
         };
-        self.done_with_request_body_unless_awaited();
+        self.done_with_request_body_unless_awaited(host);
         action
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn request_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
         let Some(plan) = self.plan.clone() else {
             return Action::Continue;
         };
@@ -580,46 +566,52 @@ impl HttpContext for CacheStream {
         }
         if body_size > plan.config.max_request_bytes as usize {
             let action = self.bypass(Bypass::TooLarge);
-            self.done_with_request_body_unless_awaited();
+            self.done_with_request_body_unless_awaited(host);
             return action;
         }
         if !end_of_stream {
             // Buffer until the whole body is here.
             return Action::Pause;
         }
-        let action = self.decide(&plan, body_size);
-        self.done_with_request_body_unless_awaited();
+        let action = self.decide(host, &plan, body_size);
+        self.done_with_request_body_unless_awaited(host);
         action
     }
 
-    fn on_http_response_headers(&mut self, num_headers: usize, end_of_stream: bool) -> Action {
-        let action = self.response_headers(num_headers, end_of_stream);
+    fn response_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
+        let action = self.on_response_headers(host, end_of_stream);
         if self.capture.is_none() {
             // Nothing kept for the cache: the body's chunks are not ours.
-            fused::done_with(Callback::ResponseBody);
+            host.done_with(Callback::ResponseBody);
         }
         action
     }
 
-    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let action = self.response_body(body_size, end_of_stream);
+    fn response_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
+        let action = self.on_response_body(host, body_size, end_of_stream);
         if self.capture.is_none() {
-            fused::done_with(Callback::ResponseBody);
+            host.done_with(Callback::ResponseBody);
         }
         action
     }
 
-    fn on_log(&mut self) {
+    fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
+        if let Some(plan) = self.plan.clone() {
+            self.fleet_answered(host, &plan, token, body_size);
+        }
+    }
+
+    fn log(&mut self, host: &mut H) {
         let Some(plan) = self.plan.clone() else {
             return;
         };
         self.settle_wait();
-        self.finish(&plan);
+        self.finish(host, &plan);
         if self.holds_lease
             && let Some(key) = &self.key
         {
             // Stored or not, followers stop waiting on this request.
-            plan.shelf.release_lease(key);
+            plan.shelf.release_lease(host, key);
             self.holds_lease = false;
         }
     }
