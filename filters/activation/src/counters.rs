@@ -9,62 +9,61 @@
 
 use zerolayer_core::activation::{Decision, RuleSet};
 use zerolayer_core::metrics::labelled;
-use zerolayer_host::Host;
-
-const REQUESTS: usize = 0;
-const FORGED_HEADERS: usize = 1;
-const FIRST_RULE: usize = 2;
+use zerolayer_host::{Counter, Host};
 
 /// The activation counters.
 pub(crate) struct Counters {
-    inner: zerolayer_host::Counters,
-    first_observer: usize,
+    requests: Counter,
+    forged_headers: Counter,
+    /// By rule index (the rules come from the configuration).
+    rule_matches: zerolayer_host::Counters,
+    /// By observer index.
+    observer_on: zerolayer_host::Counters,
 }
 
 impl Counters {
     /// Defines one host counter per name.
     pub(crate) fn define(host: &mut impl Host, rules: &RuleSet) -> Self {
-        let mut names = vec![
-            "zerolayer_activation_requests".to_string(),
-            "zerolayer_activation_forged_headers".to_string(),
-        ];
-        names.extend(
-            rules
-                .rule_names()
-                .iter()
-                .map(|r| labelled("zerolayer_activation_rule_matches", "rule", r)),
-        );
-        let first_observer = names.len();
-        names.extend(
-            rules
-                .observers()
-                .all()
-                .map(|(_, o)| labelled("zerolayer_activation_observer_on", "observer", o)),
-        );
+        const WHO: &str = "activation";
+        let rule_matches: Vec<String> = rules
+            .rule_names()
+            .iter()
+            .map(|r| labelled("zerolayer_activation_rule_matches", "rule", r))
+            .collect();
+        let observer_on: Vec<String> = rules
+            .observers()
+            .all()
+            .map(|(_, o)| labelled("zerolayer_activation_observer_on", "observer", o))
+            .collect();
         Counters {
-            inner: zerolayer_host::Counters::define(host, "activation", &names),
-            first_observer,
+            requests: Counter::define(host, WHO, "zerolayer_activation_requests"),
+            forged_headers: Counter::define(host, WHO, "zerolayer_activation_forged_headers"),
+            rule_matches: zerolayer_host::Counters::define(host, WHO, &rule_matches),
+            observer_on: zerolayer_host::Counters::define(host, WHO, &observer_on),
         }
     }
 
     /// Counts one evaluated request.
     pub(crate) fn decision(&self, decision: &Decision) {
-        self.inner.add(REQUESTS, 1);
+        self.requests.add(1);
         for rule in decision.matched.iter() {
-            self.inner.add(FIRST_RULE + rule, 1);
+            self.rule_matches.add(rule, 1);
         }
         for observer in decision.observers.iter() {
-            self.inner.add(self.first_observer + observer.index(), 1);
+            self.observer_on.add(observer.index(), 1);
         }
     }
 
     /// Counts one removed client-sent internal header.
     pub(crate) fn forged_header(&self) {
-        self.inner.add(FORGED_HEADERS, 1);
+        self.forged_headers.add(1);
     }
 
     /// Reports pending increments to the host.
     pub(crate) fn flush(&self, host: &mut impl Host) {
-        self.inner.flush(host);
+        self.requests.flush(host);
+        self.forged_headers.flush(host);
+        self.rule_matches.flush(host);
+        self.observer_on.flush(host);
     }
 }

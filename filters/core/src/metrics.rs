@@ -41,6 +41,51 @@ impl PendingCounters {
     }
 }
 
+/// The values of one label of a counter family (`outcome` of
+/// `zerolayer_auth_decisions`): a counter per value, and the same value in
+/// logs and audit records. Defined with [`crate::labels!`], so a name is
+/// written once and a count is a variant, never an index or a string.
+pub trait Label: Copy + Eq + 'static {
+    /// Every value, in the order their counters are defined.
+    const ALL: &'static [Self];
+    /// The label value (`lazy`).
+    fn label(self) -> &'static str;
+    /// The value's place in [`Label::ALL`].
+    fn index(self) -> usize;
+}
+
+/// Defines an enum whose variants are a [`Label`]'s values:
+/// `labels! { pub enum Outcome { Hit => "hit", Miss => "miss" } }`.
+#[macro_export]
+macro_rules! labels {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $( $(#[$vmeta:meta])* $variant:ident => $label:literal ),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        $vis enum $name {
+            $( $(#[$vmeta])* $variant ),+
+        }
+
+        impl $crate::metrics::Label for $name {
+            const ALL: &'static [Self] = &[$($name::$variant),+];
+
+            fn label(self) -> &'static str {
+                match self {
+                    $($name::$variant => $label),+
+                }
+            }
+
+            fn index(self) -> usize {
+                self as usize
+            }
+        }
+    };
+}
+
 /// A metric name carrying one label in the `_key=value` form that Envoy's
 /// `stats_tags` regexes turn into a Prometheus label (see `envoy/*.yaml`).
 pub fn labelled(name: &str, key: &str, value: &str) -> String {
@@ -62,6 +107,26 @@ mod tests {
         counters.drain(|i, n| seen.push((i, n)));
         assert_eq!(seen, [(0, 1), (2, 6)]);
         counters.drain(|i, n| panic!("nothing pending, got {i} += {n}"));
+    }
+
+    crate::labels! {
+        /// A test family.
+        enum Result {
+            /// First.
+            Hit => "hit",
+            /// Second.
+            Miss => "miss",
+        }
+    }
+
+    #[test]
+    fn labels_are_defined_once_in_order() {
+        assert_eq!(Result::ALL, [Result::Hit, Result::Miss]);
+        assert_eq!(Result::Miss.label(), "miss");
+        assert_eq!(Result::Miss.index(), 1);
+        for (i, value) in Result::ALL.iter().enumerate() {
+            assert_eq!(value.index(), i);
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@ use zerolayer_core::cache::control::{
     Bypass, RequestDirectives, RequestPlan, ResponseDirectives, TtlPolicy, age, fresh_enough,
     plan_request, response_ttl,
 };
+use zerolayer_core::metrics::Label;
 
 const MAX: u64 = u32::MAX as u64;
 
@@ -535,7 +536,7 @@ fn policy_validation_names_the_field() {
 
 #[test]
 fn bypass_names() {
-    let names: Vec<&str> = Bypass::ALL.iter().map(|b| b.name()).collect();
+    let names: Vec<&str> = Bypass::ALL.iter().map(|b| b.label()).collect();
     assert_eq!(
         names,
         [

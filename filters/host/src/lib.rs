@@ -31,7 +31,7 @@ pub use fused::{DoneWith, FusedHost, Wake};
 pub use host::{
     Action, Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status,
 };
-pub use metrics::{Counters, Metric};
+pub use metrics::{Counter, Counters, Family, Metric};
 pub use queue::{ObserverQueue, release_backlog};
 pub use stage::{RootStage, StreamStage, standalone};
 pub use wasm::WasmHost;

@@ -1,12 +1,73 @@
 //! Metrics as the stages keep them: counters added in Wasm memory on the
-//! request path and reported from the root's tick ([`Counters::flush`]),
-//! gauges and histograms recorded directly (off the request path).
+//! request path and reported from the root's tick (`flush`), gauges and
+//! histograms recorded directly (off the request path). A fixed family is a
+//! [`Family`] of a [`Label`] enum, a lone counter a [`Counter`]; [`Counters`]
+//! is for families whose values come from the configuration (rule names).
 
-use zerolayer_core::metrics::PendingCounters;
+use std::marker::PhantomData;
+
+use zerolayer_core::metrics::{Label, PendingCounters, labelled};
 
 use crate::host::{Host, MetricKind};
 
-/// Counters defined with the host, incremented in memory, flushed on tick.
+/// One counter per value of `L`: `<metric>_<key>=<value>`, which the
+/// shipped Envoy configs' `stats_tags` turn into `metric{key="value"}`.
+pub struct Family<L: Label> {
+    counters: Counters,
+    label: PhantomData<L>,
+}
+
+impl<L: Label> Family<L> {
+    /// Defines `metric`'s counters, one per value of label `key`.
+    pub fn define(host: &mut impl Host, filter: &str, metric: &str, key: &str) -> Family<L> {
+        let names: Vec<String> = L::ALL
+            .iter()
+            .map(|value| labelled(metric, key, value.label()))
+            .collect();
+        Family {
+            counters: Counters::define(host, filter, &names),
+            label: PhantomData,
+        }
+    }
+
+    /// Counts one for `value`.
+    pub fn add(&self, value: L) {
+        self.counters.add(value.index(), 1);
+    }
+
+    /// Counts `n` for `value`.
+    pub fn add_n(&self, value: L, n: u64) {
+        self.counters.add(value.index(), n);
+    }
+
+    /// Reports pending increments to the host.
+    pub fn flush(&self, host: &mut impl Host) {
+        self.counters.flush(host);
+    }
+}
+
+/// A counter without labels.
+pub struct Counter(Counters);
+
+impl Counter {
+    /// Defines counter `name`.
+    pub fn define(host: &mut impl Host, filter: &str, name: &str) -> Counter {
+        Counter(Counters::define(host, filter, &[name]))
+    }
+
+    /// Counts `n`.
+    pub fn add(&self, n: u64) {
+        self.0.add(0, n);
+    }
+
+    /// Reports pending increments to the host.
+    pub fn flush(&self, host: &mut impl Host) {
+        self.0.flush(host);
+    }
+}
+
+/// Counters by index, for families whose values come from the
+/// configuration (activation's rules and observers).
 pub struct Counters {
     ids: Vec<Option<u32>>,
     pending: PendingCounters,

@@ -18,10 +18,12 @@ use zerolayer_core::auth::policy::{Admission, Route, SyncReason};
 use zerolayer_core::auth::verdict::{self, Lookup, Verdict};
 use zerolayer_core::event::{AuditRecord, Job, VerifyJob, VerifyOutcome};
 use zerolayer_core::internal;
+use zerolayer_core::metrics::Label;
 use zerolayer_host::{Action, Host};
 use zerolayer_observer::auth::VERIFIER_DOWN_KEY;
 
 use crate::Plan;
+use crate::metrics::Outcome;
 
 /// What the configured sources hold.
 enum Read {
@@ -45,7 +47,7 @@ pub(crate) struct Stream {
     credential: Option<Credential>,
     claimed_tenant: Option<String>,
     /// Outcome and reason, for metrics and the audit record.
-    outcome: &'static str,
+    outcome: Option<Outcome>,
     /// This stage answered the request itself (a refusal, a 503).
     answered: bool,
     reason: String,
@@ -65,7 +67,7 @@ impl Stream {
             started_us: 0,
             credential: None,
             claimed_tenant: None,
-            outcome: "",
+            outcome: None,
             answered: false,
             reason: String::new(),
             tenant: None,
@@ -87,7 +89,7 @@ impl Stream {
             let path = host.request_header(":path").unwrap_or_default();
             if plan.config.is_public(&path) {
                 host.publish(internal::AUTH_PROPERTY, &Identity::Public.render());
-                return self.done(host, "public", "public_path", Action::Continue);
+                return self.done(host, Outcome::Public, "public_path", Action::Continue);
             }
         }
         let credential = match self.read_credential(host) {
@@ -96,7 +98,7 @@ impl Stream {
                 return self.refuse(
                     host,
                     401,
-                    "missing",
+                    Outcome::Missing,
                     "missing_credential",
                     "missing credential",
                 );
@@ -108,7 +110,7 @@ impl Stream {
                     "credential longer than {} bytes",
                     plan.config.max_credential_bytes
                 );
-                return self.refuse(host, 431, "too_long", "credential_too_long", &message);
+                return self.refuse(host, 431, Outcome::TooLong, "credential_too_long", &message);
             }
         };
         let key = verdict::key(&credential.hash, plan.config.verdict_slots);
@@ -119,12 +121,18 @@ impl Stream {
             Some(v) if v.valid => {
                 // The hot path: one header, one hash, one shared-data read,
                 // the verdict read in place.
-                self.allow_view(host, v.tenant, v.subject, "valid_cached", "cached");
+                self.allow_view(host, v.tenant, v.subject, Outcome::ValidCached, "cached");
                 return Action::Continue;
             }
             Some(v) => {
                 let reason = v.reason.to_string();
-                return self.refuse(host, 401, "invalid_cached", &reason, "invalid credential");
+                return self.refuse(
+                    host,
+                    401,
+                    Outcome::InvalidCached,
+                    &reason,
+                    "invalid credential",
+                );
             }
             None => {}
         }
@@ -171,7 +179,7 @@ impl Stream {
                 return self.refuse(
                     host,
                     401,
-                    "missing",
+                    Outcome::Missing,
                     "missing_credential",
                     "missing credential",
                 );
@@ -234,12 +242,16 @@ impl Stream {
             }
             // Cached verdicts were handled before.
             Route::Allow(v) => {
-                self.allow(host, &v, "valid_cached", "cached");
+                self.allow(host, &v, Outcome::ValidCached, "cached");
                 Action::Continue
             }
-            Route::Deny(v) => {
-                self.refuse(host, 401, "invalid_cached", &v.reason, "invalid credential")
-            }
+            Route::Deny(v) => self.refuse(
+                host,
+                401,
+                Outcome::InvalidCached,
+                &v.reason,
+                "invalid credential",
+            ),
         }
     }
 
@@ -278,7 +290,7 @@ impl Stream {
             return self.refuse(
                 host,
                 401,
-                "missing",
+                Outcome::Missing,
                 "missing_credential",
                 "missing credential",
             );
@@ -311,19 +323,24 @@ impl Stream {
         };
         host.publish(internal::AUTH_PROPERTY, &identity.render());
         self.tenant = self.claimed_tenant.clone();
-        self.done(host, "lazy", "unverified_within_bound", Action::Continue)
+        self.done(
+            host,
+            Outcome::Lazy,
+            "unverified_within_bound",
+            Action::Continue,
+        )
     }
 
     /// Verifies on the request path: inline for JWTs, by introspection
     /// (request paused) for API keys.
     fn verify_now(&mut self, host: &mut impl Host, reason: SyncReason, now: u64) -> Action {
         let plan = self.plan.clone();
-        plan.metrics.sync(reason.name());
+        plan.metrics.sync(reason);
         let Some(c) = &self.credential else {
             return self.refuse(
                 host,
                 401,
-                "missing",
+                Outcome::Missing,
                 "missing_credential",
                 "missing credential",
             );
@@ -427,21 +444,15 @@ impl Stream {
             plan.metrics.lost();
         }
         if verdict.valid {
-            self.allow(host, &verdict, "sync_valid", reason.name());
+            self.allow(host, &verdict, Outcome::SyncValid, reason.label());
             Action::Continue
         } else {
             let why = verdict.reason.clone();
-            self.refuse(host, 401, "sync_invalid", &why, "invalid credential")
+            self.refuse(host, 401, Outcome::SyncInvalid, &why, "invalid credential")
         }
     }
 
-    fn allow(
-        &mut self,
-        host: &mut impl Host,
-        verdict: &Verdict,
-        outcome: &'static str,
-        reason: &str,
-    ) {
+    fn allow(&mut self, host: &mut impl Host, verdict: &Verdict, outcome: Outcome, reason: &str) {
         self.allow_view(
             host,
             verdict.tenant.as_deref(),
@@ -456,7 +467,7 @@ impl Stream {
         host: &mut impl Host,
         tenant: Option<&str>,
         subject: Option<&str>,
-        outcome: &'static str,
+        outcome: Outcome,
         reason: &str,
     ) {
         host.publish(
@@ -474,7 +485,7 @@ impl Stream {
         &mut self,
         host: &mut impl Host,
         status: u32,
-        outcome: &'static str,
+        outcome: Outcome,
         reason: &str,
         message: &str,
     ) -> Action {
@@ -498,17 +509,22 @@ impl Stream {
             503,
             "the credential cannot be verified right now; retry later",
         );
-        self.done(host, "unavailable", "verifier_unavailable", Action::Pause)
+        self.done(
+            host,
+            Outcome::Unavailable,
+            "verifier_unavailable",
+            Action::Pause,
+        )
     }
 
     fn done(
         &mut self,
         host: &mut impl Host,
-        outcome: &'static str,
+        outcome: Outcome,
         reason: &str,
         action: Action,
     ) -> Action {
-        self.outcome = outcome;
+        self.outcome = Some(outcome);
         // Only audit records need the reason and the decision's latency.
         if self.plan.config.audit.is_some() {
             self.reason = reason.to_string();
@@ -521,7 +537,10 @@ impl Stream {
     /// After the response: an audit record when activation asked for one.
     pub(crate) fn on_log(&self, host: &mut impl Host) {
         let plan = &self.plan;
-        if plan.config.audit.is_none() || self.outcome.is_empty() {
+        let Some(outcome) = self.outcome else {
+            return;
+        };
+        if plan.config.audit.is_none() {
             return;
         }
         // A refusal is always audited: it is a security event, and in the
@@ -543,7 +562,7 @@ impl Stream {
                 .unwrap_or_default(),
             tenant: self.tenant.clone(),
             verified: self.verified,
-            decision: self.outcome.to_string(),
+            decision: outcome.label().to_string(),
             reason: self.reason.clone(),
             latency_us: self.decided_us.saturating_sub(self.started_us),
             request_id: host

@@ -3,78 +3,83 @@
 //! `zerolayer_auth_decisions{outcome=…}`, `zerolayer_auth_sync{reason=…}`,
 //! `zerolayer_auth_jobs_enqueued`, `zerolayer_auth_jobs_lost`.
 
-use zerolayer_host::{Counters, Host};
+use zerolayer_core::auth::policy::SyncReason;
+use zerolayer_host::{Counter, Family, Host};
 
-/// Decision outcomes, in counter order.
-pub(crate) const OUTCOMES: [&str; 10] = [
-    "public",
-    "missing",
-    "valid_cached",
-    "invalid_cached",
-    "lazy",
-    "sync_valid",
-    "sync_invalid",
-    "unavailable",
-    "unconfigured",
-    "too_long",
-];
+zerolayer_core::labels! {
+    /// What lazy-auth decided for a request: the `outcome` label, and the
+    /// audit record's `decision`.
+    pub(crate) enum Outcome {
+        /// A public path: no credential needed.
+        Public => "public",
+        /// No credential: refused.
+        Missing => "missing",
+        /// A cached valid verdict.
+        ValidCached => "valid_cached",
+        /// A cached invalid verdict: refused.
+        InvalidCached => "invalid_cached",
+        /// Admitted unverified, within the exposure bounds.
+        Lazy => "lazy",
+        /// Verified on the request path: valid.
+        SyncValid => "sync_valid",
+        /// Verified on the request path: invalid, refused.
+        SyncInvalid => "sync_invalid",
+        /// Could not be verified now: 503.
+        Unavailable => "unavailable",
+        /// A credential longer than `max_credential_bytes`: refused.
+        TooLong => "too_long",
+    }
+}
 
-/// Synchronous verification reasons, in counter order.
-pub(crate) const SYNC_REASONS: [&str; 6] = [
-    "policy",
-    "escalated",
-    "trusted_client",
-    "exposure_bound",
-    "pending_bound",
-    "lazy_budget",
-];
-
-const ENQUEUED: usize = OUTCOMES.len() + SYNC_REASONS.len();
-const LOST: usize = ENQUEUED + 1;
-
-pub(crate) struct Metrics(Counters);
+/// The counters.
+pub(crate) struct Metrics {
+    decisions: Family<Outcome>,
+    sync: Family<SyncReason>,
+    enqueued: Counter,
+    lost: Counter,
+}
 
 impl Metrics {
     pub(crate) fn define(host: &mut impl Host) -> Metrics {
-        let mut names: Vec<String> = OUTCOMES
-            .iter()
-            .map(|o| format!("zerolayer_auth_decisions_outcome={o}"))
-            .collect();
-        names.extend(
-            SYNC_REASONS
-                .iter()
-                .map(|r| format!("zerolayer_auth_sync_reason={r}")),
-        );
-        names.push("zerolayer_auth_jobs_enqueued".into());
-        names.push("zerolayer_auth_jobs_lost".into());
-        Metrics(Counters::define(host, "lazy-auth", &names))
-    }
-
-    pub(crate) fn outcome(&self, outcome: &str) {
-        if let Some(i) = OUTCOMES.iter().position(|o| *o == outcome) {
-            self.0.add(i, 1);
+        const WHO: &str = "lazy-auth";
+        Metrics {
+            decisions: Family::define(host, WHO, "zerolayer_auth_decisions", "outcome"),
+            sync: Family::define(host, WHO, "zerolayer_auth_sync", "reason"),
+            enqueued: Counter::define(host, WHO, "zerolayer_auth_jobs_enqueued"),
+            lost: Counter::define(host, WHO, "zerolayer_auth_jobs_lost"),
         }
     }
 
-    pub(crate) fn sync(&self, reason: &str) {
-        if let Some(i) = SYNC_REASONS.iter().position(|r| *r == reason) {
-            self.0.add(OUTCOMES.len() + i, 1);
-        }
+    /// A request's decision.
+    pub(crate) fn outcome(&self, outcome: Outcome) {
+        self.decisions.add(outcome);
     }
 
+    /// Why it was verified on the request path.
+    pub(crate) fn sync(&self, reason: SyncReason) {
+        self.sync.add(reason);
+    }
+
+    /// A verification job queued for the observer.
     pub(crate) fn enqueued(&self) {
-        self.0.add(ENQUEUED, 1);
+        self.enqueued.add(1);
     }
 
+    /// A job the observer's queue refused.
     pub(crate) fn lost(&self) {
-        self.0.add(LOST, 1);
+        self.lost.add(1);
     }
 
+    /// `n` jobs the observer's queue refused (an audit batch).
     pub(crate) fn lost_n(&self, n: u64) {
-        self.0.add(LOST, n);
+        self.lost.add(n);
     }
 
+    /// Reports pending increments to the host.
     pub(crate) fn flush(&self, host: &mut impl Host) {
-        self.0.flush(host);
+        self.decisions.flush(host);
+        self.sync.flush(host);
+        self.enqueued.flush(host);
+        self.lost.flush(host);
     }
 }

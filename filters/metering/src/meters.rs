@@ -11,20 +11,42 @@
 use std::cell::RefCell;
 
 use zerolayer_core::metering::{LabelLimits, SeriesTable, UsageRecord};
-use zerolayer_host::{Counters, Host, MetricKind};
+use zerolayer_host::{Counter, Family, Host, MetricKind};
 
 /// Token kinds, in series order (after the request count).
 const KINDS: [&str; 4] = ["input", "output", "cache_read", "cache_creation"];
 /// Values per series: requests, then one per token kind.
 const PER_SERIES: usize = 1 + KINDS.len();
 
-const USAGE_FOUND: usize = 0;
-const USAGE_MISSING: usize = 1;
-const RECORDS_QUEUED: usize = 2;
-const RECORDS_LOST: usize = 3;
-const INJECTED: usize = 4;
-const ENCODED_DECODED: usize = 5;
-const ENCODED_UNREADABLE: usize = 6;
+zerolayer_core::labels! {
+    /// Whether a response carried its usage.
+    enum UsageResult {
+        /// Read from the body or stream.
+        Found => "found",
+        /// Not in it (or unreadable): the record says `usage_missing`.
+        Missing => "missing",
+    }
+}
+
+zerolayer_core::labels! {
+    /// What became of a full record meant for the sink.
+    enum RecordOutcome {
+        /// On the observer's queue.
+        Queued => "queued",
+        /// The queue refused it.
+        Lost => "lost",
+    }
+}
+
+zerolayer_core::labels! {
+    /// A compressed response's usage.
+    enum Decoding {
+        /// Decoded and read.
+        Decoded => "decoded",
+        /// A coding or bytes the decoder cannot read.
+        Unreadable => "unreadable",
+    }
+}
 
 /// One series' metric ids (`None` where the host refused one) and the
 /// increments not yet reported.
@@ -34,25 +56,22 @@ struct SeriesMetrics {
 }
 
 pub(crate) struct Meters {
-    fixed: Counters,
+    usage: Family<UsageResult>,
+    records: Family<RecordOutcome>,
+    injected: Counter,
+    encoded: Family<Decoding>,
     table: RefCell<SeriesTable>,
     series: RefCell<Vec<SeriesMetrics>>,
 }
 
 impl Meters {
     pub(crate) fn define(host: &mut impl Host, limits: LabelLimits) -> Meters {
-        let names = [
-            "zerolayer_metering_usage_result=found",
-            "zerolayer_metering_usage_result=missing",
-            "zerolayer_metering_records_outcome=queued",
-            "zerolayer_metering_records_outcome=lost",
-            "zerolayer_metering_include_usage_injected",
-            "zerolayer_metering_encoded_responses_result=decoded",
-            "zerolayer_metering_encoded_responses_result=unreadable",
-        ]
-        .map(String::from);
+        const WHO: &str = "metering";
         Meters {
-            fixed: Counters::define(host, "metering", &names),
+            usage: Family::define(host, WHO, "zerolayer_metering_usage", "result"),
+            records: Family::define(host, WHO, "zerolayer_metering_records", "outcome"),
+            injected: Counter::define(host, WHO, "zerolayer_metering_include_usage_injected"),
+            encoded: Family::define(host, WHO, "zerolayer_metering_encoded_responses", "result"),
             table: RefCell::new(SeriesTable::new(limits)),
             series: RefCell::new(Vec::new()),
         }
@@ -60,14 +79,11 @@ impl Meters {
 
     /// Counts one request's usage under its tenant and model.
     pub(crate) fn count(&self, host: &mut impl Host, record: &UsageRecord) {
-        self.fixed.add(
-            if record.usage_missing {
-                USAGE_MISSING
-            } else {
-                USAGE_FOUND
-            },
-            1,
-        );
+        self.usage.add(if record.usage_missing {
+            UsageResult::Missing
+        } else {
+            UsageResult::Found
+        });
         let Ok(mut table) = self.table.try_borrow_mut() else {
             return;
         };
@@ -98,31 +114,34 @@ impl Meters {
 
     /// A full record was queued for the observer (or the queue refused it).
     pub(crate) fn record_posted(&self, queued: bool) {
-        self.fixed
-            .add(if queued { RECORDS_QUEUED } else { RECORDS_LOST }, 1);
+        self.records.add(if queued {
+            RecordOutcome::Queued
+        } else {
+            RecordOutcome::Lost
+        });
     }
 
     /// `include_usage` was added to a streamed OpenAI request.
     pub(crate) fn injected(&self) {
-        self.fixed.add(INJECTED, 1);
+        self.injected.add(1);
     }
 
     /// A compressed response: its usage decoded, or unreadable (a coding
     /// or bytes the decoder cannot read).
     pub(crate) fn encoded(&self, decoded: bool) {
-        self.fixed.add(
-            if decoded {
-                ENCODED_DECODED
-            } else {
-                ENCODED_UNREADABLE
-            },
-            1,
-        );
+        self.encoded.add(if decoded {
+            Decoding::Decoded
+        } else {
+            Decoding::Unreadable
+        });
     }
 
     /// Reports pending increments to the host.
     pub(crate) fn flush(&self, host: &mut impl Host) {
-        self.fixed.flush(host);
+        self.usage.flush(host);
+        self.records.flush(host);
+        self.injected.flush(host);
+        self.encoded.flush(host);
         let Ok(mut series) = self.series.try_borrow_mut() else {
             return;
         };

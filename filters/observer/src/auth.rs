@@ -14,7 +14,7 @@ use zerolayer_core::event::{VerifyJob, VerifyOutcome};
 use zerolayer_host::Host;
 
 use crate::calls::{CallKind, Calls, Request};
-use crate::{ObserverMetrics, counter};
+use crate::metrics::{BreakerFlip, EscalationFlip, FetchOutcome, ObserverMetrics, VerdictOutcome};
 
 /// Shared-data key with the JWKS document last fetched (filters verify
 /// inline with it).
@@ -151,7 +151,7 @@ impl AuthWorker {
 
     fn defer(&mut self, host: &mut impl Host, job: VerifyJob, counters: &ObserverMetrics) {
         if self.deferred.len() < MAX_DEFERRED {
-            counters.add(counter::VERIFY_DEFERRED, 1);
+            counters.deferred.add(1);
             self.deferred.push(job);
         } else {
             self.drop_job(host, counters);
@@ -162,7 +162,7 @@ impl AuthWorker {
     /// no verdict is written, the credential stays unknown (its next
     /// requests are bounded by the exposure limits), and it is counted.
     fn drop_job(&self, host: &mut impl Host, counters: &ObserverMetrics) {
-        counters.add(counter::VERIFY_DROPPED, 1);
+        counters.verify_dropped.add(1);
         finish_job(host);
     }
 
@@ -276,7 +276,7 @@ impl AuthWorker {
                 self.keys = keys;
                 self.jwks_fetched_at = Some(now);
                 self.jwks_next = now + refresh;
-                counters.add(counter::JWKS_FETCHED, 1);
+                counters.jwks.add(FetchOutcome::Ok);
                 self.success(host, counters);
                 host.shared_put(JWKS_KEY, body);
                 for job in std::mem::take(&mut self.deferred) {
@@ -285,7 +285,7 @@ impl AuthWorker {
             }
             Err(why) => {
                 log::warn!("observer: JWKS fetch failed: {why}");
-                counters.add(counter::JWKS_FAILED, 1);
+                counters.jwks.add(FetchOutcome::Failed);
                 self.failure(host, now, counters);
                 self.jwks_next = now + JWKS_RETRY_SECS;
                 if self.jwks_fetched_at.is_some() {
@@ -330,7 +330,7 @@ impl AuthWorker {
             .dispatch(host, Request::to(&jwks.endpoint, "GET"), CallKind::Jwks)
             .is_err()
         {
-            counters.add(counter::JWKS_FAILED, 1);
+            counters.jwks.add(FetchOutcome::Failed);
             self.failure(host, now, counters);
             self.jwks_next = now + JWKS_RETRY_SECS;
         }
@@ -349,14 +349,11 @@ impl AuthWorker {
         let key = verdict::key(&TokenHash(job.hash), self.config.verdict_slots);
         let (now, ways) = (host.now_secs(), self.config.verdict_ways);
         let _ = host.shared_update(&key, |set| (verdict::insert(set, &verdict, now, ways), ()));
-        counters.add(
-            if verdict.valid {
-                counter::VERDICT_VALID
-            } else {
-                counter::VERDICT_INVALID
-            },
-            1,
-        );
+        counters.verdicts.add(if verdict.valid {
+            VerdictOutcome::Valid
+        } else {
+            VerdictOutcome::Invalid
+        });
         let tenant = verdict.tenant.clone().or_else(|| job.tenant_hint.clone());
         self.record(
             host,
@@ -404,11 +401,11 @@ impl AuthWorker {
                     log::warn!(
                         "observer: {scope} escalated: its unknown credentials now verify synchronously"
                     );
-                    counters.add(counter::ESCALATED, 1);
+                    counters.escalations.add(EscalationFlip::Escalated);
                 }
                 Flip::Relaxed(scope) => {
                     log::info!("observer: {scope} relaxed: back to lazy verification");
-                    counters.add(counter::RELAXED, 1);
+                    counters.escalations.add(EscalationFlip::Relaxed);
                 }
             }
         }
@@ -421,7 +418,7 @@ impl AuthWorker {
     fn success(&mut self, host: &mut impl Host, counters: &ObserverMetrics) {
         if self.breaker.success() == Some(Transition::Closed) {
             log::info!("observer: verifier breaker closed: the verifier answers again");
-            counters.add(counter::BREAKER_CLOSED, 1);
+            counters.breaker.add(BreakerFlip::Closed);
             host.shared_put(VERIFIER_DOWN_KEY, b"0");
         }
     }
@@ -433,7 +430,7 @@ impl AuthWorker {
                 self.config.breaker.failures,
                 self.config.breaker.open_secs
             );
-            counters.add(counter::BREAKER_OPENED, 1);
+            counters.breaker.add(BreakerFlip::Opened);
         }
         if let zerolayer_core::breaker::State::Open { until } = self.breaker.state() {
             host.shared_put(VERIFIER_DOWN_KEY, until.to_string().as_bytes());

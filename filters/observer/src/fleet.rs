@@ -10,9 +10,8 @@ use zerolayer_core::event::CacheWrite;
 
 use zerolayer_host::Host;
 
-use crate::ObserverMetrics;
 use crate::calls::{CallKind, Calls, Request};
-use crate::counter;
+use crate::metrics::{ObserverMetrics, WriteOutcome};
 
 /// Writes in flight at most.
 const MAX_IN_FLIGHT: usize = 64;
@@ -45,7 +44,7 @@ impl FleetWriter {
         counters: &ObserverMetrics,
     ) {
         if self.in_flight >= MAX_IN_FLIGHT {
-            counters.add(counter::FLEET_DROPPED, 1);
+            counters.fleet_writes.add(WriteOutcome::Dropped);
             return;
         }
         let path = self
@@ -59,7 +58,7 @@ impl FleetWriter {
         };
         match calls.dispatch(host, request, CallKind::CacheWrite) {
             Ok(()) => self.in_flight += 1,
-            Err(_) => counters.add(counter::FLEET_FAILED, 1),
+            Err(_) => counters.fleet_writes.add(WriteOutcome::Failed),
         }
     }
 
@@ -67,10 +66,10 @@ impl FleetWriter {
     pub(crate) fn answered(&mut self, status: Option<u16>, counters: &ObserverMetrics) {
         self.in_flight = self.in_flight.saturating_sub(1);
         if status == Some(200) {
-            counters.add(counter::FLEET_WRITTEN, 1);
+            counters.fleet_writes.add(WriteOutcome::Ok);
         } else {
             log::warn!("observer: a cache fleet write failed ({status:?})");
-            counters.add(counter::FLEET_FAILED, 1);
+            counters.fleet_writes.add(WriteOutcome::Failed);
         }
     }
 }

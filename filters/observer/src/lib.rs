@@ -23,6 +23,7 @@
 pub mod auth;
 mod calls;
 mod fleet;
+mod metrics;
 mod shipper;
 
 use serde::Deserialize;
@@ -32,11 +33,12 @@ use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::config::{ObserverLink, ObserverMode};
 use zerolayer_core::event::{AuditRecord, Job};
 use zerolayer_core::metering::MeteringConfig;
-use zerolayer_host::{Counters, Host, Metric, ObserverQueue};
+use zerolayer_host::{Host, ObserverQueue};
 
 use auth::AuthWorker;
 use calls::{CallKind, Calls};
 use fleet::FleetWriter;
+use metrics::{JobKind, ObserverMetrics, RecordOutcome, WriteOutcome};
 use shipper::{Shipper, Sink};
 
 /// Jobs handled per wake-up at most: a burst never blocks the thread long.
@@ -152,104 +154,6 @@ impl ObserverConfig {
     }
 }
 
-/// Counter positions (see [`COUNTER_NAMES`]).
-pub(crate) mod counter {
-    pub const JOBS_VERIFY: usize = 0;
-    pub const JOBS_AUDIT: usize = 1;
-    pub const JOBS_UNREADABLE: usize = 2;
-    pub const VERDICT_VALID: usize = 3;
-    pub const VERDICT_INVALID: usize = 4;
-    pub const VERIFY_DEFERRED: usize = 5;
-    pub const VERIFY_DROPPED: usize = 6;
-    pub const ESCALATED: usize = 7;
-    pub const RELAXED: usize = 8;
-    pub const BREAKER_OPENED: usize = 9;
-    pub const BREAKER_CLOSED: usize = 10;
-    pub const AUDIT_SHIPPED: usize = 11;
-    pub const AUDIT_DROPPED: usize = 12;
-    pub const AUDIT_FAILED_BATCHES: usize = 13;
-    pub const JWKS_FETCHED: usize = 14;
-    pub const JWKS_FAILED: usize = 15;
-    pub const JOBS_CACHE_WRITE: usize = 16;
-    pub const FLEET_WRITTEN: usize = 17;
-    pub const FLEET_FAILED: usize = 18;
-    pub const FLEET_DROPPED: usize = 19;
-    pub const JOBS_USAGE: usize = 20;
-    pub const USAGE_SHIPPED: usize = 21;
-    pub const USAGE_DROPPED: usize = 22;
-    pub const USAGE_FAILED_BATCHES: usize = 23;
-}
-
-/// Metric names, in [`counter`] order (Prometheus labels via `_key=value`).
-pub const COUNTER_NAMES: [&str; 24] = [
-    "zerolayer_observer_jobs_kind=verify",
-    "zerolayer_observer_jobs_kind=audit",
-    "zerolayer_observer_jobs_kind=unreadable",
-    "zerolayer_auth_verdicts_outcome=valid",
-    "zerolayer_auth_verdicts_outcome=invalid",
-    "zerolayer_auth_verifications_deferred",
-    "zerolayer_auth_verifications_dropped",
-    "zerolayer_auth_escalations_flip=escalated",
-    "zerolayer_auth_escalations_flip=relaxed",
-    "zerolayer_auth_verifier_breaker_flip=opened",
-    "zerolayer_auth_verifier_breaker_flip=closed",
-    "zerolayer_audit_records_outcome=shipped",
-    "zerolayer_audit_records_outcome=dropped",
-    "zerolayer_audit_batches_failed",
-    "zerolayer_auth_jwks_fetches_outcome=ok",
-    "zerolayer_auth_jwks_fetches_outcome=failed",
-    "zerolayer_observer_jobs_kind=cache_write",
-    "zerolayer_cache_fleet_writes_outcome=ok",
-    "zerolayer_cache_fleet_writes_outcome=failed",
-    "zerolayer_cache_fleet_writes_outcome=dropped",
-    "zerolayer_observer_jobs_kind=usage",
-    "zerolayer_metering_records_outcome=shipped",
-    "zerolayer_metering_records_outcome=dropped",
-    "zerolayer_metering_batches_failed",
-];
-
-/// The observer's metrics: batched counters, plus gauges and a histogram
-/// recorded as they change (all off the request path).
-pub struct ObserverMetrics {
-    counters: Counters,
-    /// Queue depth at each wake-up (jobs drained, up to the budget): a
-    /// histogram, since a gauge would stick at the last wake-up's value.
-    queue_depth: Metric,
-    /// Tenants escalated right now.
-    escalated: Metric,
-    /// From a request's admission to its verdict, ms.
-    verify_latency_ms: Metric,
-    /// Usage records waiting for the sink.
-    usage_buffered: Metric,
-}
-
-impl ObserverMetrics {
-    fn define(host: &mut impl Host, who: &str) -> Self {
-        ObserverMetrics {
-            counters: Counters::define(host, who, &COUNTER_NAMES),
-            queue_depth: Metric::histogram(host, "zerolayer_observer_queue_depth"),
-            escalated: Metric::gauge(host, "zerolayer_auth_escalated_tenants"),
-            verify_latency_ms: Metric::histogram(host, "zerolayer_auth_verify_latency_ms"),
-            usage_buffered: Metric::gauge(host, "zerolayer_metering_records_buffered"),
-        }
-    }
-
-    /// Adds to a counter (see [`counter`]).
-    pub(crate) fn add(&self, index: usize, n: u64) {
-        self.counters.add(index, n);
-    }
-
-    /// Records how long a credential waited for its verdict.
-    pub(crate) fn verify_latency(&self, host: &mut impl Host, ms: u64) {
-        self.verify_latency_ms.record(host, ms);
-    }
-
-    /// Records how many tenants are escalated.
-    pub(crate) fn escalated(&self, host: &mut impl Host, n: usize) {
-        self.escalated.record(host, n as u64);
-    }
-}
-
 /// The observer's state.
 pub struct Observer {
     queue: u32,
@@ -354,24 +258,24 @@ impl Observer {
             drained_bytes += zerolayer_core::queue::queued_size(item.len());
             match Job::decode(&item) {
                 Some(Job::Verify(job)) => {
-                    self.counters.add(counter::JOBS_VERIFY, 1);
+                    self.counters.jobs.add(JobKind::Verify);
                     match &mut self.auth {
                         Some(auth) => auth.verify(host, job, &mut self.calls, &self.counters),
-                        None => self.counters.add(counter::VERIFY_DROPPED, 1),
+                        None => self.counters.verify_dropped.add(1),
                     }
                 }
                 // One record (filters before batching) or a VM's batch.
                 Some(Job::Audit(record)) => self.audit(host, std::slice::from_ref(&record), now),
                 Some(Job::AuditBatch(records)) => self.audit(host, &records, now),
                 Some(Job::Usage(record)) => {
-                    self.counters.add(counter::JOBS_USAGE, 1);
+                    self.counters.jobs.add(JobKind::Usage);
                     match &mut self.usage {
                         Some(usage) => {
                             let mut line = Vec::with_capacity(256);
                             record.write_sink_row(&mut line);
                             usage.push(host, line, now, &mut self.calls, &self.counters);
                         }
-                        None => self.counters.add(counter::USAGE_DROPPED, 1),
+                        None => self.counters.usage.records.add(RecordOutcome::Dropped),
                     }
                 }
                 Some(Job::Outcome(outcome)) => {
@@ -380,13 +284,13 @@ impl Observer {
                     }
                 }
                 Some(Job::CacheWrite(write)) => {
-                    self.counters.add(counter::JOBS_CACHE_WRITE, 1);
+                    self.counters.jobs.add(JobKind::CacheWrite);
                     match &mut self.fleet {
                         Some(fleet) => fleet.write(host, write, &mut self.calls, &self.counters),
-                        None => self.counters.add(counter::FLEET_DROPPED, 1),
+                        None => self.counters.fleet_writes.add(WriteOutcome::Dropped),
                     }
                 }
-                None => self.counters.add(counter::JOBS_UNREADABLE, 1),
+                None => self.counters.jobs.add(JobKind::Unreadable),
             }
             drained += 1;
         }
@@ -407,9 +311,9 @@ impl Observer {
     /// Hands audit records to the audit sink (dropped, counted, without one).
     fn audit(&mut self, host: &mut impl Host, records: &[AuditRecord], now: u64) {
         let n = records.len() as u64;
-        self.counters.add(counter::JOBS_AUDIT, n);
+        self.counters.jobs.add_n(JobKind::Audit, n);
         let Some(audit) = &mut self.audit else {
-            self.counters.add(counter::AUDIT_DROPPED, n);
+            self.counters.audit.records.add_n(RecordOutcome::Dropped, n);
             return;
         };
         for record in records {
@@ -444,7 +348,7 @@ impl Observer {
         for shipper in [&mut self.audit, &mut self.usage].into_iter().flatten() {
             shipper.report_drops();
         }
-        self.counters.counters.flush(host);
+        self.counters.flush(host);
     }
 
     /// A callout this observer made has an answer (or failed: no `:status`).
@@ -508,7 +412,7 @@ impl Observer {
 
     /// Reports counters (at shutdown, too).
     pub fn flush_counters(&self, host: &mut impl Host) {
-        self.counters.counters.flush(host);
+        self.counters.flush(host);
     }
 }
 
@@ -562,7 +466,6 @@ impl EmbeddedObserver {
     }
 }
 
-/// An audit record as the sink's JSON line.
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,6 +1,6 @@
 //! Records shipped to an HTTP JSON-lines sink (audit records, usage
-//! records): buffered up to a bound, posted in batches by size and age (one
-//! batch in flight), retried with exponential backoff, with a breaker in
+//! records): buffered up to a bound, posted in batches by size and age (up to
+//! `max_in_flight` at once), retried with exponential backoff, with a breaker in
 //! front; records beyond the buffer are dropped, counted and logged, never
 //! silently.
 
@@ -12,7 +12,7 @@ use zerolayer_core::sink::SinkConfig;
 use zerolayer_host::Host;
 
 use crate::calls::{CallKind, Calls, Request};
-use crate::{ObserverMetrics, counter};
+use crate::metrics::{ObserverMetrics, RecordOutcome};
 
 /// Which sink a batch is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,22 +28,6 @@ impl Sink {
         match self {
             Sink::Audit => "audit",
             Sink::Usage => "usage",
-        }
-    }
-
-    /// Counter indexes: (shipped, dropped, failed batches).
-    fn counters(self) -> (usize, usize, usize) {
-        match self {
-            Sink::Audit => (
-                counter::AUDIT_SHIPPED,
-                counter::AUDIT_DROPPED,
-                counter::AUDIT_FAILED_BATCHES,
-            ),
-            Sink::Usage => (
-                counter::USAGE_SHIPPED,
-                counter::USAGE_DROPPED,
-                counter::USAGE_FAILED_BATCHES,
-            ),
         }
     }
 }
@@ -107,7 +91,10 @@ impl Shipper {
     }
 
     fn dropped(&mut self, n: u64, counters: &ObserverMetrics) {
-        counters.add(self.sink.counters().1, n);
+        counters
+            .sink(self.sink)
+            .records
+            .add_n(RecordOutcome::Dropped, n);
         self.unlogged_drops += n;
     }
 
@@ -186,7 +173,10 @@ impl Shipper {
         self.in_flight = self.in_flight.saturating_sub(1);
         match status {
             Some(200..=299) => {
-                counters.add(self.sink.counters().0, batch.len() as u64);
+                counters
+                    .sink(self.sink)
+                    .records
+                    .add_n(RecordOutcome::Shipped, batch.len() as u64);
                 self.failures = 0;
                 self.retry_at_ms = 0;
                 if self.breaker.success() == Some(Transition::Closed) {
@@ -213,8 +203,7 @@ impl Shipper {
     /// A batch failed: back off, maybe open the breaker, and put the batch
     /// back in front within the buffer bound.
     fn failed(&mut self, batch: Vec<(u64, Vec<u8>)>, now_ms: u64, counters: &ObserverMetrics) {
-        let (_, _, failed_batches) = self.sink.counters();
-        counters.add(failed_batches, 1);
+        counters.sink(self.sink).failed_batches.add(1);
         self.failures = self.failures.saturating_add(1);
         self.retry_at_ms = now_ms.saturating_add(self.config.backoff(self.failures));
         if self.breaker.failure(now_ms / 1000) == Some(Transition::Opened) {

@@ -9,119 +9,125 @@
 //! `zerolayer_cache_fleet_writes_queued`, `zerolayer_cache_fleet_writes_lost`.
 
 use zerolayer_core::cache::control::Bypass;
-use zerolayer_host::{Counters, Host};
+use zerolayer_host::{Counter, Family, Host};
 
-/// Lookup results, in counter order.
-const RESULTS: [&str; 3] = ["hit", "miss", "bypass"];
-/// What a follower's wait ended in, in counter order.
-const WAITS: [&str; 3] = ["hit", "upstream", "timeout"];
-
-const BYPASS: usize = RESULTS.len();
-const STORED: usize = BYPASS + Bypass::ALL.len();
-const EVICTED: usize = STORED + 1;
-const WAIT: usize = EVICTED + 1;
-const WRITE_FAILED: usize = WAIT + WAITS.len();
-/// Fleet-tier reads, in counter order.
-const FLEET_READS: [&str; 3] = ["hit", "miss", "error"];
-const FLEET_READ: usize = WRITE_FAILED + 1;
-const FLEET_QUEUED: usize = FLEET_READ + FLEET_READS.len();
-const FLEET_LOST: usize = FLEET_QUEUED + 1;
-
-/// A fleet-tier read's result.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum FleetRead {
-    Hit,
-    Miss,
-    /// No answer, an error status, or an entry that does not belong to the request.
-    Error,
+zerolayer_core::labels! {
+    /// A fleet-tier read's result.
+    pub(crate) enum FleetRead {
+        /// A usable entry.
+        Hit => "hit",
+        /// Not there.
+        Miss => "miss",
+        /// No answer, an error status, or an entry that does not belong to the request.
+        Error => "error",
+    }
 }
 
-/// A lookup's result.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Lookup {
-    Hit,
-    Miss,
-    Bypass,
+zerolayer_core::labels! {
+    /// A lookup's result.
+    pub(crate) enum Lookup {
+        /// Served from the cache.
+        Hit => "hit",
+        /// Went upstream.
+        Miss => "miss",
+        /// Neither looked up nor stored.
+        Bypass => "bypass",
+    }
 }
 
-/// How a follower's wait ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum WaitEnd {
-    /// The holder's response arrived and was served from the cache.
-    Hit,
-    /// The lease went away without an entry: the follower went upstream.
-    Upstream,
-    /// `max_wait_ms` passed: the follower went upstream.
-    Timeout,
+zerolayer_core::labels! {
+    /// How a follower's wait ended.
+    pub(crate) enum WaitEnd {
+        /// The holder's response arrived and was served from the cache.
+        Hit => "hit",
+        /// The lease went away without an entry: the follower went upstream.
+        Upstream => "upstream",
+        /// `max_wait_ms` passed: the follower went upstream.
+        Timeout => "timeout",
+    }
 }
 
-pub(crate) struct Metrics(Counters);
+/// The counters.
+pub(crate) struct Metrics {
+    lookups: Family<Lookup>,
+    bypass: Family<Bypass>,
+    stored: Counter,
+    evicted: Counter,
+    waits: Family<WaitEnd>,
+    write_failed: Counter,
+    fleet_reads: Family<FleetRead>,
+    fleet_queued: Counter,
+    fleet_lost: Counter,
+}
 
 impl Metrics {
     pub(crate) fn define(host: &mut impl Host) -> Metrics {
-        let mut names: Vec<String> = RESULTS
-            .iter()
-            .map(|r| format!("zerolayer_cache_lookups_result={r}"))
-            .collect();
-        names.extend(
-            Bypass::ALL
-                .iter()
-                .map(|b| format!("zerolayer_cache_bypass_reason={}", b.name())),
-        );
-        names.push("zerolayer_cache_stored".into());
-        names.push("zerolayer_cache_evicted".into());
-        names.extend(
-            WAITS
-                .iter()
-                .map(|w| format!("zerolayer_cache_lease_waits_outcome={w}")),
-        );
-        names.push("zerolayer_cache_write_failed".into());
-        names.extend(
-            FLEET_READS
-                .iter()
-                .map(|r| format!("zerolayer_cache_fleet_reads_result={r}")),
-        );
-        names.push("zerolayer_cache_fleet_writes_queued".into());
-        names.push("zerolayer_cache_fleet_writes_lost".into());
-        Metrics(Counters::define(host, "post-cache", &names))
+        const WHO: &str = "post-cache";
+        Metrics {
+            lookups: Family::define(host, WHO, "zerolayer_cache_lookups", "result"),
+            bypass: Family::define(host, WHO, "zerolayer_cache_bypass", "reason"),
+            stored: Counter::define(host, WHO, "zerolayer_cache_stored"),
+            evicted: Counter::define(host, WHO, "zerolayer_cache_evicted"),
+            waits: Family::define(host, WHO, "zerolayer_cache_lease_waits", "outcome"),
+            write_failed: Counter::define(host, WHO, "zerolayer_cache_write_failed"),
+            fleet_reads: Family::define(host, WHO, "zerolayer_cache_fleet_reads", "result"),
+            fleet_queued: Counter::define(host, WHO, "zerolayer_cache_fleet_writes_queued"),
+            fleet_lost: Counter::define(host, WHO, "zerolayer_cache_fleet_writes_lost"),
+        }
     }
 
+    /// A lookup's result.
     pub(crate) fn lookup(&self, result: Lookup) {
-        self.0.add(result as usize, 1);
+        self.lookups.add(result);
     }
 
+    /// Why the cache stayed out (or did not store).
     pub(crate) fn bypass(&self, reason: Bypass) {
-        if let Some(i) = Bypass::ALL.iter().position(|b| *b == reason) {
-            self.0.add(BYPASS + i, 1);
-        }
+        self.bypass.add(reason);
     }
 
+    /// An entry stored (`evicted`: in the place of a fresh one).
     pub(crate) fn stored(&self, evicted: bool) {
-        self.0.add(STORED, 1);
+        self.stored.add(1);
         if evicted {
-            self.0.add(EVICTED, 1);
+            self.evicted.add(1);
         }
     }
 
+    /// How a follower's wait ended.
     pub(crate) fn wait_ended(&self, end: WaitEnd) {
-        self.0.add(WAIT + end as usize, 1);
+        self.waits.add(end);
     }
 
+    /// A store that failed (shared data refused it).
     pub(crate) fn write_failed(&self) {
-        self.0.add(WRITE_FAILED, 1);
+        self.write_failed.add(1);
     }
 
+    /// A fleet-tier read's result.
     pub(crate) fn fleet_read(&self, result: FleetRead) {
-        self.0.add(FLEET_READ + result as usize, 1);
+        self.fleet_reads.add(result);
     }
 
     /// A fleet write handed to the observer (or lost: no observer queue).
     pub(crate) fn fleet_write(&self, queued: bool) {
-        self.0
-            .add(if queued { FLEET_QUEUED } else { FLEET_LOST }, 1);
+        if queued {
+            self.fleet_queued.add(1);
+        } else {
+            self.fleet_lost.add(1);
+        }
     }
 
+    /// Reports pending increments to the host.
     pub(crate) fn flush(&self, host: &mut impl Host) {
-        self.0.flush(host);
+        self.lookups.flush(host);
+        self.bypass.flush(host);
+        self.stored.flush(host);
+        self.evicted.flush(host);
+        self.waits.flush(host);
+        self.write_failed.flush(host);
+        self.fleet_reads.flush(host);
+        self.fleet_queued.flush(host);
+        self.fleet_lost.flush(host);
     }
 }

@@ -43,35 +43,23 @@ pub struct Policy {
     pub on_verifier_down: VerifierDown,
 }
 
-/// Why verification happens on the request path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SyncReason {
-    /// `unknown: sync` in the configuration.
-    Policy,
-    /// The credential's tenant fails too often: escalated.
-    Escalated,
-    /// A trusted client (user-agent pattern): verified inline with cached keys.
-    TrustedClient,
-    /// The credential used up its unverified requests.
-    ExposureBound,
-    /// Too many verifications pending.
-    PendingBound,
-    /// A lazy-admission bucket (gateway, claimed tenant or client address)
-    /// is empty: the gateway-wide bound on unverified admissions.
-    Budget,
-}
-
-impl SyncReason {
-    /// Stable name for logs, metrics and audit records.
-    pub fn name(self) -> &'static str {
-        match self {
-            SyncReason::Policy => "policy",
-            SyncReason::Escalated => "escalated",
-            SyncReason::TrustedClient => "trusted_client",
-            SyncReason::ExposureBound => "exposure_bound",
-            SyncReason::PendingBound => "pending_bound",
-            SyncReason::Budget => "lazy_budget",
-        }
+crate::labels! {
+    /// Why verification happens on the request path (the label of
+    /// `zerolayer_auth_sync{reason=…}` and the audit records' reason).
+    pub enum SyncReason {
+        /// `unknown: sync` in the configuration.
+        Policy => "policy",
+        /// The credential's tenant fails too often: escalated.
+        Escalated => "escalated",
+        /// A trusted client (user-agent pattern): verified inline with cached keys.
+        TrustedClient => "trusted_client",
+        /// The credential used up its unverified requests.
+        ExposureBound => "exposure_bound",
+        /// Too many verifications pending.
+        PendingBound => "pending_bound",
+        /// A lazy-admission bucket (gateway, claimed tenant or client address)
+        /// is empty: the gateway-wide bound on unverified admissions.
+        Budget => "lazy_budget",
     }
 }
 

@@ -179,78 +179,40 @@ impl TtlPolicy {
     }
 }
 
-/// Why the cache stays out of a request or response (a metric label: snake_case `name()`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Bypass {
-    /// The request said `no-store`.
-    RequestNoStore,
-    /// The request samples above [`TtlPolicy::max_temperature`] (or its temperature is NaN).
-    Temperature,
-    /// Not a POST: LLM APIs are POST, other methods on their paths pass through.
-    NotCacheableMethod,
-    /// The upstream status is not 200.
-    Status,
-    /// The response said `no-store`.
-    ResponseNoStore,
-    /// The response must not be reused: `no-cache` (when honoured), or a TTL of 0.
-    ResponseNoCache,
-    /// The response said `private` and the policy does not store those.
-    Private,
-    /// The response's `max-age` or `s-maxage` is invalid.
-    InvalidMaxAge,
-    /// The response did not complete (stream not terminated).
-    Incomplete,
-    /// The request or the response exceeds its size limit.
-    TooLarge,
-    /// Activation did not turn the `cache` observer on for this request.
-    NotActivated,
-    /// The namespace is per tenant and the request has no verified tenant
-    /// (an unverified claim must never read another tenant's entries).
-    NoVerifiedTenant,
-    /// The body is not a request the cache can key (not JSON, no model, …).
-    Unkeyable,
-    /// The response is compressed (the backend ignored `accept-encoding:
-    /// identity`): not stored, so no client gets a coding it did not accept.
-    Encoded,
-}
-
-impl Bypass {
-    /// Every reason, for registering metrics up front.
-    pub const ALL: [Bypass; 14] = [
-        Bypass::RequestNoStore,
-        Bypass::Temperature,
-        Bypass::NotCacheableMethod,
-        Bypass::Status,
-        Bypass::ResponseNoStore,
-        Bypass::ResponseNoCache,
-        Bypass::Private,
-        Bypass::InvalidMaxAge,
-        Bypass::Incomplete,
-        Bypass::TooLarge,
-        Bypass::NotActivated,
-        Bypass::NoVerifiedTenant,
-        Bypass::Unkeyable,
-        Bypass::Encoded,
-    ];
-
-    /// Stable name for logs and metrics.
-    pub fn name(self) -> &'static str {
-        match self {
-            Bypass::RequestNoStore => "request_no_store",
-            Bypass::Temperature => "temperature",
-            Bypass::NotCacheableMethod => "not_cacheable_method",
-            Bypass::Status => "status",
-            Bypass::ResponseNoStore => "response_no_store",
-            Bypass::ResponseNoCache => "response_no_cache",
-            Bypass::Private => "private",
-            Bypass::InvalidMaxAge => "invalid_max_age",
-            Bypass::Incomplete => "incomplete",
-            Bypass::TooLarge => "too_large",
-            Bypass::NotActivated => "not_activated",
-            Bypass::NoVerifiedTenant => "no_verified_tenant",
-            Bypass::Unkeyable => "unkeyable",
-            Bypass::Encoded => "encoded",
-        }
+crate::labels! {
+    /// Why the cache stays out of a request or response (the label of
+    /// `zerolayer_cache_bypass{reason=…}`).
+    pub enum Bypass {
+        /// The request said `no-store`.
+        RequestNoStore => "request_no_store",
+        /// The request samples above [`TtlPolicy::max_temperature`] (or its temperature is NaN).
+        Temperature => "temperature",
+        /// Not a POST: LLM APIs are POST, other methods on their paths pass through.
+        NotCacheableMethod => "not_cacheable_method",
+        /// The upstream status is not 200.
+        Status => "status",
+        /// The response said `no-store`.
+        ResponseNoStore => "response_no_store",
+        /// The response must not be reused: `no-cache` (when honoured), or a TTL of 0.
+        ResponseNoCache => "response_no_cache",
+        /// The response said `private` and the policy does not store those.
+        Private => "private",
+        /// The response's `max-age` or `s-maxage` is invalid.
+        InvalidMaxAge => "invalid_max_age",
+        /// The response did not complete (stream not terminated).
+        Incomplete => "incomplete",
+        /// The request or the response exceeds its size limit.
+        TooLarge => "too_large",
+        /// Activation did not turn the `cache` observer on for this request.
+        NotActivated => "not_activated",
+        /// The namespace is per tenant and the request has no verified tenant
+        /// (an unverified claim must never read another tenant's entries).
+        NoVerifiedTenant => "no_verified_tenant",
+        /// The body is not a request the cache can key (not JSON, no model, …).
+        Unkeyable => "unkeyable",
+        /// The response is compressed (the backend ignored `accept-encoding:
+        /// identity`): not stored, so no client gets a coding it did not accept.
+        Encoded => "encoded",
     }
 }
 
