@@ -196,3 +196,358 @@ fn debug_value(rules: &RuleSet, decision: &Decision) -> String {
     }
     out
 }
+
+/// The stage on the recording fake: what it publishes, removes and adds.
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use zerolayer_core::internal;
+    use zerolayer_host::{Action, Callback, FakeHost, RootStage, StreamStage};
+
+    use super::ActivationRoot;
+
+    /// Audit by default; LLM calls cached; health checks observed by nobody.
+    const RULES: &str = r#"{
+        "defaults": ["audit"],
+        "tenant_header": "x-tenant-id",
+        "rules": [
+            {"name": "health_checks", "priority": 100,
+             "when": {"path": {"prefix": "/healthz"}},
+             "deactivate": ["audit", "metering", "cache"]},
+            {"name": "llm_calls", "priority": 10,
+             "when": {"all": [{"method": {"in": ["POST"]}},
+                              {"path": {"matches": "^/v1/messages$"}}]},
+             "activate": ["cache"]}
+        ]
+    }"#;
+
+    /// Metering for premium tenants, audit for unverified requests.
+    const TENANTS: &str = r#"{
+        "tenant_header": "x-tenant-id",
+        "rules": [
+            {"name": "premium", "when": {"tenant": {"in": ["acme"]}}, "activate": ["metering"]},
+            {"name": "unverified", "when": {"tenant": {"in": ["unverified"]}}, "activate": ["audit"]}
+        ]
+    }"#;
+
+    fn configured(host: &mut FakeHost, config: &str) -> ActivationRoot {
+        let mut root = ActivationRoot::default();
+        assert!(
+            RootStage::<FakeHost>::configure(&mut root, host, config.as_bytes()),
+            "configuration refused: {config}"
+        );
+        root
+    }
+
+    /// Runs the request headers of a new stream on `headers`.
+    fn request(
+        root: &ActivationRoot,
+        host: &mut FakeHost,
+        headers: &[(&str, &str)],
+    ) -> Box<dyn StreamStage<FakeHost>> {
+        host.request_headers = headers
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect();
+        let mut stream = RootStage::<FakeHost>::stream(root, 1);
+        assert_eq!(stream.request_headers(host, true), Action::Continue);
+        stream
+    }
+
+    /// The observers the stage published.
+    fn observers(host: &FakeHost) -> Option<String> {
+        host.properties
+            .get(internal::OBSERVERS_PROPERTY)
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+
+    fn counter(root: &mut ActivationRoot, host: &mut FakeHost, name: &str) -> i64 {
+        RootStage::<FakeHost>::tick(root, host);
+        host.metric(name)
+            .unwrap_or_else(|| panic!("metric {name} not defined"))
+    }
+
+    const LLM_CALL: &[(&str, &str)] = &[(":method", "POST"), (":path", "/v1/messages")];
+
+    #[test]
+    fn rules_decide_the_observers_and_the_decision_is_published() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, RULES);
+        request(&root, &mut host, LLM_CALL);
+        assert_eq!(observers(&host).as_deref(), Some("audit,cache"));
+    }
+
+    #[test]
+    fn a_rule_can_turn_every_observer_off() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, RULES);
+        request(
+            &root,
+            &mut host,
+            &[(":method", "GET"), (":path", "/healthz")],
+        );
+        assert_eq!(observers(&host).as_deref(), Some(""));
+    }
+
+    #[test]
+    fn no_matching_rule_leaves_the_defaults() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, RULES);
+        request(
+            &root,
+            &mut host,
+            &[(":method", "GET"), (":path", "/v1/models")],
+        );
+        assert_eq!(observers(&host).as_deref(), Some("audit"));
+    }
+
+    #[test]
+    fn decisions_are_counted_per_rule_and_observer() {
+        let mut host = FakeHost::default();
+        let mut root = configured(&mut host, RULES);
+        request(&root, &mut host, LLM_CALL);
+        request(
+            &root,
+            &mut host,
+            &[(":method", "GET"), (":path", "/healthz")],
+        );
+        assert_eq!(
+            counter(&mut root, &mut host, "zerolayer_activation_requests"),
+            2
+        );
+        assert_eq!(
+            host.metric("zerolayer_activation_rule_matches_rule=llm_calls"),
+            Some(1)
+        );
+        assert_eq!(
+            host.metric("zerolayer_activation_rule_matches_rule=health_checks"),
+            Some(1)
+        );
+        assert_eq!(
+            host.metric("zerolayer_activation_observer_on_observer=cache"),
+            Some(1)
+        );
+        assert_eq!(
+            host.metric("zerolayer_activation_observer_on_observer=audit"),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn client_sent_internal_headers_are_removed_and_counted() {
+        let mut host = FakeHost::default();
+        let mut root = configured(&mut host, RULES);
+        request(
+            &root,
+            &mut host,
+            &[
+                (":method", "GET"),
+                (":path", "/healthz"),
+                ("x-zerolayer-observers", "audit,metering"),
+                ("X-Zerolayer-Debug", "1"),
+                ("x-request-id", "req-1"),
+            ],
+        );
+        assert_eq!(host.request_header_value("x-zerolayer-observers"), None);
+        assert_eq!(host.request_header_value("x-zerolayer-debug"), None);
+        assert_eq!(
+            host.request_header_value("x-request-id").as_deref(),
+            Some("req-1")
+        );
+        // The forged choice changed nothing: health checks stay unobserved.
+        assert_eq!(observers(&host).as_deref(), Some(""));
+        assert_eq!(
+            counter(&mut root, &mut host, "zerolayer_activation_forged_headers"),
+            2
+        );
+    }
+
+    #[test]
+    fn reserved_response_headers_from_the_upstream_are_removed() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, RULES);
+        let mut stream = request(&root, &mut host, LLM_CALL);
+        host.respond_with(&[
+            (":status", "200"),
+            ("x-zerolayer-debug", "observers=none"),
+            ("x-zerolayer-cache", "hit"),
+            ("content-type", "application/json"),
+        ]);
+        assert_eq!(stream.response_headers(&mut host, false), Action::Continue);
+        assert_eq!(host.response_header_value("x-zerolayer-debug"), None);
+        assert_eq!(host.response_header_value("x-zerolayer-cache"), None);
+        assert_eq!(
+            host.response_header_value("content-type").as_deref(),
+            Some("application/json")
+        );
+    }
+
+    #[test]
+    fn the_debug_response_header_names_the_decision_when_enabled() {
+        let mut host = FakeHost::default();
+        let config = RULES.replacen('{', r#"{"debug_response_header": true,"#, 1);
+        let root = configured(&mut host, &config);
+        let mut stream = request(&root, &mut host, LLM_CALL);
+        host.respond_with(&[(":status", "200"), ("x-zerolayer-debug", "forged")]);
+        stream.response_headers(&mut host, false);
+        let values: Vec<_> = host
+            .response_headers
+            .iter()
+            .filter(|(n, _)| n == internal::DEBUG_RESPONSE_HEADER)
+            .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            .collect();
+        assert_eq!(values, ["observers=audit,cache; rules=llm_calls"]);
+    }
+
+    #[test]
+    fn there_is_no_debug_response_header_by_default() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, RULES);
+        let mut stream = request(&root, &mut host, LLM_CALL);
+        host.respond_with(&[(":status", "200")]);
+        stream.response_headers(&mut host, false);
+        assert_eq!(
+            host.response_header_value(internal::DEBUG_RESPONSE_HEADER),
+            None
+        );
+    }
+
+    fn authenticated(host: &mut FakeHost, identity: &str) {
+        host.properties
+            .insert(internal::AUTH_PROPERTY.into(), identity.as_bytes().to_vec());
+    }
+
+    #[test]
+    fn tenant_rules_match_the_verified_tenant_not_the_header() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, TENANTS);
+        authenticated(&mut host, "verified tenant=acme subject=user-1");
+        request(
+            &root,
+            &mut host,
+            &[(":path", "/v1/messages"), ("x-tenant-id", "globex")],
+        );
+        assert_eq!(observers(&host).as_deref(), Some("metering"));
+    }
+
+    #[test]
+    fn a_verified_tenant_outranks_a_claimed_premium_header() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, TENANTS);
+        authenticated(&mut host, "verified tenant=globex");
+        request(
+            &root,
+            &mut host,
+            &[(":path", "/v1/messages"), ("x-tenant-id", "acme")],
+        );
+        assert_eq!(observers(&host).as_deref(), Some(""));
+    }
+
+    #[test]
+    fn an_unverified_request_matches_as_unverified_whatever_it_claims() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, TENANTS);
+        authenticated(&mut host, "unverified tenant=acme");
+        request(
+            &root,
+            &mut host,
+            &[(":path", "/v1/messages"), ("x-tenant-id", "acme")],
+        );
+        assert_eq!(observers(&host).as_deref(), Some("audit"));
+    }
+
+    #[test]
+    fn without_lazy_auth_the_tenant_header_counts() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, TENANTS);
+        request(
+            &root,
+            &mut host,
+            &[(":path", "/v1/messages"), ("x-tenant-id", "acme")],
+        );
+        assert_eq!(observers(&host).as_deref(), Some("metering"));
+    }
+
+    /// 1_700_000_000 (the fake's clock) is Tuesday 2023-11-14, 22:13:20 UTC.
+    const NIGHT_SHIFT: &str = r#"{
+        "utc_offset": "+00:00",
+        "rules": [
+            {"name": "late", "when": {"hours": {"from": 22, "to": 23}}, "activate": ["metering"]},
+            {"name": "tuesday", "when": {"weekdays": {"from": "tue", "to": "tue"}}, "activate": ["audit"]}
+        ]
+    }"#;
+
+    #[test]
+    fn hours_and_weekdays_rules_read_the_host_clock() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, NIGHT_SHIFT);
+        request(&root, &mut host, &[(":path", "/")]);
+        assert_eq!(observers(&host).as_deref(), Some("audit,metering"));
+    }
+
+    #[test]
+    fn an_hour_later_the_hours_rule_no_longer_matches() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, NIGHT_SHIFT);
+        host.advance(Duration::from_secs(3600));
+        request(&root, &mut host, &[(":path", "/")]);
+        assert_eq!(observers(&host).as_deref(), Some("audit"));
+    }
+
+    #[test]
+    fn a_day_later_the_weekday_rule_no_longer_matches() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, NIGHT_SHIFT);
+        host.advance(Duration::from_secs(24 * 3600));
+        request(&root, &mut host, &[(":path", "/")]);
+        assert_eq!(observers(&host).as_deref(), Some("metering"));
+    }
+
+    #[test]
+    fn a_refused_configuration_returns_false() {
+        let mut host = FakeHost::default();
+        let mut root = ActivationRoot::default();
+        for config in [
+            r#"{"rules": [{"name": "x", "activate": ["no_such_observer"]}]}"#,
+            r#"{"rules": [{"name": "x", "when": {"header": {"name": "x-zerolayer-debug", "exists": true}}}]}"#,
+            "not json",
+        ] {
+            assert!(
+                !RootStage::<FakeHost>::configure(&mut root, &mut host, config.as_bytes()),
+                "{config}"
+            );
+        }
+        assert_eq!(host.tick, None);
+    }
+
+    #[test]
+    fn an_unconfigured_stream_passes_through_without_a_decision() {
+        let mut host = FakeHost::default();
+        let root = ActivationRoot::default();
+        request(
+            &root,
+            &mut host,
+            &[(":path", "/"), ("x-zerolayer-observers", "audit")],
+        );
+        assert_eq!(observers(&host), None);
+    }
+
+    #[test]
+    fn the_stage_is_done_with_both_body_callbacks() {
+        let mut host = FakeHost::default();
+        let root = configured(&mut host, RULES);
+        request(&root, &mut host, LLM_CALL);
+        assert_eq!(
+            host.done_with,
+            [Callback::RequestBody, Callback::ResponseBody]
+        );
+    }
+
+    #[test]
+    fn a_valid_configuration_asks_for_the_counter_tick() {
+        let mut host = FakeHost::default();
+        configured(&mut host, RULES);
+        assert_eq!(host.tick, Some(Duration::from_secs(1)));
+    }
+}

@@ -83,3 +83,94 @@ impl RequestFacts for HostRequest<'_> {
         self.now.unwrap_or(0)
     }
 }
+
+/// The request facts the rules read, from a header block.
+#[cfg(test)]
+mod tests {
+    use zerolayer_core::activation::{RequestFacts, RuleSet};
+    use zerolayer_core::headers::HeaderBlock;
+
+    use super::HostRequest;
+
+    fn block(headers: &[(&str, &str)]) -> HeaderBlock {
+        HeaderBlock::parse(HeaderBlock::serialize(
+            headers.iter().map(|(n, v)| (*n, v.as_bytes())),
+        ))
+        .unwrap()
+    }
+
+    fn rules() -> RuleSet {
+        RuleSet::from_json(
+            br#"{"tenant_header": "x-tenant-id", "rules": [
+                {"name": "sdk", "when": {"header": {"name": "user-agent", "exists": true}}, "activate": ["audit"]}
+            ]}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn internal_headers_are_listed_in_any_case() {
+        let headers = block(&[
+            ("X-ZeroLayer-Observers", "audit"),
+            ("x-zerolayer-", "empty suffix"),
+            ("x-zerolayerx", "not reserved"),
+            ("x-request-id", "1"),
+        ]);
+        let rules = rules();
+        let request = HostRequest::new(&headers, &rules);
+        let forbidden: Vec<_> = request.forbidden_headers().collect();
+        assert_eq!(forbidden.len(), 2, "{forbidden:?}");
+        assert!(
+            forbidden
+                .iter()
+                .all(|n| n.to_ascii_lowercase().starts_with("x-zerolayer-"))
+        );
+    }
+
+    #[test]
+    fn facts_come_from_the_headers() {
+        let headers = block(&[
+            (":method", "POST"),
+            (":path", "/v1/messages?beta=1"),
+            ("user-agent", "anthropic-sdk"),
+            ("x-tenant-id", "acme"),
+            ("x-request-id", "req-1"),
+        ]);
+        let rules = rules();
+        let request = HostRequest::new(&headers, &rules);
+        assert_eq!(request.method(), b"POST");
+        assert_eq!(request.path(), b"/v1/messages?beta=1");
+        assert_eq!(request.header(0), Some(&b"anthropic-sdk"[..]));
+        assert_eq!(request.tenant(), Some(&b"acme"[..]));
+        assert_eq!(request.request_id(), Some(&b"req-1"[..]));
+    }
+
+    #[test]
+    fn a_request_without_a_path_reads_as_the_root() {
+        let headers = block(&[]);
+        let rules = rules();
+        let request = HostRequest::new(&headers, &rules);
+        assert_eq!(request.path(), b"/");
+        assert_eq!(request.method(), b"");
+        assert_eq!(request.header(0), None);
+    }
+
+    #[test]
+    fn the_published_tenant_replaces_the_header() {
+        let headers = block(&[("x-tenant-id", "acme")]);
+        let rules = rules();
+        let mut request = HostRequest::new(&headers, &rules);
+        request.set_tenant(b"unverified");
+        assert_eq!(request.tenant(), Some(&b"unverified"[..]));
+    }
+
+    #[test]
+    fn the_clock_is_zero_until_set() {
+        let headers = block(&[]);
+        let rules = rules();
+        let mut request = HostRequest::new(&headers, &rules);
+        assert_eq!(request.unix_seconds(), 0);
+        request.set_now(1_700_000_000);
+        assert_eq!(request.unix_seconds(), 1_700_000_000);
+    }
+}

@@ -580,3 +580,643 @@ impl Stream {
         }
     }
 }
+
+/// Routing and exposure counting on the recording fake: each test drives
+/// one request (or a few) through the configured stage and checks what it
+/// did to the host.
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+    use zerolayer_core::auth::credential::TokenHash;
+    use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants};
+    use zerolayer_core::auth::exposure::ENQUEUED_KEY;
+    use zerolayer_core::auth::verdict::{self, Lookup, Verdict};
+    use zerolayer_core::event::Job;
+    use zerolayer_host::{Action, FakeHost, Host, Platform};
+    use zerolayer_observer::auth::VERIFIER_DOWN_KEY;
+
+    use crate::testkit::{
+        NOW, api_keys, claims, configured, counter, ec_key, host_with_observer, identity, jobs,
+        jwk, jwt, jwts, request,
+    };
+
+    /// The default `verdict_slots` and `verdict_ways`.
+    const SLOTS: u32 = 65_536;
+    const WAYS: u32 = 4;
+
+    fn outcome(name: &str) -> String {
+        format!("zerolayer_auth_decisions_outcome={name}")
+    }
+
+    fn sync_reason(name: &str) -> String {
+        format!("zerolayer_auth_sync_reason={name}")
+    }
+
+    /// Stores `verdict` in shared data the way the observer does.
+    fn store(host: &mut FakeHost, verdict: &Verdict) {
+        let key = verdict::key(&TokenHash(verdict.hash), SLOTS);
+        let entry = host.shared_value(&key).map(<[u8]>::to_vec);
+        let set = verdict::insert(entry.as_deref(), verdict, NOW, WAYS);
+        assert!(host.shared_put(&key, &set));
+    }
+
+    /// The verdict stored for `credential`.
+    fn stored(host: &FakeHost, credential: &str) -> Lookup {
+        let hash = TokenHash::of(credential.as_bytes());
+        verdict::lookup(host.shared_value(&verdict::key(&hash, SLOTS)), &hash, NOW)
+    }
+
+    fn verify_jobs(host: &FakeHost) -> Vec<zerolayer_core::event::VerifyJob> {
+        jobs(host)
+            .into_iter()
+            .filter_map(|job| match job {
+                Job::Verify(v) => Some(v),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn json_body(host: &FakeHost) -> Value {
+        serde_json::from_slice(&host.sent[0].body).expect("a JSON body")
+    }
+
+    #[test]
+    fn a_public_path_needs_no_credential_and_publishes_public() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &api_keys(json!({"public_paths": ["/healthz"]})));
+        let (_, action) = request(&root, &mut host, &[(":path", "/healthz/live")]);
+        assert_eq!(action, Action::Continue);
+        assert!(host.sent.is_empty());
+        assert_eq!(identity(&host).as_deref(), Some("public"));
+        assert_eq!(counter(&mut root, &mut host, &outcome("public")), 1);
+    }
+
+    #[test]
+    fn a_missing_credential_is_refused_with_a_401_json_error() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &api_keys(json!({})));
+        let (_, action) = request(&root, &mut host, &[]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.sent.len(), 1);
+        assert_eq!(host.sent[0].status, 401);
+        assert_eq!(
+            host.sent[0].header("content-type"),
+            Some("application/json")
+        );
+        assert_eq!(
+            json_body(&host),
+            json!({"error": {"type": "authentication_error", "message": "missing credential"}})
+        );
+        assert_eq!(identity(&host), None);
+        assert_eq!(counter(&mut root, &mut host, &outcome("missing")), 1);
+    }
+
+    #[test]
+    fn an_oversized_credential_is_refused_431_before_anything_is_counted_or_queued() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &api_keys(json!({"max_credential_bytes": 64})));
+        let key = "k".repeat(65);
+        let (_, action) = request(&root, &mut host, &[("x-api-key", &key)]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.sent[0].status, 431);
+        assert!(host.sent[0].text().contains("longer than 64 bytes"));
+        // No exposure count, budget, verdict or job: shared data untouched.
+        assert!(host.shared.is_empty(), "{:?}", host.shared.keys());
+        assert!(jobs(&host).is_empty());
+        assert!(host.dispatched.is_empty());
+        assert_eq!(counter(&mut root, &mut host, &outcome("too_long")), 1);
+    }
+
+    #[test]
+    fn a_credential_of_exactly_the_limit_is_read() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &api_keys(json!({"max_credential_bytes": 64})));
+        let key = "k".repeat(64);
+        let (_, action) = request(&root, &mut host, &[("x-api-key", &key)]);
+        assert_eq!(action, Action::Continue);
+        assert!(host.sent.is_empty());
+        assert_eq!(verify_jobs(&host).len(), 1);
+    }
+
+    #[test]
+    fn a_cached_valid_verdict_continues_as_its_tenant() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &api_keys(json!({})));
+        let hash = TokenHash::of(b"sk-live-1");
+        store(
+            &mut host,
+            &Verdict::valid(
+                &hash,
+                NOW,
+                None,
+                300,
+                Some("acme".into()),
+                Some("svc-1".into()),
+            ),
+        );
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        assert_eq!(action, Action::Continue);
+        assert!(host.sent.is_empty());
+        assert_eq!(
+            identity(&host).as_deref(),
+            Some("verified tenant=acme subject=svc-1")
+        );
+        // The hot path: no job, no callout.
+        assert!(jobs(&host).is_empty());
+        assert!(host.dispatched.is_empty());
+        assert_eq!(counter(&mut root, &mut host, &outcome("valid_cached")), 1);
+    }
+
+    #[test]
+    fn a_cached_invalid_verdict_is_refused_with_401() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &api_keys(json!({})));
+        let hash = TokenHash::of(b"sk-revoked");
+        store(&mut host, &Verdict::invalid(&hash, NOW, 60, "revoked"));
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-revoked")]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.sent[0].status, 401);
+        assert_eq!(
+            json_body(&host)["error"]["message"],
+            json!("invalid credential")
+        );
+        assert_eq!(identity(&host), None);
+        assert!(jobs(&host).is_empty());
+        assert_eq!(counter(&mut root, &mut host, &outcome("invalid_cached")), 1);
+    }
+
+    #[test]
+    fn an_expired_verdict_reads_as_unknown() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &api_keys(json!({})));
+        let hash = TokenHash::of(b"sk-old");
+        let mut old = Verdict::valid(&hash, NOW - 400, None, 300, Some("acme".into()), None);
+        old.expires_at = NOW;
+        store(&mut host, &old);
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-old")]);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(identity(&host).as_deref(), Some("unverified"));
+        assert_eq!(verify_jobs(&host).len(), 1);
+    }
+
+    #[test]
+    fn an_unknown_credential_is_admitted_lazily_with_a_verify_job() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &api_keys(json!({})));
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-new")]);
+        assert_eq!(action, Action::Continue);
+        assert!(host.sent.is_empty());
+        assert!(host.dispatched.is_empty());
+        assert_eq!(identity(&host).as_deref(), Some("unverified"));
+        let jobs = verify_jobs(&host);
+        assert_eq!(jobs.len(), 1);
+        assert_eq!(jobs[0].hash, TokenHash::of(b"sk-new").0);
+        assert_eq!(jobs[0].credential, b"sk-new");
+        assert_eq!(jobs[0].enqueued_at_ms, NOW * 1000);
+        // The pending count the observer's FINISHED_KEY is compared with.
+        assert_eq!(host.shared_value(ENQUEUED_KEY), Some(&b"1"[..]));
+        assert_eq!(
+            counter(&mut root, &mut host, "zerolayer_auth_jobs_enqueued"),
+            1
+        );
+        assert_eq!(host.metric(&outcome("lazy")), Some(1));
+    }
+
+    #[test]
+    fn an_unverified_jwt_publishes_its_claimed_tenant_as_unverified() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &jwts(json!({})));
+        // Signed by nobody configured: lazily admitted, the claim kept as a claim.
+        let token = jwt(&ec_key(9), "nobody", claims("mallory"));
+        let bearer = format!("Bearer {token}");
+        let (_, action) = request(&root, &mut host, &[("authorization", &bearer)]);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(
+            identity(&host).as_deref(),
+            Some("unverified tenant=mallory")
+        );
+        let jobs = verify_jobs(&host);
+        assert_eq!(jobs[0].tenant_hint.as_deref(), Some("mallory"));
+        assert_eq!(jobs[0].credential, token.as_bytes());
+    }
+
+    #[test]
+    fn the_same_unknown_token_past_its_exposure_bound_is_verified_synchronously() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &api_keys(json!({"max_unverified_per_token": 2})));
+        for _ in 0..2 {
+            let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-reused")]);
+            assert_eq!(action, Action::Continue);
+        }
+        assert!(host.dispatched.is_empty());
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-reused")]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(
+            host.dispatched.len(),
+            1,
+            "the third request is introspected"
+        );
+        assert_eq!(verify_jobs(&host).len(), 2);
+        assert_eq!(
+            counter(&mut root, &mut host, &sync_reason("exposure_bound")),
+            1
+        );
+        assert_eq!(host.metric(&outcome("lazy")), Some(2));
+    }
+
+    #[test]
+    fn fresh_tokens_from_many_addresses_are_bounded_by_the_gateway_budget() {
+        let mut host = host_with_observer();
+        let big = json!({"per_sec": 0, "burst": 1000});
+        let mut root = configured(
+            &mut host,
+            &api_keys(json!({"lazy_budget": {
+                "gateway": {"per_sec": 0, "burst": 3},
+                "per_tenant": big,
+                "per_client": big,
+            }})),
+        );
+        // The attacker: a new credential per request, each from its own address.
+        let mut lazy = 0;
+        for i in 0..10 {
+            host.properties.insert(
+                "source.address".into(),
+                format!("10.0.0.{i}:4000").into_bytes(),
+            );
+            let key = format!("sk-spray-{i}");
+            let (_, action) = request(&root, &mut host, &[("x-api-key", &key)]);
+            if action == Action::Continue {
+                lazy += 1;
+            }
+        }
+        assert_eq!(lazy, 3);
+        assert_eq!(verify_jobs(&host).len(), 3);
+        assert_eq!(host.dispatched.len(), 7, "the rest wait for introspection");
+        assert_eq!(
+            counter(&mut root, &mut host, &sync_reason("lazy_budget")),
+            7
+        );
+    }
+
+    #[test]
+    fn fresh_tokens_from_one_client_are_bounded_by_the_default_budget() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &api_keys(json!({})));
+        host.properties
+            .insert("source.address".into(), b"192.0.2.7:5000".to_vec());
+        let admitted = (0..100)
+            .filter(|i| {
+                let key = format!("sk-spray-{i}");
+                request(&root, &mut host, &[("x-api-key", &key)]).1 == Action::Continue
+            })
+            .count();
+        // The per-client (and no-tenant) bucket's burst of 20, the clock standing still.
+        assert_eq!(admitted, 20);
+        assert_eq!(verify_jobs(&host).len(), 20);
+    }
+
+    #[test]
+    fn too_many_pending_verifications_send_new_tokens_synchronous() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &api_keys(json!({"max_pending": 2})));
+        for key in ["sk-a", "sk-b"] {
+            assert_eq!(
+                request(&root, &mut host, &[("x-api-key", key)]).1,
+                Action::Continue
+            );
+        }
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-c")]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.dispatched.len(), 1);
+        assert_eq!(
+            counter(&mut root, &mut host, &sync_reason("pending_bound")),
+            1
+        );
+    }
+
+    #[test]
+    fn an_escalated_tenant_is_verified_synchronously() {
+        let mut host = host_with_observer();
+        let key = ec_key(1);
+        let mut root = configured(
+            &mut host,
+            &jwts(json!({"jwt": {"keys": [jwk(&key, "k1")]}})),
+        );
+        let escalated = EscalatedTenants {
+            tenants: vec!["acme".into()],
+            ..EscalatedTenants::default()
+        };
+        assert!(host.shared_put(ESCALATED_KEY, &escalated.encode()));
+        let bearer = format!("Bearer {}", jwt(&key, "k1", claims("acme")));
+        let (_, action) = request(&root, &mut host, &[("authorization", &bearer)]);
+        assert_eq!(action, Action::Continue);
+        // Verified inline, not admitted unverified: no Verify job, an Outcome.
+        assert_eq!(
+            identity(&host).as_deref(),
+            Some("verified tenant=acme subject=user-1")
+        );
+        assert!(verify_jobs(&host).is_empty());
+        assert!(matches!(
+            jobs(&host).as_slice(),
+            [Job::Outcome(o)] if o.tenant == "acme" && !o.failed
+        ));
+        assert_eq!(counter(&mut root, &mut host, &sync_reason("escalated")), 1);
+        assert_eq!(host.metric(&outcome("sync_valid")), Some(1));
+    }
+
+    #[test]
+    fn a_tenant_not_escalated_stays_lazy() {
+        let mut host = host_with_observer();
+        let key = ec_key(1);
+        let root = configured(
+            &mut host,
+            &jwts(json!({"jwt": {"keys": [jwk(&key, "k1")]}})),
+        );
+        let escalated = EscalatedTenants {
+            tenants: vec!["acme".into()],
+            ..EscalatedTenants::default()
+        };
+        assert!(host.shared_put(ESCALATED_KEY, &escalated.encode()));
+        let bearer = format!("Bearer {}", jwt(&key, "k1", claims("globex")));
+        let (_, action) = request(&root, &mut host, &[("authorization", &bearer)]);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(identity(&host).as_deref(), Some("unverified tenant=globex"));
+        assert_eq!(verify_jobs(&host).len(), 1);
+    }
+
+    #[test]
+    fn an_escalated_forged_jwt_is_refused_inline() {
+        let mut host = host_with_observer();
+        let mut root = configured(
+            &mut host,
+            &jwts(json!({"jwt": {"keys": [jwk(&ec_key(1), "k1")]}})),
+        );
+        let escalated = EscalatedTenants {
+            tenants: vec!["acme".into()],
+            ..EscalatedTenants::default()
+        };
+        assert!(host.shared_put(ESCALATED_KEY, &escalated.encode()));
+        // Claims the escalated tenant, signed by another key under the right kid.
+        let bearer = format!("Bearer {}", jwt(&ec_key(2), "k1", claims("acme")));
+        let (_, action) = request(&root, &mut host, &[("authorization", &bearer)]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.sent[0].status, 401);
+        assert!(verify_jobs(&host).is_empty());
+        assert!(matches!(
+            jobs(&host).as_slice(),
+            [Job::Outcome(o)] if o.tenant == "acme" && o.failed
+        ));
+        assert_eq!(counter(&mut root, &mut host, &outcome("sync_invalid")), 1);
+    }
+
+    #[test]
+    fn a_trusted_client_is_verified_inline() {
+        let mut host = host_with_observer();
+        let key = ec_key(1);
+        let mut root = configured(
+            &mut host,
+            &jwts(json!({
+                "jwt": {"keys": [jwk(&key, "k1")]},
+                "trusted_clients": [{"user_agent": "^batch-runner/"}],
+            })),
+        );
+        let bearer = format!("Bearer {}", jwt(&key, "k1", claims("acme")));
+        let (_, action) = request(
+            &root,
+            &mut host,
+            &[
+                ("authorization", &bearer),
+                ("user-agent", "batch-runner/2.1"),
+            ],
+        );
+        assert_eq!(action, Action::Continue);
+        assert!(identity(&host).unwrap().starts_with("verified tenant=acme"));
+        assert!(verify_jobs(&host).is_empty());
+        assert_eq!(
+            counter(&mut root, &mut host, &sync_reason("trusted_client")),
+            1
+        );
+    }
+
+    fn verifier_down(host: &mut FakeHost) {
+        assert!(host.shared_put(VERIFIER_DOWN_KEY, (NOW + 60).to_string().as_bytes()));
+    }
+
+    #[test]
+    fn a_down_verifier_refuses_unknown_credentials_503_when_the_policy_denies() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &api_keys(json!({"on_verifier_down": "deny"})));
+        verifier_down(&mut host);
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-new")]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.sent[0].status, 503);
+        assert!(verify_jobs(&host).is_empty());
+        assert!(host.dispatched.is_empty());
+        assert_eq!(counter(&mut root, &mut host, &outcome("unavailable")), 1);
+    }
+
+    #[test]
+    fn a_down_verifier_admits_lazily_within_the_bound_then_refuses() {
+        let mut host = host_with_observer();
+        let root = configured(
+            &mut host,
+            &api_keys(json!({"on_verifier_down": "allow_lazy"})),
+        );
+        verifier_down(&mut host);
+        let (_, first) = request(&root, &mut host, &[("x-api-key", "sk-new")]);
+        assert_eq!(first, Action::Continue);
+        // Past the bound the key would be introspected, but the verifier is down.
+        let (_, second) = request(&root, &mut host, &[("x-api-key", "sk-new")]);
+        assert_eq!(second, Action::Pause);
+        assert_eq!(host.sent[0].status, 503);
+        assert!(host.dispatched.is_empty());
+    }
+
+    #[test]
+    fn a_verifier_down_mark_in_the_past_is_ignored() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &api_keys(json!({"on_verifier_down": "deny"})));
+        assert!(host.shared_put(VERIFIER_DOWN_KEY, NOW.to_string().as_bytes()));
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-new")]);
+        assert_eq!(action, Action::Continue);
+        assert!(host.sent.is_empty());
+    }
+
+    /// `unknown: sync`: every unknown API key is introspected on the path.
+    fn sync_api_keys() -> String {
+        api_keys(json!({"unknown": "sync"}))
+    }
+
+    #[test]
+    fn a_synchronous_api_key_check_dispatches_the_key_and_pauses() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &sync_api_keys());
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        assert_eq!(action, Action::Pause);
+        assert!(host.sent.is_empty());
+        let call = host.last_dispatched().expect("an introspection callout");
+        assert_eq!(call.cluster, "keys");
+        assert_eq!(call.header(":method"), Some("GET"));
+        assert_eq!(call.header(":path"), Some("/introspect"));
+        assert_eq!(call.header("x-api-key"), Some("sk-live-1"));
+        assert!(verify_jobs(&host).is_empty());
+        assert_eq!(counter(&mut root, &mut host, &sync_reason("policy")), 1);
+    }
+
+    #[test]
+    fn a_valid_introspection_answer_resumes_and_stores_the_verdict() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &sync_api_keys());
+        let (mut stream, _) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        let token = host.last_dispatched().unwrap().token;
+        let body = br#"{"active":true,"tenant":"acme","sub":"svc-1"}"#;
+        host.answer_with(Some(200), body);
+        stream.call_answered(&mut host, token, body.len());
+        assert_eq!(host.resumes.len(), 1);
+        assert!(host.sent.is_empty());
+        assert_eq!(
+            identity(&host).as_deref(),
+            Some("verified tenant=acme subject=svc-1")
+        );
+        match stored(&host, "sk-live-1") {
+            Lookup::Valid(v) => assert_eq!(v.tenant.as_deref(), Some("acme")),
+            other => panic!("no valid verdict stored: {other:?}"),
+        }
+        assert_eq!(counter(&mut root, &mut host, &outcome("sync_valid")), 1);
+        // The next request is a cache hit: no second callout.
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(host.dispatched.len(), 1);
+    }
+
+    #[test]
+    fn an_answer_to_another_callout_is_ignored() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &sync_api_keys());
+        let (mut stream, _) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        let token = host.last_dispatched().unwrap().token;
+        host.answer_with(Some(200), br#"{"active":true}"#);
+        stream.call_answered(&mut host, token + 1, 15);
+        assert!(host.resumes.is_empty());
+        assert_eq!(stored(&host, "sk-live-1"), Lookup::Unknown);
+        assert_eq!(identity(&host), None);
+    }
+
+    #[test]
+    fn a_failed_introspection_is_refused_503_and_stores_nothing() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &sync_api_keys());
+        let (mut stream, _) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        let token = host.last_dispatched().unwrap().token;
+        host.answer_with(None, b"");
+        stream.call_answered(&mut host, token, 0);
+        assert!(host.resumes.is_empty());
+        assert_eq!(host.sent.len(), 1);
+        assert_eq!(host.sent[0].status, 503);
+        assert_eq!(stored(&host, "sk-live-1"), Lookup::Unknown);
+        assert_eq!(counter(&mut root, &mut host, &outcome("unavailable")), 1);
+    }
+
+    #[test]
+    fn an_inactive_key_is_refused_401_and_its_verdict_stored() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &sync_api_keys());
+        let (mut stream, _) = request(&root, &mut host, &[("x-api-key", "sk-dead")]);
+        let token = host.last_dispatched().unwrap().token;
+        let body = br#"{"active":false}"#;
+        host.answer_with(Some(200), body);
+        stream.call_answered(&mut host, token, body.len());
+        assert!(host.resumes.is_empty());
+        assert_eq!(host.sent[0].status, 401);
+        assert!(matches!(stored(&host, "sk-dead"), Lookup::Invalid(v) if v.reason == "inactive"));
+    }
+
+    #[test]
+    fn in_ngx_wasm_module_a_refusal_from_the_answer_closes_the_connection() {
+        let mut host = host_with_observer();
+        host.platform = Platform::NgxWasm;
+        let root = configured(&mut host, &sync_api_keys());
+        let (mut stream, _) = request(&root, &mut host, &[("x-api-key", "sk-dead")]);
+        let token = host.last_dispatched().unwrap().token;
+        let body = br#"{"active":false}"#;
+        host.answer_with(Some(200), body);
+        stream.call_answered(&mut host, token, body.len());
+        assert_eq!(host.sent[0].status, 401);
+        assert_eq!(host.sent[0].header("connection"), Some("close"));
+    }
+
+    #[test]
+    fn in_envoy_a_refusal_from_the_answer_keeps_the_connection() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &sync_api_keys());
+        let (mut stream, _) = request(&root, &mut host, &[("x-api-key", "sk-dead")]);
+        let token = host.last_dispatched().unwrap().token;
+        host.answer_with(Some(403), b"");
+        stream.call_answered(&mut host, token, 0);
+        assert_eq!(host.sent[0].status, 401);
+        assert_eq!(host.sent[0].header("connection"), None);
+    }
+
+    #[test]
+    fn in_ngx_wasm_module_a_refusal_on_the_headers_keeps_the_connection() {
+        let mut host = host_with_observer();
+        host.platform = Platform::NgxWasm;
+        let root = configured(&mut host, &api_keys(json!({})));
+        request(&root, &mut host, &[]);
+        assert_eq!(host.sent[0].status, 401);
+        assert_eq!(host.sent[0].header("connection"), None);
+    }
+
+    #[test]
+    fn an_unreachable_introspection_cluster_is_refused_503() {
+        let mut host = host_with_observer();
+        host.refuse_dispatch = true;
+        let root = configured(&mut host, &sync_api_keys());
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.sent[0].status, 503);
+    }
+
+    #[test]
+    fn without_an_observer_queue_an_unknown_key_is_verified_now() {
+        // No observer registered the queue.
+        let mut host = FakeHost::default();
+        let mut root = configured(&mut host, &api_keys(json!({})));
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-new")]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.dispatched.len(), 1, "introspected instead of admitted");
+        assert_eq!(identity(&host), None);
+        assert_eq!(counter(&mut root, &mut host, "zerolayer_auth_jobs_lost"), 1);
+        assert_eq!(host.metric(&sync_reason("pending_bound")), Some(1));
+        assert_eq!(host.metric(&outcome("lazy")), Some(0));
+    }
+
+    #[test]
+    fn without_an_observer_queue_a_forged_jwt_is_refused_not_admitted() {
+        let mut host = FakeHost::default();
+        let root = configured(
+            &mut host,
+            &jwts(json!({"jwt": {"keys": [jwk(&ec_key(1), "k1")]}})),
+        );
+        let bearer = format!("Bearer {}", jwt(&ec_key(2), "k1", claims("acme")));
+        let (_, action) = request(&root, &mut host, &[("authorization", &bearer)]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.sent[0].status, 401);
+        assert_eq!(identity(&host), None);
+    }
+
+    #[test]
+    fn a_full_observer_queue_verifies_now() {
+        let mut host = host_with_observer();
+        host.refuse_enqueue = true;
+        let key = ec_key(1);
+        let root = configured(
+            &mut host,
+            &jwts(json!({"jwt": {"keys": [jwk(&key, "k1")]}})),
+        );
+        let bearer = format!("Bearer {}", jwt(&key, "k1", claims("acme")));
+        let (_, action) = request(&root, &mut host, &[("authorization", &bearer)]);
+        assert_eq!(action, Action::Continue);
+        assert!(identity(&host).unwrap().starts_with("verified tenant=acme"));
+    }
+}

@@ -56,3 +56,123 @@ impl InlineKeys {
         *self.current.borrow_mut() = (cas, keys);
     }
 }
+
+/// Inline verification keys: the JWKS the observer stores in shared data.
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+    use zerolayer_host::{Action, FakeHost, Host};
+    use zerolayer_observer::auth::JWKS_KEY;
+
+    use crate::testkit::{
+        claims, configured, ec_key, host_with_observer, identity, jwk, jwt, jwts, request,
+    };
+
+    /// JWTs verified synchronously with keys from a JWKS endpoint.
+    fn config(extra_keys: serde_json::Value) -> String {
+        jwts(json!({
+            "unknown": "sync",
+            "jwt": {"jwks": {"cluster": "idp", "path": "/jwks"}, "keys": extra_keys},
+        }))
+    }
+
+    fn publish_jwks(host: &mut FakeHost, keys: serde_json::Value) {
+        assert!(host.shared_put(JWKS_KEY, json!({ "keys": keys }).to_string().as_bytes()));
+    }
+
+    fn bearer(token: &str) -> String {
+        format!("Bearer {token}")
+    }
+
+    #[test]
+    fn without_a_fetched_jwks_a_jwt_cannot_be_verified_inline() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &config(json!([])));
+        let token = bearer(&jwt(&ec_key(1), "k1", claims("acme")));
+        let (_, action) = request(&root, &mut host, &[("authorization", &token)]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.sent[0].status, 503);
+    }
+
+    #[test]
+    fn a_jwt_verifies_with_the_jwks_in_shared_data() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &config(json!([])));
+        let key = ec_key(1);
+        publish_jwks(&mut host, json!([jwk(&key, "k1")]));
+        let token = bearer(&jwt(&key, "k1", claims("acme")));
+        let (_, action) = request(&root, &mut host, &[("authorization", &token)]);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(
+            identity(&host).as_deref(),
+            Some("verified tenant=acme subject=user-1")
+        );
+    }
+
+    #[test]
+    fn a_rotated_jwks_is_read_again() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &config(json!([])));
+        let (old, new) = (ec_key(1), ec_key(2));
+        publish_jwks(&mut host, json!([jwk(&old, "k1")]));
+        let first = bearer(&jwt(&old, "k1", claims("acme")));
+        assert_eq!(
+            request(&root, &mut host, &[("authorization", &first)]).1,
+            Action::Continue
+        );
+        // The observer fetched a new JWKS: the old key is gone, a new one came.
+        publish_jwks(&mut host, json!([jwk(&new, "k2")]));
+        let rotated = bearer(&jwt(&new, "k2", claims("acme")));
+        assert_eq!(
+            request(&root, &mut host, &[("authorization", &rotated)]).1,
+            Action::Continue
+        );
+        host.sent.clear();
+        let stale = bearer(&jwt(&old, "k1", claims("globex")));
+        assert_eq!(
+            request(&root, &mut host, &[("authorization", &stale)]).1,
+            Action::Pause
+        );
+        assert_eq!(host.sent[0].status, 401);
+    }
+
+    #[test]
+    fn configured_keys_stay_beside_the_jwks() {
+        let mut host = host_with_observer();
+        let configured_key = ec_key(3);
+        let root = configured(&mut host, &config(json!([jwk(&configured_key, "local")])));
+        // Before any JWKS is fetched the configured key verifies alone.
+        let local = bearer(&jwt(&configured_key, "local", claims("acme")));
+        assert_eq!(
+            request(&root, &mut host, &[("authorization", &local)]).1,
+            Action::Continue
+        );
+        let fetched = ec_key(1);
+        publish_jwks(&mut host, json!([jwk(&fetched, "k1")]));
+        for (key, kid, tenant) in [
+            (&configured_key, "local", "globex"),
+            (&fetched, "k1", "initech"),
+        ] {
+            let token = bearer(&jwt(key, kid, claims(tenant)));
+            assert_eq!(
+                request(&root, &mut host, &[("authorization", &token)]).1,
+                Action::Continue,
+                "{kid}"
+            );
+        }
+        assert!(host.sent.is_empty());
+    }
+
+    #[test]
+    fn an_unreadable_jwks_leaves_the_configured_keys() {
+        let mut host = host_with_observer();
+        let configured_key = ec_key(3);
+        let root = configured(&mut host, &config(json!([jwk(&configured_key, "local")])));
+        assert!(host.shared_put(JWKS_KEY, b"<html>not a JWKS</html>"));
+        let local = bearer(&jwt(&configured_key, "local", claims("acme")));
+        assert_eq!(
+            request(&root, &mut host, &[("authorization", &local)]).1,
+            Action::Continue
+        );
+    }
+}

@@ -15,6 +15,8 @@
 mod decide;
 mod inline;
 mod metrics;
+#[cfg(test)]
+mod testkit;
 
 use std::rc::Rc;
 use std::time::Duration;
@@ -197,5 +199,175 @@ impl<H: Host> StreamStage<H> for AuthStream {
         if let Some(stream) = &self.stream {
             stream.on_log(host);
         }
+    }
+}
+
+/// Configuration, the unconfigured stream, and audit records on `log`.
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use serde_json::json;
+    use zerolayer_core::auth::credential::TokenHash;
+    use zerolayer_core::auth::verdict::{self, Verdict};
+    use zerolayer_core::event::{AuditRecord, Job};
+    use zerolayer_core::internal;
+    use zerolayer_host::{Action, Callback, FakeHost, Host, RootStage};
+
+    use super::AuthRoot;
+    use crate::testkit::{NOW, api_keys, configured, host_with_observer, jobs, request};
+
+    fn audited() -> String {
+        api_keys(json!({"audit": {"cluster": "audit", "path": "/audit"}}))
+    }
+
+    fn audit_records(host: &FakeHost) -> Vec<AuditRecord> {
+        jobs(host)
+            .into_iter()
+            .flat_map(|job| match job {
+                Job::AuditBatch(records) => records,
+                Job::Audit(record) => vec![record],
+                _ => vec![],
+            })
+            .collect()
+    }
+
+    fn valid_verdict(host: &mut FakeHost, credential: &[u8]) {
+        let hash = TokenHash::of(credential);
+        let v = Verdict::valid(&hash, NOW, None, 300, Some("acme".into()), None);
+        assert!(host.shared_put(&verdict::key(&hash, 65_536), &v.encode()));
+    }
+
+    #[test]
+    fn a_valid_configuration_asks_for_the_tick() {
+        let mut host = host_with_observer();
+        configured(&mut host, &api_keys(json!({})));
+        assert_eq!(host.tick, Some(Duration::from_millis(200)));
+    }
+
+    #[test]
+    fn an_invalid_configuration_is_refused() {
+        let mut host = host_with_observer();
+        let mut root = AuthRoot::default();
+        // An api_key source (the default sources) without an introspection endpoint.
+        assert!(!RootStage::<FakeHost>::configure(
+            &mut root, &mut host, b"{}"
+        ));
+        assert!(!RootStage::<FakeHost>::configure(
+            &mut root,
+            &mut host,
+            b"not json"
+        ));
+        assert_eq!(host.tick, None);
+    }
+
+    #[test]
+    fn a_stream_without_configuration_is_refused_500() {
+        let mut host = host_with_observer();
+        let root = AuthRoot::default();
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.sent.len(), 1);
+        assert_eq!(host.sent[0].status, 500);
+        assert!(host.sent[0].text().contains("not configured"));
+        assert_eq!(host.properties.get(internal::AUTH_PROPERTY), None);
+    }
+
+    #[test]
+    fn a_stream_is_done_with_both_bodies() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &api_keys(json!({})));
+        request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        assert!(host.done_with.contains(&Callback::RequestBody));
+        assert!(host.done_with.contains(&Callback::ResponseBody));
+    }
+
+    #[test]
+    fn a_refusal_is_audited_without_the_audit_observer() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &audited());
+        let (mut stream, _) = request(&root, &mut host, &[("x-request-id", "req-1")]);
+        stream.log(&mut host);
+        // Batched: enqueued on the tick.
+        assert!(audit_records(&host).is_empty());
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        let records = audit_records(&host);
+        assert_eq!(records.len(), 1);
+        let r = &records[0];
+        assert_eq!(r.decision, "missing");
+        assert_eq!(r.reason, "missing_credential");
+        assert!(!r.verified);
+        assert_eq!(r.request_id, "req-1");
+        assert_eq!(r.at_ms, NOW * 1000);
+    }
+
+    #[test]
+    fn an_allowed_request_is_not_audited_unless_activation_asks() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &audited());
+        valid_verdict(&mut host, b"sk-live-1");
+        host.properties.insert(
+            internal::OBSERVERS_PROPERTY.into(),
+            b"metering,cache".to_vec(),
+        );
+        let (mut stream, action) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        assert_eq!(action, Action::Continue);
+        stream.log(&mut host);
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        assert!(audit_records(&host).is_empty());
+    }
+
+    #[test]
+    fn an_allowed_request_is_audited_when_the_observers_list_audit() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &audited());
+        valid_verdict(&mut host, b"sk-live-1");
+        host.properties.insert(
+            internal::OBSERVERS_PROPERTY.into(),
+            b"metering,audit".to_vec(),
+        );
+        let (mut stream, _) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        stream.log(&mut host);
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        let records = audit_records(&host);
+        assert_eq!(records.len(), 1);
+        assert_eq!(records[0].decision, "valid_cached");
+        assert_eq!(records[0].tenant.as_deref(), Some("acme"));
+        assert!(records[0].verified);
+        assert_eq!(records[0].hash_prefix, TokenHash::of(b"sk-live-1").prefix());
+    }
+
+    #[test]
+    fn nothing_is_audited_without_an_audit_sink() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &api_keys(json!({})));
+        let (mut stream, _) = request(&root, &mut host, &[]);
+        stream.log(&mut host);
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        assert!(audit_records(&host).is_empty());
+    }
+
+    #[test]
+    fn a_full_audit_batch_is_enqueued_before_the_tick() {
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &audited());
+        for _ in 0..super::AUDIT_BATCH {
+            let (mut stream, _) = request(&root, &mut host, &[]);
+            stream.log(&mut host);
+        }
+        let batches = jobs(&host);
+        assert_eq!(batches.len(), 1, "one job for the whole batch");
+        assert_eq!(audit_records(&host).len(), super::AUDIT_BATCH);
+    }
+
+    #[test]
+    fn audit_records_the_observer_cannot_take_are_counted_lost() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &audited());
+        let (mut stream, _) = request(&root, &mut host, &[]);
+        stream.log(&mut host);
+        host.refuse_enqueue = true;
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        assert_eq!(host.metric("zerolayer_auth_jobs_lost"), Some(1));
     }
 }
