@@ -182,3 +182,128 @@ fn define_series(host: &mut impl Host, tenant: &str, model: &str) -> [Option<u32
     }
     ids
 }
+
+#[cfg(test)]
+mod tests {
+    use zerolayer_core::metering::{LabelLimits, UsageRecord};
+    use zerolayer_host::FakeHost;
+
+    use super::Meters;
+
+    fn record(tenant: &str, model: &str, input: u64, output: u64) -> UsageRecord {
+        UsageRecord {
+            at_ms: 1_700_000_000_000,
+            request_id: "r".into(),
+            tenant: tenant.into(),
+            model: model.into(),
+            input_tokens: input,
+            output_tokens: output,
+            cache_read_tokens: 1,
+            cache_creation_tokens: 0,
+            usage_missing: false,
+            status: 200,
+            latency_ms: 5,
+            streamed: false,
+            rate_bp: 0,
+            in_sample: false,
+        }
+    }
+
+    #[test]
+    fn a_series_is_defined_on_first_use_and_reported_on_flush() {
+        let mut host = FakeHost::default();
+        let meters = Meters::define(&mut host, LabelLimits::default());
+        let requests = "zerolayer_metering_requests_tenant=acme_model=m1";
+        assert_eq!(host.metric(requests), None, "not before first use");
+        meters.count(&mut host, &record("acme", "m1", 10, 3));
+        meters.count(&mut host, &record("acme", "m1", 5, 2));
+        meters.count(&mut host, &record("acme", "m2", 7, 7));
+        assert_eq!(host.metric(requests), Some(0), "counted in memory");
+        meters.flush(&mut host);
+        assert_eq!(host.metric(requests), Some(2));
+        let tokens = "zerolayer_metering_tokens_tenant=acme_model=m1_kind=";
+        assert_eq!(host.metric(&format!("{tokens}input")), Some(15));
+        assert_eq!(host.metric(&format!("{tokens}output")), Some(5));
+        assert_eq!(host.metric(&format!("{tokens}cache_read")), Some(2));
+        assert_eq!(host.metric(&format!("{tokens}cache_creation")), Some(0));
+        assert_eq!(
+            host.metric("zerolayer_metering_requests_tenant=acme_model=m2"),
+            Some(1)
+        );
+        // A second flush adds nothing twice.
+        meters.flush(&mut host);
+        assert_eq!(host.metric(requests), Some(2));
+    }
+
+    #[test]
+    fn tenants_past_the_label_bound_count_as_other() {
+        let mut host = FakeHost::default();
+        let limits = LabelLimits {
+            max_tenants: 1,
+            max_models: 20,
+        };
+        let meters = Meters::define(&mut host, limits);
+        meters.count(&mut host, &record("acme", "m", 1, 1));
+        meters.count(&mut host, &record("globex", "m", 1, 1));
+        meters.count(&mut host, &record("initech", "m", 1, 1));
+        meters.flush(&mut host);
+        assert_eq!(
+            host.metric("zerolayer_metering_requests_tenant=acme_model=m"),
+            Some(1)
+        );
+        assert_eq!(
+            host.metric("zerolayer_metering_requests_tenant=other_model=m"),
+            Some(2)
+        );
+        assert_eq!(
+            host.metric("zerolayer_metering_requests_tenant=globex_model=m"),
+            None
+        );
+    }
+
+    #[test]
+    fn missing_usage_is_counted_apart_from_found_usage() {
+        let mut host = FakeHost::default();
+        let meters = Meters::define(&mut host, LabelLimits::default());
+        meters.count(&mut host, &record("acme", "m", 1, 1));
+        let mut missing = record("acme", "unknown", 0, 0);
+        missing.usage_missing = true;
+        meters.count(&mut host, &missing);
+        meters.count(&mut host, &missing);
+        meters.flush(&mut host);
+        assert_eq!(
+            host.metric("zerolayer_metering_usage_result=found"),
+            Some(1)
+        );
+        assert_eq!(
+            host.metric("zerolayer_metering_usage_result=missing"),
+            Some(2)
+        );
+    }
+
+    #[test]
+    fn fixed_counters_are_reported_on_flush() {
+        let mut host = FakeHost::default();
+        let meters = Meters::define(&mut host, LabelLimits::default());
+        meters.record_posted(true);
+        meters.record_posted(false);
+        meters.record_posted(false);
+        meters.injected();
+        meters.encoded(true);
+        meters.encoded(false);
+        assert_eq!(
+            host.metric("zerolayer_metering_records_outcome=lost"),
+            Some(0)
+        );
+        meters.flush(&mut host);
+        for (name, value) in [
+            ("zerolayer_metering_records_outcome=queued", 1),
+            ("zerolayer_metering_records_outcome=lost", 2),
+            ("zerolayer_metering_include_usage_injected", 1),
+            ("zerolayer_metering_encoded_responses_result=decoded", 1),
+            ("zerolayer_metering_encoded_responses_result=unreadable", 1),
+        ] {
+            assert_eq!(host.metric(name), Some(value), "{name}");
+        }
+    }
+}

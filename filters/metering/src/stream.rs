@@ -391,3 +391,490 @@ impl<H: Host> StreamStage<H> for MeteredStream {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use flate2::Compression;
+    use flate2::write::GzEncoder;
+    use serde_json::Value;
+    use zerolayer_core::event::Job;
+    use zerolayer_core::internal;
+    use zerolayer_host::{Action, FakeHost, Host, Platform, RootStage, StreamStage};
+
+    use crate::MeteringRoot;
+
+    /// The singleton observer's queue (default `observer` link).
+    const JOBS: &str = "zerolayer.jobs";
+    const OPENAI: &str = "/v1/chat/completions";
+    const ANTHROPIC: &str = "/v1/messages";
+
+    /// Every request sampled, records shipped, tenant-less requests billed as `house`.
+    const SAMPLED: &str = r#"{"sampling":{"percent":100},"default_tenant":"house",
+        "sink":{"cluster":"clickhouse","path":"/"}}"#;
+
+    const REQUEST: &[u8] = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#;
+    const STREAMED_REQUEST: &[u8] =
+        br#"{"model":"gpt-4o","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+
+    const JSON_200: &[(&str, &str)] = &[(":status", "200"), ("content-type", "application/json")];
+    const SSE_200: &[(&str, &str)] = &[(":status", "200"), ("content-type", "text/event-stream")];
+
+    const OPENAI_ANSWER: &[u8] = br#"{"id":"c1","object":"chat.completion","model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"hello"}}],"usage":{"prompt_tokens":11,"completion_tokens":7,"total_tokens":18,"prompt_tokens_details":{"cached_tokens":4}}}"#;
+    const ANTHROPIC_ANSWER: &[u8] = br#"{"id":"msg_1","type":"message","role":"assistant","model":"claude-x","content":[{"type":"text","text":"hello"}],"usage":{"input_tokens":20,"cache_read_input_tokens":5,"cache_creation_input_tokens":2,"output_tokens":9}}"#;
+
+    const CONTENT_EVENT: &[u8] = b"data: {\"id\":\"c1\",\"model\":\"gpt-4o\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hello\"}}],\"usage\":null}\n\n";
+    const USAGE_EVENT: &[u8] = b"data: {\"id\":\"c1\",\"model\":\"gpt-4o\",\"choices\":[],\"usage\":{\"prompt_tokens\":13,\"completion_tokens\":2,\"total_tokens\":15}}\n\n";
+    const DONE_EVENT: &[u8] = b"data: [DONE]\n\n";
+
+    type Stream = Box<dyn StreamStage<FakeHost>>;
+
+    fn configured(config: &str) -> (FakeHost, MeteringRoot) {
+        let mut host = FakeHost::default();
+        // The observer service's queue, which filters resolve.
+        host.register_queue(JOBS)
+            .expect("the fake registers queues");
+        let mut root = MeteringRoot::default();
+        assert!(
+            RootStage::<FakeHost>::configure(&mut root, &mut host, config.as_bytes()),
+            "configuration refused: {config}"
+        );
+        (host, root)
+    }
+
+    /// Stream for `method` on `path` with `extra` headers after its request
+    /// headers and (if any) whole body; the two actions returned.
+    fn ask(
+        root: &MeteringRoot,
+        host: &mut FakeHost,
+        method: &str,
+        path: &str,
+        extra: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> (Stream, Action, Action) {
+        host.request_headers = [(":method", method), (":path", path)]
+            .iter()
+            .chain(extra)
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect();
+        host.properties.remove(internal::USAGE_PROPERTY);
+        let mut stream = RootStage::<FakeHost>::stream(root, 1);
+        let headers = stream.request_headers(host, body.is_none());
+        let body = match body {
+            Some(body) => {
+                host.request_body = body.to_vec();
+                stream.request_body(host, body.len(), true)
+            }
+            None => Action::Continue,
+        };
+        (stream, headers, body)
+    }
+
+    fn post(root: &MeteringRoot, host: &mut FakeHost, path: &str, body: &[u8]) -> Stream {
+        ask(root, host, "POST", path, &[], Some(body)).0
+    }
+
+    /// The response: `headers`, then `chunks` (the last one ends it); what
+    /// the client got of each chunk; then the access log.
+    fn complete(
+        stream: &mut Stream,
+        host: &mut FakeHost,
+        headers: &[(&str, &str)],
+        chunks: &[&[u8]],
+    ) -> Vec<u8> {
+        host.respond_with(headers);
+        let _ = stream.response_headers(host, chunks.is_empty());
+        let mut client = Vec::new();
+        for (i, chunk) in chunks.iter().enumerate() {
+            host.response_body = chunk.to_vec();
+            let _ = stream.response_body(host, chunk.len(), i + 1 == chunks.len());
+            client.extend_from_slice(&host.response_body);
+        }
+        stream.log(host);
+        client
+    }
+
+    /// The access log's usage entry.
+    fn logged(host: &FakeHost) -> Option<Value> {
+        let entry = host.properties.get(internal::USAGE_PROPERTY)?;
+        Some(serde_json::from_slice(entry).expect("the entry is JSON"))
+    }
+
+    fn usage_jobs(host: &FakeHost) -> Vec<zerolayer_core::metering::UsageRecord> {
+        host.queued(JOBS)
+            .iter()
+            .map(|job| match Job::decode(job) {
+                Some(Job::Usage(record)) => record,
+                _ => panic!("not a usage job"),
+            })
+            .collect()
+    }
+
+    fn counted(root: &mut MeteringRoot, host: &mut FakeHost, name: &str) -> Option<i64> {
+        RootStage::<FakeHost>::tick(root, host);
+        host.metric(name)
+    }
+
+    fn identity(host: &mut FakeHost, value: &str) {
+        host.properties
+            .insert(internal::AUTH_PROPERTY.into(), value.as_bytes().to_vec());
+    }
+
+    fn gzip(bytes: &[u8]) -> Vec<u8> {
+        let mut encoder = GzEncoder::new(Vec::new(), Compression::default());
+        encoder.write_all(bytes).expect("in memory");
+        encoder.finish().expect("in memory")
+    }
+
+    #[test]
+    fn a_request_that_is_not_a_post_is_not_metered() {
+        let (mut host, mut root) = configured(SAMPLED);
+        let (mut stream, _, _) = ask(&root, &mut host, "GET", OPENAI, &[], None);
+        complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        assert_eq!(logged(&host), None);
+        assert!(host.queued(JOBS).is_empty());
+        let found = "zerolayer_metering_usage_result=found";
+        assert_eq!(counted(&mut root, &mut host, found), Some(0));
+    }
+
+    #[test]
+    fn a_path_that_is_not_an_llm_call_is_not_metered() {
+        let (mut host, root) = configured(SAMPLED);
+        let mut stream = post(&root, &mut host, "/v1/embeddings", REQUEST);
+        complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        assert_eq!(logged(&host), None);
+        assert!(host.queued(JOBS).is_empty());
+        assert_eq!(host.request_header_value("accept-encoding"), None);
+    }
+
+    #[test]
+    fn an_openai_json_usage_reaches_the_access_log() {
+        let (mut host, root) = configured(SAMPLED);
+        identity(&mut host, "verified tenant=acme subject=u1");
+        let mut stream = post(&root, &mut host, OPENAI, REQUEST);
+        assert_eq!(
+            host.request_header_value("accept-encoding").as_deref(),
+            Some("identity")
+        );
+        let half = OPENAI_ANSWER.len() / 2;
+        let chunks = [&OPENAI_ANSWER[..half], &OPENAI_ANSWER[half..]];
+        complete(&mut stream, &mut host, JSON_200, &chunks);
+        let entry = logged(&host).expect("a usage entry");
+        assert_eq!(entry["tenant"], "acme");
+        assert_eq!(entry["model"], "gpt-4o");
+        assert_eq!(entry["input_tokens"], 11);
+        assert_eq!(entry["output_tokens"], 7);
+        assert_eq!(entry["cache_read_tokens"], 4);
+        assert_eq!(entry["usage_missing"], 0);
+        assert_eq!(entry["status"], 200);
+        assert_eq!(entry["streamed"], 0);
+    }
+
+    #[test]
+    fn an_anthropic_json_usage_reaches_the_access_log() {
+        let (mut host, root) = configured(SAMPLED);
+        identity(&mut host, "verified tenant=acme subject=u1");
+        let mut stream = post(&root, &mut host, ANTHROPIC, REQUEST);
+        complete(&mut stream, &mut host, JSON_200, &[ANTHROPIC_ANSWER]);
+        let entry = logged(&host).expect("a usage entry");
+        assert_eq!(entry["model"], "claude-x");
+        assert_eq!(entry["input_tokens"], 20);
+        assert_eq!(entry["output_tokens"], 9);
+        assert_eq!(entry["cache_read_tokens"], 5);
+        assert_eq!(entry["cache_creation_tokens"], 2);
+        assert_eq!(entry["usage_missing"], 0);
+    }
+
+    #[test]
+    fn usage_is_counted_per_tenant_and_model_on_tick() {
+        let (mut host, mut root) = configured(SAMPLED);
+        identity(&mut host, "verified tenant=acme subject=u1");
+        for _ in 0..2 {
+            let mut stream = post(&root, &mut host, OPENAI, REQUEST);
+            complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        }
+        let series = "_tenant=acme_model=gpt-4o";
+        let requests = format!("zerolayer_metering_requests{series}");
+        assert_eq!(host.metric(&requests), Some(0), "defined, not yet flushed");
+        assert_eq!(counted(&mut root, &mut host, &requests), Some(2));
+        for (kind, tokens) in [("input", 22), ("output", 14), ("cache_read", 8)] {
+            let name = format!("zerolayer_metering_tokens{series}_kind={kind}");
+            assert_eq!(host.metric(&name), Some(tokens), "{name}");
+        }
+        let found = "zerolayer_metering_usage_result=found";
+        assert_eq!(host.metric(found), Some(2));
+    }
+
+    #[test]
+    fn a_streams_usage_is_read_across_chunks() {
+        let (mut host, root) = configured(SAMPLED);
+        let mut stream = post(&root, &mut host, OPENAI, STREAMED_REQUEST);
+        let events = [CONTENT_EVENT, USAGE_EVENT, DONE_EVENT].concat();
+        // Cut inside the usage event, twice.
+        let at = CONTENT_EVENT.len() + 30;
+        let chunks = [&events[..at], &events[at..at + 40], &events[at + 40..]];
+        let client = complete(&mut stream, &mut host, SSE_200, &chunks);
+        assert_eq!(
+            client, events,
+            "nothing stripped: metering asked for nothing"
+        );
+        let entry = logged(&host).expect("a usage entry");
+        assert_eq!(entry["input_tokens"], 13);
+        assert_eq!(entry["output_tokens"], 2);
+        assert_eq!(entry["model"], "gpt-4o");
+        assert_eq!(entry["streamed"], 1);
+        assert_eq!(entry["usage_missing"], 0);
+    }
+
+    fn tenant_billed(config: &str, auth: Option<&str>, header: Option<&str>) -> Value {
+        let (mut host, root) = configured(config);
+        if let Some(auth) = auth {
+            identity(&mut host, auth);
+        }
+        let extra: Vec<(&str, &str)> = header.map(|t| ("x-tenant-id", t)).into_iter().collect();
+        let (mut stream, _, _) = ask(&root, &mut host, "POST", OPENAI, &extra, Some(REQUEST));
+        complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        logged(&host).expect("a usage entry")["tenant"].clone()
+    }
+
+    #[test]
+    fn the_tenant_is_lazy_auths_verified_one_not_the_header() {
+        let with_header = r#"{"tenant_header":"x-tenant-id","default_tenant":"house"}"#;
+        let verified = Some("verified tenant=acme subject=u1");
+        assert_eq!(tenant_billed(with_header, verified, Some("globex")), "acme");
+    }
+
+    #[test]
+    fn an_unverified_identity_is_billed_as_unverified() {
+        let claimed = Some("unverified tenant=acme");
+        assert_eq!(tenant_billed(SAMPLED, claimed, None), "unverified");
+    }
+
+    #[test]
+    fn a_request_without_identity_is_billed_to_the_default_tenant() {
+        assert_eq!(tenant_billed(SAMPLED, None, None), "house");
+        assert_eq!(tenant_billed("{}", None, None), "unknown");
+        // Without lazy-auth in the chain, the operator's header counts.
+        let with_header = r#"{"tenant_header":"x-tenant-id"}"#;
+        assert_eq!(tenant_billed(with_header, None, Some("globex")), "globex");
+    }
+
+    #[test]
+    fn every_record_is_shipped_at_a_full_sampling_rate() {
+        let (mut host, mut root) = configured(SAMPLED);
+        for id in ["r-1", "r-2", "r-3"] {
+            let extra = [("x-request-id", id)];
+            let (mut stream, _, _) = ask(&root, &mut host, "POST", OPENAI, &extra, Some(REQUEST));
+            complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        }
+        let records = usage_jobs(&host);
+        let ids: Vec<&str> = records.iter().map(|r| r.request_id.as_str()).collect();
+        assert_eq!(ids, ["r-1", "r-2", "r-3"]);
+        assert!(records.iter().all(|r| r.in_sample && r.rate_bp == 10_000));
+        assert_eq!(records[0].input_tokens, 11);
+        let queued = "zerolayer_metering_records_outcome=queued";
+        assert_eq!(counted(&mut root, &mut host, queued), Some(3));
+    }
+
+    const UNSAMPLED: &str =
+        r#"{"sampling":{"percent":0},"sink":{"cluster":"clickhouse","path":"/"}}"#;
+
+    #[test]
+    fn no_record_is_shipped_at_a_zero_sampling_rate() {
+        let (mut host, root) = configured(UNSAMPLED);
+        let mut stream = post(&root, &mut host, OPENAI, REQUEST);
+        complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        assert!(host.queued(JOBS).is_empty());
+        // The access log has it all the same.
+        assert_eq!(logged(&host).expect("a usage entry")["input_tokens"], 11);
+    }
+
+    #[test]
+    fn activations_metering_observer_forces_a_record_outside_the_sample() {
+        let (mut host, root) = configured(UNSAMPLED);
+        host.properties.insert(
+            internal::OBSERVERS_PROPERTY.into(),
+            b"cache,metering".to_vec(),
+        );
+        let mut stream = post(&root, &mut host, OPENAI, REQUEST);
+        complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        let records = usage_jobs(&host);
+        assert_eq!(records.len(), 1);
+        assert!(!records[0].in_sample);
+        assert_eq!(records[0].rate_bp, 0);
+    }
+
+    #[test]
+    fn a_record_the_queue_refuses_is_counted_lost() {
+        let (mut host, mut root) = configured(SAMPLED);
+        host.refuse_enqueue = true;
+        let mut stream = post(&root, &mut host, OPENAI, REQUEST);
+        complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        let lost = "zerolayer_metering_records_outcome=lost";
+        assert_eq!(counted(&mut root, &mut host, lost), Some(1));
+    }
+
+    const INCLUDE_USAGE: &str = r#"{"openai_include_usage":true}"#;
+
+    fn streamed_openai(root: &MeteringRoot, host: &mut FakeHost) -> (Stream, Action, Action) {
+        let length = STREAMED_REQUEST.len().to_string();
+        let extra = [("content-length", length.as_str())];
+        ask(root, host, "POST", OPENAI, &extra, Some(STREAMED_REQUEST))
+    }
+
+    #[test]
+    fn include_usage_is_added_to_a_streamed_openai_request() {
+        let (mut host, mut root) = configured(INCLUDE_USAGE);
+        let (_stream, headers, body) = streamed_openai(&root, &mut host);
+        assert_eq!(headers, Action::Pause, "held until the body is rewritten");
+        assert_eq!(body, Action::Continue);
+        let rewritten: Value = serde_json::from_slice(&host.request_body).expect("JSON");
+        assert_eq!(rewritten["stream_options"]["include_usage"], true);
+        assert_eq!(rewritten["model"], "gpt-4o");
+        assert_eq!(
+            host.request_header_value("content-length"),
+            Some(host.request_body.len().to_string())
+        );
+        let injected = "zerolayer_metering_include_usage_injected";
+        assert_eq!(counted(&mut root, &mut host, injected), Some(1));
+        // Envoy runs responses in reverse: post-cache needs no telling.
+        assert!(
+            !host
+                .properties
+                .contains_key(internal::USAGE_HIDDEN_PROPERTY)
+        );
+    }
+
+    #[test]
+    fn the_usage_chunk_asked_for_is_stripped_from_the_response() {
+        let (mut host, root) = configured(INCLUDE_USAGE);
+        let (mut stream, _, _) = streamed_openai(&root, &mut host);
+        let chunks = [CONTENT_EVENT, USAGE_EVENT, DONE_EVENT];
+        let client = complete(&mut stream, &mut host, SSE_200, &chunks);
+        assert_eq!(client, [CONTENT_EVENT, DONE_EVENT].concat());
+        let entry = logged(&host).expect("a usage entry");
+        assert_eq!(entry["input_tokens"], 13);
+        assert_eq!(entry["output_tokens"], 2);
+    }
+
+    #[test]
+    fn ngx_wasm_module_tells_post_cache_the_usage_chunk_is_hidden() {
+        let (mut host, root) = configured(INCLUDE_USAGE);
+        host.platform = Platform::NgxWasm;
+        let (_stream, headers, _) = streamed_openai(&root, &mut host);
+        assert_eq!(
+            headers,
+            Action::Continue,
+            "ngx_wasm_module cannot hold them"
+        );
+        assert_eq!(
+            host.properties
+                .get(internal::USAGE_HIDDEN_PROPERTY)
+                .map(Vec::as_slice),
+            Some(&b"1"[..])
+        );
+    }
+
+    #[test]
+    fn a_refused_injection_is_a_400_and_not_metered() {
+        let (mut host, root) = configured(INCLUDE_USAGE);
+        let ambiguous: &[u8] = br#"{"model":"gpt-4o","stream":"yes","messages":[]}"#;
+        let (mut stream, _, body) = ask(&root, &mut host, "POST", OPENAI, &[], Some(ambiguous));
+        assert_eq!(body, Action::Pause);
+        assert_eq!(host.sent.len(), 1);
+        assert_eq!(host.sent[0].status, 400);
+        assert!(host.sent[0].text().contains("invalid_request_error"));
+        stream.log(&mut host);
+        assert_eq!(logged(&host), None);
+    }
+
+    #[test]
+    fn a_response_that_never_ended_is_recorded_on_log_with_usage_missing() {
+        let (mut host, mut root) = configured(SAMPLED);
+        let mut stream = post(&root, &mut host, OPENAI, STREAMED_REQUEST);
+        host.respond_with(SSE_200);
+        let _ = stream.response_headers(&mut host, false);
+        host.response_body = CONTENT_EVENT.to_vec();
+        let _ = stream.response_body(&mut host, CONTENT_EVENT.len(), false);
+        assert_eq!(logged(&host), None, "not before the log");
+        stream.log(&mut host);
+        let entry = logged(&host).expect("a usage entry");
+        assert_eq!(entry["usage_missing"], 1);
+        assert_eq!(entry["input_tokens"], 0);
+        assert_eq!(entry["status"], 200);
+        let missing = "zerolayer_metering_usage_result=missing";
+        assert_eq!(counted(&mut root, &mut host, missing), Some(1));
+    }
+
+    #[test]
+    fn a_gzip_response_is_decoded_for_its_usage() {
+        let (mut host, mut root) = configured(SAMPLED);
+        let mut stream = post(&root, &mut host, ANTHROPIC, REQUEST);
+        let compressed = gzip(ANTHROPIC_ANSWER);
+        let half = compressed.len() / 2;
+        let chunks = [&compressed[..half], &compressed[half..]];
+        let headers = [
+            (":status", "200"),
+            ("content-type", "application/json"),
+            ("content-encoding", "gzip"),
+        ];
+        let client = complete(&mut stream, &mut host, &headers, &chunks);
+        assert_eq!(client, compressed, "the client's bytes are left as sent");
+        let entry = logged(&host).expect("a usage entry");
+        assert_eq!(entry["input_tokens"], 20);
+        assert_eq!(entry["output_tokens"], 9);
+        assert_eq!(entry["usage_missing"], 0);
+        let decoded = "zerolayer_metering_encoded_responses_result=decoded";
+        assert_eq!(counted(&mut root, &mut host, decoded), Some(1));
+    }
+
+    #[test]
+    fn an_unreadable_coding_leaves_the_usage_missing() {
+        let (mut host, mut root) = configured(SAMPLED);
+        let mut stream = post(&root, &mut host, ANTHROPIC, REQUEST);
+        let headers = [(":status", "200"), ("content-encoding", "br")];
+        complete(&mut stream, &mut host, &headers, &[b"\x0b\x02\x80"]);
+        assert_eq!(logged(&host).expect("a usage entry")["usage_missing"], 1);
+        let unreadable = "zerolayer_metering_encoded_responses_result=unreadable";
+        assert_eq!(counted(&mut root, &mut host, unreadable), Some(1));
+    }
+
+    fn ngx_request_with_body(root: &MeteringRoot, host: &mut FakeHost) -> Stream {
+        host.platform = Platform::NgxWasm;
+        host.request_headers = vec![
+            (":method".into(), b"POST".to_vec()),
+            (":path".into(), OPENAI.as_bytes().to_vec()),
+            (
+                "content-length".into(),
+                REQUEST.len().to_string().into_bytes(),
+            ),
+        ];
+        let mut stream = RootStage::<FakeHost>::stream(root, 1);
+        assert_eq!(stream.request_headers(host, false), Action::Continue);
+        stream
+    }
+
+    #[test]
+    fn ngx_wasm_module_does_not_meter_a_request_answered_before_its_body() {
+        let (mut host, root) = configured(SAMPLED);
+        let mut stream = ngx_request_with_body(&root, &mut host);
+        // An earlier filter's body step answered (a cache hit): the
+        // response comes before this filter saw the body.
+        complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        assert_eq!(logged(&host), None);
+        assert!(host.queued(JOBS).is_empty());
+    }
+
+    #[test]
+    fn ngx_wasm_module_meters_a_request_whose_body_went_upstream() {
+        let (mut host, root) = configured(SAMPLED);
+        let mut stream = ngx_request_with_body(&root, &mut host);
+        host.request_body = REQUEST.to_vec();
+        let _ = stream.request_body(&mut host, REQUEST.len(), true);
+        complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        assert_eq!(logged(&host).expect("a usage entry")["input_tokens"], 11);
+        // ngx_wasm_module's access log reads the nginx variable.
+        assert!(host.properties.contains_key(internal::USAGE_NGX_VARIABLE));
+    }
+}

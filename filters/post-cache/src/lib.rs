@@ -20,6 +20,8 @@
 mod metrics;
 mod shelf;
 mod stream;
+#[cfg(test)]
+mod testing;
 
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -199,4 +201,151 @@ fn wake_followers(host: &mut impl Host, plan: &Plan) {
         plan.metrics.wait_ended(end);
         false
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use zerolayer_host::{Action, FakeHost, RootStage, StreamStage};
+
+    use super::CacheRoot;
+    use crate::testing::{
+        ANSWER, BODY, JSON_200, SECRET_ENV, complete, configured, counted, post, shared_cache,
+        stored_bodies,
+    };
+
+    /// A lease holder (stream 1) and an identical request waiting behind it
+    /// (stream 2).
+    fn holder_and_follower(
+        root: &CacheRoot,
+        host: &mut FakeHost,
+    ) -> (
+        Box<dyn StreamStage<FakeHost>>,
+        Box<dyn StreamStage<FakeHost>>,
+    ) {
+        let holder = post(root, host, 1, BODY);
+        assert_eq!(holder.body, Action::Continue);
+        let follower = post(root, host, 2, BODY);
+        assert_eq!(follower.body, Action::Pause);
+        (holder.stream, follower.stream)
+    }
+
+    fn waiting(root: &CacheRoot) -> usize {
+        root.plan
+            .as_ref()
+            .expect("configured")
+            .waiters
+            .borrow()
+            .len()
+    }
+
+    #[test]
+    fn a_follower_is_served_on_tick_once_the_holder_stored_its_response() {
+        let (mut host, mut root) = shared_cache();
+        let (mut holder, mut follower) = holder_and_follower(&root, &mut host);
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        assert!(host.sent.is_empty(), "nothing to serve yet");
+        assert_eq!(waiting(&root), 1);
+
+        complete(&mut holder, &mut host, JSON_200, &ANSWER);
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        assert_eq!(host.sent.len(), 1);
+        let served = &host.sent[0];
+        assert_eq!(served.effective, Some(2));
+        assert_eq!(served.header("x-cache"), Some("HIT"));
+        assert_eq!(served.body, ANSWER.concat());
+        assert!(host.resumes.is_empty());
+        assert_eq!(waiting(&root), 0);
+        let outcome = "zerolayer_cache_lease_waits_outcome=hit";
+        assert_eq!(counted(&mut root, &mut host, outcome), 1);
+
+        // The follower's own response is the gateway's: its x-cache stays.
+        host.respond_with(&[(":status", "200"), ("x-cache", "HIT")]);
+        let _ = follower.response_headers(&mut host, true);
+        assert_eq!(
+            host.response_header_value("x-cache").as_deref(),
+            Some("HIT")
+        );
+    }
+
+    #[test]
+    fn a_follower_goes_upstream_when_the_lease_ends_without_an_entry() {
+        let (mut host, mut root) = shared_cache();
+        let (mut holder, mut follower) = holder_and_follower(&root, &mut host);
+        complete(
+            &mut holder,
+            &mut host,
+            &[(":status", "502")],
+            &[b"bad gateway"],
+        );
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        assert!(host.sent.is_empty());
+        assert_eq!(host.resumes, [Some(2)]);
+        let outcome = "zerolayer_cache_lease_waits_outcome=upstream";
+        assert_eq!(counted(&mut root, &mut host, outcome), 1);
+        // Upstream now: a miss whose response is stored.
+        complete(&mut follower, &mut host, JSON_200, &ANSWER);
+        assert_eq!(
+            host.response_header_value("x-cache").as_deref(),
+            Some("MISS")
+        );
+        assert_eq!(stored_bodies(&host), 1);
+    }
+
+    #[test]
+    fn a_follower_goes_upstream_after_max_wait() {
+        let (mut host, mut root) = configured(&format!(
+            r#"{{"secret_env":"{SECRET_ENV}","namespace":"shared","stampede":{{"max_wait_ms":1000}}}}"#
+        ));
+        let (_holder, _follower) = holder_and_follower(&root, &mut host);
+        host.advance(Duration::from_millis(999));
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        assert!(host.resumes.is_empty());
+        host.advance(Duration::from_millis(1));
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        assert_eq!(host.resumes, [Some(2)]);
+        assert_eq!(waiting(&root), 0);
+        let outcome = "zerolayer_cache_lease_waits_outcome=timeout";
+        assert_eq!(counted(&mut root, &mut host, outcome), 1);
+    }
+
+    #[test]
+    fn a_follower_whose_client_left_is_forgotten() {
+        let (mut host, mut root) = shared_cache();
+        let (mut holder, follower) = holder_and_follower(&root, &mut host);
+        drop(follower);
+        complete(&mut holder, &mut host, JSON_200, &ANSWER);
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        assert!(host.sent.is_empty());
+        assert!(host.resumes.is_empty());
+        assert_eq!(waiting(&root), 0);
+    }
+
+    #[test]
+    fn counters_reach_the_host_on_tick() {
+        let (mut host, mut root) = shared_cache();
+        let _ = post(&root, &mut host, 1, BODY);
+        let miss = "zerolayer_cache_lookups_result=miss";
+        assert_eq!(host.metric(miss), Some(0), "defined, not yet flushed");
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
+        assert_eq!(host.metric(miss), Some(1));
+    }
+
+    #[test]
+    fn a_secret_that_is_not_set_is_refused() {
+        let mut host = FakeHost::default();
+        let mut root = CacheRoot::default();
+        let config = br#"{"secret_env":"ZEROLAYER_TEST_SECRET_THAT_IS_NEVER_SET"}"#;
+        assert!(!RootStage::<FakeHost>::configure(
+            &mut root, &mut host, config
+        ));
+        assert!(root.plan.is_none());
+        // Requests then pass untouched.
+        let asked = post(&root, &mut host, 1, BODY);
+        assert_eq!(
+            (asked.headers, asked.body),
+            (Action::Continue, Action::Continue)
+        );
+    }
 }

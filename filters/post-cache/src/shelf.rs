@@ -143,3 +143,128 @@ pub(crate) fn serve(host: &mut impl Host, hit: &Hit) {
         log::warn!("post-cache: could not send a cached response: {status:?}");
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use zerolayer_core::cache::key::CacheKey;
+    use zerolayer_core::cache::lease::LeaseOutcome;
+    use zerolayer_core::cache::store::{Layout, StoredResponse};
+    use zerolayer_host::{FakeHost, Host};
+
+    use super::{Hit, Shelf, serve};
+
+    const NOW: u64 = 1_700_000_000;
+
+    fn response(key: &CacheKey, stored_at: u64, body: &[u8]) -> StoredResponse {
+        StoredResponse {
+            digest: key.0,
+            stored_at_ms: stored_at * 1000,
+            status: 200,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: body.to_vec(),
+            streamed: false,
+        }
+    }
+
+    /// One set of two ways: every key lands in it.
+    fn one_set() -> Shelf {
+        Shelf::new(2)
+    }
+
+    #[test]
+    fn a_stored_entry_is_found_with_its_age() {
+        let (mut host, shelf, key) = (FakeHost::default(), one_set(), CacheKey([1; 32]));
+        assert!(shelf.lookup(&mut host, &key, NOW, None).is_none());
+        let stored = shelf.store(&mut host, &key, &response(&key, NOW, b"one"), NOW + 60, NOW);
+        assert_eq!(stored, Some(false));
+        let hit = shelf.lookup(&mut host, &key, NOW + 7, None).expect("a hit");
+        assert_eq!(hit.age, 7);
+        assert_eq!(hit.response.body, b"one");
+        assert!(
+            shelf
+                .lookup(&mut host, &CacheKey([2; 32]), NOW, None)
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn an_expired_entry_or_one_older_than_max_age_is_not_served() {
+        let (mut host, shelf, key) = (FakeHost::default(), one_set(), CacheKey([1; 32]));
+        shelf.store(&mut host, &key, &response(&key, NOW, b"one"), NOW + 60, NOW);
+        assert!(shelf.lookup(&mut host, &key, NOW + 10, Some(10)).is_some());
+        assert!(shelf.lookup(&mut host, &key, NOW + 11, Some(10)).is_none());
+        assert!(shelf.lookup(&mut host, &key, NOW + 59, None).is_some());
+        assert!(shelf.lookup(&mut host, &key, NOW + 60, None).is_none());
+    }
+
+    #[test]
+    fn a_body_slot_another_entry_replaced_is_a_miss() {
+        let (mut host, shelf, key) = (FakeHost::default(), one_set(), CacheKey([1; 32]));
+        shelf.store(&mut host, &key, &response(&key, NOW, b"one"), NOW + 60, NOW);
+        // A writer raced the index: the slot now holds another key's body.
+        let layout = Layout::new(2);
+        let slot = layout.body_key(layout.set_of(&key), 0);
+        let other = CacheKey([2; 32]);
+        assert!(host.shared_put(&slot, &response(&other, NOW, b"two").encode()));
+        assert!(shelf.lookup(&mut host, &key, NOW, None).is_none());
+    }
+
+    #[test]
+    fn a_full_set_evicts_the_entry_that_expires_first() {
+        let (mut host, shelf) = (FakeHost::default(), one_set());
+        let keys = [CacheKey([1; 32]), CacheKey([2; 32]), CacheKey([3; 32])];
+        let ttl = [30, 60, 60];
+        for (i, key) in keys.iter().enumerate() {
+            let evicted = shelf.store(&mut host, key, &response(key, NOW, b"x"), NOW + ttl[i], NOW);
+            assert_eq!(evicted, Some(i == 2), "store {i}");
+        }
+        assert!(shelf.lookup(&mut host, &keys[0], NOW, None).is_none());
+        assert!(shelf.lookup(&mut host, &keys[1], NOW, None).is_some());
+        assert!(shelf.lookup(&mut host, &keys[2], NOW, None).is_some());
+    }
+
+    #[test]
+    fn a_lease_is_exclusive_until_released_or_expired() {
+        let (mut host, shelf, key) = (FakeHost::default(), one_set(), CacheKey([1; 32]));
+        let now_ms = NOW * 1000;
+        assert_eq!(
+            shelf.take_lease(&mut host, &key, now_ms, 100),
+            LeaseOutcome::Taken
+        );
+        assert_eq!(
+            shelf.take_lease(&mut host, &key, now_ms + 1, 100),
+            LeaseOutcome::HeldUntil(now_ms + 100)
+        );
+        assert!(shelf.lease_held(&mut host, &key, now_ms + 99));
+        assert!(!shelf.lease_held(&mut host, &key, now_ms + 100), "expired");
+        assert!(!shelf.lease_held(&mut host, &CacheKey([2; 32]), now_ms));
+        shelf.release_lease(&mut host, &key);
+        assert!(!shelf.lease_held(&mut host, &key, now_ms));
+        assert_eq!(
+            shelf.take_lease(&mut host, &key, now_ms, 100),
+            LeaseOutcome::Taken
+        );
+    }
+
+    #[test]
+    fn a_hit_is_served_with_its_stored_headers_x_cache_and_age() {
+        let mut host = FakeHost::default();
+        let key = CacheKey([1; 32]);
+        let hit = Hit {
+            response: response(&key, NOW, b"{}\n"),
+            age: 12,
+        };
+        serve(&mut host, &hit);
+        let sent = &host.sent[0];
+        assert_eq!(sent.status, 200);
+        assert_eq!(
+            sent.headers,
+            [
+                ("content-type".to_string(), "application/json".to_string()),
+                ("x-cache".into(), "HIT".into()),
+                ("age".into(), "12".into()),
+            ]
+        );
+        assert_eq!(sent.body, b"{}\n");
+    }
+}

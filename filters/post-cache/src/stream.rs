@@ -616,3 +616,582 @@ impl<H: Host> StreamStage<H> for CacheStream {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use zerolayer_core::cache::store::{FleetEntry, StoredResponse};
+    use zerolayer_core::event::Job;
+    use zerolayer_core::internal;
+    use zerolayer_host::{Action, FakeHost, Platform};
+
+    use crate::CacheRoot;
+    use crate::testing::{
+        ANSWER, BODY, JOBS, JSON_200, OPENAI, OTHER_BODY, SECRET_ENV, ask, complete, configured,
+        counted, key_of, observer_queue, post, respond, shared_cache, stored_bodies,
+    };
+
+    const SSE_200: &[(&str, &str)] = &[(":status", "200"), ("content-type", "text/event-stream")];
+    const SSE_START: [&[u8]; 2] = [
+        b"data: {\"id\":\"c1\",\"choices\":[{\"delta\":{\"content\":\"hel\"}}]}\n\n",
+        b"data: {\"id\":\"c1\",\"choices\":[{\"delta\":{\"content\":\"lo\"}}]}\n\n",
+    ];
+    const SSE_DONE: &[u8] = b"data: [DONE]\n\n";
+
+    fn lease_held(root: &CacheRoot, host: &mut FakeHost, body: &[u8]) -> bool {
+        let plan = root.plan.as_ref().expect("configured");
+        let now_ms = host.clock.as_millis() as u64;
+        plan.shelf.lease_held(host, &key_of(body, None), now_ms)
+    }
+
+    /// Stores `BODY`'s answer in a fresh shared cache.
+    fn cached() -> (FakeHost, CacheRoot) {
+        let (mut host, root) = shared_cache();
+        let mut first = post(&root, &mut host, 1, BODY);
+        complete(&mut first.stream, &mut host, JSON_200, &ANSWER);
+        assert_eq!(stored_bodies(&host), 1);
+        (host, root)
+    }
+
+    /// After `BODY` got this response (and its log), nothing is stored and
+    /// the same request again is a miss.
+    fn assert_not_stored(
+        host: &mut FakeHost,
+        root: &CacheRoot,
+        headers: &[(&str, &str)],
+        chunks: &[&[u8]],
+    ) {
+        let mut first = post(root, host, 1, BODY);
+        assert_eq!(first.body, Action::Continue);
+        complete(&mut first.stream, host, headers, chunks);
+        assert_eq!(stored_bodies(host), 0);
+        let again = post(root, host, 2, BODY);
+        assert_eq!(again.body, Action::Continue);
+        assert!(host.sent.is_empty());
+    }
+
+    #[test]
+    fn a_path_the_cache_does_not_know_is_ignored() {
+        let (mut host, mut root) = shared_cache();
+        let mut asked = ask(&root, &mut host, 1, "POST", "/v1/models", &[], Some(BODY));
+        assert_eq!(asked.headers, Action::Continue);
+        assert_eq!(asked.body, Action::Continue);
+        assert_eq!(host.request_header_value("accept-encoding"), None);
+        let upstream = [(":status", "200"), ("x-cache", "HIT")];
+        complete(&mut asked.stream, &mut host, &upstream, &ANSWER);
+        // The upstream's verdict is removed, none of ours is added.
+        assert_eq!(host.response_header_value("x-cache"), None);
+        assert_eq!(stored_bodies(&host), 0);
+        for result in ["hit", "miss", "bypass"] {
+            let name = format!("zerolayer_cache_lookups_result={result}");
+            assert_eq!(counted(&mut root, &mut host, &name), 0, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_get_bypasses_the_cache() {
+        let (mut host, mut root) = shared_cache();
+        let mut asked = ask(&root, &mut host, 1, "GET", OPENAI, &[], None);
+        assert_eq!(asked.headers, Action::Continue);
+        complete(&mut asked.stream, &mut host, JSON_200, &ANSWER);
+        assert_eq!(
+            host.response_header_value("x-cache").as_deref(),
+            Some("BYPASS")
+        );
+        assert_eq!(stored_bodies(&host), 0);
+        let reason = "zerolayer_cache_bypass_reason=not_cacheable_method";
+        assert_eq!(counted(&mut root, &mut host, reason), 1);
+        let bypass = "zerolayer_cache_lookups_result=bypass";
+        assert_eq!(counted(&mut root, &mut host, bypass), 1);
+    }
+
+    #[test]
+    fn a_request_no_store_bypasses_without_holding_the_headers() {
+        let (mut host, mut root) = shared_cache();
+        let no_store = [("cache-control", "no-store")];
+        let mut asked = ask(&root, &mut host, 1, "POST", OPENAI, &no_store, Some(BODY));
+        assert_eq!(asked.headers, Action::Continue);
+        complete(&mut asked.stream, &mut host, JSON_200, &ANSWER);
+        assert_eq!(
+            host.response_header_value("x-cache").as_deref(),
+            Some("BYPASS")
+        );
+        assert_eq!(stored_bodies(&host), 0);
+        let reason = "zerolayer_cache_bypass_reason=request_no_store";
+        assert_eq!(counted(&mut root, &mut host, reason), 1);
+    }
+
+    #[test]
+    fn headers_are_held_for_the_body_in_envoy_only() {
+        let (mut host, root) = shared_cache();
+        assert_eq!(post(&root, &mut host, 1, BODY).headers, Action::Pause);
+
+        let (mut host, root) = shared_cache();
+        host.platform = Platform::NgxWasm;
+        let asked = post(&root, &mut host, 1, BODY);
+        assert_eq!(asked.headers, Action::Continue);
+        // The body callback still decides: a miss here, and the lease taken.
+        assert_eq!(asked.body, Action::Continue);
+        assert!(lease_held(&root, &mut host, BODY));
+    }
+
+    #[test]
+    fn ngx_wasm_module_serves_a_hit_from_the_body_callback() {
+        let (mut host, root) = shared_cache();
+        host.platform = Platform::NgxWasm;
+        let mut first = post(&root, &mut host, 1, BODY);
+        complete(&mut first.stream, &mut host, JSON_200, &ANSWER);
+        let second = post(&root, &mut host, 2, BODY);
+        assert_eq!(second.headers, Action::Continue);
+        assert_eq!(second.body, Action::Pause);
+        assert_eq!(host.sent.len(), 1);
+        assert_eq!(host.sent[0].header("x-cache"), Some("HIT"));
+    }
+
+    #[test]
+    fn an_uncompressed_response_is_asked_for() {
+        let (mut host, root) = shared_cache();
+        let gzip = [("accept-encoding", "gzip, br")];
+        ask(&root, &mut host, 1, "POST", OPENAI, &gzip, Some(BODY));
+        assert_eq!(
+            host.request_header_value("accept-encoding").as_deref(),
+            Some("identity")
+        );
+    }
+
+    #[test]
+    fn a_miss_takes_the_lease_and_goes_upstream() {
+        let (mut host, mut root) = shared_cache();
+        let mut asked = post(&root, &mut host, 1, BODY);
+        assert_eq!(asked.headers, Action::Pause);
+        assert_eq!(asked.body, Action::Continue);
+        assert!(host.sent.is_empty());
+        assert!(lease_held(&root, &mut host, BODY));
+        respond(&mut asked.stream, &mut host, JSON_200, &ANSWER);
+        assert_eq!(
+            host.response_header_value("x-cache").as_deref(),
+            Some("MISS")
+        );
+        let miss = "zerolayer_cache_lookups_result=miss";
+        assert_eq!(counted(&mut root, &mut host, miss), 1);
+    }
+
+    #[test]
+    fn a_complete_response_is_stored_on_log_and_served_as_a_hit() {
+        let (mut host, mut root) = shared_cache();
+        let mut first = post(&root, &mut host, 1, BODY);
+        respond(&mut first.stream, &mut host, JSON_200, &ANSWER);
+        assert_eq!(stored_bodies(&host), 0, "written only on log");
+        first.stream.log(&mut host);
+        assert_eq!(stored_bodies(&host), 1);
+        assert!(!lease_held(&root, &mut host, BODY), "released on log");
+
+        host.advance(Duration::from_secs(5));
+        let second = post(&root, &mut host, 2, BODY);
+        assert_eq!(second.body, Action::Pause);
+        assert_eq!(host.sent.len(), 1);
+        let hit = &host.sent[0];
+        assert_eq!(hit.status, 200);
+        assert_eq!(hit.header("x-cache"), Some("HIT"));
+        assert_eq!(hit.header("age"), Some("5"));
+        assert_eq!(hit.header("content-type"), Some("application/json"));
+        assert_eq!(hit.body, ANSWER.concat());
+        assert_eq!(hit.effective, None);
+        assert_eq!(
+            counted(&mut root, &mut host, "zerolayer_cache_lookups_result=hit"),
+            1
+        );
+        assert_eq!(counted(&mut root, &mut host, "zerolayer_cache_stored"), 1);
+    }
+
+    #[test]
+    fn a_request_with_another_body_is_a_miss() {
+        let (mut host, mut root) = cached();
+        let other = post(&root, &mut host, 2, OTHER_BODY);
+        assert_eq!(other.body, Action::Continue);
+        assert!(host.sent.is_empty());
+        let miss = "zerolayer_cache_lookups_result=miss";
+        assert_eq!(counted(&mut root, &mut host, miss), 2);
+    }
+
+    #[test]
+    fn a_non_200_response_is_not_stored() {
+        let (mut host, mut root) = shared_cache();
+        let error: &[u8] = br#"{"error":{"type":"overloaded"}}"#;
+        let status = [(":status", "500"), ("content-type", "application/json")];
+        assert_not_stored(&mut host, &root, &status, &[error]);
+        let reason = "zerolayer_cache_bypass_reason=status";
+        assert_eq!(counted(&mut root, &mut host, reason), 1);
+    }
+
+    #[test]
+    fn a_response_no_store_is_not_stored() {
+        let (mut host, mut root) = shared_cache();
+        let no_store = [
+            (":status", "200"),
+            ("content-type", "application/json"),
+            ("cache-control", "no-store"),
+        ];
+        assert_not_stored(&mut host, &root, &no_store, &ANSWER);
+        let reason = "zerolayer_cache_bypass_reason=response_no_store";
+        assert_eq!(counted(&mut root, &mut host, reason), 1);
+    }
+
+    #[test]
+    fn a_compressed_response_is_not_stored() {
+        let (mut host, mut root) = shared_cache();
+        let gzip = [
+            (":status", "200"),
+            ("content-type", "application/json"),
+            ("content-encoding", "gzip"),
+        ];
+        assert_not_stored(&mut host, &root, &gzip, &[b"\x1f\x8b\x08\x00"]);
+        let reason = "zerolayer_cache_bypass_reason=encoded";
+        assert_eq!(counted(&mut root, &mut host, reason), 1);
+    }
+
+    #[test]
+    fn a_response_over_max_entry_bytes_is_not_stored() {
+        let (mut host, mut root) = configured(&format!(
+            r#"{{"secret_env":"{SECRET_ENV}","namespace":"shared","max_entry_bytes":1024}}"#
+        ));
+        let half = vec![b' '; 600];
+        assert_not_stored(&mut host, &root, JSON_200, &[&half, &half]);
+        let reason = "zerolayer_cache_bypass_reason=too_large";
+        assert_eq!(counted(&mut root, &mut host, reason), 1);
+    }
+
+    #[test]
+    fn a_response_cut_before_its_end_is_not_stored() {
+        let (mut host, mut root) = shared_cache();
+        let mut first = post(&root, &mut host, 1, BODY);
+        host.respond_with(JSON_200);
+        let _ = first.stream.response_headers(&mut host, false);
+        host.response_body = ANSWER[0].to_vec();
+        let _ = first
+            .stream
+            .response_body(&mut host, ANSWER[0].len(), false);
+        first.stream.log(&mut host);
+        assert_eq!(stored_bodies(&host), 0);
+        let reason = "zerolayer_cache_bypass_reason=incomplete";
+        assert_eq!(counted(&mut root, &mut host, reason), 1);
+    }
+
+    #[test]
+    fn a_stream_without_its_terminal_event_is_not_stored() {
+        let (mut host, mut root) = shared_cache();
+        assert_not_stored(&mut host, &root, SSE_200, &SSE_START);
+        let reason = "zerolayer_cache_bypass_reason=incomplete";
+        assert_eq!(counted(&mut root, &mut host, reason), 1);
+    }
+
+    #[test]
+    fn a_stream_that_reached_its_terminal_event_is_stored_and_replayed() {
+        let (mut host, root) = shared_cache();
+        let mut first = post(&root, &mut host, 1, BODY);
+        let chunks = [SSE_START[0], SSE_START[1], SSE_DONE];
+        complete(&mut first.stream, &mut host, SSE_200, &chunks);
+        assert_eq!(stored_bodies(&host), 1);
+        let second = post(&root, &mut host, 2, BODY);
+        assert_eq!(second.body, Action::Pause);
+        assert_eq!(
+            host.sent[0].header("content-type"),
+            Some("text/event-stream")
+        );
+        assert_eq!(host.sent[0].body, chunks.concat());
+    }
+
+    #[test]
+    fn only_if_cached_with_nothing_cached_is_a_504() {
+        let (mut host, root) = shared_cache();
+        let only = [("cache-control", "only-if-cached")];
+        let asked = ask(&root, &mut host, 1, "POST", OPENAI, &only, Some(BODY));
+        assert_eq!(asked.body, Action::Pause);
+        assert_eq!(host.sent.len(), 1);
+        assert_eq!(host.sent[0].status, 504);
+        assert!(
+            host.sent[0].text().contains("cache_miss"),
+            "{}",
+            host.sent[0].text()
+        );
+        assert!(!lease_held(&root, &mut host, BODY));
+    }
+
+    #[test]
+    fn only_if_cached_is_served_when_cached() {
+        let (mut host, root) = cached();
+        let only = [("cache-control", "only-if-cached")];
+        let asked = ask(&root, &mut host, 2, "POST", OPENAI, &only, Some(BODY));
+        assert_eq!(asked.body, Action::Pause);
+        assert_eq!(host.sent[0].status, 200);
+        assert_eq!(host.sent[0].header("x-cache"), Some("HIT"));
+    }
+
+    #[test]
+    fn a_body_naming_a_member_twice_is_a_400() {
+        let (mut host, root) = shared_cache();
+        let twice: &[u8] = br#"{"model":"m","model":"n","temperature":0,"messages":[]}"#;
+        let asked = post(&root, &mut host, 1, twice);
+        assert_eq!(asked.body, Action::Pause);
+        assert_eq!(host.sent.len(), 1);
+        assert_eq!(host.sent[0].status, 400);
+        assert!(host.sent[0].text().contains("invalid_request_error"));
+        assert!(host.shared.keys().all(|k| !k.starts_with("zl:cache:l:")));
+    }
+
+    #[test]
+    fn an_identical_request_waits_while_the_lease_is_held() {
+        let (mut host, root) = shared_cache();
+        let _first = post(&root, &mut host, 1, BODY);
+        let second = post(&root, &mut host, 2, BODY);
+        assert_eq!(second.body, Action::Pause);
+        assert!(host.sent.is_empty());
+        let plan = root.plan.as_ref().expect("configured");
+        let waiters = plan.waiters.borrow();
+        assert_eq!(
+            waiters.iter().map(|w| w.context_id).collect::<Vec<_>>(),
+            [2]
+        );
+    }
+
+    #[test]
+    fn followers_do_not_wait_in_ngx_wasm_module() {
+        let (mut host, root) = shared_cache();
+        host.platform = Platform::NgxWasm;
+        let _first = post(&root, &mut host, 1, BODY);
+        let second = post(&root, &mut host, 2, BODY);
+        assert_eq!(second.body, Action::Continue);
+        assert!(
+            root.plan
+                .as_ref()
+                .expect("configured")
+                .waiters
+                .borrow()
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn followers_do_not_wait_in_pass_through_mode() {
+        let (mut host, root) = configured(&format!(
+            r#"{{"secret_env":"{SECRET_ENV}","namespace":"shared","stampede":{{"mode":"pass_through"}}}}"#
+        ));
+        let _first = post(&root, &mut host, 1, BODY);
+        assert_eq!(post(&root, &mut host, 2, BODY).body, Action::Continue);
+    }
+
+    #[test]
+    fn the_lease_is_released_on_log_even_when_nothing_is_stored() {
+        let (mut host, root) = shared_cache();
+        let mut first = post(&root, &mut host, 1, BODY);
+        let status = [(":status", "503")];
+        complete(&mut first.stream, &mut host, &status, &[b"busy"]);
+        assert_eq!(stored_bodies(&host), 0);
+        assert!(!lease_held(&root, &mut host, BODY));
+        // The next identical request takes the lease rather than waiting.
+        assert_eq!(post(&root, &mut host, 2, BODY).body, Action::Continue);
+        assert!(lease_held(&root, &mut host, BODY));
+    }
+
+    fn tenant_cache() -> (FakeHost, CacheRoot) {
+        configured(&format!(
+            r#"{{"secret_env":"{SECRET_ENV}","namespace":"tenant"}}"#
+        ))
+    }
+
+    fn identity(host: &mut FakeHost, value: &str) {
+        host.properties
+            .insert(internal::AUTH_PROPERTY.into(), value.as_bytes().to_vec());
+    }
+
+    #[test]
+    fn the_tenant_namespace_bypasses_without_a_verified_identity() {
+        let (mut host, mut root) = tenant_cache();
+        let anonymous = post(&root, &mut host, 1, BODY);
+        assert_eq!(anonymous.headers, Action::Continue);
+        identity(&mut host, "unverified tenant=acme");
+        let mut claimed = post(&root, &mut host, 2, BODY);
+        assert_eq!(claimed.headers, Action::Continue);
+        complete(&mut claimed.stream, &mut host, JSON_200, &ANSWER);
+        assert_eq!(
+            host.response_header_value("x-cache").as_deref(),
+            Some("BYPASS")
+        );
+        assert_eq!(stored_bodies(&host), 0);
+        let reason = "zerolayer_cache_bypass_reason=no_verified_tenant";
+        assert_eq!(counted(&mut root, &mut host, reason), 2);
+    }
+
+    #[test]
+    fn tenants_do_not_share_entries() {
+        let (mut host, root) = tenant_cache();
+        identity(&mut host, "verified tenant=acme subject=u1");
+        let mut acme = post(&root, &mut host, 1, BODY);
+        complete(&mut acme.stream, &mut host, JSON_200, &ANSWER);
+        assert_eq!(stored_bodies(&host), 1);
+
+        identity(&mut host, "verified tenant=globex subject=u2");
+        let globex = post(&root, &mut host, 2, BODY);
+        assert_eq!(globex.body, Action::Continue);
+        assert!(host.sent.is_empty());
+
+        identity(&mut host, "verified tenant=acme subject=u3");
+        assert_eq!(post(&root, &mut host, 3, BODY).body, Action::Pause);
+        assert_eq!(host.sent.len(), 1);
+        // The entry is keyed in acme's namespace.
+        let plan = root.plan.as_ref().expect("configured");
+        let now = host.clock.as_secs();
+        let acme_key = key_of(BODY, Some("acme"));
+        assert!(plan.shelf.lookup(&mut host, &acme_key, now, None).is_some());
+        let shared_key = key_of(BODY, None);
+        assert!(
+            plan.shelf
+                .lookup(&mut host, &shared_key, now, None)
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn a_request_activation_left_the_cache_out_of_bypasses() {
+        let (mut host, mut root) = shared_cache();
+        host.properties.insert(
+            internal::OBSERVERS_PROPERTY.into(),
+            b"audit,metering".to_vec(),
+        );
+        assert_eq!(post(&root, &mut host, 1, BODY).headers, Action::Continue);
+        let reason = "zerolayer_cache_bypass_reason=not_activated";
+        assert_eq!(counted(&mut root, &mut host, reason), 1);
+    }
+
+    fn fleet_cache(read_remote: bool) -> (FakeHost, CacheRoot) {
+        configured(&format!(
+            r#"{{"secret_env":"{SECRET_ENV}","namespace":"shared",
+                "fleet":{{"cluster":"webdis","path":"/","read_remote":{read_remote}}}}}"#
+        ))
+    }
+
+    /// An entry as the fleet tier holds it, stored `age` seconds ago.
+    fn fleet_entry(host: &FakeHost, digest: [u8; 32], age: u64) -> Vec<u8> {
+        let now = host.clock.as_secs();
+        FleetEntry {
+            expires_at: now + 60,
+            response: StoredResponse {
+                digest,
+                stored_at_ms: (now - age) * 1000,
+                status: 200,
+                headers: vec![("content-type".into(), "application/json".into())],
+                body: br#"{"from":"fleet"}"#.to_vec(),
+                streamed: false,
+            },
+        }
+        .encode()
+    }
+
+    #[test]
+    fn a_local_miss_asks_the_fleet_tier_and_waits() {
+        let (mut host, root) = fleet_cache(true);
+        let asked = post(&root, &mut host, 1, BODY);
+        assert_eq!(asked.body, Action::Pause);
+        assert_eq!(host.dispatched.len(), 1);
+        let call = &host.dispatched[0];
+        assert_eq!(call.cluster, "webdis");
+        assert_eq!(call.header(":method"), Some("GET"));
+        let path = format!("/GET/zl:cache:{}.txt", key_of(BODY, None).hex());
+        assert_eq!(call.header(":path"), Some(path.as_str()));
+        assert!(host.sent.is_empty());
+        assert!(host.resumes.is_empty());
+    }
+
+    #[test]
+    fn a_fleet_entry_for_this_key_is_served_and_kept_locally() {
+        let (mut host, mut root) = fleet_cache(true);
+        let mut asked = post(&root, &mut host, 1, BODY);
+        let token = host.dispatched[0].token;
+        let entry = fleet_entry(&host, key_of(BODY, None).0, 3);
+        host.answer_with(Some(200), &entry);
+        asked.stream.call_answered(&mut host, token, entry.len());
+        assert_eq!(host.sent.len(), 1);
+        assert_eq!(host.sent[0].header("x-cache"), Some("HIT"));
+        assert_eq!(host.sent[0].header("age"), Some("3"));
+        assert_eq!(host.sent[0].body, br#"{"from":"fleet"}"#);
+        assert!(host.resumes.is_empty());
+        let hit = "zerolayer_cache_fleet_reads_result=hit";
+        assert_eq!(counted(&mut root, &mut host, hit), 1);
+        // The next identical request is a local hit: no second call.
+        assert_eq!(post(&root, &mut host, 2, BODY).body, Action::Pause);
+        assert_eq!(host.dispatched.len(), 1);
+        assert_eq!(host.sent.len(), 2);
+    }
+
+    #[test]
+    fn a_fleet_entry_for_another_key_is_not_served() {
+        let (mut host, mut root) = fleet_cache(true);
+        let mut asked = post(&root, &mut host, 1, BODY);
+        let token = host.dispatched[0].token;
+        let entry = fleet_entry(&host, key_of(OTHER_BODY, None).0, 3);
+        host.answer_with(Some(200), &entry);
+        asked.stream.call_answered(&mut host, token, entry.len());
+        assert!(host.sent.is_empty());
+        assert_eq!(host.resumes, [None]);
+        let error = "zerolayer_cache_fleet_reads_result=error";
+        assert_eq!(counted(&mut root, &mut host, error), 1);
+    }
+
+    #[test]
+    fn a_fleet_404_goes_upstream_with_the_lease() {
+        let (mut host, mut root) = fleet_cache(true);
+        let mut asked = post(&root, &mut host, 1, BODY);
+        let token = host.dispatched[0].token;
+        host.answer_with(Some(404), b"");
+        // Another call's answer is not this request's.
+        asked.stream.call_answered(&mut host, token + 1, 0);
+        assert!(host.resumes.is_empty());
+        asked.stream.call_answered(&mut host, token, 0);
+        assert_eq!(host.resumes, [None]);
+        assert!(host.sent.is_empty());
+        assert!(lease_held(&root, &mut host, BODY));
+        let miss = "zerolayer_cache_fleet_reads_result=miss";
+        assert_eq!(counted(&mut root, &mut host, miss), 1);
+    }
+
+    #[test]
+    fn a_refused_fleet_call_goes_upstream_at_once() {
+        let (mut host, mut root) = fleet_cache(true);
+        host.refuse_dispatch = true;
+        assert_eq!(post(&root, &mut host, 1, BODY).body, Action::Continue);
+        let error = "zerolayer_cache_fleet_reads_result=error";
+        assert_eq!(counted(&mut root, &mut host, error), 1);
+    }
+
+    #[test]
+    fn a_stored_response_is_queued_for_the_fleet_tier() {
+        let (mut host, mut root) = fleet_cache(false);
+        observer_queue(&mut host);
+        let mut asked = post(&root, &mut host, 1, BODY);
+        assert!(host.dispatched.is_empty(), "read_remote is off");
+        complete(&mut asked.stream, &mut host, JSON_200, &ANSWER);
+        let jobs = host.queued(JOBS);
+        assert_eq!(jobs.len(), 1);
+        let Some(Job::CacheWrite(write)) = Job::decode(&jobs[0]) else {
+            panic!("not a cache write");
+        };
+        assert_eq!(write.digest, key_of(BODY, None).0);
+        assert_eq!(write.ttl_secs, 60);
+        let entry = FleetEntry::decode(&write.entry).expect("an entry");
+        assert_eq!(entry.response.body, ANSWER.concat());
+        assert_eq!(entry.expires_at, host.clock.as_secs() + 60);
+        let queued = "zerolayer_cache_fleet_writes_queued";
+        assert_eq!(counted(&mut root, &mut host, queued), 1);
+    }
+
+    #[test]
+    fn a_fleet_write_without_an_observer_is_counted_lost() {
+        let (mut host, mut root) = fleet_cache(false);
+        let mut asked = post(&root, &mut host, 1, BODY);
+        complete(&mut asked.stream, &mut host, JSON_200, &ANSWER);
+        assert_eq!(stored_bodies(&host), 1, "stored locally all the same");
+        let lost = "zerolayer_cache_fleet_writes_lost";
+        assert_eq!(counted(&mut root, &mut host, lost), 1);
+    }
+}
