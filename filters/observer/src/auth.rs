@@ -461,3 +461,451 @@ fn finish_job(host: &mut impl Host) {
         (next.to_string().into_bytes(), ())
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use base64::Engine as _;
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    use hmac::{Hmac, Mac};
+    use serde_json::{Value, json};
+    use sha2::Sha256;
+    use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
+    use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants};
+    use zerolayer_core::auth::exposure::{FINISHED_KEY, decode_count};
+    use zerolayer_core::auth::verdict::{self, Lookup, Verdict};
+    use zerolayer_core::event::{Job, VerifyJob, VerifyOutcome};
+    use zerolayer_host::{FakeHost, Host};
+
+    use super::{JWKS_KEY, JWKS_RETRY_SECS, MAX_DEFERRED, VERIFIER_DOWN_KEY};
+    use crate::{Observer, ObserverConfig};
+
+    const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+    const OTHER_SECRET: &[u8] = b"fedcba9876543210fedcba9876543210";
+    const JWT_ONLY: &str =
+        r#""credentials":[{"header":"authorization","scheme":"Bearer","kind":"jwt"}]"#;
+    const JWKS: &str = r#""jwt":{"jwks":{"cluster":"idp","path":"/jwks.json"}}"#;
+    const API_KEYS: &str = r#""api_keys":{"cluster":"keys","path":"/introspect"}"#;
+
+    /// An observer for lazy-auth (JWT credentials) with the `fields` given.
+    fn observer(host: &mut FakeHost, fields: &str) -> Observer {
+        let json = format!(r#"{{"lazy_auth":{{{JWT_ONLY},{fields}}}}}"#);
+        let config = ObserverConfig::from_json(json.as_bytes()).unwrap();
+        Observer::configure(host, &config, "observer").unwrap()
+    }
+
+    fn b64(bytes: impl AsRef<[u8]>) -> String {
+        URL_SAFE_NO_PAD.encode(bytes)
+    }
+
+    /// An HS256 key as a JWK.
+    fn jwk(secret: &[u8], kid: &str) -> Value {
+        json!({"kty": "oct", "k": b64(secret), "kid": kid})
+    }
+
+    /// An HS256 JWT for tenant `acme`, subject `u1`, valid for an hour.
+    fn token(host: &FakeHost, secret: &[u8], kid: &str) -> Vec<u8> {
+        let header = json!({"alg": "HS256", "typ": "JWT", "kid": kid});
+        let exp = host.clock.as_secs() + 3600;
+        let claims = json!({"sub": "u1", "tenant": "acme", "exp": exp});
+        let input = format!("{}.{}", b64(header.to_string()), b64(claims.to_string()));
+        let mut mac = Hmac::<Sha256>::new_from_slice(secret).unwrap();
+        mac.update(input.as_bytes());
+        format!("{input}.{}", b64(mac.finalize().into_bytes())).into_bytes()
+    }
+
+    /// Posts a verification job for `credential` (no drain).
+    fn post(host: &mut FakeHost, observer: &Observer, kind: CredentialKind, credential: &[u8]) {
+        let job = Job::Verify(VerifyJob {
+            hash: TokenHash::of(credential).0,
+            kind,
+            credential: credential.to_vec(),
+            tenant_hint: None,
+            enqueued_at_ms: host.now_ms(),
+        });
+        host.enqueue(observer.queue(), &job.encode()).unwrap();
+    }
+
+    /// Posts and drains one verification job.
+    fn verify(
+        host: &mut FakeHost,
+        observer: &mut Observer,
+        kind: CredentialKind,
+        credential: &[u8],
+    ) {
+        post(host, observer, kind, credential);
+        observer.drain(host);
+    }
+
+    /// The verdict stored for `credential` (default slots).
+    fn stored(host: &FakeHost, credential: &[u8]) -> Lookup {
+        let hash = TokenHash::of(credential);
+        let entry = host.shared_value(&verdict::key(&hash, 65_536));
+        verdict::lookup(entry, &hash, host.clock.as_secs())
+    }
+
+    fn valid(lookup: Lookup) -> Verdict {
+        match lookup {
+            Lookup::Valid(v) => v,
+            other => panic!("expected a valid verdict, got {other:?}"),
+        }
+    }
+
+    fn invalid_reason(lookup: Lookup) -> String {
+        match lookup {
+            Lookup::Invalid(v) => v.reason,
+            other => panic!("expected an invalid verdict, got {other:?}"),
+        }
+    }
+
+    fn finished(host: &FakeHost) -> u64 {
+        decode_count(host.shared_value(FINISHED_KEY))
+    }
+
+    fn counter(host: &mut FakeHost, observer: &Observer, name: &str) -> i64 {
+        observer.flush_counters(host);
+        host.metric(name).unwrap()
+    }
+
+    /// Answers the last callout with `status` and `body`.
+    fn answer(host: &mut FakeHost, observer: &mut Observer, status: Option<u16>, body: &[u8]) {
+        let token = host.last_dispatched().unwrap().token;
+        host.answer_with(status, body);
+        assert!(observer.on_http_call_response(host, token, body.len()));
+    }
+
+    fn jwks_body(secret: &[u8], kid: &str) -> Vec<u8> {
+        json!({"keys": [jwk(secret, kid)]}).to_string().into_bytes()
+    }
+
+    #[test]
+    fn a_jwt_signed_with_a_configured_key_gets_a_valid_verdict() {
+        let mut host = FakeHost::default();
+        let keys = format!(r#""jwt":{{"keys":[{}]}}"#, jwk(SECRET, "k1"));
+        let mut observer = observer(&mut host, &keys);
+        let jwt = token(&host, SECRET, "k1");
+        verify(&mut host, &mut observer, CredentialKind::Jwt, &jwt);
+        let verdict = valid(stored(&host, &jwt));
+        assert_eq!(verdict.tenant.as_deref(), Some("acme"));
+        assert_eq!(verdict.subject.as_deref(), Some("u1"));
+        assert_eq!(finished(&host), 1);
+        assert_eq!(
+            counter(
+                &mut host,
+                &observer,
+                "zerolayer_auth_verdicts_outcome=valid"
+            ),
+            1
+        );
+        assert!(
+            host.dispatched.is_empty(),
+            "configured keys need no callout"
+        );
+    }
+
+    #[test]
+    fn a_jwt_with_a_bad_signature_gets_an_invalid_verdict() {
+        let mut host = FakeHost::default();
+        let keys = format!(r#""jwt":{{"keys":[{}]}}"#, jwk(SECRET, "k1"));
+        let mut observer = observer(&mut host, &keys);
+        let forged = token(&host, OTHER_SECRET, "k1");
+        verify(&mut host, &mut observer, CredentialKind::Jwt, &forged);
+        assert_eq!(invalid_reason(stored(&host, &forged)), "bad_signature");
+        assert_eq!(finished(&host), 1);
+        let invalid = counter(
+            &mut host,
+            &observer,
+            "zerolayer_auth_verdicts_outcome=invalid",
+        );
+        assert_eq!(invalid, 1);
+    }
+
+    #[test]
+    fn with_a_jwks_endpoint_the_first_jwt_waits_for_the_keys() {
+        let mut host = FakeHost::default();
+        let mut observer = observer(&mut host, JWKS);
+        let jwt = token(&host, SECRET, "k1");
+        verify(&mut host, &mut observer, CredentialKind::Jwt, &jwt);
+        assert_eq!(stored(&host, &jwt), Lookup::Unknown);
+        assert_eq!(finished(&host), 0);
+        assert_eq!(host.dispatched.len(), 1);
+        let fetch = &host.dispatched[0];
+        assert_eq!(fetch.cluster, "idp");
+        assert_eq!(fetch.header(":method"), Some("GET"));
+        assert_eq!(fetch.header(":path"), Some("/jwks.json"));
+        let body = jwks_body(SECRET, "k1");
+        answer(&mut host, &mut observer, Some(200), &body);
+        assert_eq!(valid(stored(&host, &jwt)).tenant.as_deref(), Some("acme"));
+        assert_eq!(finished(&host), 1);
+        assert_eq!(host.shared_value(JWKS_KEY), Some(&body[..]));
+        let deferred = counter(
+            &mut host,
+            &observer,
+            "zerolayer_auth_verifications_deferred",
+        );
+        assert_eq!(deferred, 1);
+        let fetched = counter(
+            &mut host,
+            &observer,
+            "zerolayer_auth_jwks_fetches_outcome=ok",
+        );
+        assert_eq!(fetched, 1);
+    }
+
+    #[test]
+    fn a_failed_jwks_fetch_is_retried_after_jwks_retry_secs() {
+        let mut host = FakeHost::default();
+        let mut observer = observer(&mut host, JWKS);
+        let jwt = token(&host, SECRET, "k1");
+        verify(&mut host, &mut observer, CredentialKind::Jwt, &jwt);
+        answer(&mut host, &mut observer, Some(503), b"");
+        assert_eq!(stored(&host, &jwt), Lookup::Unknown, "no keys, no verdict");
+        let failed = counter(
+            &mut host,
+            &observer,
+            "zerolayer_auth_jwks_fetches_outcome=failed",
+        );
+        assert_eq!(failed, 1);
+        host.advance(Duration::from_secs(JWKS_RETRY_SECS - 1));
+        observer.on_tick(&mut host);
+        assert_eq!(host.dispatched.len(), 1, "refetched before JWKS_RETRY_SECS");
+        host.advance(Duration::from_secs(1));
+        observer.on_tick(&mut host);
+        assert_eq!(host.dispatched.len(), 2);
+        assert_eq!(host.dispatched[1].cluster, "idp");
+        answer(
+            &mut host,
+            &mut observer,
+            Some(200),
+            &jwks_body(SECRET, "k1"),
+        );
+        valid(stored(&host, &jwt));
+    }
+
+    #[test]
+    fn deferred_jobs_past_max_deferred_are_dropped_and_counted() {
+        let mut host = FakeHost::default();
+        let mut observer = observer(&mut host, JWKS);
+        let jwt = token(&host, SECRET, "k1");
+        for _ in 0..=MAX_DEFERRED {
+            post(&mut host, &observer, CredentialKind::Jwt, &jwt);
+        }
+        // The drain budget is 1000 jobs a wake-up.
+        observer.drain(&mut host);
+        observer.drain(&mut host);
+        assert_eq!(
+            host.dispatched.len(),
+            1,
+            "one JWKS fetch for every waiting job"
+        );
+        let deferred = counter(
+            &mut host,
+            &observer,
+            "zerolayer_auth_verifications_deferred",
+        );
+        assert_eq!(deferred, MAX_DEFERRED as i64);
+        let dropped = counter(&mut host, &observer, "zerolayer_auth_verifications_dropped");
+        assert_eq!(dropped, 1);
+        assert_eq!(finished(&host), 1, "a dropped job is finished");
+        answer(
+            &mut host,
+            &mut observer,
+            Some(200),
+            &jwks_body(SECRET, "k1"),
+        );
+        let verdicts = counter(
+            &mut host,
+            &observer,
+            "zerolayer_auth_verdicts_outcome=valid",
+        );
+        assert_eq!(verdicts, MAX_DEFERRED as i64);
+        assert_eq!(finished(&host), MAX_DEFERRED as u64 + 1);
+    }
+
+    #[test]
+    fn an_api_key_is_introspected_with_its_header_and_the_answer_decides() {
+        let mut host = FakeHost::default();
+        let mut observer = observer(&mut host, API_KEYS);
+        verify(
+            &mut host,
+            &mut observer,
+            CredentialKind::ApiKey,
+            b"sk-live-1",
+        );
+        let call = host.last_dispatched().unwrap();
+        assert_eq!(call.cluster, "keys");
+        assert_eq!(call.header(":method"), Some("GET"));
+        assert_eq!(call.header(":path"), Some("/introspect"));
+        assert_eq!(call.header("x-api-key"), Some("sk-live-1"));
+        assert_eq!(stored(&host, b"sk-live-1"), Lookup::Unknown);
+        assert_eq!(finished(&host), 0);
+        let body = br#"{"active":true,"tenant":"acme","sub":"svc"}"#;
+        answer(&mut host, &mut observer, Some(200), body);
+        let verdict = valid(stored(&host, b"sk-live-1"));
+        assert_eq!(verdict.tenant.as_deref(), Some("acme"));
+        assert_eq!(verdict.subject.as_deref(), Some("svc"));
+        assert_eq!(finished(&host), 1);
+    }
+
+    #[test]
+    fn an_inactive_api_key_gets_an_invalid_verdict() {
+        let mut host = FakeHost::default();
+        let mut observer = observer(&mut host, API_KEYS);
+        verify(&mut host, &mut observer, CredentialKind::ApiKey, b"sk-old");
+        answer(&mut host, &mut observer, Some(200), br#"{"active":false}"#);
+        assert_eq!(invalid_reason(stored(&host, b"sk-old")), "inactive");
+        assert_eq!(finished(&host), 1);
+    }
+
+    #[test]
+    fn an_api_key_without_an_introspection_endpoint_is_invalid() {
+        let mut host = FakeHost::default();
+        let mut observer = observer(&mut host, r#""negative_ttl_secs":60"#);
+        verify(&mut host, &mut observer, CredentialKind::ApiKey, b"sk-1");
+        assert!(host.dispatched.is_empty());
+        assert_eq!(
+            invalid_reason(stored(&host, b"sk-1")),
+            "api_keys_not_configured"
+        );
+    }
+
+    /// An observer whose verifier breaker opened: two introspections failed.
+    fn with_verifier_down(host: &mut FakeHost) -> Observer {
+        let fields = format!(r#"{API_KEYS},"breaker":{{"failures":2,"open_secs":10}}"#);
+        let mut observer = observer(host, &fields);
+        for (key, status) in [(&b"sk-1"[..], Some(503)), (b"sk-2", None)] {
+            verify(host, &mut observer, CredentialKind::ApiKey, key);
+            answer(host, &mut observer, status, b"");
+        }
+        observer
+    }
+
+    #[test]
+    fn the_verifier_breaker_opens_after_failures_and_publishes_until_when() {
+        let mut host = FakeHost::default();
+        let until = host.clock.as_secs() + 10;
+        let mut observer = with_verifier_down(&mut host);
+        assert_eq!(
+            host.shared_value(VERIFIER_DOWN_KEY),
+            Some(until.to_string().as_bytes())
+        );
+        let opened = counter(
+            &mut host,
+            &observer,
+            "zerolayer_auth_verifier_breaker_flip=opened",
+        );
+        assert_eq!(opened, 1);
+        // While open no call is made: the job is dropped, its credential unknown.
+        verify(&mut host, &mut observer, CredentialKind::ApiKey, b"sk-3");
+        assert_eq!(host.dispatched.len(), 2);
+        assert_eq!(stored(&host, b"sk-3"), Lookup::Unknown);
+        let dropped = counter(&mut host, &observer, "zerolayer_auth_verifications_dropped");
+        assert_eq!(dropped, 3);
+        assert_eq!(finished(&host), 3);
+    }
+
+    #[test]
+    fn the_verifier_breaker_closes_after_a_trial_success_and_writes_0() {
+        let mut host = FakeHost::default();
+        let mut observer = with_verifier_down(&mut host);
+        host.advance(Duration::from_secs(10));
+        verify(&mut host, &mut observer, CredentialKind::ApiKey, b"sk-4");
+        assert_eq!(host.dispatched.len(), 3, "the trial call");
+        answer(&mut host, &mut observer, Some(200), br#"{"active":true}"#);
+        assert_eq!(host.shared_value(VERIFIER_DOWN_KEY), Some(&b"0"[..]));
+        let closed = counter(
+            &mut host,
+            &observer,
+            "zerolayer_auth_verifier_breaker_flip=closed",
+        );
+        assert_eq!(closed, 1);
+        valid(stored(&host, b"sk-4"));
+    }
+
+    const ESCALATION: &str = r#""escalation":{"failure_ratio":0.5,"window_secs":10,"min_verifications":4,"gateway_failure_ratio":1.0}"#;
+
+    fn outcome(host: &mut FakeHost, observer: &mut Observer, tenant: &str, failed: bool) {
+        let job = Job::Outcome(VerifyOutcome {
+            tenant: tenant.into(),
+            failed,
+            at: host.now_secs(),
+        });
+        host.enqueue(observer.queue(), &job.encode()).unwrap();
+        observer.drain(host);
+    }
+
+    fn escalated(host: &FakeHost) -> EscalatedTenants {
+        EscalatedTenants::decode(host.shared_value(ESCALATED_KEY))
+    }
+
+    #[test]
+    fn enough_failed_outcomes_escalate_their_tenant() {
+        let mut host = FakeHost::default();
+        let mut observer = observer(&mut host, ESCALATION);
+        outcome(&mut host, &mut observer, "other", true);
+        for _ in 0..3 {
+            outcome(&mut host, &mut observer, "acme", true);
+        }
+        assert!(
+            !escalated(&host).covers(Some("acme")),
+            "3 < min_verifications"
+        );
+        outcome(&mut host, &mut observer, "acme", true);
+        let published = escalated(&host);
+        assert_eq!(published.tenants, ["acme"]);
+        assert!(!published.gateway && !published.no_tenant);
+        let flips = counter(
+            &mut host,
+            &observer,
+            "zerolayer_auth_escalations_flip=escalated",
+        );
+        assert_eq!(flips, 1);
+        assert_eq!(host.metric("zerolayer_auth_escalated_tenants"), Some(1));
+    }
+
+    #[test]
+    fn an_escalated_tenant_relaxes_once_the_window_slid_past_its_failures() {
+        let mut host = FakeHost::default();
+        let mut observer = observer(&mut host, ESCALATION);
+        for _ in 0..4 {
+            outcome(&mut host, &mut observer, "acme", true);
+        }
+        host.advance(Duration::from_secs(9));
+        observer.on_tick(&mut host);
+        assert_eq!(
+            escalated(&host).tenants,
+            ["acme"],
+            "still within the window"
+        );
+        host.advance(Duration::from_secs(1));
+        observer.on_tick(&mut host);
+        assert!(escalated(&host).tenants.is_empty());
+        assert_eq!(
+            host.metric("zerolayer_auth_escalations_flip=relaxed"),
+            Some(1)
+        );
+        assert_eq!(host.metric("zerolayer_auth_escalated_tenants"), Some(0));
+    }
+
+    #[test]
+    fn an_invalid_verdict_counts_in_its_tenant_s_window() {
+        let mut host = FakeHost::default();
+        let fields = format!(r#"{API_KEYS},{ESCALATION}"#);
+        let mut observer = observer(&mut host, &fields);
+        for n in 0..4 {
+            let key = format!("sk-{n}");
+            let job = Job::Verify(VerifyJob {
+                hash: TokenHash::of(key.as_bytes()).0,
+                kind: CredentialKind::ApiKey,
+                credential: key.into_bytes(),
+                tenant_hint: Some("acme".into()),
+                enqueued_at_ms: host.now_ms(),
+            });
+            host.enqueue(observer.queue(), &job.encode()).unwrap();
+            observer.drain(&mut host);
+            answer(&mut host, &mut observer, Some(401), b"");
+        }
+        assert_eq!(escalated(&host).tenants, ["acme"]);
+    }
+}

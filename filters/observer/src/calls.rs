@@ -107,3 +107,104 @@ impl Calls {
         self.pending.values().any(|k| matches!(k, CallKind::Jwks))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use zerolayer_core::config::Endpoint;
+    use zerolayer_host::FakeHost;
+
+    use super::{CallKind, Calls, Request};
+
+    fn endpoint(authority: Option<&str>) -> Endpoint {
+        Endpoint {
+            cluster: "idp".into(),
+            path: "/jwks.json".into(),
+            authority: authority.map(str::to_string),
+            timeout_ms: 250,
+        }
+    }
+
+    fn pairs(headers: &[(String, String)]) -> Vec<(&str, &str)> {
+        headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .collect()
+    }
+
+    #[test]
+    fn a_request_carries_the_pseudo_headers_its_headers_body_and_the_endpoint_timeout() {
+        let mut host = FakeHost::default();
+        let mut calls = Calls::default();
+        let endpoint = endpoint(None);
+        let request = Request {
+            headers: &[("x-api-key", b"sk-1")],
+            body: Some(b"body"),
+            ..Request::to(&endpoint, "POST")
+        };
+        assert!(
+            calls
+                .dispatch(&mut host, request, CallKind::CacheWrite)
+                .is_ok()
+        );
+        let call = &host.dispatched[0];
+        assert_eq!(call.cluster, "idp");
+        assert_eq!(
+            pairs(&call.headers),
+            [
+                (":method", "POST"),
+                (":path", "/jwks.json"),
+                (":authority", "idp"),
+                ("x-api-key", "sk-1"),
+            ]
+        );
+        assert_eq!(call.body.as_deref(), Some(&b"body"[..]));
+        assert_eq!(call.timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn a_request_path_and_a_configured_authority_win_over_the_defaults() {
+        let mut host = FakeHost::default();
+        let mut calls = Calls::default();
+        let endpoint = endpoint(Some("idp.example.com"));
+        let request = Request {
+            path: Some("/other"),
+            ..Request::to(&endpoint, "GET")
+        };
+        assert!(calls.dispatch(&mut host, request, CallKind::Jwks).is_ok());
+        let call = &host.dispatched[0];
+        assert_eq!(call.header(":path"), Some("/other"));
+        assert_eq!(call.header(":authority"), Some("idp.example.com"));
+        assert_eq!(call.body, None);
+    }
+
+    #[test]
+    fn an_answer_s_token_gives_its_purpose_back_once() {
+        let mut host = FakeHost::default();
+        let mut calls = Calls::default();
+        let endpoint = endpoint(None);
+        assert!(!calls.jwks_in_flight());
+        let request = Request::to(&endpoint, "GET");
+        assert!(calls.dispatch(&mut host, request, CallKind::Jwks).is_ok());
+        assert!(calls.jwks_in_flight());
+        let token = host.dispatched[0].token;
+        assert!(calls.take(token + 1).is_none(), "not our token");
+        assert!(matches!(calls.take(token), Some(CallKind::Jwks)));
+        assert!(calls.take(token).is_none(), "taken twice");
+        assert!(!calls.jwks_in_flight());
+    }
+
+    #[test]
+    fn a_refused_dispatch_gives_the_purpose_back_and_keeps_nothing() {
+        let mut host = FakeHost::default();
+        host.refuse_dispatch = true;
+        let mut calls = Calls::default();
+        let endpoint = endpoint(None);
+        let request = Request::to(&endpoint, "GET");
+        let refused = calls.dispatch(&mut host, request, CallKind::Jwks);
+        assert!(matches!(refused, Err(CallKind::Jwks)));
+        assert!(!calls.jwks_in_flight());
+        assert!(host.dispatched.is_empty());
+    }
+}

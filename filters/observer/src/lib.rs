@@ -519,4 +519,198 @@ mod tests {
             Some("zerolayer.jobs")
         );
     }
+
+    use zerolayer_core::event::{CacheWrite, VerifyJob, VerifyOutcome};
+    use zerolayer_core::metering::UsageRecord;
+    use zerolayer_host::FakeHost;
+
+    /// An observer for `json`, named `observer`.
+    fn observer(host: &mut FakeHost, json: &str) -> Observer {
+        let config = ObserverConfig::from_json(json.as_bytes()).unwrap();
+        Observer::configure(host, &config, "observer").unwrap()
+    }
+
+    /// A metering observer with a usage sink in `mode`.
+    fn metering(host: &mut FakeHost, mode: &str) -> Observer {
+        let json = format!(
+            r#"{{"metering":{{"observer":{{"mode":"{mode}"}},"sink":{{"cluster":"usage","path":"/"}}}}}}"#
+        );
+        observer(host, &json)
+    }
+
+    fn usage() -> Job {
+        Job::Usage(UsageRecord {
+            at_ms: 0,
+            request_id: "r".into(),
+            tenant: "acme".into(),
+            model: "m".into(),
+            input_tokens: 1,
+            output_tokens: 1,
+            cache_read_tokens: 0,
+            cache_creation_tokens: 0,
+            usage_missing: false,
+            status: 200,
+            latency_ms: 1,
+            streamed: false,
+            rate_bp: 10_000,
+            in_sample: true,
+        })
+    }
+
+    fn counter(host: &mut FakeHost, observer: &Observer, name: &str) -> i64 {
+        observer.flush_counters(host);
+        host.metric(name).unwrap()
+    }
+
+    fn backlog(host: &FakeHost, key: &str) -> u64 {
+        zerolayer_core::queue::decode_backlog(host.shared_value(key))
+    }
+
+    const TICK_QUEUE: &str = "zerolayer.jobs.observer";
+
+    #[test]
+    fn unreadable_jobs_are_counted_and_skipped() {
+        let mut host = FakeHost::default();
+        let mut observer = metering(&mut host, "singleton");
+        let queue = observer.queue();
+        for item in [&b""[..], b"\x09not a job", b"\x01\xff\xff\xff"] {
+            host.enqueue(queue, item).unwrap();
+        }
+        host.enqueue(queue, &usage().encode()).unwrap();
+        observer.drain(&mut host);
+        let unreadable = counter(
+            &mut host,
+            &observer,
+            "zerolayer_observer_jobs_kind=unreadable",
+        );
+        assert_eq!(unreadable, 3);
+        assert_eq!(
+            counter(&mut host, &observer, "zerolayer_observer_jobs_kind=usage"),
+            1
+        );
+    }
+
+    #[test]
+    fn in_tick_mode_the_backlog_is_reset_to_zero_when_the_queue_empties() {
+        let mut host = FakeHost::default();
+        let mut observer = metering(&mut host, "tick");
+        let key = zerolayer_core::queue::backlog_key(TICK_QUEUE);
+        // Producers counted more than they enqueued (one died in between).
+        host.shared_put(&key, &zerolayer_core::queue::encode_backlog(10_000));
+        host.enqueue(observer.queue(), &usage().encode()).unwrap();
+        observer.drain(&mut host);
+        assert_eq!(host.shared_value(&key), Some(&[0u8; 8][..]));
+    }
+
+    #[test]
+    fn in_tick_mode_a_drain_cut_short_by_its_budget_takes_off_what_it_drained() {
+        let mut host = FakeHost::default();
+        let mut observer = metering(&mut host, "tick");
+        let key = zerolayer_core::queue::backlog_key(TICK_QUEUE);
+        let job = usage().encode();
+        let size = zerolayer_core::queue::queued_size(job.len());
+        for _ in 0..=DRAIN_BUDGET {
+            host.enqueue(observer.queue(), &job).unwrap();
+        }
+        let counted = size * (DRAIN_BUDGET as u64 + 1) + 7;
+        host.shared_put(&key, &zerolayer_core::queue::encode_backlog(counted));
+        observer.drain(&mut host);
+        assert_eq!(
+            host.queued(TICK_QUEUE).len(),
+            1,
+            "one job past the budget waits"
+        );
+        assert_eq!(backlog(&host, &key), size + 7);
+        observer.drain(&mut host);
+        assert_eq!(backlog(&host, &key), 0);
+    }
+
+    #[test]
+    fn in_singleton_mode_no_backlog_is_kept() {
+        let mut host = FakeHost::default();
+        let mut observer = metering(&mut host, "singleton");
+        host.enqueue(observer.queue(), &usage().encode()).unwrap();
+        observer.drain(&mut host);
+        assert!(host.shared.keys().all(|k| !k.starts_with("zl:queue:")));
+    }
+
+    #[test]
+    fn jobs_for_a_worker_that_is_not_configured_are_dropped_and_counted() {
+        let mut host = FakeHost::default();
+        // Metering without a sink: no auth worker, audit sink, fleet or usage sink.
+        let mut observer = observer(&mut host, r#"{"metering":{}}"#);
+        let audit = AuditRecord {
+            at_ms: 0,
+            hash_prefix: String::new(),
+            tenant: None,
+            verified: false,
+            decision: "deny".into(),
+            reason: "missing".into(),
+            latency_us: 0,
+            request_id: "a".into(),
+        };
+        let jobs = [
+            Job::Verify(VerifyJob {
+                hash: [0; 32],
+                kind: zerolayer_core::auth::credential::CredentialKind::Jwt,
+                credential: b"t".to_vec(),
+                tenant_hint: None,
+                enqueued_at_ms: 0,
+            }),
+            Job::Audit(audit.clone()),
+            Job::AuditBatch(vec![audit.clone(), audit]),
+            Job::CacheWrite(CacheWrite {
+                digest: [0; 32],
+                ttl_secs: 1,
+                entry: vec![],
+            }),
+            Job::Usage(match usage() {
+                Job::Usage(record) => record,
+                _ => unreachable!(),
+            }),
+            Job::Outcome(VerifyOutcome {
+                tenant: "acme".into(),
+                failed: true,
+                at: 0,
+            }),
+        ];
+        for job in &jobs {
+            host.enqueue(observer.queue(), &job.encode()).unwrap();
+        }
+        observer.drain(&mut host);
+        assert!(host.dispatched.is_empty());
+        for (name, n) in [
+            ("zerolayer_auth_verifications_dropped", 1),
+            ("zerolayer_audit_records_outcome=dropped", 3),
+            ("zerolayer_cache_fleet_writes_outcome=dropped", 1),
+            ("zerolayer_metering_records_outcome=dropped", 1),
+        ] {
+            assert_eq!(counter(&mut host, &observer, name), n, "{name}");
+        }
+        assert!(host.queued("zerolayer.jobs").is_empty());
+    }
+
+    #[test]
+    fn each_wake_up_records_how_many_jobs_it_drained() {
+        let mut host = FakeHost::default();
+        let mut observer = metering(&mut host, "singleton");
+        for _ in 0..3 {
+            host.enqueue(observer.queue(), &usage().encode()).unwrap();
+        }
+        observer.drain(&mut host);
+        observer.drain(&mut host);
+        let depth = host
+            .metrics
+            .iter()
+            .find(|m| m.name == "zerolayer_observer_queue_depth")
+            .unwrap();
+        assert_eq!(depth.samples, [3], "an empty wake-up records nothing");
+    }
+
+    #[test]
+    fn an_answer_to_a_token_that_is_not_ours_is_left_alone() {
+        let mut host = FakeHost::default();
+        let mut observer = metering(&mut host, "singleton");
+        assert!(!observer.on_http_call_response(&mut host, 42, 0));
+    }
 }
