@@ -6,6 +6,7 @@ use serde::Deserialize;
 
 /// Breaker thresholds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct BreakerConfig {
     /// Consecutive failures that open the breaker.

@@ -103,6 +103,7 @@ pub fn quoted(value: &str) -> String {
 
 /// Where filters reach the observer.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct ObserverLink {
     /// `vm_id` of the observer (and of the shared data verdicts live in).
@@ -111,13 +112,11 @@ pub struct ObserverLink {
     /// Name of the job queue.
     #[serde(default = "default_queue")]
     pub queue: String,
-    /// `singleton`: an Envoy bootstrap service owns the queue (filters
-    /// resolve it); `tick`: each filter's root context owns one and drains
-    /// it on tick (Kong, which has neither singletons nor queue
-    /// notifications).
+    /// Who owns and drains the job queue.
     #[serde(default)]
     pub mode: ObserverMode,
-    /// Tick mode: bytes of jobs that may wait in the queue (each counted
+    /// Tick mode: bytes of jobs that may wait in the queue (at least 64 KiB;
+    /// each counted
     /// with a 4-byte prefix); a job past it is refused and counted as lost.
     /// Keep it below the queue's declared size (Kong's `shm_queue`), whose
     /// overflow traps the filter.
@@ -169,12 +168,15 @@ fn default_max_queued_bytes() -> u64 {
 
 /// How the observer runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(rename_all = "snake_case")]
 pub enum ObserverMode {
-    /// A singleton service (Envoy bootstrap extension).
+    /// An Envoy bootstrap service (singleton) owns the queue; filters
+    /// resolve it.
     #[default]
     Singleton,
-    /// Inside each filter root context, driven by its tick.
+    /// Each filter's root context owns a queue of its own and drains it on
+    /// tick (Kong, which has neither singletons nor queue notifications).
     Tick,
 }
 
@@ -199,6 +201,7 @@ impl Default for ObserverLink {
 
 /// A cluster endpoint reached with `dispatch_http_call`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct Endpoint {
     /// Envoy cluster name.

@@ -15,6 +15,7 @@ pub const MAX_IN_FLIGHT: usize = 64;
 /// A sink: batches by size and age, a bounded buffer while it is down,
 /// exponential backoff between failed batches and a breaker in front.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
     /// Where to post (for ClickHouse: `/?query=INSERT…FORMAT JSONEachRow`).

@@ -5,30 +5,45 @@ use serde::Deserialize;
 
 /// The activation filter's configuration.
 #[derive(Debug, Clone, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct ActivationConfig {
-    /// Operator-defined observer names, in addition to `audit`, `metering`, `cache`.
+    /// Operator-defined observer names, in addition to `audit`, `metering`,
+    /// `cache`: at most 61, each `[A-Za-z0-9_-]`, 1–64 bytes, not starting
+    /// with `auth`.
     #[serde(default)]
     pub custom_observers: Vec<String>,
     /// Observers on when no matching rule decides them.
     #[serde(default)]
     pub defaults: Vec<String>,
-    /// Request header the tenant is read from (until lazy-auth provides it).
+    /// Request header `tenant` conditions read the tenant from in a chain
+    /// where lazy-auth has not run yet: a
+    /// client-chosen value unless the operator's proxy sets it. The shipped
+    /// chains (`envoy/zerolayer.yaml`, `envoy/zerolayer-fused.yaml`,
+    /// `kong/`) run lazy-auth first, so there `tenant` conditions see only
+    /// its identity: the verified tenant, `unverified` for an unverified
+    /// request (never its claim or the header), `unknown` for a verified
+    /// credential without a tenant or a public path.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = super::DEFAULT_TENANT_HEADER)))]
     pub tenant_header: Option<String>,
-    /// UTC offset for `hours` and `weekdays`, as `+HH:MM` or `-HH:MM`.
+    /// UTC offset for `hours` and `weekdays`, as `+HH:MM` or `-HH:MM`
+    /// within ±14:00.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = "+00:00")))]
     pub utc_offset: Option<String>,
-    /// Add `x-zerolayer-debug` (decision and matched rules) to responses.
+    /// Add `x-zerolayer-debug: observers=…; rules=…` (the decision and the
+    /// matched rules) to responses.
     #[serde(default)]
     pub debug_response_header: bool,
-    /// The rules, see [`RuleConfig`].
+    /// The rules (at most 64), see [`RuleConfig`].
     #[serde(default)]
     pub rules: Vec<RuleConfig>,
 }
 
 /// One rule: when `when` matches, turn `activate` on and `deactivate` off.
 #[derive(Debug, Clone, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct RuleConfig {
     /// Unique name, used in metrics (`[A-Za-z0-9_-]`, at most 64 bytes).
@@ -42,13 +57,14 @@ pub struct RuleConfig {
     /// Observers this rule turns on.
     #[serde(default)]
     pub activate: Vec<String>,
-    /// Observers this rule turns off.
+    /// Observers this rule turns off (none of them also in `activate`).
     #[serde(default)]
     pub deactivate: Vec<String>,
 }
 
 /// A condition on the request.
 #[derive(Debug, Clone, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Condition {
     /// Test one request header.
@@ -75,6 +91,7 @@ pub enum Condition {
 
 /// `{"name": …}` plus exactly one of `exists`, `equals`, `in`, `matches`.
 #[derive(Debug, Clone, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct HeaderCondition {
     /// Header name (case-insensitive).
@@ -95,6 +112,7 @@ pub struct HeaderCondition {
 
 /// `{"in": [...]}`.
 #[derive(Debug, Clone, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct InList {
     /// The accepted values.
@@ -104,6 +122,7 @@ pub struct InList {
 
 /// Exactly one of `prefix`, `matches`.
 #[derive(Debug, Clone, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct PathCondition {
     /// The path starts with this.
@@ -116,6 +135,7 @@ pub struct PathCondition {
 
 /// Hours `[from, to)`, 0–24.
 #[derive(Debug, Clone, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct HoursRange {
     /// First hour inside the range (0–23).
@@ -126,6 +146,7 @@ pub struct HoursRange {
 
 /// Weekdays `from..=to`.
 #[derive(Debug, Clone, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct WeekdayRange {
     /// First day inside the range.
@@ -136,6 +157,7 @@ pub struct WeekdayRange {
 
 /// A day of the week, Monday first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(rename_all = "lowercase")]
 #[allow(missing_docs)]
 pub enum Weekday {

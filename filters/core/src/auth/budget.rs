@@ -30,16 +30,18 @@ const MILLI: u64 = 1000;
 
 /// One bucket's size: `burst` admissions at once, `per_sec` more each second.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct Rate {
     /// Admissions regained per second.
     pub per_sec: u32,
-    /// Admissions available at once (the bucket's capacity).
+    /// Admissions available at once (the bucket's capacity; at least 1).
     pub burst: u32,
 }
 
 /// The three buckets' sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct LazyBudget {
     /// Every lazy admission of this gateway (Envoy process: shared data

@@ -12,6 +12,7 @@ use crate::config::{ConfigError, Endpoint, ObserverLink, invalid_regex, is_token
 
 /// JWT verification settings.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct JwtConfig {
     /// Accepted issuers (empty: any).
@@ -26,7 +27,8 @@ pub struct JwtConfig {
     /// Public keys as JWKs (RSA, EC P-256). Public keys are not secrets.
     #[serde(default)]
     pub keys: Vec<serde_json::Value>,
-    /// Environment variable of the VM holding an HS256 secret. Envoy passes
+    /// Environment variable of the VM holding an HS256 secret (at least 32
+    /// bytes). Envoy passes
     /// it with `vm_config.environment_variables.host_env_keys`, so the secret
     /// is neither in the plugin configuration nor in `/config_dump`.
     #[serde(default)]
@@ -63,6 +65,7 @@ impl Default for JwtConfig {
 
 /// The JWKS endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct JwksConfig {
     /// Where to fetch it.
@@ -79,6 +82,7 @@ fn default_refresh() -> u64 {
 
 /// API keys, verified by an HTTP introspection endpoint.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct IntrospectionConfig {
     /// Where to ask.
@@ -98,6 +102,7 @@ fn default_key_header() -> String {
 
 /// JSON pointers into the introspection answer.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct IntrospectionMapping {
     /// Boolean: the key is valid.
@@ -140,6 +145,7 @@ impl Default for IntrospectionMapping {
 
 /// A client whose JWTs are verified inline with cached keys (no lazy step).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct TrustedClient {
     /// Regular expression on `user-agent`.
@@ -151,18 +157,24 @@ pub use crate::sink::SinkConfig;
 
 /// lazy-auth's configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct LazyAuthConfig {
     /// Where credentials are read from, in order; the first present wins.
     #[serde(default = "default_sources")]
     pub credentials: Vec<CredentialSource>,
-    /// Path prefixes that need no credential (operator config only).
+    /// Paths that need no credential (operator config only), each with the
+    /// paths under it, matched on the request path's normal form segment by
+    /// segment (`/healthz` makes `/healthz/live` public, not
+    /// `/healthzv1/messages` nor `/healthz/../v1/messages`; a path with
+    /// `%2F`/`%5C` is never public); each must be a normal path itself.
     #[serde(default)]
     pub public_paths: Vec<String>,
     /// Treatment of credentials nobody has verified yet.
     #[serde(default)]
     pub unknown: UnknownPolicy,
-    /// Requests a credential may make before it is verified synchronously.
+    /// Requests a credential may make unverified before it is verified
+    /// synchronously (0: never lazy).
     #[serde(default = "default_max_unverified")]
     pub max_unverified_per_token: u32,
     /// Verifications pending at once before new credentials go synchronous.
@@ -175,18 +187,21 @@ pub struct LazyAuthConfig {
     /// How long an invalid verdict is kept, seconds.
     #[serde(default = "default_negative_ttl")]
     pub negative_ttl_secs: u64,
-    /// Shared-data slots (sets) for verdicts and counters (bounds memory).
+    /// Shared-data keys (sets) for verdicts and counters (bounds memory; at
+    /// least 1).
     #[serde(default = "default_slots")]
     pub verdict_slots: u32,
     /// Verdicts (and per-credential counters) each set holds: credentials
-    /// landing in one set keep their own entries (see `exposure`).
+    /// landing in one set keep their own entries; 1–16. Memory is at most
+    /// `verdict_slots × verdict_ways` verdicts.
     #[serde(default = "default_ways")]
     pub verdict_ways: u32,
     /// Longest credential accepted, bytes: a longer one is refused (431)
-    /// before any hashing, admission or callout.
+    /// before any hashing, admission or callout; 64–65536.
     #[serde(default = "default_max_credential_bytes")]
     pub max_credential_bytes: u32,
-    /// Gateway-wide bounds on lazy admissions (token buckets).
+    /// Gateway-wide bounds on lazy admissions (token buckets): past an
+    /// empty one, unknown credentials verify synchronously.
     #[serde(default)]
     pub lazy_budget: LazyBudget,
     /// JWT settings.
@@ -195,10 +210,12 @@ pub struct LazyAuthConfig {
     /// API key introspection (required if a source has kind `api_key`).
     #[serde(default)]
     pub api_keys: Option<IntrospectionConfig>,
-    /// Per-tenant escalation.
+    /// Escalation to synchronous verification: per tenant and for "no
+    /// tenant" at `failure_ratio`, the whole gateway at
+    /// `gateway_failure_ratio`.
     #[serde(default)]
     pub escalation: EscalationConfig,
-    /// Clients verified inline.
+    /// Clients whose JWTs are verified inline, never lazily.
     #[serde(default)]
     pub trusted_clients: Vec<TrustedClient>,
     /// Unknown credentials while the verifier is down.
@@ -210,7 +227,10 @@ pub struct LazyAuthConfig {
     /// Where the observer is.
     #[serde(default)]
     pub observer: ObserverLink,
-    /// Audit sink (records only for requests activation marks `audit`).
+    /// Audit sink (JSON lines): records for requests activation marks
+    /// `audit` and for every request this filter refuses (a security event;
+    /// in the shipped chains activation comes after lazy-auth and never sees
+    /// a refused request).
     #[serde(default)]
     pub audit: Option<SinkConfig>,
 }

@@ -11,6 +11,7 @@ use zeroize::Zeroizing;
 
 /// What a credential is, which decides how it is verified.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum CredentialKind {
     /// A JSON Web Token (verified by signature and claims).
@@ -22,6 +23,7 @@ pub enum CredentialKind {
 /// Where a credential is read from: a header, optionally with a scheme
 /// prefix (`Authorization: Bearer <token>`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct CredentialSource {
     /// Header name (case-insensitive).

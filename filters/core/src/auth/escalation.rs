@@ -26,6 +26,7 @@ const VERSION: u8 = 2;
 
 /// When a tenant is escalated.
 #[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct EscalationConfig {
     /// Share of failed verifications above which a tenant escalates.

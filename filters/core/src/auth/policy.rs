@@ -9,6 +9,7 @@ use super::verdict::{Lookup, Verdict};
 
 /// What to do with credentials nobody has verified yet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(rename_all = "snake_case")]
 pub enum UnknownPolicy {
     /// Admit within the exposure bounds, verify off the request path.
@@ -20,6 +21,7 @@ pub enum UnknownPolicy {
 
 /// What to do with unknown credentials while the verifier is down.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(rename_all = "snake_case")]
 pub enum VerifierDown {
     /// Refuse them at once (503).

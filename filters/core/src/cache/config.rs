@@ -10,6 +10,7 @@ use crate::config::{Endpoint, ObserverLink};
 
 /// Whose cache a request reads and fills.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(rename_all = "snake_case")]
 pub enum Namespace {
     /// One cache per verified tenant (lazy-auth's identity): a request
@@ -23,6 +24,7 @@ pub enum Namespace {
 
 /// What followers of a leased key do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(rename_all = "snake_case")]
 pub enum StampedeMode {
     /// Wait (bounded) for the lease holder's response, then fall through.
@@ -35,6 +37,7 @@ pub enum StampedeMode {
 
 /// Stampede protection.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct StampedeConfig {
     /// What followers do.
@@ -75,6 +78,7 @@ impl Default for StampedeConfig {
 
 /// The fleet tier: Redis reached over HTTP through webdis.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct FleetConfig {
     /// The webdis endpoint (`path` is its base, usually `/`).
@@ -124,6 +128,7 @@ fn default_redis_prefix() -> String {
 
 /// post-cache's configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct PostCacheConfig {
     /// Environment variable holding the per-deployment secret that keys
@@ -135,10 +140,11 @@ pub struct PostCacheConfig {
     /// Store/serve policy and TTLs.
     #[serde(default)]
     pub ttl: TtlPolicy,
-    /// Entries held at most (shared data has no delete: the index is fixed).
+    /// Entries held at most (shared data has no delete: the index is fixed;
+    /// at least 1).
     #[serde(default = "default_max_entries")]
     pub max_entries: u32,
-    /// Largest response stored, bytes.
+    /// Largest response stored, bytes (at least 1024).
     #[serde(default = "default_max_entry_bytes")]
     pub max_entry_bytes: u32,
     /// Largest request body keyed, bytes (larger ones bypass the cache).

@@ -111,22 +111,23 @@ impl ResponseDirectives {
 
 /// The operator's TTL policy (part of post-cache's config).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields, default)]
 pub struct TtlPolicy {
-    /// TTL when neither side says anything, seconds (default 60).
+    /// TTL when neither side says anything, seconds.
     pub default_ttl_secs: u64,
-    /// Upper bound on any TTL, seconds (default 3600).
+    /// Upper bound on any TTL, seconds.
     pub max_ttl_secs: u64,
-    /// Whether an upstream `no-cache` prevents storing (default false:
+    /// Whether an upstream `no-cache` prevents storing (off by default:
     /// providers send `no-cache` on everything, so by default it is ignored
     /// and the response's `max-age` or the default TTL applies).
     pub honour_upstream_no_cache: bool,
-    /// Whether upstream `private` responses may be stored (default false;
-    /// the cache is per tenant, not per user).
+    /// Whether upstream `private` responses may be stored (the cache is per
+    /// tenant, not per user).
     pub store_private: bool,
     /// Requests with a temperature above this are not cached; a request
-    /// without one counts as the provider default, 1.0. Default 0.0: only
-    /// deterministic requests are cached by default; raise it to cache
+    /// without one counts as the provider default, 1.0. With the default
+    /// 0.0 only deterministic requests are cached; raise it to cache
     /// sampled responses (every hit then replays the one stored sample).
     pub max_temperature: f64,
 }

@@ -13,9 +13,11 @@ use crate::sink::SinkConfig;
 
 /// Sampling rates, in percent (two decimals at most).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct SamplingConfig {
-    /// Rate when neither the tenant nor the environment has one.
+    /// Rate when neither the tenant nor the environment has one (0–100,
+    /// two decimals at most).
     #[serde(default = "default_percent")]
     pub percent: f64,
     /// Rate per environment (`{"prod": 1, "staging": 10}`); the gateway's
@@ -43,6 +45,7 @@ impl Default for SamplingConfig {
 
 /// metering's configuration.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct MeteringConfig {
     /// This gateway's environment (selects `sampling.environments`).
@@ -57,8 +60,9 @@ pub struct MeteringConfig {
     #[serde(default)]
     pub tenant_header: Option<String>,
     /// What verified credentials without a tenant and public paths are
-    /// billed as (none: `unknown`); unverified requests are `unverified`.
+    /// billed as (1–64 bytes); unverified requests are `unverified`.
     #[serde(default)]
+    #[cfg_attr(feature = "schema", schemars(extend("default" = crate::metering::labels::UNKNOWN)))]
     pub default_tenant: Option<String>,
     /// Bounds on metric label values.
     #[serde(default)]
@@ -70,7 +74,7 @@ pub struct MeteringConfig {
     /// Where the observer ships full records (none: metrics and access log only).
     #[serde(default)]
     pub sink: Option<SinkConfig>,
-    /// Where the observer is.
+    /// Where the observer is (`mode: tick` in Kong).
     #[serde(default)]
     pub observer: ObserverLink,
 }

@@ -18,12 +18,13 @@ pub const MAX_LABEL: usize = 64;
 
 /// How many distinct label values a gateway keeps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(deny_unknown_fields)]
 pub struct LabelLimits {
-    /// Distinct tenants (the rest count as `other`).
+    /// Distinct tenants (the rest count as `other`; 1–10000).
     #[serde(default = "default_tenants")]
     pub max_tenants: u32,
-    /// Distinct models (the rest count as `other`).
+    /// Distinct models (the rest count as `other`; 1–10000).
     #[serde(default = "default_models")]
     pub max_models: u32,
 }
