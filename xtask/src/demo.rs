@@ -19,7 +19,7 @@ use zerolayer_core::sampling::Rate;
 use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::clickhouse::ClickHouse;
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer, paths, wait};
+use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer, wait};
 use zerolayer_stub::{Stub, StubConfig};
 
 use crate::{setup, step};
@@ -388,7 +388,8 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
         &json!({"lazy_auth": lazy, "metering": metering, "tick_ms": 100}).to_string(),
     )?;
     let envoy = Envoy::start(&config)?;
-    let version = std::process::Command::new(paths::envoy_binary()?)
+    // The binary the harness just started (its `$ZEROLAYER_ENVOY` or `.venv`).
+    let version = std::process::Command::new(zerolayer_e2e::paths::envoy_binary()?)
         .arg("--version")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())

@@ -5,6 +5,7 @@
 mod demo;
 mod demo_kong;
 mod fuzz;
+mod paths;
 mod setup;
 
 use std::process::{Command, ExitCode};
@@ -90,7 +91,7 @@ pub fn cargo_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
     let status = Command::new(&cargo)
         .args(args)
         .envs(env.iter().copied())
-        .current_dir(zerolayer_e2e::paths::root())
+        .current_dir(paths::root())
         .status()
         .with_context(|| format!("running {cargo}"))?;
     if !status.success() {
@@ -145,7 +146,7 @@ fn build_playground() -> Result<()> {
         "--package",
         "zerolayer-playground",
     ])?;
-    let root = zerolayer_e2e::paths::root();
+    let root = paths::root();
     let module = root
         .join("target")
         .join(setup::PLAYGROUND_TARGET)
@@ -291,7 +292,7 @@ fn bench() -> Result<()> {
     ] {
         bench("zerolayer-e2e", target, &[])?;
     }
-    let root = zerolayer_e2e::paths::root();
+    let root = paths::root();
     step("benchmarks done");
     println!(
         "criterion estimates: {}/<group>/<bench>/new/estimates.json",
