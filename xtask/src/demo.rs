@@ -464,7 +464,7 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
     let log = envoy.access_log();
     let auth_by_id = access_log_field(&log, "auth");
     let usage_by_id = access_log_field(&log, "usage");
-    let truth = host_sim::reconcile::read_access_log(log.as_bytes())?;
+    let truth = host_sim_tools::reconcile::read_access_log(log.as_bytes())?;
     // The sample is xxh3(x-request-id) mod 10000 < rate: known in advance.
     let rate = Rate::from_percent(DEMO_SAMPLE_PERCENT).context("demo sample rate")?;
     let sampled = truth
@@ -572,8 +572,8 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
             r["sample_weight"]
         );
     }
-    let sample = host_sim::reconcile::fetch_sample(&clickhouse.url(), "zerolayer_usage")?;
-    let report = host_sim::reconcile::reconcile(&truth.rows, &sample, 0.0);
+    let sample = host_sim_tools::reconcile::fetch_sample(&clickhouse.url(), "zerolayer_usage")?;
+    let report = host_sim_tools::reconcile::reconcile(&truth.rows, &sample, 0.0);
     println!();
     println!(
         "Reconciliation (host-sim reconcile --threshold 0): the sample's estimate against the access log,"

@@ -29,7 +29,7 @@ usage: cargo xtask <command>
                          into .venv-peers, for the peers bench only (bench does it)
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
   build-playground       build the rule playground page (target/playground/; serve it
-                         with `cargo run -p host-sim -- playground`)
+                         with `cargo run -p host-sim-tools -- playground`)
   bench                  run the benchmarks: core logic, the filters in host-sim,
                          load against real Envoy with same-run baselines, and the
                          chain against LiteLLM's proxy (peers)
@@ -179,7 +179,7 @@ fn build_playground() -> Result<()> {
         }
     }
     eprintln!(
-        "playground: {} (serve it: cargo run -p host-sim -- playground)",
+        "playground: {} (serve it: cargo run -p host-sim-tools -- playground)",
         out.join("index.html").display()
     );
     Ok(())
