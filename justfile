@@ -16,7 +16,7 @@ setup:
 build-wasm:
     cargo xtask build-wasm
 
-# Build the rule playground page into target/playground/ (serve: cargo run -p host-sim -- playground).
+# Build the rule playground page into target/playground/ (serve: cargo run -p host-sim-tools -- playground).
 playground:
     cargo xtask build-playground
 

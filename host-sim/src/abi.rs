@@ -167,12 +167,27 @@ impl LogLevel {
 /// A header map: lower-case names, raw values, in order.
 pub type Headers = Vec<(String, Vec<u8>)>;
 
-/// Serializes a header map the way modules read it (the format is core's:
-/// [`zerolayer_core::headers::HeaderBlock`], which the filters parse).
+/// Serializes a header map the way modules read it (Proxy-Wasm's pairs
+/// format): the count, then each key's and value's size (u32 LE), then each
+/// key and value followed by a NUL byte.
 pub fn encode_pairs(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
-    zerolayer_core::headers::HeaderBlock::serialize(
-        pairs.iter().map(|(k, v)| (k.as_str(), v.as_slice())),
-    )
+    let size = 4 + pairs
+        .iter()
+        .map(|(k, v)| 8 + k.len() + v.len() + 2)
+        .sum::<usize>();
+    let mut out = Vec::with_capacity(size);
+    out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
+    for (key, value) in pairs {
+        out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(value.len() as u32).to_le_bytes());
+    }
+    for (key, value) in pairs {
+        out.extend_from_slice(key.as_bytes());
+        out.push(0);
+        out.extend_from_slice(value);
+        out.push(0);
+    }
+    out
 }
 
 /// Parses a serialized header map; `None` when malformed (never panics).

@@ -8,7 +8,7 @@ use crate::world::{CallResponse, Callout};
 /// Performs `callout` against `addr` with a blocking HTTP/1.1 client; any
 /// failure (refused, reset, timeout) becomes [`CallResponse::failure`], as
 /// Envoy reports it to the module.
-pub(crate) fn blocking_http(addr: SocketAddr, callout: &Callout) -> CallResponse {
+pub fn blocking_http(addr: SocketAddr, callout: &Callout) -> CallResponse {
     let timeout = if callout.timeout_ms == 0 {
         Duration::from_secs(60)
     } else {

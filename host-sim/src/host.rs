@@ -474,7 +474,11 @@ impl Host {
         Ok(StreamHandle { host: self, id })
     }
 
-    pub(crate) fn open_stream(&mut self, chain: ChainId, mut info: StreamInfo) -> Result<StreamId> {
+    /// Opens a stream on `chain` described by `info` (addresses, TLS, …)
+    /// without a handle: for a front end that drives many streams by id
+    /// ([`Host::deliver_headers`], [`Host::deliver_data`]), as `host-sim
+    /// serve` does.
+    pub fn open_stream(&mut self, chain: ChainId, mut info: StreamInfo) -> Result<StreamId> {
         let worker = self.next_worker % self.workers;
         self.next_worker += 1;
         let plugins = self
@@ -669,14 +673,9 @@ impl Host {
         }
     }
 
-    /// Delivers headers to a direction.
-    pub(crate) fn deliver_headers(
-        &mut self,
-        id: StreamId,
-        response: bool,
-        headers: Headers,
-        eos: bool,
-    ) {
+    /// Delivers headers to a direction (`response`: the upstream's answer,
+    /// else the client's request).
+    pub fn deliver_headers(&mut self, id: StreamId, response: bool, headers: Headers, eos: bool) {
         if self.ignores(id) {
             return;
         }
@@ -758,8 +757,9 @@ impl Host {
         self.maybe_finish(id);
     }
 
-    /// Delivers body data to a direction.
-    pub(crate) fn deliver_data(&mut self, id: StreamId, response: bool, data: Vec<u8>, eos: bool) {
+    /// Delivers body data to a direction (`response` as in
+    /// [`Host::deliver_headers`]).
+    pub fn deliver_data(&mut self, id: StreamId, response: bool, data: Vec<u8>, eos: bool) {
         if self.ignores(id) {
             return;
         }
@@ -1104,7 +1104,7 @@ impl Host {
     }
 
     /// Resets a stream (client went away, upstream reset, or a filter closed it).
-    pub(crate) fn reset(&mut self, id: StreamId) {
+    pub fn reset(&mut self, id: StreamId) {
         if let Some(run) = self.streams.get_mut(&id) {
             run.reset = true;
         }
@@ -1112,19 +1112,23 @@ impl Host {
         self.run_events();
     }
 
-    pub(crate) fn upstream_output(&self, id: StreamId) -> Option<&Output> {
+    /// What of stream `id` has left the chain towards the upstream.
+    pub fn upstream_output(&self, id: StreamId) -> Option<&Output> {
         self.streams.get(&id).map(|r| &r.request.out)
     }
 
-    pub(crate) fn client_output(&self, id: StreamId) -> Option<&Output> {
+    /// What of stream `id` has left the chain towards the client.
+    pub fn client_output(&self, id: StreamId) -> Option<&Output> {
         self.streams.get(&id).map(|r| &r.response.out)
     }
 
-    pub(crate) fn local_of(&self, id: StreamId) -> Option<&LocalResponse> {
+    /// The local response a filter sent on stream `id`, if any.
+    pub fn local_of(&self, id: StreamId) -> Option<&LocalResponse> {
         self.streams.get(&id).and_then(|r| r.local.as_ref())
     }
 
-    pub(crate) fn filter_state(&self, id: StreamId, key: &str) -> Option<Vec<u8>> {
+    /// Filter state `key` of stream `id` (Envoy's per-request filter state).
+    pub fn filter_state(&self, id: StreamId, key: &str) -> Option<Vec<u8>> {
         self.world
             .borrow()
             .streams
@@ -1133,10 +1137,10 @@ impl Host {
     }
 
     /// A value published for later filters as one-segment property `path`
-    /// (`wasmx.zerolayer_usage`), wherever this host keeps it: Envoy's
+    /// (`wasmx.<name>`), wherever this host keeps it: Envoy's
     /// filter state `wasm.<path>`, ngx_wasm_module's `wasmx.*` property, or
     /// Kong Gateway's `kong.ctx.shared.*`.
-    pub(crate) fn published(&self, id: StreamId, path: &str) -> Option<Vec<u8>> {
+    pub fn published(&self, id: StreamId, path: &str) -> Option<Vec<u8>> {
         self.filter_state(id, &format!("wasm.{path}"))
             .or_else(|| self.filter_state(id, path))
             .or_else(|| {
@@ -1145,16 +1149,19 @@ impl Host {
             })
     }
 
-    pub(crate) fn is_finished(&self, id: StreamId) -> bool {
+    /// Whether stream `id` is done (both directions complete, or reset); an
+    /// unknown stream counts as done.
+    pub fn is_finished(&self, id: StreamId) -> bool {
         self.streams.get(&id).is_none_or(|r| r.finished)
     }
 
-    pub(crate) fn is_reset(&self, id: StreamId) -> bool {
+    /// Whether stream `id` was reset; an unknown stream counts as reset.
+    pub fn is_reset(&self, id: StreamId) -> bool {
         self.streams.get(&id).is_none_or(|r| r.reset)
     }
 
     /// Forgets a finished stream's bookkeeping.
-    pub(crate) fn drop_stream(&mut self, id: StreamId) {
+    pub fn drop_stream(&mut self, id: StreamId) {
         if !self.is_finished(id) {
             self.reset(id);
         }
@@ -1246,7 +1253,10 @@ impl Host {
         Ok(())
     }
 
-    pub(crate) fn deliver_callout(&mut self, token: u32, response: CallResponse) {
+    /// Completes callout `token` with `response`; an unknown token is
+    /// ignored (the callout was cancelled or already answered), unlike
+    /// [`Host::respond`].
+    pub fn deliver_callout(&mut self, token: u32, response: CallResponse) {
         let callout = self.world.borrow_mut().callouts.remove(&token);
         let Some(callout) = callout else {
             return;
@@ -1330,7 +1340,7 @@ impl Host {
 
     /// Fires every tick and timeout due at `now` (also used by serve mode
     /// with the real clock).
-    pub(crate) fn fire_due(&mut self, now: u64) {
+    pub fn fire_due(&mut self, now: u64) {
         let expired: Vec<u32> = self
             .world
             .borrow()

@@ -11,7 +11,6 @@ use anyhow::Result;
 use wasmtime::{Caller, ExternType, Linker, Module, Val, ValType};
 
 use crate::abi::{self, BufferType, Headers, LogLevel, MapType, MetricType, Status};
-use crate::properties;
 use crate::vm::{ContextKind, VmState};
 use crate::world::{Callout, Event, LocalResponse, Profile};
 
@@ -251,41 +250,78 @@ fn splice_ngx(buffer: &mut Vec<u8>, start: usize, size: usize, data: &[u8]) {
 
 // ---- the linker ----
 
-/// Defines every host function on `linker`, plus stubs for any other import
-/// `module` has.
-pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
-    let mut defined: HashSet<(String, String)> = HashSet::new();
-    // Each host function counts its calls when counting is on
-    // (`Host::count_host_calls`): a Proxy-Wasm host call is the unit of
-    // cost a real host charges, so counts rank changes before a load run.
-    macro_rules! env {
-        ($name:literal, |mut $c:ident : $ct:ty $(, $a:ident : $t:ty)* $(,)?| -> $r:ty $body:block) => {
-            linker.func_wrap("env", $name, |mut $c: $ct $(, $a: $t)*| -> $r {
-                count_call(&$c, $name);
-                $body
-            })?;
-            defined.insert(("env".to_string(), $name.to_string()));
-        };
-        ($name:literal, |$c:ident : $ct:ty $(, $a:ident : $t:ty)* $(,)?| -> $r:ty $body:block) => {
-            linker.func_wrap("env", $name, |$c: $ct $(, $a: $t)*| -> $r {
-                count_call(&$c, $name);
-                $body
-            })?;
-            defined.insert(("env".to_string(), $name.to_string()));
-        };
-    }
-    macro_rules! wasi {
-        ($name:literal, $f:expr) => {
-            linker.func_wrap("wasi_snapshot_preview1", $name, $f)?;
-            defined.insert(("wasi_snapshot_preview1".to_string(), $name.to_string()));
-        };
-    }
+/// The linker being filled and every import defined on it so far.
+struct Imports<'l> {
+    linker: &'l mut Linker<VmState>,
+    defined: HashSet<(String, String)>,
+}
 
-    // -- logging, time, ticks --
-    env!("proxy_log", |mut c: C<'_>,
-                       level: i32,
-                       ptr: i32,
-                       len: i32|
+impl Imports<'_> {
+    /// Records that `module`.`name` is defined.
+    fn mark(&mut self, module: &str, name: &str) {
+        self.defined.insert((module.to_string(), name.to_string()));
+    }
+}
+
+/// Defines Proxy-Wasm host function `$name` on `$imports`. Each host
+/// function counts its calls when counting is on (`Host::count_host_calls`):
+/// a Proxy-Wasm host call is the unit of cost a real host charges, so
+/// counts rank changes before a load run.
+macro_rules! env {
+    ($imports:ident, $name:literal, |mut $c:ident : $ct:ty $(, $a:ident : $t:ty)* $(,)?| -> $r:ty $body:block) => {
+        $imports.linker.func_wrap("env", $name, |mut $c: $ct $(, $a: $t)*| -> $r {
+            count_call(&$c, $name);
+            $body
+        })?;
+        $imports.mark("env", $name);
+    };
+    ($imports:ident, $name:literal, |$c:ident : $ct:ty $(, $a:ident : $t:ty)* $(,)?| -> $r:ty $body:block) => {
+        $imports.linker.func_wrap("env", $name, |$c: $ct $(, $a: $t)*| -> $r {
+            count_call(&$c, $name);
+            $body
+        })?;
+        $imports.mark("env", $name);
+    };
+}
+
+/// Defines WASI preview1 function `$name` on `$imports`.
+macro_rules! wasi {
+    ($imports:ident, $name:literal, $f:expr) => {
+        $imports
+            .linker
+            .func_wrap("wasi_snapshot_preview1", $name, $f)?;
+        $imports.mark("wasi_snapshot_preview1", $name);
+    };
+}
+
+/// Defines every host function on `linker`, group by group, plus stubs for
+/// any other import `module` has.
+pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()> {
+    let mut imports = Imports {
+        linker,
+        defined: HashSet::new(),
+    };
+    logging_and_time(&mut imports)?;
+    buffers(&mut imports)?;
+    header_maps(&mut imports)?;
+    properties(&mut imports)?;
+    shared_data(&mut imports)?;
+    shared_queues(&mut imports)?;
+    stream_control(&mut imports)?;
+    http_callouts(&mut imports)?;
+    metrics(&mut imports)?;
+    unsupported(&mut imports)?;
+    wasi_output_and_environment(&mut imports)?;
+    wasi_clock_and_process(&mut imports)?;
+    stub_other_imports(&mut imports, module)
+}
+
+/// Logging, the clock and the tick period.
+fn logging_and_time(imports: &mut Imports<'_>) -> Result<()> {
+    env!(imports, "proxy_log", |mut c: C<'_>,
+                                level: i32,
+                                ptr: i32,
+                                len: i32|
      -> i32 {
         match read_str(&mut c, ptr, len) {
             Ok(message) => {
@@ -299,40 +335,52 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             Err(s) => st(s),
         }
     });
-    env!("proxy_get_log_level", |mut c: C<'_>, ret: i32| -> i32 {
+    env!(imports, "proxy_get_log_level", |mut c: C<'_>,
+                                          ret: i32|
+     -> i32 {
         done(write_u32(&mut c, ret, LogLevel::Info as u32))
     });
-    env!("proxy_get_current_time_nanoseconds", |mut c: C<'_>,
-                                                ret: i32|
-     -> i32 {
-        let now = c.data().world.borrow().clock.now_ns();
-        done(write(&mut c, ret, &now.to_le_bytes()))
-    });
-    env!("proxy_set_tick_period_milliseconds", |mut c: C<'_>,
-                                                period: i32|
-     -> i32 {
-        let state = c.data_mut();
-        let Some(root) = state.root_of(state.current) else {
-            return st(Status::BadArgument);
-        };
-        let now = state.world.borrow().clock.now_ns();
-        match state.roots.get_mut(&root) {
-            Some(info) => {
-                info.tick_period_ms = period as u32;
-                info.next_tick_ns = now + u64::from(period as u32) * 1_000_000;
-                S_OK
-            }
-            None => st(Status::BadArgument),
+    // rustfmt splits `C<'_>` of this closure over three lines (and
+    // keeps no other layout).
+    #[rustfmt::skip]
+    env!(
+        imports,
+        "proxy_get_current_time_nanoseconds",
+        |mut c: C<'_>, ret: i32| -> i32 {
+            let now = c.data().world.borrow().clock.now_ns();
+            done(write(&mut c, ret, &now.to_le_bytes()))
         }
-    });
+    );
+    env!(
+        imports,
+        "proxy_set_tick_period_milliseconds",
+        |mut c: C<'_>, period: i32| -> i32 {
+            let state = c.data_mut();
+            let Some(root) = state.root_of(state.current) else {
+                return st(Status::BadArgument);
+            };
+            let now = state.world.borrow().clock.now_ns();
+            match state.roots.get_mut(&root) {
+                Some(info) => {
+                    info.tick_period_ms = period as u32;
+                    info.next_tick_ns = now + u64::from(period as u32) * 1_000_000;
+                    S_OK
+                }
+                None => st(Status::BadArgument),
+            }
+        }
+    );
+    Ok(())
+}
 
-    // -- buffers --
-    env!("proxy_get_buffer_bytes", |mut c: C<'_>,
-                                    kind: i32,
-                                    start: i32,
-                                    max: i32,
-                                    ptr_ptr: i32,
-                                    size_ptr: i32|
+/// Reading and replacing the bodies, the call response and the configurations.
+fn buffers(imports: &mut Imports<'_>) -> Result<()> {
+    env!(imports, "proxy_get_buffer_bytes", |mut c: C<'_>,
+                                             kind: i32,
+                                             start: i32,
+                                             max: i32,
+                                             ptr_ptr: i32,
+                                             size_ptr: i32|
      -> i32 {
         let r = (|| {
             let kind = BufferType::from_raw(kind).ok_or(Status::BadArgument)?;
@@ -343,12 +391,12 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
-    env!("proxy_set_buffer_bytes", |mut c: C<'_>,
-                                    kind: i32,
-                                    start: i32,
-                                    size: i32,
-                                    ptr: i32,
-                                    len: i32|
+    env!(imports, "proxy_set_buffer_bytes", |mut c: C<'_>,
+                                             kind: i32,
+                                             start: i32,
+                                             size: i32,
+                                             ptr: i32,
+                                             len: i32|
      -> i32 {
         let r = (|| {
             let kind = BufferType::from_raw(kind).ok_or(Status::BadArgument)?;
@@ -372,12 +420,15 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
+    Ok(())
+}
 
-    // -- header maps --
-    env!("proxy_get_header_map_pairs", |mut c: C<'_>,
-                                        map: i32,
-                                        ptr_ptr: i32,
-                                        size_ptr: i32|
+/// The header and trailer maps of the stream and of a call response.
+fn header_maps(imports: &mut Imports<'_>) -> Result<()> {
+    env!(imports, "proxy_get_header_map_pairs", |mut c: C<'_>,
+                                                 map: i32,
+                                                 ptr_ptr: i32,
+                                                 size_ptr: i32|
      -> i32 {
         let r = (|| {
             // Envoy answers a map it no longer holds with no pairs, not an error.
@@ -389,10 +440,10 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
-    env!("proxy_set_header_map_pairs", |mut c: C<'_>,
-                                        map: i32,
-                                        ptr: i32,
-                                        len: i32|
+    env!(imports, "proxy_set_header_map_pairs", |mut c: C<'_>,
+                                                 map: i32,
+                                                 ptr: i32,
+                                                 len: i32|
      -> i32 {
         let r = (|| {
             let bytes = read(&mut c, ptr, len)?;
@@ -403,9 +454,9 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
-    env!("proxy_get_header_map_size", |mut c: C<'_>,
-                                       map: i32,
-                                       ret: i32|
+    env!(imports, "proxy_get_header_map_size", |mut c: C<'_>,
+                                                map: i32,
+                                                ret: i32|
      -> i32 {
         let r = (|| {
             let size = with_map(&mut c, map, |h| abi::encode_pairs(h).len())?;
@@ -413,12 +464,12 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
-    env!("proxy_get_header_map_value", |mut c: C<'_>,
-                                        map: i32,
-                                        kp: i32,
-                                        kl: i32,
-                                        ptr_ptr: i32,
-                                        size_ptr: i32|
+    env!(imports, "proxy_get_header_map_value", |mut c: C<'_>,
+                                                 map: i32,
+                                                 kp: i32,
+                                                 kl: i32,
+                                                 ptr_ptr: i32,
+                                                 size_ptr: i32|
      -> i32 {
         let r = (|| {
             let key = lower(&read_str(&mut c, kp, kl)?);
@@ -430,12 +481,12 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
-    env!("proxy_replace_header_map_value", |mut c: C<'_>,
-                                            map: i32,
-                                            kp: i32,
-                                            kl: i32,
-                                            vp: i32,
-                                            vl: i32|
+    env!(imports, "proxy_replace_header_map_value", |mut c: C<'_>,
+                                                     map: i32,
+                                                     kp: i32,
+                                                     kl: i32,
+                                                     vp: i32,
+                                                     vl: i32|
      -> i32 {
         let r = (|| {
             let key = lower(&read_str(&mut c, kp, kl)?);
@@ -457,12 +508,12 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
-    env!("proxy_add_header_map_value", |mut c: C<'_>,
-                                        map: i32,
-                                        kp: i32,
-                                        kl: i32,
-                                        vp: i32,
-                                        vl: i32|
+    env!(imports, "proxy_add_header_map_value", |mut c: C<'_>,
+                                                 map: i32,
+                                                 kp: i32,
+                                                 kl: i32,
+                                                 vp: i32,
+                                                 vl: i32|
      -> i32 {
         let r = (|| {
             let key = lower(&read_str(&mut c, kp, kl)?);
@@ -471,10 +522,10 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
-    env!("proxy_remove_header_map_value", |mut c: C<'_>,
-                                           map: i32,
-                                           kp: i32,
-                                           kl: i32|
+    env!(imports, "proxy_remove_header_map_value", |mut c: C<'_>,
+                                                    map: i32,
+                                                    kp: i32,
+                                                    kl: i32|
      -> i32 {
         let r = (|| {
             let key = lower(&read_str(&mut c, kp, kl)?);
@@ -482,42 +533,48 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
+    Ok(())
+}
 
-    // -- properties --
-    env!("proxy_get_property", |mut c: C<'_>,
-                                pp: i32,
-                                pl: i32,
-                                ptr_ptr: i32,
-                                size_ptr: i32|
+/// Properties (`proxy_get_property`, `proxy_set_property`).
+fn properties(imports: &mut Imports<'_>) -> Result<()> {
+    env!(imports, "proxy_get_property", |mut c: C<'_>,
+                                         pp: i32,
+                                         pl: i32,
+                                         ptr_ptr: i32,
+                                         size_ptr: i32|
      -> i32 {
         let r = (|| {
             let path = read(&mut c, pp, pl)?;
-            let value = properties::get(c.data(), &path).ok_or(Status::NotFound)?;
+            let value = crate::properties::get(c.data(), &path).ok_or(Status::NotFound)?;
             give(&mut c, &value, ptr_ptr, size_ptr)
         })();
         done(r)
     });
-    env!("proxy_set_property", |mut c: C<'_>,
-                                pp: i32,
-                                pl: i32,
-                                vp: i32,
-                                vl: i32|
+    env!(imports, "proxy_set_property", |mut c: C<'_>,
+                                         pp: i32,
+                                         pl: i32,
+                                         vp: i32,
+                                         vl: i32|
      -> i32 {
         let r = (|| {
             let path = read(&mut c, pp, pl)?;
             let value = read(&mut c, vp, vl)?;
-            properties::set(c.data(), &path, value)
+            crate::properties::set(c.data(), &path, value)
         })();
         done(r)
     });
+    Ok(())
+}
 
-    // -- shared data --
-    env!("proxy_get_shared_data", |mut c: C<'_>,
-                                   kp: i32,
-                                   kl: i32,
-                                   ptr_ptr: i32,
-                                   size_ptr: i32,
-                                   cas_ptr: i32|
+/// Shared data per `vm_id`, with CAS.
+fn shared_data(imports: &mut Imports<'_>) -> Result<()> {
+    env!(imports, "proxy_get_shared_data", |mut c: C<'_>,
+                                            kp: i32,
+                                            kl: i32,
+                                            ptr_ptr: i32,
+                                            size_ptr: i32,
+                                            cas_ptr: i32|
      -> i32 {
         let r = (|| {
             let key = read_str(&mut c, kp, kl)?;
@@ -531,12 +588,12 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
-    env!("proxy_set_shared_data", |mut c: C<'_>,
-                                   kp: i32,
-                                   kl: i32,
-                                   vp: i32,
-                                   vl: i32,
-                                   cas: i32|
+    env!(imports, "proxy_set_shared_data", |mut c: C<'_>,
+                                            kp: i32,
+                                            kl: i32,
+                                            vp: i32,
+                                            vl: i32,
+                                            cas: i32|
      -> i32 {
         let r = (|| {
             let key = read_str(&mut c, kp, kl)?;
@@ -555,9 +612,13 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
+    Ok(())
+}
 
-    // -- shared queues --
+/// Shared queues: register, resolve, enqueue, dequeue.
+fn shared_queues(imports: &mut Imports<'_>) -> Result<()> {
     env!(
+        imports,
         "proxy_register_shared_queue",
         |mut c: C<'_>, np: i32, nl: i32, ret: i32| -> wasmtime::Result<i32> {
             let mut undeclared = None;
@@ -585,36 +646,34 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             Ok(done(r))
         }
     );
-    env!("proxy_resolve_shared_queue", |mut c: C<'_>,
-                                        vp: i32,
-                                        vl: i32,
-                                        np: i32,
-                                        nl: i32,
-                                        ret: i32|
-     -> wasmtime::Result<i32> {
-        if c.data().world.borrow().profile == Profile::Kong {
-            // ngx_wasm_module: "NYI: proxy_wasm hfunc", a host trap.
-            return Err(wasmtime::Error::msg(
-                "proxy_resolve_shared_queue is not implemented by ngx_wasm_module (Kong profile)",
-            ));
+    env!(
+        imports,
+        "proxy_resolve_shared_queue",
+        |mut c: C<'_>, vp: i32, vl: i32, np: i32, nl: i32, ret: i32| -> wasmtime::Result<i32> {
+            if c.data().world.borrow().profile == Profile::Kong {
+                // ngx_wasm_module: "NYI: proxy_wasm hfunc", a host trap.
+                return Err(wasmtime::Error::msg(
+                    "proxy_resolve_shared_queue is not implemented by ngx_wasm_module (Kong profile)",
+                ));
+            }
+            let r = (|| {
+                let vm_id = read_str(&mut c, vp, vl)?;
+                let name = read_str(&mut c, np, nl)?;
+                let id = c
+                    .data()
+                    .world
+                    .borrow()
+                    .resolve_queue(&vm_id, &name)
+                    .ok_or(Status::NotFound)?;
+                write_u32(&mut c, ret, id)
+            })();
+            Ok(done(r))
         }
-        let r = (|| {
-            let vm_id = read_str(&mut c, vp, vl)?;
-            let name = read_str(&mut c, np, nl)?;
-            let id = c
-                .data()
-                .world
-                .borrow()
-                .resolve_queue(&vm_id, &name)
-                .ok_or(Status::NotFound)?;
-            write_u32(&mut c, ret, id)
-        })();
-        Ok(done(r))
-    });
-    env!("proxy_dequeue_shared_queue", |mut c: C<'_>,
-                                        id: i32,
-                                        ptr_ptr: i32,
-                                        size_ptr: i32|
+    );
+    env!(imports, "proxy_dequeue_shared_queue", |mut c: C<'_>,
+                                                 id: i32,
+                                                 ptr_ptr: i32,
+                                                 size_ptr: i32|
      -> i32 {
         let r = (|| {
             let item = {
@@ -627,68 +686,77 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
-    env!("proxy_enqueue_shared_queue", |mut c: C<'_>,
-                                        id: i32,
-                                        ptr: i32,
-                                        len: i32|
-     -> wasmtime::Result<i32> {
-        let mut full = None;
-        let r = (|| {
-            let item = read(&mut c, ptr, len)?;
-            match c.data().world.borrow_mut().enqueue(id as u32, &item) {
-                Ok(Status::Ok) => Ok(()),
-                Ok(status) => Err(status),
-                Err(message) => {
-                    full = Some(message);
-                    Err(Status::InternalFailure)
+    env!(
+        imports,
+        "proxy_enqueue_shared_queue",
+        |mut c: C<'_>, id: i32, ptr: i32, len: i32| -> wasmtime::Result<i32> {
+            let mut full = None;
+            let r = (|| {
+                let item = read(&mut c, ptr, len)?;
+                match c.data().world.borrow_mut().enqueue(id as u32, &item) {
+                    Ok(Status::Ok) => Ok(()),
+                    Ok(status) => Err(status),
+                    Err(message) => {
+                        full = Some(message);
+                        Err(Status::InternalFailure)
+                    }
                 }
+            })();
+            if let Some(message) = full {
+                // ngx_wasm_module traps the filter on a full queue.
+                return Err(wasmtime::Error::msg(message));
             }
-        })();
-        if let Some(message) = full {
-            // ngx_wasm_module traps the filter on a full queue.
-            return Err(wasmtime::Error::msg(message));
+            Ok(done(r))
         }
-        Ok(done(r))
-    });
+    );
+    Ok(())
+}
 
-    // -- stream control --
-    env!("proxy_continue_stream", |c: C<'_>,
-                                   kind: i32|
-     -> wasmtime::Result<i32> {
-        let Some((stream, filter)) = c.data().current_stream() else {
-            return kong_root_stream_call(&c, "proxy_continue_stream");
-        };
-        if kind == 0
-            && c.data().world.borrow().profile == Profile::Kong
-            && c.data().call_response.is_some()
-        {
-            // ngx_wasm_module resumes the step itself after the last answer;
-            // this extra continue now and then left the request answered
-            // but never finalized, hanging the next request on its
-            // connection. Trapping makes the deterministic host fail.
-            return Err(wasmtime::Error::msg(
-                "proxy_continue_stream(request) from on_http_call_response: ngx_wasm_module resumes the request itself, and this extra continue can leave it never finalized (Kong profile)",
-            ));
-        }
-        let response = match kind {
-            0 => false,
-            1 => {
-                if c.data().world.borrow().profile == Profile::Kong {
-                    // ngx_wasm_module cannot resume response phases.
-                    return Ok(st(Status::Unimplemented));
-                }
-                true
+/// Stream control: resume, close, local responses, the effective context.
+fn stream_control(imports: &mut Imports<'_>) -> Result<()> {
+    // rustfmt splits `wasmtime::Result<i32>` of this closure over three lines.
+    #[rustfmt::skip]
+    env!(
+        imports,
+        "proxy_continue_stream",
+        |c: C<'_>, kind: i32| -> wasmtime::Result<i32> {
+            let Some((stream, filter)) = c.data().current_stream() else {
+                return kong_root_stream_call(&c, "proxy_continue_stream");
+            };
+            if kind == 0
+                && c.data().world.borrow().profile == Profile::Kong
+                && c.data().call_response.is_some()
+            {
+                // ngx_wasm_module resumes the step itself after the last answer;
+                // this extra continue now and then left the request answered
+                // but never finalized, hanging the next request on its
+                // connection. Trapping makes the deterministic host fail.
+                return Err(wasmtime::Error::msg(
+                    "proxy_continue_stream(request) from on_http_call_response: ngx_wasm_module resumes the request itself, and this extra continue can leave it never finalized (Kong profile)",
+                ));
             }
-            _ => return Ok(st(Status::BadArgument)),
-        };
-        c.data().world.borrow_mut().events.push_back(Event::Resume {
-            stream,
-            filter,
-            response,
-        });
-        Ok(S_OK)
-    });
-    env!("proxy_close_stream", |c: C<'_>, _kind: i32| -> i32 {
+            let response = match kind {
+                0 => false,
+                1 => {
+                    if c.data().world.borrow().profile == Profile::Kong {
+                        // ngx_wasm_module cannot resume response phases.
+                        return Ok(st(Status::Unimplemented));
+                    }
+                    true
+                }
+                _ => return Ok(st(Status::BadArgument)),
+            };
+            c.data().world.borrow_mut().events.push_back(Event::Resume {
+                stream,
+                filter,
+                response,
+            });
+            Ok(S_OK)
+        }
+    );
+    env!(imports, "proxy_close_stream", |c: C<'_>,
+                                         _kind: i32|
+     -> i32 {
         let Some((stream, _)) = c.data().current_stream() else {
             return st(Status::BadArgument);
         };
@@ -699,49 +767,54 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             .push_back(Event::Reset { stream });
         S_OK
     });
-    env!("proxy_send_local_response", |mut c: C<'_>,
-                                       status: i32,
-                                       dp: i32,
-                                       dl: i32,
-                                       bp: i32,
-                                       bl: i32,
-                                       hp: i32,
-                                       hl: i32,
-                                       _grpc: i32|
-     -> wasmtime::Result<i32> {
-        if c.data().current_stream().is_none() {
-            return kong_root_stream_call(&c, "proxy_send_local_response");
-        }
-        let r = (|| {
-            let details = read_str(&mut c, dp, dl)?;
-            let body = read(&mut c, bp, bl)?;
-            let headers = abi::decode_pairs(&read(&mut c, hp, hl)?).ok_or(Status::ParseFailure)?;
-            let (stream, filter) = c.data().current_stream().ok_or(Status::BadArgument)?;
-            let world = c.data().world.clone();
-            let mut world = world.borrow_mut();
-            world.streams.get(&stream).ok_or(Status::NotFound)?;
-            let mut body = body;
-            if world.profile == Profile::Kong && !body.is_empty() {
-                // ngx_wasm_module appends a line feed to every local
-                // response body (ngx_http_wasm_stash_local_response).
-                body.push(b'\n');
+    env!(
+        imports,
+        "proxy_send_local_response",
+        |mut c: C<'_>,
+         status: i32,
+         dp: i32,
+         dl: i32,
+         bp: i32,
+         bl: i32,
+         hp: i32,
+         hl: i32,
+         _grpc: i32|
+         -> wasmtime::Result<i32> {
+            if c.data().current_stream().is_none() {
+                return kong_root_stream_call(&c, "proxy_send_local_response");
             }
-            let data = world.streams.get_mut(&stream).ok_or(Status::NotFound)?;
-            data.local_response = Some(LocalResponse {
-                status: u16::try_from(status).map_err(|_| Status::BadArgument)?,
-                details,
-                headers: headers.into_iter().map(|(k, v)| (lower(&k), v)).collect(),
-                body,
-            });
-            world
-                .events
-                .push_back(Event::LocalResponse { stream, filter });
-            Ok(())
-        })();
-        Ok(done(r))
-    });
-    env!("proxy_set_effective_context", |mut c: C<'_>,
-                                         context: i32|
+            let r = (|| {
+                let details = read_str(&mut c, dp, dl)?;
+                let body = read(&mut c, bp, bl)?;
+                let headers =
+                    abi::decode_pairs(&read(&mut c, hp, hl)?).ok_or(Status::ParseFailure)?;
+                let (stream, filter) = c.data().current_stream().ok_or(Status::BadArgument)?;
+                let world = c.data().world.clone();
+                let mut world = world.borrow_mut();
+                world.streams.get(&stream).ok_or(Status::NotFound)?;
+                let mut body = body;
+                if world.profile == Profile::Kong && !body.is_empty() {
+                    // ngx_wasm_module appends a line feed to every local
+                    // response body (ngx_http_wasm_stash_local_response).
+                    body.push(b'\n');
+                }
+                let data = world.streams.get_mut(&stream).ok_or(Status::NotFound)?;
+                data.local_response = Some(LocalResponse {
+                    status: u16::try_from(status).map_err(|_| Status::BadArgument)?,
+                    details,
+                    headers: headers.into_iter().map(|(k, v)| (lower(&k), v)).collect(),
+                    body,
+                });
+                world
+                    .events
+                    .push_back(Event::LocalResponse { stream, filter });
+                Ok(())
+            })();
+            Ok(done(r))
+        }
+    );
+    env!(imports, "proxy_set_effective_context", |mut c: C<'_>,
+                                                  context: i32|
      -> i32 {
         if c.data().world.borrow().profile == Profile::Kong {
             // ngx_wasm_module: a no-op that answers Ok; host calls keep
@@ -756,20 +829,23 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             st(Status::BadArgument)
         }
     });
-    env!("proxy_done", |_c: C<'_>| -> i32 { S_OK });
+    env!(imports, "proxy_done", |_c: C<'_>| -> i32 { S_OK });
+    Ok(())
+}
 
-    // -- HTTP callouts --
-    env!("proxy_http_call", |mut c: C<'_>,
-                             up: i32,
-                             ul: i32,
-                             hp: i32,
-                             hl: i32,
-                             bp: i32,
-                             bl: i32,
-                             tp: i32,
-                             tl: i32,
-                             timeout: i32,
-                             ret: i32|
+/// HTTP callouts to the host's clusters.
+fn http_callouts(imports: &mut Imports<'_>) -> Result<()> {
+    env!(imports, "proxy_http_call", |mut c: C<'_>,
+                                      up: i32,
+                                      ul: i32,
+                                      hp: i32,
+                                      hl: i32,
+                                      bp: i32,
+                                      bl: i32,
+                                      tp: i32,
+                                      tl: i32,
+                                      timeout: i32,
+                                      ret: i32|
      -> wasmtime::Result<i32> {
         {
             let state = c.data();
@@ -829,13 +905,16 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         Ok(done(r))
     });
+    Ok(())
+}
 
-    // -- metrics --
-    env!("proxy_define_metric", |mut c: C<'_>,
-                                 kind: i32,
-                                 np: i32,
-                                 nl: i32,
-                                 ret: i32|
+/// Metrics: define, increment, record, read.
+fn metrics(imports: &mut Imports<'_>) -> Result<()> {
+    env!(imports, "proxy_define_metric", |mut c: C<'_>,
+                                          kind: i32,
+                                          np: i32,
+                                          nl: i32,
+                                          ret: i32|
      -> i32 {
         let r = (|| {
             let kind = MetricType::from_raw(kind).ok_or(Status::BadArgument)?;
@@ -845,9 +924,9 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         })();
         done(r)
     });
-    env!("proxy_increment_metric", |c: C<'_>,
-                                    id: i32,
-                                    offset: i64|
+    env!(imports, "proxy_increment_metric", |c: C<'_>,
+                                             id: i32,
+                                             offset: i64|
      -> i32 {
         if c.data()
             .world
@@ -860,9 +939,9 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             st(Status::NotFound)
         }
     });
-    env!("proxy_record_metric", |c: C<'_>,
-                                 id: i32,
-                                 value: i64|
+    env!(imports, "proxy_record_metric", |c: C<'_>,
+                                          id: i32,
+                                          value: i64|
      -> i32 {
         if c.data()
             .world
@@ -875,9 +954,9 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             st(Status::NotFound)
         }
     });
-    env!("proxy_get_metric", |mut c: C<'_>,
-                              id: i32,
-                              ret: i32|
+    env!(imports, "proxy_get_metric", |mut c: C<'_>,
+                                       id: i32,
+                                       ret: i32|
      -> i32 {
         let value = c.data().world.borrow().metrics.get(id as u32);
         match value {
@@ -885,71 +964,82 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             None => st(Status::NotFound),
         }
     });
+    Ok(())
+}
 
-    // -- not supported: gRPC, foreign functions, status --
-    env!("proxy_grpc_call", |_c: C<'_>,
-                             _a: i32,
-                             _b: i32,
-                             _d: i32,
-                             _e: i32,
-                             _f: i32,
-                             _g: i32,
-                             _h: i32,
-                             _i: i32,
-                             _j: i32,
-                             _k: i32,
-                             _l: i32,
-                             _m: i32|
-     -> i32 { st(Status::Unimplemented) });
-    env!("proxy_grpc_stream", |_c: C<'_>,
-                               _a: i32,
-                               _b: i32,
-                               _d: i32,
-                               _e: i32,
-                               _f: i32,
-                               _g: i32,
-                               _h: i32,
-                               _i: i32,
-                               _j: i32|
+/// What this host does not support: gRPC, foreign functions, `proxy_get_status`.
+fn unsupported(imports: &mut Imports<'_>) -> Result<()> {
+    env!(imports, "proxy_grpc_call", |_c: C<'_>,
+                                      _a: i32,
+                                      _b: i32,
+                                      _d: i32,
+                                      _e: i32,
+                                      _f: i32,
+                                      _g: i32,
+                                      _h: i32,
+                                      _i: i32,
+                                      _j: i32,
+                                      _k: i32,
+                                      _l: i32,
+                                      _m: i32|
      -> i32 {
         st(Status::Unimplemented)
     });
-    env!("proxy_grpc_send", |_c: C<'_>,
-                             _t: i32,
-                             _p: i32,
-                             _l: i32,
-                             _e: i32|
-     -> i32 { st(Status::Unimplemented) });
-    env!("proxy_grpc_cancel", |_c: C<'_>, _t: i32| -> i32 {
-        st(Status::Unimplemented)
-    });
-    env!("proxy_grpc_close", |_c: C<'_>, _t: i32| -> i32 {
-        st(Status::Unimplemented)
-    });
-    env!("proxy_get_status", |_c: C<'_>,
-                              _a: i32,
-                              _b: i32,
-                              _d: i32|
+    env!(imports, "proxy_grpc_stream", |_c: C<'_>,
+                                        _a: i32,
+                                        _b: i32,
+                                        _d: i32,
+                                        _e: i32,
+                                        _f: i32,
+                                        _g: i32,
+                                        _h: i32,
+                                        _i: i32,
+                                        _j: i32|
      -> i32 {
         st(Status::Unimplemented)
     });
-    env!("proxy_call_foreign_function", |_c: C<'_>,
-                                         _a: i32,
-                                         _b: i32,
-                                         _d: i32,
-                                         _e: i32,
-                                         _f: i32,
-                                         _g: i32|
+    env!(imports, "proxy_grpc_send", |_c: C<'_>,
+                                      _t: i32,
+                                      _p: i32,
+                                      _l: i32,
+                                      _e: i32|
+     -> i32 {
+        st(Status::Unimplemented)
+    });
+    env!(imports, "proxy_grpc_cancel", |_c: C<'_>, _t: i32| -> i32 {
+        st(Status::Unimplemented)
+    });
+    env!(imports, "proxy_grpc_close", |_c: C<'_>, _t: i32| -> i32 {
+        st(Status::Unimplemented)
+    });
+    env!(imports, "proxy_get_status", |_c: C<'_>,
+                                       _a: i32,
+                                       _b: i32,
+                                       _d: i32|
+     -> i32 {
+        st(Status::Unimplemented)
+    });
+    env!(imports, "proxy_call_foreign_function", |_c: C<'_>,
+                                                  _a: i32,
+                                                  _b: i32,
+                                                  _d: i32,
+                                                  _e: i32,
+                                                  _f: i32,
+                                                  _g: i32|
      -> i32 {
         st(Status::NotFound)
     });
+    Ok(())
+}
 
-    // -- WASI preview1 --
-    wasi!("fd_write", |mut c: C<'_>,
-                       fd: i32,
-                       iovs: i32,
-                       count: i32,
-                       written: i32|
+/// WASI preview1, part one: output (as log lines), the plugin's
+/// environment, no arguments.
+fn wasi_output_and_environment(imports: &mut Imports<'_>) -> Result<()> {
+    wasi!(imports, "fd_write", |mut c: C<'_>,
+                                fd: i32,
+                                iovs: i32,
+                                count: i32,
+                                written: i32|
      -> i32 {
         let r: Result<u32, Status> = (|| {
             let mut out = Vec::new();
@@ -982,9 +1072,9 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             Err(_) => 21,
         }
     });
-    wasi!("environ_sizes_get", |mut c: C<'_>,
-                                count: i32,
-                                size: i32|
+    wasi!(imports, "environ_sizes_get", |mut c: C<'_>,
+                                         count: i32,
+                                         size: i32|
      -> i32 {
         let env = environ(c.data());
         let bytes: usize = env.iter().map(|e| e.len() + 1).sum();
@@ -994,9 +1084,9 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             Err(_) => 21,
         }
     });
-    wasi!("environ_get", |mut c: C<'_>,
-                          pointers: i32,
-                          buffer: i32|
+    wasi!(imports, "environ_get", |mut c: C<'_>,
+                                   pointers: i32,
+                                   buffer: i32|
      -> i32 {
         // `KEY=value\0` strings packed in `buffer`, one pointer each.
         let env = environ(c.data());
@@ -1014,9 +1104,9 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
         }
         0
     });
-    wasi!("args_sizes_get", |mut c: C<'_>,
-                             count: i32,
-                             size: i32|
+    wasi!(imports, "args_sizes_get", |mut c: C<'_>,
+                                      count: i32,
+                                      size: i32|
      -> i32 {
         if write_u32(&mut c, count, 0)
             .and(write_u32(&mut c, size, 0))
@@ -1027,11 +1117,19 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             21
         }
     });
-    wasi!("args_get", |_c: C<'_>, _a: i32, _b: i32| -> i32 { 0 });
-    wasi!("clock_time_get", |mut c: C<'_>,
-                             _id: i32,
-                             _precision: i64,
-                             ret: i32|
+    wasi!(imports, "args_get", |_c: C<'_>, _a: i32, _b: i32| -> i32 {
+        0
+    });
+    Ok(())
+}
+
+/// WASI preview1, part two: the clock, deterministic randomness, exit,
+/// yield.
+fn wasi_clock_and_process(imports: &mut Imports<'_>) -> Result<()> {
+    wasi!(imports, "clock_time_get", |mut c: C<'_>,
+                                      _id: i32,
+                                      _precision: i64,
+                                      ret: i32|
      -> i32 {
         let now = c.data().world.borrow().clock.now_ns();
         if write(&mut c, ret, &now.to_le_bytes()).is_ok() {
@@ -1040,14 +1138,20 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             21
         }
     });
-    wasi!("clock_res_get", |mut c: C<'_>, _id: i32, ret: i32| -> i32 {
+    wasi!(imports, "clock_res_get", |mut c: C<'_>,
+                                     _id: i32,
+                                     ret: i32|
+     -> i32 {
         if write(&mut c, ret, &1u64.to_le_bytes()).is_ok() {
             0
         } else {
             21
         }
     });
-    wasi!("random_get", |mut c: C<'_>, ptr: i32, len: i32| -> i32 {
+    wasi!(imports, "random_get", |mut c: C<'_>,
+                                  ptr: i32,
+                                  len: i32|
+     -> i32 {
         // Deterministic (xorshift): runs repeat exactly; nothing here is secret.
         let mut bytes = vec![0u8; len.max(0) as usize];
         let mut x = c.data().rng;
@@ -1064,20 +1168,25 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             21
         }
     });
-    wasi!("proc_exit", |mut c: C<'_>,
-                        code: i32|
+    wasi!(imports, "proc_exit", |mut c: C<'_>,
+                                 code: i32|
      -> wasmtime::Result<()> {
         c.data_mut().exited = Some(code);
         Err(wasmtime::Error::msg(format!(
             "the module called proc_exit({code})"
         )))
     });
-    wasi!("sched_yield", |_c: C<'_>| -> i32 { 0 });
+    wasi!(imports, "sched_yield", |_c: C<'_>| -> i32 { 0 });
+    Ok(())
+}
 
-    // Anything else the module imports: a stub that reports "unsupported".
+/// Anything else `module` imports: a stub that reports "unsupported"
+/// (`Unimplemented` in `env`, `ENOSYS` elsewhere), so instantiation never
+/// fails on a missing import.
+fn stub_other_imports(imports: &mut Imports<'_>, module: &Module) -> Result<()> {
     for import in module.imports() {
         let key = (import.module().to_string(), import.name().to_string());
-        if defined.contains(&key) {
+        if imports.defined.contains(&key) {
             continue;
         }
         let ExternType::Func(ty) = import.ty() else {
@@ -1089,7 +1198,7 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
             52 /* ENOSYS */
         };
         let results: Vec<ValType> = ty.results().collect();
-        linker.func_new(
+        imports.linker.func_new(
             import.module(),
             import.name(),
             ty.clone(),
@@ -1106,7 +1215,7 @@ pub(crate) fn define(linker: &mut Linker<VmState>, module: &Module) -> Result<()
                 Ok(())
             },
         )?;
-        defined.insert(key);
+        imports.defined.insert(key);
     }
     Ok(())
 }

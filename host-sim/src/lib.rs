@@ -1,7 +1,9 @@
 //! host-sim: a Proxy-Wasm host on wasmtime that runs the same `.wasm`
-//! filters Envoy runs, with Envoy's semantics, so filters can be tested
-//! natively: a fresh [`Host`] per test, explicit completion of callouts,
-//! virtual time.
+//! filters Envoy runs, with Envoy's semantics (or Kong's, [`Profile::Kong`]),
+//! so filters can be tested natively: a fresh [`Host`] per test, explicit
+//! completion of callouts, virtual time. No product knowledge: zerolayer's
+//! tools around it (`host-sim serve`, `replay`, `reconcile`, …) are the
+//! `host-sim-tools` crate.
 //!
 //! ```no_run
 //! use host_sim::{Host, PluginSpec};
@@ -17,19 +19,11 @@
 //! ```
 
 pub mod abi;
-mod callout;
-pub mod config_file;
+pub mod callout;
 mod host;
 mod imports;
-mod loopback;
 pub mod metrics;
-pub mod playground;
 mod properties;
-pub mod reconcile;
-pub mod replay;
-pub mod report;
-pub mod serve;
-pub mod traffic;
 mod vm;
 pub mod world;
 

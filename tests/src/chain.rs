@@ -313,11 +313,11 @@ pub fn openai(prompt: &str, stream: bool) -> String {
 /// [`CACHE_SECRET`] in the filters' environment and metering sampling
 /// `sample_percent` of the requests (the shipped 1% samples next to
 /// nothing of a short replay).
-pub fn host_sim_chain(sample_percent: f64) -> Result<host_sim::config_file::ChainFile> {
+pub fn host_sim_chain(sample_percent: f64) -> Result<host_sim_tools::config_file::ChainFile> {
     crate::paths::wasm("metering")?;
     let root = crate::paths::root();
     let mut chain =
-        host_sim::config_file::ChainFile::load(&root.join("envoy/zerolayer.yaml"), &root)?;
+        host_sim_tools::config_file::ChainFile::load(&root.join("envoy/zerolayer.yaml"), &root)?;
     for filter in &mut chain.filters {
         filter
             .env

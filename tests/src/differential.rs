@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
 use host_sim::Profile;
-use host_sim::config_file::ChainFile;
-use host_sim::serve::{ServeOptions, Server};
+use host_sim_tools::config_file::ChainFile;
+use host_sim_tools::serve::{ServeOptions, Server};
 
 use crate::{Client, EchoUpstream, Envoy, EnvoyConfig, SeenRequest};
 

@@ -41,7 +41,7 @@ pub enum KongGateway {
     /// Real ngx_wasm_module.
     NgxWasm(NgxWasm),
     /// host-sim serving the same chain under its `kong` profile.
-    HostSim(host_sim::serve::Server),
+    HostSim(host_sim_tools::serve::Server),
 }
 
 impl KongGateway {
@@ -321,7 +321,7 @@ pub fn host_sim_server(
     config: &KongConfig,
     upstream: std::net::SocketAddr,
     targets: &[std::net::SocketAddr],
-) -> Result<host_sim::serve::Server> {
+) -> Result<host_sim_tools::serve::Server> {
     let mut filters = Vec::new();
     for filter in &config.filters {
         let wasm = crate::paths::wasm(filter.name.trim_start_matches("zerolayer_"))?;
@@ -332,13 +332,13 @@ pub fn host_sim_server(
         }
         filters.push(spec);
     }
-    let chain = host_sim::config_file::ChainFile {
+    let chain = host_sim_tools::config_file::ChainFile {
         filters,
         singletons: Vec::new(),
         clusters: targets.iter().map(|a| (a.to_string(), *a)).collect(),
         route_request_headers: Vec::new(),
     };
-    host_sim::serve::Server::start(host_sim::serve::ServeOptions {
+    host_sim_tools::serve::Server::start(host_sim_tools::serve::ServeOptions {
         chain,
         upstream,
         listen: "127.0.0.1:0".parse()?,

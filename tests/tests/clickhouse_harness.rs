@@ -175,7 +175,7 @@ fn listeners(port: u16) -> Result<Vec<String>> {
 
 #[test]
 fn reconcile_reads_the_sample_from_clickhouse() -> Result<()> {
-    use host_sim::reconcile::{self, Measure};
+    use host_sim_tools::reconcile::{self, Measure};
     let ch = ClickHouse::start()?;
     ch.create_usage_table()?;
     let (status, body) = insert(&ch, &json_lines(&sample_rows()))?;

@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
-use host_sim::reconcile::{self, Measure};
+use host_sim_tools::reconcile::{self, Measure};
 use serde_json::{Value, json};
 use zerolayer_e2e::chain::{self, GOOD_API_KEY, anthropic, concurrently, openai};
 use zerolayer_e2e::kong_chain::{KongChain, KongChainOptions, KongGateway, KongHost};

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use host_sim::reconcile::{self, Measure};
+use host_sim_tools::reconcile::{self, Measure};
 use serde_json::{Value, json};
 use zerolayer_e2e::chain::reported_usage;
 use zerolayer_e2e::clickhouse::ClickHouse;

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use host_sim::playground::Server;
+use host_sim_tools::playground::Server;
 use serde_json::Value;
 use zerolayer_core::activation::RuleSet;
 mod browser;

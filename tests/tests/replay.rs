@@ -7,9 +7,9 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use anyhow::Result;
-use host_sim::config_file::ChainFile;
-use host_sim::replay::{self, ReplayOptions, Upstream};
-use host_sim::traffic::TrafficRecord;
+use host_sim_tools::config_file::ChainFile;
+use host_sim_tools::replay::{self, ReplayOptions, Upstream};
+use host_sim_tools::traffic::TrafficRecord;
 use zerolayer_core::sampling;
 use zerolayer_e2e::chain::{
     AuthServices, GOOD_API_KEY, anthropic, host_sim_chain, introspect, openai,
@@ -188,7 +188,7 @@ fn replay_reports_decisions_auth_cache_usage_and_filter_times() -> Result<()> {
     // and the estimate is what the weights say.
     let metered: Vec<_> = requests.iter().filter(|r| r.usage.is_some()).collect();
     let premium = |r: &&_| {
-        let r: &host_sim::replay::RequestResult = r;
+        let r: &host_sim_tools::replay::RequestResult = r;
         r.usage
             .as_ref()
             .and_then(|u| u["tenant"].as_str())
@@ -255,7 +255,7 @@ fn recorded_responses_replay_without_a_backend_and_bad_input_is_refused() -> Res
     let mut records = traffic();
     records.truncate(6);
     for (i, record) in records.iter_mut().enumerate() {
-        record.response = Some(host_sim::traffic::RecordedResponse {
+        record.response = Some(host_sim_tools::traffic::RecordedResponse {
             status: 200 + i as u16,
             headers: vec![("content-type".into(), "text/plain".into())],
             body: Some(format!("recorded {i}")),

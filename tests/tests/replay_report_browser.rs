@@ -1,5 +1,5 @@
 //! The replay report renders in headless Chromium: the shipped example
-//! traffic (`host-sim/traffic/example.jsonl`) through `envoy/zerolayer.yaml`
+//! traffic (`host-sim/tools/traffic/example.jsonl`) through `envoy/zerolayer.yaml`
 //! against the stub, with the identity services on loopback knowing the
 //! example's keys and the usage sink captured; every chart is drawn and the
 //! screenshot is a real picture.
@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use host_sim::replay::{self, ReplayOptions, Upstream};
-use host_sim::{report, traffic};
+use host_sim_tools::replay::{self, ReplayOptions, Upstream};
+use host_sim_tools::{report, traffic};
 mod browser;
 
 use browser::Browser;
@@ -32,7 +32,7 @@ fn the_report_renders_every_chart_in_chromium() -> Result<()> {
     let root = paths::root();
     // Half the requests sampled, so 40 requests give an estimate.
     let chain = host_sim_chain(50.0)?;
-    let file = std::fs::File::open(root.join("host-sim/traffic/example.jsonl"))?;
+    let file = std::fs::File::open(root.join("host-sim/tools/traffic/example.jsonl"))?;
     let records = traffic::read(std::io::BufReader::new(file))?;
     let services = AuthServices::start(introspect)?;
     let mut options = ReplayOptions::new(chain, records);

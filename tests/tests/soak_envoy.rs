@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
-use host_sim::reconcile::{self, Measure};
+use host_sim_tools::reconcile::{self, Measure};
 use zerolayer_e2e::chain::{Chain, ChainOptions, GOOD_API_KEY, anthropic, openai};
 use zerolayer_stub::StubConfig;
 

@@ -19,7 +19,7 @@ use zerolayer_core::sampling::Rate;
 use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::clickhouse::ClickHouse;
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer, paths, wait};
+use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer, wait};
 use zerolayer_stub::{Stub, StubConfig};
 
 use crate::{setup, step};
@@ -388,7 +388,8 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
         &json!({"lazy_auth": lazy, "metering": metering, "tick_ms": 100}).to_string(),
     )?;
     let envoy = Envoy::start(&config)?;
-    let version = std::process::Command::new(paths::envoy_binary()?)
+    // The binary the harness just started (its `$ZEROLAYER_ENVOY` or `.venv`).
+    let version = std::process::Command::new(zerolayer_e2e::paths::envoy_binary()?)
         .arg("--version")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
@@ -463,7 +464,7 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
     let log = envoy.access_log();
     let auth_by_id = access_log_field(&log, "auth");
     let usage_by_id = access_log_field(&log, "usage");
-    let truth = host_sim::reconcile::read_access_log(log.as_bytes())?;
+    let truth = host_sim_tools::reconcile::read_access_log(log.as_bytes())?;
     // The sample is xxh3(x-request-id) mod 10000 < rate: known in advance.
     let rate = Rate::from_percent(DEMO_SAMPLE_PERCENT).context("demo sample rate")?;
     let sampled = truth
@@ -571,8 +572,8 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
             r["sample_weight"]
         );
     }
-    let sample = host_sim::reconcile::fetch_sample(&clickhouse.url(), "zerolayer_usage")?;
-    let report = host_sim::reconcile::reconcile(&truth.rows, &sample, 0.0);
+    let sample = host_sim_tools::reconcile::fetch_sample(&clickhouse.url(), "zerolayer_usage")?;
+    let report = host_sim_tools::reconcile::reconcile(&truth.rows, &sample, 0.0);
     println!();
     println!(
         "Reconciliation (host-sim reconcile --threshold 0): the sample's estimate against the access log,"

@@ -16,9 +16,8 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use zerolayer_e2e::paths;
 
-use crate::step;
+use crate::{paths, step};
 
 /// The cargo-fuzz version installed when `cargo fuzz` is missing.
 const CARGO_FUZZ_VERSION: &str = "0.13.2";

@@ -5,6 +5,7 @@
 mod demo;
 mod demo_kong;
 mod fuzz;
+mod paths;
 mod setup;
 
 use std::process::{Command, ExitCode};
@@ -28,7 +29,7 @@ usage: cargo xtask <command>
                          into .venv-peers, for the peers bench only (bench does it)
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
   build-playground       build the rule playground page (target/playground/; serve it
-                         with `cargo run -p host-sim -- playground`)
+                         with `cargo run -p host-sim-tools -- playground`)
   bench                  run the benchmarks: core logic, the filters in host-sim,
                          load against real Envoy with same-run baselines, and the
                          chain against LiteLLM's proxy (peers)
@@ -92,7 +93,7 @@ pub fn cargo_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
     let status = Command::new(&cargo)
         .args(args)
         .envs(env.iter().copied())
-        .current_dir(zerolayer_e2e::paths::root())
+        .current_dir(paths::root())
         .status()
         .with_context(|| format!("running {cargo}"))?;
     if !status.success() {
@@ -141,7 +142,7 @@ fn build_playground() -> Result<()> {
         "--package",
         "zerolayer-playground",
     ])?;
-    let root = zerolayer_e2e::paths::root();
+    let root = paths::root();
     let module = root
         .join("target")
         .join(setup::PLAYGROUND_TARGET)
@@ -174,7 +175,7 @@ fn build_playground() -> Result<()> {
         }
     }
     eprintln!(
-        "playground: {} (serve it: cargo run -p host-sim -- playground)",
+        "playground: {} (serve it: cargo run -p host-sim-tools -- playground)",
         out.join("index.html").display()
     );
     Ok(())
@@ -287,7 +288,7 @@ fn bench() -> Result<()> {
     ] {
         bench("zerolayer-e2e", target, &[])?;
     }
-    let root = zerolayer_e2e::paths::root();
+    let root = paths::root();
     step("benchmarks done");
     println!(
         "criterion estimates: {}/<group>/<bench>/new/estimates.json",

@@ -11,9 +11,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use zerolayer_e2e::paths;
 
-use crate::step;
+use crate::{paths, step};
 
 /// The Envoy version `tools/requirements.txt` pins.
 const ENVOY_VERSION: &str = "1.40.0";

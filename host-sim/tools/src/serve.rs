@@ -30,10 +30,12 @@ use tokio::sync::{mpsc, oneshot};
 
 use zerolayer_core::internal;
 
-use crate::abi::Headers;
+use host_sim::abi::Headers;
+use host_sim::{
+    CallResponse, Callout, ChainId, ClusterTarget, Host, HostOptions, Profile, StreamId, StreamInfo,
+};
+
 use crate::config_file::ChainFile;
-use crate::host::{ChainId, ClusterTarget, Host, HostOptions};
-use crate::world::{CallResponse, Callout, Profile, StreamId, StreamInfo};
 
 /// What `serve` runs and where.
 #[derive(Debug, Clone)]
@@ -391,7 +393,7 @@ fn start_callouts(
 }
 
 fn blocking(addr: SocketAddr, callout: &Callout) -> CallResponse {
-    crate::callout::blocking_http(addr, callout)
+    host_sim::callout::blocking_http(addr, callout)
 }
 
 /// Sends each open stream's news (what newly left either end of the chain)

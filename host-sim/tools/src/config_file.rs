@@ -10,7 +10,7 @@ use anyhow::{Context, Result, anyhow, bail};
 use serde::Deserialize;
 use serde_yaml::Value;
 
-use crate::host::PluginSpec;
+use host_sim::PluginSpec;
 
 /// Plugins and clusters to run.
 #[derive(Debug, Clone, Default)]

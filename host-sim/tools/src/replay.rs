@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
+use host_sim::Profile;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
 use hyper_util::client::legacy::Client;
@@ -36,7 +37,6 @@ use crate::loopback;
 use crate::reconcile::{self, SampleRow, TruthRow};
 use crate::serve::{ServeOptions, Server, StreamRecord};
 use crate::traffic::TrafficRecord;
-use crate::world::Profile;
 
 /// Where requests go after the chain.
 #[derive(Debug, Clone)]

@@ -20,7 +20,7 @@ fn host_sim(args: &[&str], dir: &Path) -> Result<Output> {
 
 fn activation_wasm() -> Result<PathBuf> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/wasm32-wasip1/wasm/zerolayer_activation.wasm");
+        .join("../../target/wasm32-wasip1/wasm/zerolayer_activation.wasm");
     if !path.is_file() {
         bail!(
             "{} is missing: run `cargo xtask build-wasm`",
@@ -64,7 +64,7 @@ fn a_har_file_is_imported_replayed_and_reported() -> Result<()> {
     let path = dir.path();
     std::fs::write(path.join("session.har"), har())?;
     let config: Value = serde_json::from_str(&std::fs::read_to_string(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../filters/activation/example.json"),
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../filters/activation/example.json"),
     )?)?;
     let chain = json!({"filters": [{
         "name": "zerolayer.activation",

@@ -17,11 +17,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use host_sim::Profile;
-use host_sim::config_file::ChainFile;
-use host_sim::reconcile;
-use host_sim::replay::{self, ReplayOptions, Upstream};
-use host_sim::serve::{ServeOptions, Server};
-use host_sim::{report, traffic};
+use host_sim_tools::config_file::ChainFile;
+use host_sim_tools::reconcile;
+use host_sim_tools::replay::{self, ReplayOptions, Upstream};
+use host_sim_tools::serve::{ServeOptions, Server};
+use host_sim_tools::{report, traffic};
 use zerolayer_stub::{Fault, StubConfig};
 
 const USAGE: &str = "\
@@ -46,7 +46,7 @@ usage:
                   [--speed F] [--concurrency N] [--no-baseline] [--out FILE] [--report FILE]
                   [--cluster NAME=IP:PORT]... [--capture CLUSTER]... [--title TEXT]
                   [--profile envoy|kong] [--kong-queues NAME,NAME…] [--no-progress]
-      Replay recorded traffic (JSON Lines, host-sim/REPLAY.md) through the chain
+      Replay recorded traffic (JSON Lines, host-sim/tools/REPLAY.md) through the chain
       at its recorded arrival times divided by F (0: no waiting), at most N in
       flight (default 16), then once more straight to the upstream for the
       baseline. Per-request results as JSON Lines to --out (default: none),
@@ -62,7 +62,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("serve") => serve(&args[1..]),
         Some("stub") => stub(&args[1..]),
-        Some("playground") => host_sim::playground::main(&args[1..]),
+        Some("playground") => host_sim_tools::playground::main(&args[1..]),
         Some("reconcile") => reconcile(&args[1..]),
         Some("replay") => replay(&args[1..]),
         Some("import") => import(&args[1..]),
