@@ -253,6 +253,21 @@ impl Chain {
         )?;
         Ok(self.access_log_by_id())
     }
+
+    /// Waits until the access log holds a line for each of `ids` and
+    /// returns its lines by request id. Counting lines is not enough when
+    /// earlier requests logged too: the lines counted may be theirs, with
+    /// the ones asked for still in Envoy's buffer.
+    pub fn wait_access_log_for(&self, ids: &[&str]) -> Result<HashMap<String, Value>> {
+        crate::wait::until(
+            &format!("access log lines for {ids:?}"),
+            Duration::from_secs(10),
+            || {
+                let log = self.access_log_by_id();
+                Ok(ids.iter().all(|id| log.contains_key(*id)).then_some(log))
+            },
+        )
+    }
 }
 
 /// Requests `stub` received whose `x-request-id` starts with `prefix`.

@@ -435,7 +435,7 @@ fn paths_bodies_numbers_and_gateway_headers_are_read_as_the_backend_reads_them()
         );
     }
 
-    let log = chain.wait_access_log(3)?;
+    let log = chain.wait_access_log_for(&["slashes-0"])?;
     let metered = log
         .get("slashes-0")
         .context("slashes-0 not in the access log")?;
