@@ -10,7 +10,7 @@
 //!   properties per request, shared by the filter chain.
 //! - Kong Gateway builds ngx_wasm_module with the host namespace `kong`:
 //!   there the same values go to `kong.ctx.shared.<name>`
-//!   ([`kong_handoff_path`]); `zerolayer_proxy` picks the namespace per host.
+//!   ([`kong_handoff_path`]); `zerolayer_host::WasmHost` picks the namespace per host.
 //! - host-sim implements all three.
 //!
 //! A two-segment path (`["wasmx", "x"]`) does not round-trip in Envoy, which is
