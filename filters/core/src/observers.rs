@@ -171,9 +171,24 @@ impl ObserverNames {
     }
 }
 
+/// Whether a published observers list (`audit,metering`, activation's
+/// decision) names observer `name`.
+pub fn listed(list: &[u8], name: &str) -> bool {
+    list.split(|b| *b == b',')
+        .any(|listed| listed.trim_ascii() == name.as_bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_list_names_an_observer_whole() {
+        assert!(listed(b"audit,metering", "metering"));
+        assert!(listed(b"audit, cache", "cache"));
+        assert!(!listed(b"audit,metering", "meter"));
+        assert!(!listed(b"", "audit"));
+    }
 
     #[test]
     fn builtins_have_fixed_ids() {

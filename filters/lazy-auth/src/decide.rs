@@ -549,7 +549,7 @@ impl Stream {
         let audited = self.answered
             || host
                 .property(internal::OBSERVERS_PROPERTY)
-                .is_some_and(|list| list.split(|b| *b == b',').any(|o| o == b"audit"));
+                .is_some_and(|list| zerolayer_core::observers::listed(&list, "audit"));
         if !audited {
             return;
         }

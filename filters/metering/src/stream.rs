@@ -113,7 +113,7 @@ impl MeteredStream {
         // record even outside the sample (it then weighs 0 in the estimate).
         let mut forced = || {
             host.property(internal::OBSERVERS_PROPERTY)
-                .is_some_and(|list| list.split(|b| *b == b',').any(|o| o == b"metering"))
+                .is_some_and(|list| zerolayer_core::observers::listed(&list, "metering"))
         };
         if plan.config.sink.is_some() && (in_sample || forced()) {
             let queued = plan.queue.post(host, &Job::Usage(record).encode());

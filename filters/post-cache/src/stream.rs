@@ -143,7 +143,7 @@ impl CacheStream {
         // Without activation in the chain the cache runs for every request;
         // with it, only where a rule turned `cache` on.
         if let Some(list) = host.property(internal::OBSERVERS_PROPERTY)
-            && !list.split(|b| *b == b',').any(|o| o == b"cache")
+            && !zerolayer_core::observers::listed(&list, "cache")
         {
             return self.bypass(Bypass::NotActivated);
         }
