@@ -576,6 +576,26 @@ fn targets(summaries: &[Summary]) -> Vec<String> {
             check("fused overhead / separate chain's", r, "< 1", r < 1.0);
         }
     }
+    if let (Some(fused), Some(probe)) = (get("c-fused"), get("p")) {
+        // The probe makes the host calls the chain needs, with no logic:
+        // the floor of what the chain must ask its host.
+        let r = overhead(fused) / overhead(probe);
+        check(
+            "fused overhead / Wasm chain-like probe's",
+            r,
+            "≤ 1.5",
+            r <= 1.5,
+        );
+    }
+    let mut notes = Vec::new();
+    if let (Some(native), Some(wasm)) = (get("p-native"), get("p")) {
+        notes.push(format!(
+            "measured: the chain's host calls (chain-like probe), native / Wasm overhead: {:.2} ({:.1} / {:.1} µs CPU per request)",
+            overhead(native) / overhead(wasm),
+            overhead(native),
+            overhead(wasm)
+        ));
+    }
     if let Some(chain) = get("c") {
         let r = overhead(chain) / overhead(trivial4);
         check(
@@ -623,6 +643,7 @@ fn targets(summaries: &[Summary]) -> Vec<String> {
             overhead(one_vm) / overhead(chain)
         ));
     }
+    lines.extend(notes);
     lines
 }
 
@@ -1010,6 +1031,24 @@ impl Shipped {
             .request(Request::NoStore),
             Variant::new("e", "1 trivial Wasm filter", Baseline, vec![trivial(1)?]),
             Variant::new(
+                "e-native",
+                "1 trivial native filter (dynamic module)",
+                Baseline,
+                vec![native_probe("trivial")?],
+            ),
+            Variant::new(
+                "p",
+                "chain-like probe, Wasm (the chain's host calls, no logic)",
+                Baseline,
+                vec![wasm_probe("chain")?],
+            ),
+            Variant::new(
+                "p-native",
+                "chain-like probe, native (dynamic module)",
+                Baseline,
+                vec![native_probe("chain")?],
+            ),
+            Variant::new(
                 "f",
                 "4 trivial Wasm filters (4 VMs)",
                 Baseline,
@@ -1099,6 +1138,48 @@ fn ext_authz() -> Result<Yaml> {
 /// Trivial Wasm filter number `n` (the probe's `trivial` role: adds two
 /// request headers, nothing else, as in the issue's floor measurement), in
 /// its own VM as each zerolayer filter is.
+/// The Wasm probe in `role` (`trivial`, `chain`: see `host-sim/probe`).
+fn wasm_probe(role: &str) -> Result<Yaml> {
+    let filter = json!({
+        "name": format!("probe.{role}"),
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": format!("probe.{role}"),
+                "vm_config": {
+                    "vm_id": format!("probe.{role}"),
+                    "runtime": "envoy.wasm.runtime.v8",
+                    "code": {"local": {"filename": paths::wasm("probe")?.display().to_string()}},
+                },
+                "configuration": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": format!(r#"{{"role":"{role}"}}"#),
+                },
+            },
+        },
+    });
+    Ok(serde_yaml::to_value(filter)?)
+}
+
+/// zerolayer-native's probe `probe_<role>` (`filters/native`), the same
+/// work as [`wasm_probe`]'s in an Envoy dynamic module.
+fn native_probe(role: &str) -> Result<Yaml> {
+    paths::native_module()?;
+    let filter = json!({
+        "name": format!("native.{role}"),
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            "dynamic_module_config": {"name": "zerolayer_native", "do_not_close": true},
+            "filter_name": format!("probe_{role}"),
+            "filter_config": {
+                "@type": "type.googleapis.com/google.protobuf.StringValue",
+                "value": "",
+            },
+        },
+    });
+    Ok(serde_yaml::to_value(filter)?)
+}
+
 fn trivial(n: usize) -> Result<Yaml> {
     let filter = json!({
         "name": format!("trivial{n}"),

@@ -338,6 +338,27 @@ impl EnvoyConfig {
         Ok(out)
     }
 
+    /// Puts `filters` in place of every HTTP filter but the router (which
+    /// stays last), in every HTTP connection manager.
+    pub fn replace_http_filters(&mut self, filters: &[Value]) -> Result<()> {
+        let name = self.name.clone();
+        for hcm in self.http_connection_managers_mut()? {
+            let chain = hcm
+                .get_mut("http_filters")
+                .and_then(Value::as_sequence_mut)
+                .ok_or_else(|| {
+                    anyhow!("{name}: an HTTP connection manager without http_filters")
+                })?;
+            chain.retain(|f| {
+                f.get("name").and_then(Value::as_str) == Some("envoy.filters.http.router")
+            });
+            for (i, filter) in filters.iter().enumerate() {
+                chain.insert(i, filter.clone());
+            }
+        }
+        Ok(())
+    }
+
     fn wasm_filters_mut(&mut self) -> Result<Vec<&mut Value>> {
         let mut out = vec![];
         for hcm in self.http_connection_managers_mut()? {
@@ -504,6 +525,9 @@ impl Envoy {
             .arg("--log-path")
             .arg(dir.path().join("envoy.log"))
             .current_dir(paths::root())
+            // Where `envoy.filters.http.dynamic_modules` finds zerolayer's
+            // native module (a config without one never looks).
+            .env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", paths::native_modules())
             .envs(config.env.iter().map(|(k, v)| (k, v)))
             .stdout(Stdio::from(stdout))
             .stderr(Stdio::null())

@@ -26,6 +26,25 @@ pub fn wasm(name: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
+/// The directory Envoy loads dynamic modules from
+/// (`ENVOY_DYNAMIC_MODULES_SEARCH_PATH`): where `cargo xtask build-native`
+/// puts `libzerolayer_native.so`.
+pub fn native_modules() -> PathBuf {
+    root().join("target/release")
+}
+
+/// The built native module, `libzerolayer_native.so` (see [`native_modules`]).
+pub fn native_module() -> Result<PathBuf> {
+    let path = native_modules().join("libzerolayer_native.so");
+    if !path.is_file() {
+        bail!(
+            "{} is missing: build it with `cargo xtask build-native` (the test command does)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
 /// The project-local Envoy (installed by `cargo xtask setup` into `.venv`),
 /// or `$ZEROLAYER_ENVOY`.
 pub fn envoy_binary() -> Result<PathBuf> {

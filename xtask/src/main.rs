@@ -28,6 +28,7 @@ usage: cargo xtask <command>
   setup-peers            install LiteLLM's proxy (pinned, tools/requirements-peers.txt)
                          into .venv-peers, for the peers bench only (bench does it)
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
+  build-native           build the native Envoy module (target/release/libzerolayer_native.so)
   build-playground       build the rule playground page (target/playground/; serve it
                          with `cargo run -p host-sim-tools -- playground`)
   bench                  run the benchmarks: core logic, the filters in host-sim,
@@ -61,6 +62,7 @@ fn main() -> ExitCode {
         Some("setup") => setup::everything(),
         Some("setup-peers") => setup::peers(),
         Some("build-wasm") => build_wasm(),
+        Some("build-native") => build_native(),
         Some("build-playground") => build_playground(),
         Some("bench") => bench(),
         Some("fuzz") => fuzz::run(&args[1..]),
@@ -121,6 +123,19 @@ fn build_wasm() -> Result<()> {
         args.extend(["--package", module]);
     }
     cargo(&args)
+}
+
+/// The native form: the Envoy dynamic module (`filters/native`), built for
+/// this machine in release mode where the tests and benches point Envoy at
+/// it (`ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/release`).
+fn build_native() -> Result<()> {
+    cargo(&[
+        "build",
+        "--locked",
+        "--release",
+        "--package",
+        "zerolayer-native",
+    ])
 }
 
 /// The rule playground (`tools/playground`): the crate for
@@ -184,6 +199,7 @@ fn build_playground() -> Result<()> {
 fn test() -> Result<()> {
     setup::all()?;
     build_wasm()?;
+    build_native()?;
     // The page the browser test loads (tests/tests/playground_browser.rs).
     build_playground()?;
     cargo(&["fmt", "--all", "--check"])?;
@@ -269,6 +285,7 @@ fn bench() -> Result<()> {
     setup::all()?;
     setup::peers()?;
     build_wasm()?;
+    build_native()?;
     // Criterion kept short (1 s warm-up, 3 s per measurement); `--bench *`
     // leaves out the libraries' test harnesses, which take no such flags.
     let criterion = ["--", "--warm-up-time", "1", "--measurement-time", "3"];

@@ -33,6 +33,11 @@ const COUNTER_FLUSH_PERIOD: Duration = Duration::from_secs(1);
 struct Plan {
     rules: RuleSet,
     counters: Counters,
+    /// A rule matches the tenant: read lazy-auth's identity (known at load,
+    /// so no request walks the rules to find out).
+    needs_tenant: bool,
+    /// A rule reads the clock (`hours`, `weekdays`).
+    needs_clock: bool,
 }
 
 /// The stage's root: owns the configuration.
@@ -62,7 +67,12 @@ impl<H: Host> RootStage<H> for ActivationRoot {
         if let Err(status) = host.set_tick_period(COUNTER_FLUSH_PERIOD) {
             log::warn!("activation: no tick ({status:?}); counters flush at shutdown only");
         }
-        self.plan = Some(Rc::new(Plan { rules, counters }));
+        self.plan = Some(Rc::new(Plan {
+            needs_tenant: rules.needs_tenant(),
+            needs_clock: rules.needs_clock(),
+            rules,
+            counters,
+        }));
         true
     }
 
@@ -109,15 +119,14 @@ impl<H: Host> StreamStage<H> for ActivationStream {
         // or the header); the header only in a chain without it. One
         // property read, only when a rule needs the tenant.
         let verified_tenant = plan
-            .rules
-            .needs_tenant()
+            .needs_tenant
             .then(|| host.property(internal::AUTH_PROPERTY))
             .flatten()
             .map(|identity| {
                 zerolayer_core::auth::identity::billing_tenant(Some(&identity), None, None)
             });
         // Only rules with `hours`/`weekdays` read the clock.
-        let now = plan.rules.needs_clock().then(|| host.now_secs() as i64);
+        let now = plan.needs_clock.then(|| host.now_secs() as i64);
         // The rules read the headers where they are (no copy); no rule
         // reads an internal header (refused at load), so removing the
         // forged ones afterwards changes no decision.

@@ -1,7 +1,7 @@
 //! The plugin configuration (JSON):
 //!
 //! ```json
-//! {"role": "filter" | "singleton" | "trivial", "queue_vm_id": "probe.singleton",
+//! {"role": "filter" | "singleton" | "trivial" | "chain", "queue_vm_id": "probe.singleton",
 //!  "queue_name": "probe-jobs", "cluster": "probe_upstream", "tick_ms": 0}
 //! ```
 //!
@@ -21,6 +21,9 @@ pub(crate) enum Role {
     /// The benchmarks' floor: adds two request headers and does nothing
     /// else (no header reads, no metrics, no actions).
     Trivial,
+    /// The chain's floor: the host calls the zerolayer chain needs and no
+    /// logic (zerolayer-native's `probe_chain` does the same natively).
+    Chain,
 }
 
 /// The parsed configuration.

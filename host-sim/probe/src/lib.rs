@@ -9,7 +9,10 @@
 //!   it on `on_queue_ready` and on every tick (see `singleton`);
 //! - `filter` (an HTTP filter): runs the actions;
 //! - `trivial` (an HTTP filter): adds two request headers, nothing else —
-//!   the floor the benchmarks compare the filters with.
+//!   the floor the benchmarks compare the filters with;
+//! - `chain` (an HTTP filter): the host calls the zerolayer chain needs,
+//!   no logic — the floor of what the chain must ask its host (see
+//!   `chain`).
 //!
 //! Lifecycle of the filter, top to bottom: configuration → request headers
 //! (run the actions) → request body (`body-size`) → callout response
@@ -36,6 +39,7 @@
 )]
 
 mod actions;
+mod chain;
 mod config;
 mod metrics;
 mod singleton;
@@ -83,6 +87,7 @@ enum Configured {
     Filter(Rc<FilterPlan>),
     Singleton(Singleton),
     Trivial,
+    Chain,
 }
 
 /// The plugin's root context: owns the configuration.
@@ -121,6 +126,7 @@ impl RootContext for ProbeRoot {
                 cluster: config.cluster,
             })),
             Role::Trivial => Configured::Trivial,
+            Role::Chain => Configured::Chain,
         };
         if config.tick_ms > 0
             && let Err(status) =
@@ -141,7 +147,7 @@ impl RootContext for ProbeRoot {
         match &self.role {
             Some(Configured::Filter(plan)) => plan.metrics.tick(),
             Some(Configured::Singleton(singleton)) => singleton.tick(),
-            Some(Configured::Trivial) | None => {}
+            Some(Configured::Trivial | Configured::Chain) | None => {}
         }
     }
 
@@ -164,6 +170,7 @@ impl RootContext for ProbeRoot {
         let plan = match &self.role {
             Some(Configured::Filter(plan)) => Some(plan.clone()),
             Some(Configured::Trivial) => return Some(Box::new(TrivialStream)),
+            Some(Configured::Chain) => return Some(Box::new(chain::ChainStream::default())),
             _ => None,
         };
         Some(Box::new(ProbeStream {

@@ -1,0 +1,174 @@
+//! zerolayer's native form, the Envoy dynamic module (`filters/native`), in
+//! the pinned Envoy: it loads and serves, refuses a
+//! filter it does not know, and its floor probes do in Envoy what the Wasm
+//! probe's `trivial` and `chain` roles do, request for request (the
+//! `envoy_load` bench measures both forms against each other).
+
+use anyhow::{Result, ensure};
+use serde_yaml::Value;
+use zerolayer_e2e::{Client, EchoUpstream, Envoy, EnvoyConfig, paths};
+
+/// A probe in one of its two forms.
+#[derive(Debug, Clone, Copy)]
+enum Form {
+    Wasm,
+    Native,
+}
+
+impl Form {
+    /// The HTTP filter running probe `role` (`trivial` or `chain`) in this form.
+    fn filter(self, role: &str) -> Result<Value> {
+        let json = match self {
+            Form::Native => serde_json::json!({
+                "name": format!("native.{role}"),
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+                    "dynamic_module_config": {"name": "zerolayer_native", "do_not_close": true},
+                    "filter_name": format!("probe_{role}"),
+                    "filter_config": {
+                        "@type": "type.googleapis.com/google.protobuf.StringValue",
+                        "value": "",
+                    },
+                },
+            }),
+            Form::Wasm => serde_json::json!({
+                "name": format!("wasm.{role}"),
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                    "config": {
+                        "name": format!("wasm.{role}"),
+                        "vm_config": {
+                            "vm_id": format!("probe.{role}"),
+                            "runtime": "envoy.wasm.runtime.v8",
+                            "code": {"local": {"filename": paths::wasm("probe")?.display().to_string()}},
+                        },
+                        "configuration": {
+                            "@type": "type.googleapis.com/google.protobuf.StringValue",
+                            "value": format!(r#"{{"role":"{role}"}}"#),
+                        },
+                    },
+                },
+            }),
+        };
+        Ok(serde_yaml::to_value(json)?)
+    }
+}
+
+/// Envoy with the probe in `role` alone, in `form`, in front of an echo
+/// upstream.
+fn gateway(form: Form, role: &str) -> Result<(EchoUpstream, Envoy)> {
+    paths::native_module()?;
+    let upstream = EchoUpstream::start()?;
+    let mut config = EnvoyConfig::shipped("activation.yaml")?.for_run(upstream.addr())?;
+    config.replace_http_filters(&[form.filter(role)?])?;
+    let envoy = Envoy::start(&config)?;
+    Ok((upstream, envoy))
+}
+
+#[test]
+fn the_pinned_envoy_loads_the_module_and_serves_through_it() -> Result<()> {
+    // (Envoy 1.40 logs the ABI version match, `v0.2.0`, at debug level
+    // only; the string is checked by the module's unit tests.)
+    let (upstream, envoy) = gateway(Form::Native, "trivial")?;
+    let reply = Client::new().get(&envoy.url("/v1/models"), &[("x-request-id", "load-0")])?;
+    ensure!(reply.status == 200, "through the module: {reply:?}");
+    ensure!(
+        upstream.find("x-request-id", "load-0").is_some(),
+        "the upstream saw no request"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_filter_the_module_does_not_know_is_refused_at_load() -> Result<()> {
+    paths::native_module()?;
+    let upstream = EchoUpstream::start()?;
+    let mut config = EnvoyConfig::shipped("activation.yaml")?.for_run(upstream.addr())?;
+    let mut filter = Form::Native.filter("trivial")?;
+    filter["typed_config"]["filter_name"] = Value::from("zerolayer_unknown");
+    config.replace_http_filters(&[filter])?;
+    ensure!(
+        Envoy::start(&config).is_err(),
+        "Envoy started with a filter_name the module refuses"
+    );
+    Ok(())
+}
+
+#[test]
+fn the_trivial_probe_adds_two_request_headers_in_both_forms() -> Result<()> {
+    for form in [Form::Wasm, Form::Native] {
+        let (upstream, envoy) = gateway(form, "trivial")?;
+        let reply = Client::new().send(
+            "POST",
+            &envoy.url("/v1/messages"),
+            &[("x-request-id", "trivial-0")],
+            r#"{"model":"m"}"#,
+        )?;
+        ensure!(reply.status == 200, "{form:?}: {reply:?}");
+        let seen = upstream
+            .find("x-request-id", "trivial-0")
+            .ok_or_else(|| anyhow::anyhow!("{form:?}: the upstream saw no request"))?;
+        ensure!(
+            seen.header("x-trivial-1") == Some("1") && seen.header("x-trivial-2") == Some("2"),
+            "{form:?}: the upstream saw {:?}",
+            seen.headers
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn the_chain_probe_reads_and_writes_the_same_in_both_forms() -> Result<()> {
+    let body = format!(r#"{{"model":"m","messages":"{}"}}"#, "x".repeat(100));
+    let mut seen_by_form = Vec::new();
+    for form in [Form::Wasm, Form::Native] {
+        let (upstream, envoy) = gateway(form, "chain")?;
+        let reply = Client::new().send(
+            "POST",
+            &envoy.url("/v1/messages"),
+            &[("x-request-id", "chain-0"), ("authorization", "Bearer t")],
+            &body,
+        )?;
+        ensure!(reply.status == 200, "{form:?}: {reply:?}");
+        // The probe says what it read: every request header, the whole body.
+        let said = reply
+            .header("x-zerolayer-probe")
+            .unwrap_or_default()
+            .to_string();
+        let (headers, read) = said
+            .strip_prefix("headers=")
+            .and_then(|rest| rest.split_once(";body="))
+            .ok_or_else(|| anyhow::anyhow!("{form:?}: x-zerolayer-probe {said:?}"))?;
+        ensure!(
+            read == body.len().to_string(),
+            "{form:?}: the probe read a {read} byte body, not {}",
+            body.len()
+        );
+        let headers: usize = headers.parse()?;
+        ensure!(
+            headers >= 6,
+            "{form:?}: the probe read {headers} request headers"
+        );
+        ensure!(
+            reply.body.contains("\"upstream\":\"echo\""),
+            "{form:?}: the response body did not come through: {}",
+            reply.body
+        );
+        let seen = upstream
+            .find("x-request-id", "chain-0")
+            .ok_or_else(|| anyhow::anyhow!("{form:?}: the upstream saw no request"))?;
+        ensure!(
+            seen.body == body,
+            "{form:?}: the body reached the upstream as {:?}",
+            seen.body
+        );
+        seen_by_form.push(headers);
+    }
+    ensure!(
+        seen_by_form[0] == seen_by_form[1],
+        "the forms read different request headers: Wasm {}, native {}",
+        seen_by_form[0],
+        seen_by_form[1]
+    );
+    Ok(())
+}
