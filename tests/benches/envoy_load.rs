@@ -42,6 +42,7 @@ use serde_json::{Value as Json, json};
 use serde_yaml::Value as Yaml;
 use zerolayer_e2e::bench::{cpus, median};
 use zerolayer_e2e::chain::AuthServices;
+use zerolayer_e2e::probes;
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{Envoy, EnvoyConfig, MockServer, paths, wait, wrk};
 use zerolayer_stub::{Stub, StubConfig};
@@ -1034,19 +1035,19 @@ impl Shipped {
                 "e-native",
                 "1 trivial native filter (dynamic module)",
                 Baseline,
-                vec![native_probe("trivial")?],
+                vec![probes::native("probe_trivial")?],
             ),
             Variant::new(
                 "p",
                 "chain-like probe, Wasm (the chain's host calls, no logic)",
                 Baseline,
-                vec![wasm_probe("chain")?],
+                vec![probes::wasm("probe.chain", "chain")?],
             ),
             Variant::new(
                 "p-native",
                 "chain-like probe, native (dynamic module)",
                 Baseline,
-                vec![native_probe("chain")?],
+                vec![probes::native("probe_chain")?],
             ),
             Variant::new(
                 "f",
@@ -1138,68 +1139,8 @@ fn ext_authz() -> Result<Yaml> {
 /// Trivial Wasm filter number `n` (the probe's `trivial` role: adds two
 /// request headers, nothing else, as in the issue's floor measurement), in
 /// its own VM as each zerolayer filter is.
-/// The Wasm probe in `role` (`trivial`, `chain`: see `host-sim/probe`).
-fn wasm_probe(role: &str) -> Result<Yaml> {
-    let filter = json!({
-        "name": format!("probe.{role}"),
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": {
-                "name": format!("probe.{role}"),
-                "vm_config": {
-                    "vm_id": format!("probe.{role}"),
-                    "runtime": "envoy.wasm.runtime.v8",
-                    "code": {"local": {"filename": paths::wasm("probe")?.display().to_string()}},
-                },
-                "configuration": {
-                    "@type": "type.googleapis.com/google.protobuf.StringValue",
-                    "value": format!(r#"{{"role":"{role}"}}"#),
-                },
-            },
-        },
-    });
-    Ok(serde_yaml::to_value(filter)?)
-}
-
-/// zerolayer-native's probe `probe_<role>` (`filters/native`), the same
-/// work as [`wasm_probe`]'s in an Envoy dynamic module.
-fn native_probe(role: &str) -> Result<Yaml> {
-    paths::native_module()?;
-    let filter = json!({
-        "name": format!("native.{role}"),
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
-            "dynamic_module_config": {"name": "zerolayer_native", "do_not_close": true},
-            "filter_name": format!("probe_{role}"),
-            "filter_config": {
-                "@type": "type.googleapis.com/google.protobuf.StringValue",
-                "value": "",
-            },
-        },
-    });
-    Ok(serde_yaml::to_value(filter)?)
-}
-
 fn trivial(n: usize) -> Result<Yaml> {
-    let filter = json!({
-        "name": format!("trivial{n}"),
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": {
-                "name": format!("trivial{n}"),
-                "vm_config": {
-                    "vm_id": format!("trivial{n}"),
-                    "runtime": "envoy.wasm.runtime.v8",
-                    "code": {"local": {"filename": paths::wasm("probe")?.display().to_string()}},
-                },
-                "configuration": {
-                    "@type": "type.googleapis.com/google.protobuf.StringValue",
-                    "value": r#"{"role":"trivial"}"#,
-                },
-            },
-        },
-    });
-    Ok(serde_yaml::to_value(filter)?)
+    probes::wasm(&format!("trivial{n}"), "trivial")
 }
 
 /// Checks that `variant` answers the bench request with 200 (and a cache hit

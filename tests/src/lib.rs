@@ -18,6 +18,7 @@ pub mod mock;
 pub mod model;
 pub mod ngx;
 pub mod paths;
+pub mod probes;
 pub mod sim;
 pub mod sse;
 pub mod tokens;

@@ -6,7 +6,7 @@
 
 use anyhow::{Result, ensure};
 use serde_yaml::Value;
-use zerolayer_e2e::{Client, EchoUpstream, Envoy, EnvoyConfig, paths};
+use zerolayer_e2e::{Client, EchoUpstream, Envoy, EnvoyConfig, paths, probes};
 
 /// A probe in one of its two forms.
 #[derive(Debug, Clone, Copy)]
@@ -18,39 +18,10 @@ enum Form {
 impl Form {
     /// The HTTP filter running probe `role` (`trivial` or `chain`) in this form.
     fn filter(self, role: &str) -> Result<Value> {
-        let json = match self {
-            Form::Native => serde_json::json!({
-                "name": format!("native.{role}"),
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
-                    "dynamic_module_config": {"name": "zerolayer_native", "do_not_close": true},
-                    "filter_name": format!("probe_{role}"),
-                    "filter_config": {
-                        "@type": "type.googleapis.com/google.protobuf.StringValue",
-                        "value": "",
-                    },
-                },
-            }),
-            Form::Wasm => serde_json::json!({
-                "name": format!("wasm.{role}"),
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                    "config": {
-                        "name": format!("wasm.{role}"),
-                        "vm_config": {
-                            "vm_id": format!("probe.{role}"),
-                            "runtime": "envoy.wasm.runtime.v8",
-                            "code": {"local": {"filename": paths::wasm("probe")?.display().to_string()}},
-                        },
-                        "configuration": {
-                            "@type": "type.googleapis.com/google.protobuf.StringValue",
-                            "value": format!(r#"{{"role":"{role}"}}"#),
-                        },
-                    },
-                },
-            }),
-        };
-        Ok(serde_yaml::to_value(json)?)
+        match self {
+            Form::Native => probes::native(&format!("probe_{role}")),
+            Form::Wasm => probes::wasm(&format!("probe.{role}"), role),
+        }
     }
 }
 

@@ -102,19 +102,16 @@ impl<H: Host> RootStage<H> for AuthRoot {
             .iter()
             .filter_map(|c| regex::bytes::Regex::new(&c.user_agent).ok())
             .collect();
-        self.observer = match EmbeddedObserver::configure(
+        let Some(observer) = EmbeddedObserver::configure(
             host,
             &config.observer,
             true,
             || ObserverConfig::for_lazy_auth(config.clone()),
             "lazy-auth",
-        ) {
-            Ok(observer) => observer,
-            Err(err) => {
-                log::error!("lazy-auth: invalid configuration: observer: {err}");
-                return false;
-            }
+        ) else {
+            return false;
         };
+        self.observer = observer;
         let plan = Plan {
             policy: config.policy(),
             validation: zerolayer_observer::auth::validation(&config),

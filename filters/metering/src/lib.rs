@@ -71,19 +71,16 @@ impl<H: Host> RootStage<H> for MeteringRoot {
                 None => "not shipped (no sink)".into(),
             }
         );
-        self.observer = match EmbeddedObserver::configure(
+        let Some(observer) = EmbeddedObserver::configure(
             host,
             &config.observer,
             config.sink.is_some(),
             || ObserverConfig::for_metering(config.clone()),
             "metering",
-        ) {
-            Ok(observer) => observer,
-            Err(err) => {
-                log::error!("metering: invalid configuration: observer: {err}");
-                return false;
-            }
+        ) else {
+            return false;
         };
+        self.observer = observer;
         self.plan = Some(Rc::new(Plan {
             sampling,
             meters: Meters::define(host, config.labels),

@@ -425,17 +425,25 @@ pub struct EmbeddedObserver(Option<Observer>);
 impl EmbeddedObserver {
     /// In tick mode, when the filter has work for an observer (`needed`),
     /// the observer `config` describes, owning its queue; otherwise none.
+    /// `None`: refused, said in one line (`<who>: invalid configuration:
+    /// observer: …`), so the filter's configuration is refused too.
     pub fn configure(
         host: &mut impl Host,
         link: &ObserverLink,
         needed: bool,
         config: impl FnOnce() -> ObserverConfig,
         who: &str,
-    ) -> Result<EmbeddedObserver, String> {
+    ) -> Option<EmbeddedObserver> {
         if !needed || link.mode != ObserverMode::Tick {
-            return Ok(EmbeddedObserver(None));
+            return Some(EmbeddedObserver(None));
         }
-        Observer::configure(host, &config(), who).map(|o| EmbeddedObserver(Some(o)))
+        match Observer::configure(host, &config(), who) {
+            Ok(observer) => Some(EmbeddedObserver(Some(observer))),
+            Err(err) => {
+                log::error!("{who}: invalid configuration: observer: {err}");
+                None
+            }
+        }
     }
 
     /// The queue the filter posts to: the embedded observer's, or the

@@ -113,19 +113,16 @@ impl<H: Host> RootStage<H> for CacheRoot {
             config.memory_bound() / (1024 * 1024),
             config.stampede.mode,
         );
-        self.observer = match EmbeddedObserver::configure(
+        let Some(observer) = EmbeddedObserver::configure(
             host,
             &config.observer,
             config.fleet.is_some(),
             || ObserverConfig::for_post_cache(config.clone()),
             "post-cache",
-        ) {
-            Ok(observer) => observer,
-            Err(err) => {
-                log::error!("post-cache: invalid configuration: observer: {err}");
-                return false;
-            }
+        ) else {
+            return false;
         };
+        self.observer = observer;
         let tick = Duration::from_millis(config.stampede.poll_ms.clamp(1, 1000));
         self.plan = Some(Rc::new(Plan {
             shelf: Shelf::new(config.max_entries),
