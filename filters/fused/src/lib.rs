@@ -31,7 +31,7 @@ use std::time::Duration;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use zerolayer_host::timing::{self, Span};
-use zerolayer_host::{FusedHost, Headers, Host, RootStage, StreamMap, Wake, WasmHost};
+use zerolayer_host::{FusedHost, Headers, Host, RootStage, StageHost, StreamMap, Wake, WasmHost};
 
 pub use pipeline::{Column, Pipeline, StageStream};
 
@@ -149,7 +149,7 @@ struct StageRoot {
 
 /// Streams by context id, so that a stage resuming one from its root (a
 /// post-cache follower) reaches the stages after it.
-type Streams = Rc<RefCell<StreamMap<Weak<RefCell<Pipeline>>>>>;
+type Streams = Rc<RefCell<StreamMap<Weak<RefCell<Pipeline<FusedHost>>>>>>;
 
 /// The fused filter's root context: the stages' roots.
 pub struct FusedRoot {
@@ -194,7 +194,7 @@ impl FusedRoot {
 
 /// A stage resumed the current stream: the stages after it run, then the
 /// stream continues if none of them paused it again.
-fn resume(pipeline: &RefCell<Pipeline>) {
+fn resume(pipeline: &RefCell<Pipeline<FusedHost>>) {
     let go = pipeline.borrow_mut().resume();
     if go {
         WasmHost.continue_request();
@@ -290,7 +290,7 @@ impl RootContext for FusedRoot {
                 )
             })
             .collect();
-        let pipeline = Rc::new(RefCell::new(Pipeline::new(stages)));
+        let pipeline = Rc::new(RefCell::new(Pipeline::new(stages, FusedHost::stream())));
         self.streams
             .borrow_mut()
             .insert(context_id, Rc::downgrade(&pipeline));
@@ -306,14 +306,18 @@ impl RootContext for FusedRoot {
 /// One request through the stages.
 struct FusedStream {
     id: u32,
-    pipeline: Rc<RefCell<Pipeline>>,
+    pipeline: Rc<RefCell<Pipeline<FusedHost>>>,
     streams: Streams,
 }
 
 impl FusedStream {
     /// Runs `step` on the pipeline as this stream, then continues the
     /// stream if a stage resumed it meanwhile (a callout answered).
-    fn step<T>(&mut self, label: &'static str, step: impl FnOnce(&mut Pipeline) -> T) -> T {
+    fn step<T>(
+        &mut self,
+        label: &'static str,
+        step: impl FnOnce(&mut Pipeline<FusedHost>) -> T,
+    ) -> T {
         let span = Span::start();
         let mut pipeline = self.pipeline.borrow_mut();
         // Bodies are read per callback: the next one may carry a new chunk.

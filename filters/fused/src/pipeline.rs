@@ -7,12 +7,12 @@
 //! `Continue` and touch nothing.
 
 use zerolayer_host::timing::Span;
-use zerolayer_host::{Action, Callback, DoneWith, FusedHost, StreamStage};
+use zerolayer_host::{Action, Callback, DoneWith, StageHost, StreamStage};
 
 /// One stage's part of the request.
-pub struct StageStream {
+pub struct StageStream<H> {
     /// The stage's own stream.
-    pub stream: Box<dyn StreamStage<FusedHost>>,
+    pub stream: Box<dyn StreamStage<H>>,
     /// Whether a pause on request headers also withholds the body, as
     /// Envoy's default for a Wasm filter does; stages configured with
     /// `allow_on_headers_stop_iteration` get the body while paused.
@@ -40,13 +40,13 @@ pub enum Column {
     CallResponse,
 }
 
-impl StageStream {
+impl<H: StageHost> StageStream<H> {
     /// The stage's part of a request, every callback wanted so far.
     pub fn new(
-        stream: Box<dyn StreamStage<FusedHost>>,
+        stream: Box<dyn StreamStage<H>>,
         headers_pause_withholds_body: bool,
         labels: &'static [&'static str; 6],
-    ) -> StageStream {
+    ) -> StageStream<H> {
         StageStream {
             stream,
             headers_pause_withholds_body,
@@ -58,9 +58,9 @@ impl StageStream {
     /// Runs `f` on the stage's stream, noting what it says it is done with.
     fn call<T>(
         &mut self,
-        host: &mut FusedHost,
+        host: &mut H,
         column: Column,
-        f: impl FnOnce(&mut dyn StreamStage<FusedHost>, &mut FusedHost) -> T,
+        f: impl FnOnce(&mut dyn StreamStage<H>, &mut H) -> T,
     ) -> T {
         let span = Span::start();
         // Said outside this stage's callback: nobody's.
@@ -72,7 +72,7 @@ impl StageStream {
     }
 
     /// The request body callback, unless the stage is done with it.
-    fn request_body(&mut self, host: &mut FusedHost, size: usize, end_of_stream: bool) -> Action {
+    fn request_body(&mut self, host: &mut H, size: usize, end_of_stream: bool) -> Action {
         if self.done.contains(Callback::RequestBody) {
             return Action::Continue;
         }
@@ -82,7 +82,7 @@ impl StageStream {
     }
 
     /// The response body callback, unless the stage is done with it.
-    fn response_body(&mut self, host: &mut FusedHost, size: usize, end_of_stream: bool) -> Action {
+    fn response_body(&mut self, host: &mut H, size: usize, end_of_stream: bool) -> Action {
         if self.done.contains(Callback::ResponseBody) {
             return Action::Continue;
         }
@@ -102,10 +102,10 @@ enum Stop {
 }
 
 /// The request's progress through the stages.
-pub struct Pipeline {
-    stages: Vec<StageStream>,
+pub struct Pipeline<H> {
+    stages: Vec<StageStream<H>>,
     /// The host as the stages see it: what they share for this stream.
-    pub host: FusedHost,
+    pub host: H,
     /// How many stages got the request headers (and so the response).
     decoded: usize,
     stopped: Option<Stop>,
@@ -115,12 +115,12 @@ pub struct Pipeline {
     body: Option<(usize, bool)>,
 }
 
-impl Pipeline {
-    /// A request about to enter `stages`.
-    pub fn new(stages: Vec<StageStream>) -> Pipeline {
+impl<H: StageHost> Pipeline<H> {
+    /// A request about to enter `stages`, which share `host`.
+    pub fn new(stages: Vec<StageStream<H>>, host: H) -> Pipeline<H> {
         Pipeline {
             stages,
-            host: FusedHost::stream(),
+            host,
             decoded: 0,
             stopped: None,
             headers_end: false,
@@ -244,5 +244,215 @@ impl Pipeline {
         for stage in &mut self.stages {
             stage.call(&mut self.host, Column::Log, |s, h| s.log(h));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    use zerolayer_host::{FakeHost, Host};
+
+    use super::*;
+
+    const LABELS: &[&str; 6] = &["rh", "rb", "sh", "sb", "log", "call"];
+
+    type Log = Rc<RefCell<Vec<String>>>;
+
+    /// A stage that records its callbacks and does what it is told.
+    #[derive(Default)]
+    struct Scripted {
+        name: &'static str,
+        log: Log,
+        pause_headers: bool,
+        pause_body: bool,
+        answer: bool,
+        done_with_response_body: bool,
+    }
+
+    impl Scripted {
+        fn note(&self, what: &str) {
+            self.log.borrow_mut().push(format!("{}.{what}", self.name));
+        }
+    }
+
+    impl StreamStage<FakeHost> for Scripted {
+        fn request_headers(&mut self, host: &mut FakeHost, _end_of_stream: bool) -> Action {
+            self.note("request_headers");
+            if self.done_with_response_body {
+                host.done_with(Callback::ResponseBody);
+            }
+            if self.answer {
+                let _ = host.send_response(403, &[], b"refused");
+                return Action::Pause;
+            }
+            if self.pause_headers {
+                Action::Pause
+            } else {
+                Action::Continue
+            }
+        }
+
+        fn request_body(&mut self, _host: &mut FakeHost, _size: usize, _eos: bool) -> Action {
+            self.note("request_body");
+            if std::mem::take(&mut self.pause_body) {
+                Action::Pause
+            } else {
+                Action::Continue
+            }
+        }
+
+        fn response_headers(&mut self, _host: &mut FakeHost, _end_of_stream: bool) -> Action {
+            self.note("response_headers");
+            Action::Continue
+        }
+
+        fn response_body(&mut self, _host: &mut FakeHost, _size: usize, _eos: bool) -> Action {
+            self.note("response_body");
+            Action::Continue
+        }
+
+        fn log(&mut self, _host: &mut FakeHost) {
+            self.note("log");
+        }
+    }
+
+    /// Stages a, b, c; `set_up(i, stage)` adjusts each; `withholds[i]`:
+    /// whether a pause on stage i's headers withholds the body.
+    fn pipeline(
+        withholds: [bool; 3],
+        set_up: impl Fn(usize, &mut Scripted),
+    ) -> (Pipeline<FakeHost>, Log) {
+        let log = Log::default();
+        let stages = ["a", "b", "c"]
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let mut stage = Scripted {
+                    name,
+                    log: log.clone(),
+                    ..Scripted::default()
+                };
+                set_up(i, &mut stage);
+                StageStream::new(Box::new(stage), withholds[i], LABELS)
+            })
+            .collect();
+        (Pipeline::new(stages, FakeHost::default()), log)
+    }
+
+    fn taken(log: &Log) -> Vec<String> {
+        std::mem::take(&mut *log.borrow_mut())
+    }
+
+    #[test]
+    fn requests_go_through_the_stages_in_order_and_responses_in_reverse() {
+        let (mut p, log) = pipeline([false; 3], |_, _| {});
+        assert_eq!(p.request_headers(false), Action::Continue);
+        assert_eq!(p.request_body(10, true), Action::Continue);
+        assert_eq!(p.response_headers(false), Action::Continue);
+        assert_eq!(p.response_body(5, true), Action::Continue);
+        p.log();
+        assert_eq!(
+            taken(&log),
+            [
+                "a.request_headers",
+                "b.request_headers",
+                "c.request_headers",
+                "a.request_body",
+                "b.request_body",
+                "c.request_body",
+                "c.response_headers",
+                "b.response_headers",
+                "a.response_headers",
+                "c.response_body",
+                "b.response_body",
+                "a.response_body",
+                "a.log",
+                "b.log",
+                "c.log",
+            ]
+        );
+    }
+
+    #[test]
+    fn a_pause_on_headers_holds_the_stages_after_it_and_the_body_until_resumed() {
+        let (mut p, log) = pipeline([true; 3], |i, s| s.pause_headers = i == 1);
+        assert_eq!(p.request_headers(false), Action::Pause);
+        assert_eq!(taken(&log), ["a.request_headers", "b.request_headers"]);
+        // Withheld, as Envoy withholds it from a paused Wasm filter.
+        assert_eq!(p.request_body(10, true), Action::Pause);
+        assert!(taken(&log).is_empty());
+        assert!(p.resume(), "the request may go on");
+        assert_eq!(
+            taken(&log),
+            ["b.request_body", "c.request_headers", "c.request_body"]
+        );
+        assert!(!p.resume(), "nothing left to resume");
+    }
+
+    #[test]
+    fn a_stage_allowed_the_body_while_paused_gets_it() {
+        let (mut p, log) = pipeline([false; 3], |i, s| s.pause_headers = i == 1);
+        assert_eq!(p.request_headers(false), Action::Pause);
+        assert_eq!(taken(&log), ["a.request_headers", "b.request_headers"]);
+        assert_eq!(p.request_body(10, true), Action::Continue);
+        assert_eq!(
+            taken(&log),
+            [
+                "a.request_body",
+                "b.request_body",
+                "c.request_headers",
+                "c.request_body"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_pause_on_the_body_holds_the_stages_after_it_until_resumed() {
+        let (mut p, log) = pipeline([false; 3], |i, s| s.pause_body = i == 1);
+        assert_eq!(p.request_headers(false), Action::Continue);
+        assert_eq!(p.request_body(10, true), Action::Pause);
+        assert_eq!(
+            taken(&log)[3..],
+            ["a.request_body", "b.request_body"],
+            "c waits for b"
+        );
+        assert!(p.resume());
+        assert_eq!(taken(&log), ["c.request_body"]);
+    }
+
+    #[test]
+    fn an_answered_request_gets_no_body_callbacks() {
+        let (mut p, log) = pipeline([true; 3], |i, s| s.answer = i == 0);
+        assert_eq!(p.request_headers(false), Action::Pause);
+        assert_eq!(p.host.sent.len(), 1);
+        // ngx_wasm_module still hands over the body: it must not hang the answer.
+        assert_eq!(p.request_body(10, true), Action::Continue);
+        assert_eq!(taken(&log), ["a.request_headers"]);
+    }
+
+    #[test]
+    fn the_response_goes_back_only_through_the_stages_that_saw_the_request() {
+        let (mut p, log) = pipeline([true; 3], |i, s| s.pause_headers = i == 1);
+        assert_eq!(p.request_headers(true), Action::Pause);
+        taken(&log);
+        assert_eq!(p.response_headers(false), Action::Continue);
+        assert_eq!(taken(&log), ["b.response_headers", "a.response_headers"]);
+    }
+
+    #[test]
+    fn a_stage_done_with_response_bodies_is_not_called_for_them() {
+        let (mut p, log) = pipeline([false; 3], |i, s| s.done_with_response_body = i == 1);
+        assert_eq!(p.request_headers(true), Action::Continue);
+        taken(&log);
+        for _ in 0..3 {
+            assert_eq!(p.response_body(5, false), Action::Continue);
+        }
+        assert_eq!(
+            taken(&log),
+            ["c.response_body", "a.response_body"].repeat(3),
+            "b said it is done with response bodies"
+        );
     }
 }

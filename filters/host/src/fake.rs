@@ -10,6 +10,7 @@ use std::time::Duration;
 use proxy_wasm::types::Status;
 use zerolayer_core::headers::HeaderBlock;
 
+use crate::fused::{DoneWith, StageHost};
 use crate::host::{Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform};
 
 /// A callout a stage dispatched.
@@ -122,6 +123,10 @@ pub struct FakeHost {
     pub done_with: Vec<Callback>,
     /// Metrics, id = index.
     pub metrics: Vec<FakeMetric>,
+    /// `done_with` calls not yet taken by a pipeline ([`StageHost`]).
+    done_pending: DoneWith,
+    /// Resumes a pipeline already took ([`StageHost`]).
+    resumes_taken: usize,
     next_token: u32,
     next_cas: u32,
 }
@@ -149,6 +154,8 @@ impl Default for FakeHost {
             effective: None,
             done_with: Vec::new(),
             metrics: Vec::new(),
+            done_pending: DoneWith::default(),
+            resumes_taken: 0,
             next_token: 1,
             next_cas: 1,
         }
@@ -438,6 +445,7 @@ impl Host for FakeHost {
     }
 
     fn done_with(&mut self, callback: Callback) {
+        self.done_pending.insert(callback);
         if !self.done_with.contains(&callback) {
             self.done_with.push(callback);
         }
@@ -467,5 +475,25 @@ impl Host for FakeHost {
             m.value = i64::try_from(value).unwrap_or(i64::MAX);
             m.samples.push(value);
         }
+    }
+}
+
+/// The fake as a pipeline's host: a local response answers the request,
+/// `done_with` and resumes are taken as a pipeline takes them.
+impl StageHost for FakeHost {
+    fn begin_callback(&mut self) {}
+
+    fn answered(&self) -> bool {
+        !self.sent.is_empty()
+    }
+
+    fn take_done(&mut self) -> DoneWith {
+        std::mem::take(&mut self.done_pending)
+    }
+
+    fn take_resumed(&mut self) -> bool {
+        let resumed = self.resumes.len() > self.resumes_taken;
+        self.resumes_taken = self.resumes.len();
+        resumed
     }
 }

@@ -35,7 +35,7 @@ pub enum Wake {
 pub struct DoneWith(u8);
 
 impl DoneWith {
-    fn bit(callback: Callback) -> u8 {
+    pub(crate) fn bit(callback: Callback) -> u8 {
         match callback {
             Callback::RequestBody => 1,
             Callback::ResponseBody => 2,
@@ -51,6 +51,25 @@ impl DoneWith {
     pub fn add(&mut self, other: DoneWith) {
         self.0 |= other.0;
     }
+
+    /// Adds `callback`.
+    pub fn insert(&mut self, callback: Callback) {
+        self.0 |= DoneWith::bit(callback);
+    }
+}
+
+/// What a pipeline of stages sharing one host needs of it besides [`Host`]:
+/// the state of the callback being run through them. [`FusedHost`] in the
+/// fused filter; [`crate::FakeHost`] in the pipeline's own tests.
+pub trait StageHost: Host {
+    /// A new host callback begins (what was read in the last one is stale).
+    fn begin_callback(&mut self);
+    /// Whether a stage answered the request (a local response).
+    fn answered(&self) -> bool;
+    /// What the stage that just ran said it is done with (and forgets it).
+    fn take_done(&mut self) -> DoneWith;
+    /// Whether a stage resumed the stream since the last call.
+    fn take_resumed(&mut self) -> bool;
 }
 
 /// The fused filter's host: per stream, or for the stages' roots.
@@ -107,30 +126,9 @@ impl FusedHost {
         *self.headers(map) = headers;
     }
 
-    /// Stream: a new host callback begins; the body read in the last one
-    /// may have changed (a new chunk, more buffered).
-    pub fn begin_callback(&mut self) {
-        self.body = None;
-    }
-
-    /// Stream: whether a stage resumed the stream since the last call.
-    pub fn take_resumed(&mut self) -> bool {
-        std::mem::take(&mut self.resumed)
-    }
-
-    /// Stream: whether a stage answered the request.
-    pub fn answered(&self) -> bool {
-        self.answered
-    }
-
     /// Stream: a stage's root answered the request from a tick.
     pub fn mark_answered(&mut self) {
         self.answered = true;
-    }
-
-    /// Stream: what the stage that just ran said it is done with.
-    pub fn take_done(&mut self) -> DoneWith {
-        std::mem::take(&mut self.done)
     }
 
     /// Root: the streams the stages resumed or answered since the last call.
@@ -153,6 +151,26 @@ impl FusedHost {
             Headers::Request => &mut self.request_headers,
             Headers::Response => &mut self.response_headers,
         }
+    }
+}
+
+impl StageHost for FusedHost {
+    fn begin_callback(&mut self) {
+        // The body read in the last callback may have changed (a new
+        // chunk, more buffered).
+        self.body = None;
+    }
+
+    fn answered(&self) -> bool {
+        self.answered
+    }
+
+    fn take_done(&mut self) -> DoneWith {
+        std::mem::take(&mut self.done)
+    }
+
+    fn take_resumed(&mut self) -> bool {
+        std::mem::take(&mut self.resumed)
     }
 }
 

@@ -27,7 +27,7 @@ mod wasm;
 
 #[cfg(feature = "fake")]
 pub use fake::{Dispatched, FakeHost, FakeMetric, Sent};
-pub use fused::{DoneWith, FusedHost, Wake};
+pub use fused::{DoneWith, FusedHost, StageHost, Wake};
 pub use host::{
     Action, Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status,
 };
