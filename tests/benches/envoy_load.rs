@@ -31,16 +31,17 @@
 //! runs is copied).
 #![allow(missing_docs)]
 
-use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail, ensure};
+use anyhow::{Context, Result, anyhow, ensure};
 use serde_json::{Value as Json, json};
 use serde_yaml::Value as Yaml;
-use zerolayer_e2e::bench::{cpus, median};
+use zerolayer_e2e::bench::{
+    command_output, cpus, load_average, median, pin, pin_self, tree_cpu_secs,
+};
 use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::probes;
 use zerolayer_e2e::tokens::{self, issuer};
@@ -69,8 +70,8 @@ const PATH: &str = "/v1/messages";
 /// so post-cache may store and replay it.
 const BODY: &str = r#"{"model":"claude-bench","max_tokens":64,"temperature":0,"messages":[{"role":"user","content":"Say hello to the gateway."}]}"#;
 /// Where Envoy's worker runs; the load generator and upstreams get the other.
-const ENVOY_CPU: usize = 0;
-const CLIENT_CPU: usize = 1;
+const ENVOY_CPU: u32 = 0;
+const CLIENT_CPU: u32 = 1;
 
 /// What a configuration's answers must look like before it is measured.
 #[derive(Clone, Copy, PartialEq)]
@@ -316,7 +317,7 @@ fn main() -> Result<()> {
     let machine = machine(&envoy_binary);
     // Children (the upstream, wrk, Envoy until re-pinned) inherit this
     // process's CPU.
-    let pinned = cpus() >= 2 && pin(std::process::id(), CLIENT_CPU);
+    let pinned = pin_self(CLIENT_CPU);
     if !pinned {
         eprintln!("note: not pinned to CPUs (needs 2 CPUs and taskset); numbers are noisier");
     }
@@ -411,16 +412,12 @@ fn main() -> Result<()> {
     eprintln!("starting {} Envoys (one worker each)", variants.len());
     let mut running = Vec::new();
     for v in &variants {
-        let before = envoy_children();
         let config = EnvoyConfig::load(&shipped.write_variant(v)?)?.for_run(replay.listener())?;
         let config = services
             .point(config)?
             .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
         let envoy = Envoy::start(&config).with_context(|| format!("starting {}", v.label))?;
-        let new: Vec<u32> = envoy_children().difference(&before).copied().collect();
-        let [pid] = new[..] else {
-            bail!("{}: expected one new Envoy process, found {new:?}", v.label);
-        };
+        let pid = envoy.pid();
         ensure!(
             !pinned || pin(pid, ENVOY_CPU),
             "could not pin Envoy {pid} to CPU {ENVOY_CPU}"
@@ -447,7 +444,6 @@ fn main() -> Result<()> {
     );
     let mut loaded: Vec<Vec<Phase>> = vec![Vec::new(); variants.len()];
     let mut single: Vec<Vec<Phase>> = vec![Vec::new(); variants.len()];
-    let tick = clock_ticks();
     for round in 0..plan.rounds {
         // Rotate the order so no configuration always runs first.
         for i in (0..variants.len()).map(|i| (i + round) % variants.len()) {
@@ -456,11 +452,11 @@ fn main() -> Result<()> {
                 (CONNECTIONS, plan.loaded_secs, &mut loaded[i]),
                 (1, plan.single_secs, &mut single[i]),
             ] {
-                let cpu = cpu_ticks(*pid)?;
+                let cpu = tree_cpu_secs(*pid)?;
                 let mut phase =
                     run_wrk(&wrk, &envoy.url(PATH), script(v.request), connections, secs)
                         .with_context(|| format!("loading {}", v.label))?;
-                phase.envoy_cpu_secs = (cpu_ticks(*pid)? - cpu) as f64 / tick;
+                phase.envoy_cpu_secs = tree_cpu_secs(*pid)? - cpu;
                 out.push(phase);
             }
         }
@@ -1473,79 +1469,6 @@ fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
-}
-
-/// PIDs of this process's children named `envoy`.
-fn envoy_children() -> BTreeSet<u32> {
-    let me = std::process::id();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return BTreeSet::new();
-    };
-    entries
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-                let comm = stat
-                    .split_once('(')
-                    .and_then(|(_, rest)| rest.rsplit_once(')'))
-                    .map(|(comm, _)| comm);
-                let ppid = stat_fields(&stat).and_then(|f| f.get(1)?.parse::<u32>().ok());
-                comm == Some("envoy") && ppid == Some(me)
-            })
-        })
-        .collect()
-}
-
-/// The fields of `/proc/<pid>/stat` after `(comm)`: state is 0, ppid 1,
-/// utime 11, stime 12.
-fn stat_fields(stat: &str) -> Option<Vec<&str>> {
-    let (_, rest) = stat.rsplit_once(')')?;
-    Some(rest.split_whitespace().collect())
-}
-
-/// utime + stime of `pid` (all its threads, ended ones included), in ticks.
-fn cpu_ticks(pid: u32) -> Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .with_context(|| format!("reading /proc/{pid}/stat (did Envoy exit?)"))?;
-    let fields = stat_fields(&stat).ok_or_else(|| anyhow!("unparsable /proc/{pid}/stat"))?;
-    let field = |i: usize| -> Result<u64> {
-        Ok(fields
-            .get(i)
-            .ok_or_else(|| anyhow!("short /proc/{pid}/stat"))?
-            .parse()?)
-    };
-    Ok(field(11)? + field(12)?)
-}
-
-/// Clock ticks per second (`getconf CLK_TCK`; 100 on Linux).
-fn clock_ticks() -> f64 {
-    command_output("getconf", &["CLK_TCK"])
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(100.0)
-}
-
-/// Pins every thread of `pid` to `cpu`.
-fn pin(pid: u32, cpu: usize) -> bool {
-    Command::new("taskset")
-        .args(["-a", "-p", "-c", &cpu.to_string(), &pid.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
-}
-
-fn command_output(program: &str, args: &[&str]) -> Option<String> {
-    let output = Command::new(program).args(args).output().ok()?;
-    output
-        .status
-        .success()
-        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_string())
 }
 
 /// What the numbers were measured on.

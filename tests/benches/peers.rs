@@ -57,7 +57,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, ensure};
 use serde_json::{Value as Json, json};
-use zerolayer_e2e::bench::{cpus, median, pin_self, pin_tree, tree_cpu_secs};
+use zerolayer_e2e::bench::{
+    command_output, cpus, load_average, median, pin_self, pin_tree, tree_cpu_secs,
+};
 use zerolayer_e2e::chain::{AuthServices, CACHE_SECRET, Chain, reported_usage};
 use zerolayer_e2e::litellm::{self, EventLoop, LiteLlm};
 use zerolayer_e2e::tokens::{self, issuer};
@@ -948,20 +950,6 @@ fn shipped(servers: &Servers) -> Json {
         "audit_records": records(&servers.services.audit),
         "usage_records": records(&servers.usage),
     })
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".into())
-}
-
-fn command_output(program: &str, args: &[&str]) -> Option<String> {
-    let output = Command::new(program).args(args).output().ok()?;
-    output
-        .status
-        .success()
-        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_string())
 }
 
 /// What was measured, at which versions, on what.

@@ -47,12 +47,8 @@ pub fn tree_cpu_secs(pid: u32) -> Result<f64> {
 
 /// Clock ticks per second (`getconf CLK_TCK`; 100 on Linux).
 fn clock_ticks() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+    command_output("getconf", &["CLK_TCK"])
+        .and_then(|s| s.parse().ok())
         .unwrap_or(100.0)
 }
 
@@ -80,6 +76,23 @@ pub fn pin_self(cpu: u32) -> bool {
 /// CPUs this process may use.
 pub fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, usize::from)
+}
+
+/// The load average over 1, 5 and 15 minutes (`?` where unreadable), for
+/// the record of what else the machine was doing.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+/// What `program args` printed, trimmed, if it ran and succeeded.
+pub fn command_output(program: &str, args: &[&str]) -> Option<String> {
+    let output = Command::new(program).args(args).output().ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_string())
 }
 
 /// The median (`NaN` for none; the mean of the middle two for an even count).
