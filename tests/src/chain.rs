@@ -40,6 +40,10 @@ pub struct ChainOptions {
     /// The fused filter (`envoy/zerolayer-fused.yaml`) instead of the four
     /// separate ones; same stage configurations either way.
     pub fused: bool,
+    /// The native module (`envoy/zerolayer-native.yaml`: the fused chain as
+    /// an Envoy dynamic module, its observer on its own thread) instead;
+    /// same stage configurations.
+    pub native: bool,
 }
 
 impl Default for ChainOptions {
@@ -51,6 +55,7 @@ impl Default for ChainOptions {
             route_timeout: None,
             observer: true,
             fused: false,
+            native: false,
         }
     }
 }
@@ -129,7 +134,10 @@ impl Chain {
         // The stages' configurations come from the separate filters' file;
         // the fused file embeds the same (tests/tests/fused_envoy.rs).
         let separate = EnvoyConfig::shipped("zerolayer.yaml")?;
-        let file = if options.fused {
+        let file = if options.native {
+            crate::paths::native_module()?;
+            "zerolayer-native.yaml"
+        } else if options.fused {
             crate::paths::wasm("fused")?;
             "zerolayer-fused.yaml"
         } else {
@@ -159,7 +167,26 @@ impl Chain {
         metering["sink"]["backoff_ms"] = json!(100);
         metering["sink"]["max_backoff_ms"] = json!(1000);
         metering["sink"]["breaker"] = json!({"failures": 5, "open_secs": 1});
-        if options.fused {
+        if options.native {
+            // The observer's thread calls the services directly.
+            let mut upstreams = json!({
+                "idp": services.idp.addr().to_string(),
+                "api_keys": services.api_keys.addr().to_string(),
+                "audit": services.audit.addr().to_string(),
+                "clickhouse": clickhouse.addr().to_string(),
+            });
+            if let Some(fleet) = &fleet {
+                upstreams["webdis"] = json!(fleet.webdis().to_string());
+            }
+            let sections = json!({
+                "activation": activation,
+                "lazy_auth": lazy,
+                "post_cache": post,
+                "metering": metering,
+                "native": {"upstreams": upstreams},
+            });
+            config.set_native_filter_config("zerolayer", &sections.to_string())?;
+        } else if options.fused {
             let sections = json!({
                 "activation": activation,
                 "lazy_auth": lazy,
@@ -176,7 +203,9 @@ impl Chain {
         if fleet.is_some() {
             service["post_cache"] = post;
         }
-        config.set_service_config("zerolayer.observer", &service.to_string())?;
+        if !options.native {
+            config.set_service_config("zerolayer.observer", &service.to_string())?;
+        }
         if !options.observer {
             config.remove_services()?;
         }

@@ -203,6 +203,26 @@ impl EnvoyConfig {
         Ok(())
     }
 
+    /// Replaces the JSON configuration (`filter_config`) of the dynamic
+    /// module filter named `filter`.
+    pub fn set_native_filter_config(&mut self, filter: &str, json: &str) -> Result<()> {
+        let name = self.name.clone();
+        let value = self
+            .http_connection_managers_mut()?
+            .into_iter()
+            .flat_map(|hcm| {
+                hcm.get_mut("http_filters")
+                    .and_then(Value::as_sequence_mut)
+                    .into_iter()
+                    .flatten()
+            })
+            .find(|f| f.get("name").and_then(Value::as_str) == Some(filter))
+            .and_then(|f| lookup_mut(f, &["typed_config", "filter_config", "value"]))
+            .ok_or_else(|| anyhow!("{name}: no dynamic module filter named {filter}"))?;
+        *value = Value::from(json);
+        Ok(())
+    }
+
     /// Sets `config.<key>` of the Wasm filter named `filter` (e.g.
     /// `allow_on_headers_stop_iteration`); `None` removes it.
     pub fn set_wasm_filter_option(

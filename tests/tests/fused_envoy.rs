@@ -1,8 +1,9 @@
-//! The fused filter (`envoy/zerolayer-fused.yaml`) against the separate
-//! chain (`envoy/zerolayer.yaml`) in real Envoy: the same scenario through
-//! both, compared request by request — what the client got, what reached
+//! The fused filter (`envoy/zerolayer-fused.yaml`) and the native module
+//! (`envoy/zerolayer-native.yaml`) against the separate chain
+//! (`envoy/zerolayer.yaml`) in real Envoy: the same scenario through all
+//! three, compared request by request — what the client got, what reached
 //! the backend, what the access log says about identity and usage — and by
-//! the counters both forms report.
+//! the counters every form reports.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -313,23 +314,58 @@ fn counters(chain: &Chain) -> Result<BTreeMap<&'static str, f64>> {
     })
 }
 
+/// Runs the scenario through `options`' form and compares it with the
+/// separate chain's; returns the chain for form-specific checks.
+fn agrees(
+    form: &str,
+    options: ChainOptions,
+    expected: &BTreeMap<String, Observed>,
+    expected_counters: &BTreeMap<&'static str, f64>,
+) -> Result<Chain> {
+    let chain = Chain::start(options)?;
+    let got = scenario(&chain)?;
+    let got_counters = counters(&chain)?;
+    for (id, want) in expected {
+        assert_eq!(got.get(id), Some(want), "{form}: {id}");
+    }
+    assert_eq!(got.len(), expected.len(), "{form}");
+    assert_eq!(&got_counters, expected_counters, "{form}: counters");
+    Ok(chain)
+}
+
 #[test]
-fn the_fused_filter_behaves_as_the_separate_chain() -> Result<()> {
+fn the_fused_filter_and_the_native_module_behave_as_the_separate_chain() -> Result<()> {
     let separate = Chain::start(ChainOptions::default())?;
     let expected = scenario(&separate)?;
     let expected_counters = counters(&separate)?;
     drop(separate);
-    let fused = Chain::start(ChainOptions {
-        fused: true,
-        ..ChainOptions::default()
-    })?;
-    let got = scenario(&fused)?;
-    let got_counters = counters(&fused)?;
-    for (id, want) in &expected {
-        assert_eq!(got.get(id), Some(want), "{id}");
-    }
-    assert_eq!(got.len(), expected.len());
-    assert_eq!(got_counters, expected_counters);
+    let native = agrees(
+        "native",
+        ChainOptions {
+            native: true,
+            ..ChainOptions::default()
+        },
+        &expected,
+        &expected_counters,
+    )?;
+    let log = native.envoy.log();
+    assert!(
+        log.contains(
+            "zerolayer-native: chain with stages lazy_auth → activation → post_cache → metering (observer on its thread)"
+        ),
+        "{}",
+        native.envoy.log_tail(30)
+    );
+    drop(native);
+    let fused = agrees(
+        "fused",
+        ChainOptions {
+            fused: true,
+            ..ChainOptions::default()
+        },
+        &expected,
+        &expected_counters,
+    )?;
     // The scenario did what it says: hits, a path-side introspection.
     assert_eq!(expected["anthropic-1"].x_cache.as_deref(), Some("HIT"));
     assert_eq!(expected["openai-sse-1"].x_cache.as_deref(), Some("HIT"));

@@ -23,17 +23,14 @@
 )]
 
 mod pipeline;
+#[cfg(feature = "wasm")]
+mod root;
 
-use std::cell::RefCell;
-use std::rc::{Rc, Weak};
-use std::time::Duration;
-
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType};
-use zerolayer_host::timing::{self, Span};
-use zerolayer_host::{FusedHost, Headers, Host, RootStage, StageHost, StreamMap, Wake, WasmHost};
+use zerolayer_host::{Host, RootStage};
 
 pub use pipeline::{Column, Pipeline, StageStream};
+#[cfg(feature = "wasm")]
+pub use root::FusedRoot;
 
 /// A stage of the chain, in chain order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,7 +65,7 @@ impl Stage {
     }
 
     /// The stage's timing labels, by [`Column`].
-    fn labels(self) -> &'static [&'static str; 6] {
+    pub fn labels(self) -> &'static [&'static str; 6] {
         macro_rules! labels {
             ($stage:literal) => {
                 &[
@@ -89,8 +86,9 @@ impl Stage {
         }
     }
 
-    /// A new root of the stage.
-    fn root(self) -> Box<dyn RootStage<FusedHost>> {
+    /// A new root of the stage, on host `H` (the fused filter's
+    /// [`FusedHost`], the native module's own).
+    pub fn root<H: Host + 'static>(self) -> Box<dyn RootStage<H>> {
         match self {
             Stage::Activation => Box::new(zerolayer_activation::ActivationRoot::default()),
             Stage::LazyAuth => Box::new(zerolayer_lazy_auth::AuthRoot::default()),
@@ -102,7 +100,7 @@ impl Stage {
     /// Whether the separate filter runs with Envoy's default for a pause on
     /// request headers (the body withheld too); post-cache and metering are
     /// configured with `allow_on_headers_stop_iteration: true`.
-    fn headers_pause_withholds_body(self) -> bool {
+    pub fn headers_pause_withholds_body(self) -> bool {
         matches!(self, Stage::Activation | Stage::LazyAuth)
     }
 }
@@ -137,250 +135,4 @@ pub fn sections(config: &[u8]) -> Result<Vec<(Stage, Vec<u8>)>, String> {
         );
     }
     Ok(stages)
-}
-
-/// A configured stage's root and its tick.
-struct StageRoot {
-    stage: Stage,
-    root: Box<dyn RootStage<FusedHost>>,
-    tick: Option<Duration>,
-    next_tick_ms: u64,
-}
-
-/// Streams by context id, so that a stage resuming one from its root (a
-/// post-cache follower) reaches the stages after it.
-type Streams = Rc<RefCell<StreamMap<Weak<RefCell<Pipeline<FusedHost>>>>>>;
-
-/// The fused filter's root context: the stages' roots.
-pub struct FusedRoot {
-    stages: Vec<StageRoot>,
-    streams: Streams,
-    /// The host the stages' roots see.
-    host: FusedHost,
-}
-
-impl Default for FusedRoot {
-    fn default() -> Self {
-        FusedRoot {
-            stages: Vec::new(),
-            streams: Streams::default(),
-            host: FusedHost::root(),
-        }
-    }
-}
-
-impl FusedRoot {
-    /// Carries on the streams the stages' roots resumed or answered.
-    fn wake_streams(&mut self) {
-        self.host.leave_stream();
-        for (id, wake) in self.host.take_woken() {
-            let pipeline = self.streams.borrow().get(&id).and_then(Weak::upgrade);
-            let Some(pipeline) = pipeline else {
-                continue;
-            };
-            match wake {
-                Wake::Answered => pipeline.borrow_mut().host.mark_answered(),
-                Wake::Resume => {
-                    // The stages' host calls act on that stream.
-                    if WasmHost.set_effective_context(id).is_err() {
-                        continue;
-                    }
-                    resume(&pipeline);
-                }
-            }
-        }
-    }
-}
-
-/// A stage resumed the current stream: the stages after it run, then the
-/// stream continues if none of them paused it again.
-fn resume(pipeline: &RefCell<Pipeline<FusedHost>>) {
-    let go = pipeline.borrow_mut().resume();
-    if go {
-        WasmHost.continue_request();
-    }
-}
-
-impl Context for FusedRoot {
-    fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
-        // Each stage's root knows its own callouts and ignores the others.
-        for stage in &mut self.stages {
-            stage.root.call_answered(&mut self.host, token, body_size);
-        }
-        self.wake_streams();
-    }
-
-    fn on_done(&mut self) -> bool {
-        for stage in &mut self.stages {
-            stage.root.done(&mut self.host);
-        }
-        true
-    }
-}
-
-impl RootContext for FusedRoot {
-    fn on_configure(&mut self, _size: usize) -> bool {
-        let config = WasmHost.plugin_configuration();
-        let sections = match sections(&config) {
-            Ok(sections) => sections,
-            Err(err) => {
-                log::error!("zerolayer: invalid configuration: {err}");
-                return false;
-            }
-        };
-        let mut stages = Vec::with_capacity(sections.len());
-        for (stage, section) in sections {
-            let mut root = stage.root();
-            // The stage logs its own error, naming the field.
-            let ok = root.configure(&mut self.host, &section);
-            let tick = self.host.take_tick();
-            if !ok {
-                log::error!(
-                    "zerolayer: invalid configuration: {}: refused (see the line above)",
-                    stage.section()
-                );
-                return false;
-            }
-            stages.push(StageRoot {
-                stage,
-                root,
-                tick,
-                next_tick_ms: 0,
-            });
-        }
-        let names: Vec<&str> = stages.iter().map(|s| s.stage.section()).collect();
-        log::info!("zerolayer: fused filter with stages {}", names.join(" → "));
-        if let Some(tick) = stages.iter().filter_map(|s| s.tick).min()
-            && let Err(status) = WasmHost.set_tick_period(tick)
-        {
-            log::warn!("zerolayer: no tick ({status:?}); counters flush at shutdown only");
-        }
-        self.stages = stages;
-        true
-    }
-
-    fn on_tick(&mut self) {
-        let now = self.host.now_ms();
-        for stage in &mut self.stages {
-            let Some(tick) = stage.tick else {
-                continue;
-            };
-            if now >= stage.next_tick_ms {
-                stage.next_tick_ms = now + tick.as_millis() as u64;
-                stage.root.tick(&mut self.host);
-            }
-        }
-        self.wake_streams();
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
-    }
-
-    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
-        let span = Span::start();
-        let stages = self
-            .stages
-            .iter()
-            .map(|s| {
-                StageStream::new(
-                    s.root.stream(context_id),
-                    s.stage.headers_pause_withholds_body(),
-                    s.stage.labels(),
-                )
-            })
-            .collect();
-        let pipeline = Rc::new(RefCell::new(Pipeline::new(stages, FusedHost::stream())));
-        self.streams
-            .borrow_mut()
-            .insert(context_id, Rc::downgrade(&pipeline));
-        span.end("fused.create");
-        Some(Box::new(FusedStream {
-            id: context_id,
-            pipeline,
-            streams: self.streams.clone(),
-        }))
-    }
-}
-
-/// One request through the stages.
-struct FusedStream {
-    id: u32,
-    pipeline: Rc<RefCell<Pipeline<FusedHost>>>,
-    streams: Streams,
-}
-
-impl FusedStream {
-    /// Runs `step` on the pipeline as this stream, then continues the
-    /// stream if a stage resumed it meanwhile (a callout answered).
-    fn step<T>(
-        &mut self,
-        label: &'static str,
-        step: impl FnOnce(&mut Pipeline<FusedHost>) -> T,
-    ) -> T {
-        let span = Span::start();
-        let mut pipeline = self.pipeline.borrow_mut();
-        // Bodies are read per callback: the next one may carry a new chunk.
-        pipeline.host.begin_callback();
-        let result = step(&mut pipeline);
-        let resumed = pipeline.host.take_resumed();
-        drop(pipeline);
-        if resumed {
-            resume(&self.pipeline);
-        }
-        span.end(label);
-        result
-    }
-}
-
-impl Drop for FusedStream {
-    fn drop(&mut self) {
-        let span = Span::start();
-        self.streams.borrow_mut().remove(&self.id);
-        span.end("fused.drop");
-        timing::stream_ended();
-    }
-}
-
-impl Context for FusedStream {
-    fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
-        self.step("fused.call_response", |p| p.call_answered(token, body_size));
-    }
-}
-
-impl HttpContext for FusedStream {
-    fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        self.step("fused.request_headers", |p| {
-            // One read of the headers for every stage (they ask for ~a dozen).
-            let span = Span::start();
-            p.host.read_headers(Headers::Request);
-            span.end("fused.read_request_headers");
-            p.request_headers(end_of_stream)
-        })
-    }
-
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.step("fused.request_body", |p| {
-            p.request_body(body_size, end_of_stream)
-        })
-    }
-
-    fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        self.step("fused.response_headers", |p| {
-            let span = Span::start();
-            p.host.read_headers(Headers::Response);
-            span.end("fused.read_response_headers");
-            p.response_headers(end_of_stream)
-        })
-    }
-
-    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.step("fused.response_body", |p| {
-            p.response_body(body_size, end_of_stream)
-        })
-    }
-
-    fn on_log(&mut self) {
-        self.step("fused.log", Pipeline::log);
-    }
 }

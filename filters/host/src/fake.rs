@@ -7,11 +7,10 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
-use proxy_wasm::types::Status;
 use zerolayer_core::headers::HeaderBlock;
 
-use crate::fused::{DoneWith, StageHost};
-use crate::host::{Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform};
+use crate::host::{Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status};
+use crate::stage::{DoneWith, StageHost};
 
 /// A callout a stage dispatched.
 #[derive(Debug, Clone, PartialEq, Eq)]

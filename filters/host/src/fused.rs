@@ -14,63 +14,12 @@
 
 use std::time::Duration;
 
-use proxy_wasm::types::Status;
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal;
 
-use crate::host::{Body, Callback, Headers, Host, MetricKind, Platform};
+use crate::host::{Body, Callback, Headers, Host, MetricKind, Platform, Status};
+use crate::stage::{DoneWith, StageHost, Wake};
 use crate::wasm::WasmHost;
-
-/// What a stage's root did to a stream it made effective.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Wake {
-    /// Resumed it: the stages after the one that paused run next.
-    Resume,
-    /// Answered it (a local response): nothing is left for the stages.
-    Answered,
-}
-
-/// The callbacks one stage of one stream is done with.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct DoneWith(u8);
-
-impl DoneWith {
-    pub(crate) fn bit(callback: Callback) -> u8 {
-        match callback {
-            Callback::RequestBody => 1,
-            Callback::ResponseBody => 2,
-        }
-    }
-
-    /// Whether the stage said it is done with `callback`.
-    pub fn contains(self, callback: Callback) -> bool {
-        self.0 & DoneWith::bit(callback) != 0
-    }
-
-    /// Adds what `other` holds.
-    pub fn add(&mut self, other: DoneWith) {
-        self.0 |= other.0;
-    }
-
-    /// Adds `callback`.
-    pub fn insert(&mut self, callback: Callback) {
-        self.0 |= DoneWith::bit(callback);
-    }
-}
-
-/// What a pipeline of stages sharing one host needs of it besides [`Host`]:
-/// the state of the callback being run through them. [`FusedHost`] in the
-/// fused filter; [`crate::FakeHost`] in the pipeline's own tests.
-pub trait StageHost: Host {
-    /// A new host callback begins (what was read in the last one is stale).
-    fn begin_callback(&mut self);
-    /// Whether a stage answered the request (a local response).
-    fn answered(&self) -> bool;
-    /// What the stage that just ran said it is done with (and forgets it).
-    fn take_done(&mut self) -> DoneWith;
-    /// Whether a stage resumed the stream since the last call.
-    fn take_resumed(&mut self) -> bool;
-}
 
 /// The fused filter's host: per stream, or for the stages' roots.
 #[derive(Default)]
@@ -340,7 +289,7 @@ impl Host for FusedHost {
     }
 
     fn done_with(&mut self, callback: Callback) {
-        self.done.0 |= DoneWith::bit(callback);
+        self.done.insert(callback);
     }
 
     fn define_metric(&mut self, kind: MetricKind, name: &str) -> Result<u32, Status> {

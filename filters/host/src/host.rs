@@ -11,7 +11,36 @@ use std::time::Duration;
 
 use zerolayer_core::headers::HeaderBlock;
 
+#[cfg(feature = "wasm")]
 pub use proxy_wasm::types::{Action, Status};
+
+/// What a callback tells the host (proxy-wasm's own type in Wasm builds,
+/// the same variants without it).
+#[cfg(not(feature = "wasm"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Go on.
+    Continue,
+    /// Stop until resumed.
+    Pause,
+}
+
+/// A host call's failure (proxy-wasm's own type in Wasm builds, the same
+/// variants without it).
+#[cfg(not(feature = "wasm"))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub enum Status {
+    Ok,
+    NotFound,
+    BadArgument,
+    SerializationFailure,
+    ParseFailure,
+    Empty,
+    CasMismatch,
+    InternalFailure,
+    Unimplemented,
+}
 
 /// A header map of the current stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -16,24 +16,31 @@
 
 #[cfg(feature = "fake")]
 mod fake;
+#[cfg(feature = "wasm")]
 mod fused;
 mod host;
 mod metrics;
 mod queue;
+#[cfg(feature = "wasm")]
 mod raw;
 mod stage;
 pub mod timing;
+#[cfg(feature = "wasm")]
 mod wasm;
 
 #[cfg(feature = "fake")]
 pub use fake::{Dispatched, FakeHost, FakeMetric, Sent};
-pub use fused::{DoneWith, FusedHost, StageHost, Wake};
+#[cfg(feature = "wasm")]
+pub use fused::FusedHost;
 pub use host::{
     Action, Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status,
 };
 pub use metrics::{Counter, Counters, Family, Metric};
 pub use queue::{ObserverQueue, release_backlog};
-pub use stage::{RootStage, StreamStage, standalone};
+#[cfg(feature = "wasm")]
+pub use stage::standalone;
+pub use stage::{DoneWith, RootStage, StageHost, StreamStage, Wake};
+#[cfg(feature = "wasm")]
 pub use wasm::WasmHost;
 
 use zerolayer_core::ConfigError;

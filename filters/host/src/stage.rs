@@ -4,10 +4,13 @@
 //! registers it), inside the fused filter (on [`crate::FusedHost`]), and in
 //! native tests (on [`crate::FakeHost`]).
 
+#[cfg(feature = "wasm")]
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, ContextType};
+#[cfg(feature = "wasm")]
+use proxy_wasm::types::ContextType;
 
-use crate::host::Host;
+use crate::host::{Action, Callback, Host};
+#[cfg(feature = "wasm")]
 use crate::wasm::WasmHost;
 
 /// A stage's root: configuration, tick, its own callouts' answers.
@@ -60,17 +63,71 @@ pub trait StreamStage<H: Host> {
     fn log(&mut self, _host: &mut H) {}
 }
 
+/// What a stage's root did to a stream it made effective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wake {
+    /// Resumed it: the stages after the one that paused run next.
+    Resume,
+    /// Answered it (a local response): nothing is left for the stages.
+    Answered,
+}
+
+/// The callbacks one stage of one stream is done with.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct DoneWith(u8);
+
+impl DoneWith {
+    fn bit(callback: Callback) -> u8 {
+        match callback {
+            Callback::RequestBody => 1,
+            Callback::ResponseBody => 2,
+        }
+    }
+
+    /// Whether the stage said it is done with `callback`.
+    pub fn contains(self, callback: Callback) -> bool {
+        self.0 & DoneWith::bit(callback) != 0
+    }
+
+    /// Adds what `other` holds.
+    pub fn add(&mut self, other: DoneWith) {
+        self.0 |= other.0;
+    }
+
+    /// Adds `callback`.
+    pub fn insert(&mut self, callback: Callback) {
+        self.0 |= DoneWith::bit(callback);
+    }
+}
+
+/// What a pipeline of stages sharing one host needs of it besides [`Host`]:
+/// the state of the callback being run through them. `FusedHost` in the
+/// fused filter, the native module's host; [`crate::FakeHost`] in the pipeline's own tests.
+pub trait StageHost: Host {
+    /// A new host callback begins (what was read in the last one is stale).
+    fn begin_callback(&mut self);
+    /// Whether a stage answered the request (a local response).
+    fn answered(&self) -> bool;
+    /// What the stage that just ran said it is done with (and forgets it).
+    fn take_done(&mut self) -> DoneWith;
+    /// Whether a stage resumed the stream since the last call.
+    fn take_resumed(&mut self) -> bool;
+}
+
 /// `stage` as a filter of its own: the root context a module crate
 /// registers with `proxy_wasm::set_root_context`.
+#[cfg(feature = "wasm")]
 pub fn standalone<R: RootStage<WasmHost> + 'static>(stage: R) -> Box<dyn RootContext> {
     Box::new(FilterRoot { stage })
 }
 
 /// A stage's root as a Proxy-Wasm root context.
+#[cfg(feature = "wasm")]
 struct FilterRoot<R> {
     stage: R,
 }
 
+#[cfg(feature = "wasm")]
 impl<R: RootStage<WasmHost>> Context for FilterRoot<R> {
     fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
         self.stage.call_answered(&mut WasmHost, token, body_size);
@@ -82,6 +139,7 @@ impl<R: RootStage<WasmHost>> Context for FilterRoot<R> {
     }
 }
 
+#[cfg(feature = "wasm")]
 impl<R: RootStage<WasmHost>> RootContext for FilterRoot<R> {
     fn on_configure(&mut self, _size: usize) -> bool {
         let mut host = WasmHost;
@@ -106,16 +164,19 @@ impl<R: RootStage<WasmHost>> RootContext for FilterRoot<R> {
 }
 
 /// A stage's stream as a Proxy-Wasm HTTP context.
+#[cfg(feature = "wasm")]
 struct FilterStream {
     stage: Box<dyn StreamStage<WasmHost>>,
 }
 
+#[cfg(feature = "wasm")]
 impl Context for FilterStream {
     fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
         self.stage.call_answered(&mut WasmHost, token, body_size);
     }
 }
 
+#[cfg(feature = "wasm")]
 impl HttpContext for FilterStream {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
         self.stage.request_headers(&mut WasmHost, end_of_stream)

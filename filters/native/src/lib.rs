@@ -19,44 +19,67 @@
 #![allow(unsafe_code)]
 
 pub mod abi;
+pub mod chain;
+#[cfg(test)]
+mod fake_envoy;
+pub mod host;
+mod logger;
+pub mod metrics;
+pub mod observer;
 pub mod probe;
+pub mod store;
+mod ticker;
 
 use std::ffi::c_void;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
 
-use abi::{Buffer, FilterEnvoy, Header};
+use abi::{Buffer, ConfigEnvoy, FilterEnvoy, Header};
+use chain::{ChainConfig, ChainStream, Outcome, Verdict};
 use probe::{Probe, ProbeStream};
 
 /// A filter configuration: which filter `filter_name` chose.
-struct FilterConfig {
-    probe: Probe,
+enum FilterConfig {
+    /// A floor probe.
+    Probe(Probe),
+    /// The chain (`zerolayer`).
+    Chain(Arc<ChainConfig>),
 }
+
+/// The filter names this module serves.
+const FILTER_NAMES: &str = "zerolayer, probe_trivial or probe_chain";
 
 impl FilterConfig {
     /// The configuration for `filter_name`, or the line saying why not.
-    fn new(name: &[u8], _config: &[u8]) -> Result<FilterConfig, String> {
+    fn new(config_envoy: ConfigEnvoy, name: &[u8], config: &[u8]) -> Result<FilterConfig, String> {
         match name {
-            b"probe_trivial" => Ok(FilterConfig {
-                probe: Probe::Trivial,
-            }),
-            b"probe_chain" => Ok(FilterConfig {
-                probe: Probe::Chain,
-            }),
+            // SAFETY: `config_envoy` is null (tests) or `config_new`'s handle.
+            b"zerolayer" => unsafe { ChainConfig::new(config_envoy, config) }
+                .map(FilterConfig::Chain)
+                .map_err(|e| format!("zerolayer: {e}")),
+            b"probe_trivial" => Ok(FilterConfig::Probe(Probe::Trivial)),
+            b"probe_chain" => Ok(FilterConfig::Probe(Probe::Chain)),
             other => Err(format!(
-                "filter_name: unknown filter {:?} (expected probe_trivial or probe_chain)",
+                "filter_name: unknown filter {:?} (expected {FILTER_NAMES})",
                 String::from_utf8_lossy(other)
             )),
         }
     }
 }
 
-/// Runs `hook`, turning a panic into `fallback` (and a line on stderr,
-/// which Envoy keeps): a panic must never unwind into Envoy.
+/// One request through a filter.
+enum Filter {
+    Probe(ProbeStream),
+    Chain(Box<ChainStream>),
+}
+
+/// Runs `hook`, turning a panic into `fallback` (and a log line): a panic
+/// must never unwind into Envoy.
 fn guarded<T>(name: &str, fallback: T, hook: impl FnOnce() -> T) -> T {
     match catch_unwind(AssertUnwindSafe(hook)) {
         Ok(value) => value,
         Err(_) => {
-            eprintln!("zerolayer-native: {name} panicked; the request goes on untouched");
+            log::error!("zerolayer-native: {name} panicked; the request goes on untouched");
             fallback
         }
     }
@@ -67,15 +90,51 @@ fn guarded<T>(name: &str, fallback: T, hook: impl FnOnce() -> T) -> T {
 /// # Safety
 /// `filter` must be a pointer `envoy_dynamic_module_on_http_filter_new`
 /// returned and `…_destroy` has not freed yet.
-unsafe fn stream<'a>(filter: *mut c_void) -> Option<&'a mut ProbeStream> {
+unsafe fn filter<'a>(filter: *mut c_void) -> Option<&'a mut Filter> {
     // SAFETY: the caller's contract; Envoy calls a filter's hooks on one
-    // worker thread, one at a time.
-    unsafe { (filter as *mut ProbeStream).as_mut() }
+    // worker thread, one at a time (the module never calls into Envoy in a
+    // way that re-enters a filter while it is borrowed: see `host`).
+    unsafe { (filter as *mut Filter).as_mut() }
+}
+
+fn headers_status(verdict: Verdict) -> u32 {
+    match verdict {
+        Verdict::Continue => abi::HEADERS_CONTINUE,
+        Verdict::Pause | Verdict::Answered => abi::HEADERS_STOP,
+    }
+}
+
+fn body_status(verdict: Verdict) -> u32 {
+    match verdict {
+        Verdict::Continue => abi::BODY_CONTINUE,
+        Verdict::Pause => abi::BODY_STOP_AND_BUFFER,
+        Verdict::Answered => abi::BODY_STOP_NO_BUFFER,
+    }
+}
+
+/// Runs `step` on the chain stream behind `filter_module` and carries out
+/// its outcome once the stream is no longer borrowed.
+///
+/// # Safety
+/// Envoy's handles of the hook being run.
+unsafe fn chain_step(
+    filter_envoy: FilterEnvoy,
+    filter_module: *mut c_void,
+    step: impl FnOnce(&mut ChainStream) -> Outcome,
+) -> Option<Verdict> {
+    // SAFETY: the caller's contract; the reference ends with this block.
+    let outcome = match unsafe { filter(filter_module) } {
+        Some(Filter::Chain(chain)) => step(chain),
+        _ => return None,
+    };
+    // SAFETY: the caller's contract; no reference to the stream is alive.
+    Some(unsafe { outcome.finish(filter_envoy) })
 }
 
 /// Envoy asks which ABI the module speaks.
 #[unsafe(no_mangle)]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
+    logger::install();
     abi::ABI_VERSION.as_ptr()
 }
 
@@ -85,19 +144,40 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
 /// Envoy passes buffers valid for the call.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
-    _config_envoy: *mut c_void,
+    config_envoy: ConfigEnvoy,
     name: Buffer,
     config: Buffer,
 ) -> *const c_void {
     guarded("config_new", std::ptr::null(), || {
         // SAFETY: Envoy's buffers, valid during the call.
         let (name, config) = unsafe { (name.bytes(), config.bytes()) };
-        match FilterConfig::new(name, config) {
+        match FilterConfig::new(config_envoy, name, config) {
             Ok(config) => Box::into_raw(Box::new(config)) as *const c_void,
             Err(why) => {
-                eprintln!("zerolayer-native: invalid configuration: {why}");
+                log::error!("zerolayer-native: invalid configuration: {why}");
                 std::ptr::null()
             }
+        }
+    })
+}
+
+/// The configuration's scheduled event, on Envoy's main thread: the
+/// metrics report.
+///
+/// # Safety
+/// `config` is what `…_config_new` returned.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    _config_envoy: ConfigEnvoy,
+    config: *const c_void,
+    _event: u64,
+) {
+    guarded("config_scheduled", (), || {
+        // SAFETY: a live configuration (its scheduler is deleted before it).
+        if let Some(FilterConfig::Chain(chain)) =
+            unsafe { (config as *const FilterConfig).as_ref() }
+        {
+            chain.scheduled();
         }
     })
 }
@@ -110,7 +190,15 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *const c_void) {
     if !config.is_null() {
         // SAFETY: made by `Box::into_raw` in `…_config_new`, freed once.
-        drop(unsafe { Box::from_raw(config as *mut FilterConfig) });
+        let config = unsafe { Box::from_raw(config as *mut FilterConfig) };
+        guarded("config_destroy", (), || {
+            if let FilterConfig::Chain(chain) = *config {
+                // The observer thread stops now, whoever holds the rest.
+                if let Ok(mut chain) = Arc::try_unwrap(chain) {
+                    chain.shut_down();
+                }
+            }
+        });
     }
 }
 
@@ -140,14 +228,18 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_destroy(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
     config: *const c_void,
-    _filter: FilterEnvoy,
+    filter_envoy: FilterEnvoy,
 ) -> *mut c_void {
     guarded("filter_new", std::ptr::null_mut(), || {
         // SAFETY: a live configuration (Envoy destroys it after its filters).
         let Some(config) = (unsafe { (config as *const FilterConfig).as_ref() }) else {
             return std::ptr::null_mut();
         };
-        Box::into_raw(Box::new(ProbeStream::new(config.probe))) as *mut c_void
+        let filter = match config {
+            FilterConfig::Probe(probe) => Filter::Probe(ProbeStream::new(*probe)),
+            FilterConfig::Chain(chain) => Filter::Chain(Box::new(chain.stream(filter_envoy))),
+        };
+        Box::into_raw(Box::new(filter)) as *mut c_void
     })
 }
 
@@ -158,15 +250,21 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     filter_envoy: FilterEnvoy,
-    filter: *mut c_void,
+    filter_module: *mut c_void,
     end_of_stream: bool,
 ) -> u32 {
     guarded("request_headers", abi::HEADERS_CONTINUE, || {
         // SAFETY: Envoy's handles of this hook.
-        if let Some(stream) = unsafe { stream(filter) } {
-            unsafe { stream.request_headers(filter_envoy, end_of_stream) };
+        if let Some(Filter::Probe(probe)) = unsafe { filter(filter_module) } {
+            unsafe { probe.request_headers(filter_envoy, end_of_stream) };
+            return abi::HEADERS_CONTINUE;
         }
-        abi::HEADERS_CONTINUE
+        unsafe {
+            chain_step(filter_envoy, filter_module, |c| {
+                c.request_headers(end_of_stream)
+            })
+        }
+        .map_or(abi::HEADERS_CONTINUE, headers_status)
     })
 }
 
@@ -177,15 +275,20 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     filter_envoy: FilterEnvoy,
-    filter: *mut c_void,
+    filter_module: *mut c_void,
     end_of_stream: bool,
 ) -> u32 {
     guarded("request_body", abi::BODY_CONTINUE, || {
         // SAFETY: Envoy's handles of this hook.
-        match unsafe { stream(filter) } {
-            Some(stream) => unsafe { stream.request_body(filter_envoy, end_of_stream) },
-            None => abi::BODY_CONTINUE,
+        if let Some(Filter::Probe(probe)) = unsafe { filter(filter_module) } {
+            return unsafe { probe.request_body(filter_envoy, end_of_stream) };
         }
+        unsafe {
+            chain_step(filter_envoy, filter_module, |c| {
+                c.request_body(end_of_stream)
+            })
+        }
+        .map_or(abi::BODY_CONTINUE, body_status)
     })
 }
 
@@ -205,15 +308,21 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     filter_envoy: FilterEnvoy,
-    filter: *mut c_void,
-    _end_of_stream: bool,
+    filter_module: *mut c_void,
+    end_of_stream: bool,
 ) -> u32 {
     guarded("response_headers", abi::HEADERS_CONTINUE, || {
         // SAFETY: Envoy's handles of this hook.
-        if let Some(stream) = unsafe { stream(filter) } {
-            unsafe { stream.response_headers(filter_envoy) };
+        if let Some(Filter::Probe(probe)) = unsafe { filter(filter_module) } {
+            unsafe { probe.response_headers(filter_envoy) };
+            return abi::HEADERS_CONTINUE;
         }
-        abi::HEADERS_CONTINUE
+        unsafe {
+            chain_step(filter_envoy, filter_module, |c| {
+                c.response_headers(end_of_stream)
+            })
+        }
+        .map_or(abi::HEADERS_CONTINUE, headers_status)
     })
 }
 
@@ -224,15 +333,20 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     filter_envoy: FilterEnvoy,
-    filter: *mut c_void,
+    filter_module: *mut c_void,
     end_of_stream: bool,
 ) -> u32 {
     guarded("response_body", abi::BODY_CONTINUE, || {
         // SAFETY: Envoy's handles of this hook.
-        match unsafe { stream(filter) } {
-            Some(stream) => unsafe { stream.response_body(filter_envoy, end_of_stream) },
-            None => abi::BODY_CONTINUE,
+        if let Some(Filter::Probe(probe)) = unsafe { filter(filter_module) } {
+            return unsafe { probe.response_body(filter_envoy, end_of_stream) };
         }
+        unsafe {
+            chain_step(filter_envoy, filter_module, |c| {
+                c.response_body(end_of_stream)
+            })
+        }
+        .map_or(abi::BODY_CONTINUE, body_status)
     })
 }
 
@@ -245,12 +359,22 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
     abi::TRAILERS_CONTINUE
 }
 
-/// The request is over (nothing to do yet; the chain's log step goes here).
+/// The request is over, before the access log is written: the chain's log
+/// step (usage and identity reach the access log's filter state).
+///
+/// # Safety
+/// Envoy's handles of this hook.
 #[unsafe(no_mangle)]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     _filter_envoy: FilterEnvoy,
-    _filter: *mut c_void,
+    filter_module: *mut c_void,
 ) {
+    guarded("stream_complete", (), || {
+        // SAFETY: Envoy's handles of this hook.
+        if let Some(Filter::Chain(chain)) = unsafe { filter(filter_module) } {
+            chain.complete();
+        }
+    })
 }
 
 /// The filter is gone.
@@ -261,27 +385,43 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(filter: *mut c_void) {
     if !filter.is_null() {
         // SAFETY: made by `Box::into_raw` in `…_filter_new`, freed once.
-        drop(unsafe { Box::from_raw(filter as *mut ProbeStream) });
+        let filter = unsafe { Box::from_raw(filter as *mut Filter) };
+        guarded("destroy", (), || drop(filter));
     }
 }
 
-// Hooks Envoy 1.40 resolves when it loads a filter configuration, which
-// the probes never trigger (no callouts, no scheduler, no watermarks).
-
-/// A one-shot callout's answer (unused).
+/// A callout a stream made has its answer (`result` 0: success; the
+/// arrays are valid during the hook only, and may be null).
+///
+/// # Safety
+/// Envoy's handles and arrays of this hook.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
-    _filter_envoy: FilterEnvoy,
-    _filter: *mut c_void,
-    _callout_id: u64,
-    _result: u32,
-    _headers: *const Header,
-    _headers_len: usize,
-    _body: *const Buffer,
-    _body_len: usize,
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
+    filter_envoy: FilterEnvoy,
+    filter_module: *mut c_void,
+    callout_id: u64,
+    result: u32,
+    headers: *const Header,
+    headers_len: usize,
+    body: *const Buffer,
+    body_len: usize,
 ) {
+    guarded("http_callout_done", (), || {
+        // SAFETY: Envoy's arrays, valid during the hook (null when empty).
+        let (status, bytes) =
+            unsafe { abi::callout_answer(result, headers, headers_len, body, body_len) };
+        // SAFETY: Envoy's handles of this hook.
+        unsafe {
+            chain_step(filter_envoy, filter_module, |c| {
+                c.callout_done(callout_id as u32, status, bytes)
+            })
+        };
+    })
 }
+
+// Hooks Envoy 1.40 resolves when it loads a filter configuration, which
+// the module never triggers (no streamed callouts, no watermarks).
 
 /// A streaming callout's headers (unused).
 #[unsafe(no_mangle)]
@@ -337,13 +477,21 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_http_stream_reset(
 ) {
 }
 
-/// A scheduled event for this filter (unused).
+/// A scheduled event for a waiting stream: its worker's root ticks, and
+/// what they did to it.
+///
+/// # Safety
+/// Envoy's handles of this hook.
 #[unsafe(no_mangle)]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
-    _filter_envoy: FilterEnvoy,
-    _filter: *mut c_void,
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
+    filter_envoy: FilterEnvoy,
+    filter_module: *mut c_void,
     _event_id: u64,
 ) {
+    guarded("scheduled", (), || {
+        // SAFETY: Envoy's handles of this hook.
+        unsafe { chain_step(filter_envoy, filter_module, ChainStream::scheduled) };
+    })
 }
 
 /// The downstream's write buffer is above its high watermark (unused).
@@ -366,22 +514,48 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buf
 mod tests {
     use super::*;
 
+    fn probe(name: &[u8]) -> Option<Probe> {
+        match FilterConfig::new(std::ptr::null_mut(), name, b"") {
+            Ok(FilterConfig::Probe(probe)) => Some(probe),
+            _ => None,
+        }
+    }
+
     #[test]
-    fn a_filter_name_picks_the_probe_and_an_unknown_one_is_refused_naming_the_field() {
-        assert_eq!(
-            FilterConfig::new(b"probe_chain", b"").map(|c| c.probe),
-            Ok(Probe::Chain)
-        );
-        assert_eq!(
-            FilterConfig::new(b"probe_trivial", b"").map(|c| c.probe),
-            Ok(Probe::Trivial)
-        );
-        let refused = FilterConfig::new(b"zerolayer", b"")
+    fn a_filter_name_picks_the_filter_and_an_unknown_one_is_refused_naming_the_field() {
+        assert_eq!(probe(b"probe_chain"), Some(Probe::Chain));
+        assert_eq!(probe(b"probe_trivial"), Some(Probe::Trivial));
+        let refused = FilterConfig::new(std::ptr::null_mut(), b"zerolayer_fused", b"")
             .err()
             .unwrap_or_default();
         assert!(
-            refused.starts_with("filter_name: unknown filter \"zerolayer\""),
+            refused.starts_with("filter_name: unknown filter \"zerolayer_fused\""),
             "{refused}"
+        );
+    }
+
+    #[test]
+    fn the_chain_refuses_a_bad_section_naming_the_field() {
+        let refused = |config: &str| {
+            FilterConfig::new(std::ptr::null_mut(), b"zerolayer", config.as_bytes())
+                .err()
+                .unwrap_or_default()
+        };
+        assert!(
+            refused("{}").starts_with("zerolayer: no stage configured"),
+            "{}",
+            refused("{}")
+        );
+        assert!(
+            refused(r#"{"shadow":{}}"#).starts_with("zerolayer: shadow: unknown stage"),
+            "{}",
+            refused(r#"{"shadow":{}}"#)
+        );
+        assert!(
+            refused(r#"{"activation":{},"native":{"threads":2}}"#)
+                .starts_with("zerolayer: native: unknown field `threads`"),
+            "{}",
+            refused(r#"{"activation":{},"native":{"threads":2}}"#)
         );
     }
 

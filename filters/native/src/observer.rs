@@ -1,0 +1,389 @@
+//! The observer on a thread of the module's own: the same
+//! `zerolayer_observer::Observer` the Wasm forms run (verification, JWKS,
+//! audit and usage shipping with batches, backoff, breakers and bounded
+//! buffers, fleet cache writes), driven by a tokio runtime instead of a
+//! Proxy-Wasm root. The request path posts jobs on a bounded queue and never
+//! waits; the thread wakes on a job, a callout's answer or its tick. Its
+//! callouts go out with hyper to the addresses the configuration's
+//! `native.upstreams` gives each cluster (Envoy's cluster manager is not
+//! reachable from a thread of the module's own).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use tokio::sync::{mpsc, watch};
+use zerolayer_core::headers::HeaderBlock;
+use zerolayer_host::{Body, Headers, Host, MetricKind, Platform, Status};
+use zerolayer_observer::{Observer, ObserverConfig};
+
+use crate::chain::Process;
+use crate::store::JobQueue;
+
+/// The most bytes of a callout's answer kept (a JWKS document, an
+/// introspection answer, a sink's reply): more is a failed call.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// A callout's answer, back on the observer's thread.
+struct Answer {
+    token: u32,
+    status: Option<u16>,
+    body: Vec<u8>,
+}
+
+/// The observer thread, running until [`ObserverThread::stop`].
+pub struct ObserverThread {
+    stop: watch::Sender<bool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ObserverThread {
+    /// Configures the observer for `config` (refused: the line saying why)
+    /// and starts its thread, draining `jobs`.
+    pub fn start(
+        config: ObserverConfig,
+        upstreams: BTreeMap<String, SocketAddr>,
+        process: Arc<Process>,
+        queue: JobQueue,
+        jobs: mpsc::Receiver<Vec<u8>>,
+    ) -> Result<ObserverThread, String> {
+        let (answers_tx, answers) = mpsc::unbounded_channel();
+        let mut host = ObserverHost {
+            process,
+            queue,
+            jobs,
+            peeked: None,
+            upstreams,
+            answers: answers_tx,
+            next_token: 1,
+            answer: None,
+            tick: None,
+        };
+        let observer = Observer::configure(&mut host, &config, "zerolayer-native")?;
+        let tick = Duration::from_millis(config.tick_ms.clamp(10, 60_000));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(|e| format!("observer runtime: {e}"))?;
+        let (stop, stopped) = watch::channel(false);
+        let thread = std::thread::Builder::new()
+            .name("zerolayer-observer".into())
+            .spawn(move || {
+                runtime.block_on(run(observer, host, answers, tick, stopped));
+            })
+            .map_err(|e| format!("observer thread: {e}"))?;
+        Ok(ObserverThread {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread (its last tick reports the counters) and waits.
+    pub fn stop(&mut self) {
+        let _ = self.stop.send(true);
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            log::error!("zerolayer-native: the observer thread panicked");
+        }
+    }
+}
+
+impl Drop for ObserverThread {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The observer's loop: a job, an answer, the tick or the stop, whichever
+/// comes first. A panic in the observer's code ends the thread, logged,
+/// never the process.
+async fn run(
+    mut observer: Observer,
+    mut host: ObserverHost,
+    mut answers: mpsc::UnboundedReceiver<Answer>,
+    tick: Duration,
+    mut stopped: watch::Receiver<bool>,
+) {
+    let mut ticker = tokio::time::interval(tick);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let step = tokio::select! {
+            job = host.jobs.recv() => match job {
+                Some(job) => Step::Job(job),
+                None => Step::Stop,
+            },
+            Some(answer) = answers.recv() => Step::Answer(answer),
+            _ = ticker.tick() => Step::Tick,
+            _ = stopped.changed() => Step::Stop,
+        };
+        let stop = matches!(step, Step::Stop);
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match step {
+            Step::Job(job) => {
+                host.peeked = Some(job);
+                observer.drain(&mut host);
+            }
+            Step::Answer(answer) => {
+                let (token, size) = (answer.token, answer.body.len());
+                host.answer = Some(answer);
+                observer.on_http_call_response(&mut host, token, size);
+                host.answer = None;
+            }
+            Step::Tick | Step::Stop => observer.on_tick(&mut host),
+        }));
+        if ran.is_err() {
+            log::error!("zerolayer-native: the observer panicked; it stops (requests go on)");
+            return;
+        }
+        if stop {
+            return;
+        }
+    }
+}
+
+enum Step {
+    Job(Vec<u8>),
+    Answer(Answer),
+    Tick,
+    Stop,
+}
+
+/// The host the observer sees on its thread: process shared data, the job
+/// queue, callouts with hyper, metrics handed to the workers to report.
+struct ObserverHost {
+    process: Arc<Process>,
+    queue: JobQueue,
+    jobs: mpsc::Receiver<Vec<u8>>,
+    /// The job that woke the thread, handed out by the first dequeue.
+    peeked: Option<Vec<u8>>,
+    upstreams: BTreeMap<String, SocketAddr>,
+    answers: mpsc::UnboundedSender<Answer>,
+    next_token: u32,
+    /// The answer being handled.
+    answer: Option<Answer>,
+    tick: Option<Duration>,
+}
+
+/// One callout: `headers` (pseudo-headers included) and `body` to `addr`.
+async fn call(
+    addr: SocketAddr,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    timeout: Duration,
+) -> Result<(u16, Vec<u8>), String> {
+    let exchange = async {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect {addr}: {e}"))?;
+        let _ = stream.set_nodelay(true);
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .map_err(|e| format!("handshake: {e}"))?;
+        tokio::spawn(connection);
+        let mut request = hyper::Request::builder();
+        for (name, value) in &headers {
+            request = match name.as_str() {
+                ":method" => request.method(value.as_str()),
+                ":path" => request.uri(value.as_str()),
+                ":authority" => request.header(hyper::header::HOST, value.as_str()),
+                other => request.header(other, value.as_str()),
+            };
+        }
+        let request = request
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| format!("request: {e}"))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| format!("send: {e}"))?;
+        let status = response.status().as_u16();
+        let limited = http_body_util::Limited::new(response.into_body(), MAX_ANSWER_BYTES);
+        let body = limited
+            .collect()
+            .await
+            .map_err(|e| format!("body: {e}"))?
+            .to_bytes();
+        Ok((status, body.to_vec()))
+    };
+    match tokio::time::timeout(timeout, exchange).await {
+        Ok(result) => result,
+        Err(_) => Err(format!("timed out after {} ms", timeout.as_millis())),
+    }
+}
+
+impl Host for ObserverHost {
+    fn now(&mut self) -> Duration {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+    }
+
+    fn platform(&mut self) -> Platform {
+        Platform::Envoy
+    }
+
+    fn fused(&self) -> bool {
+        false
+    }
+
+    fn set_tick_period(&mut self, period: Duration) -> Result<(), Status> {
+        self.tick = Some(period);
+        Ok(())
+    }
+
+    fn header(&mut self, _map: Headers, _name: &str) -> Option<Vec<u8>> {
+        None
+    }
+
+    fn with_headers<T>(&mut self, _map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
+        f(&HeaderBlock::default())
+    }
+
+    fn set_header(&mut self, _map: Headers, _name: &str, _value: &[u8]) {}
+
+    fn add_header(&mut self, _map: Headers, _name: &str, _value: &[u8]) {}
+
+    fn remove_header(&mut self, _map: Headers, _name: &str) -> bool {
+        false
+    }
+
+    fn with_body<T>(&mut self, _body: Body, _size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+        f(&[])
+    }
+
+    fn set_body(&mut self, _body: Body, _size: usize, _bytes: &[u8]) -> Result<(), Status> {
+        Err(Status::BadArgument)
+    }
+
+    fn property(&mut self, _path: &str) -> Option<Vec<u8>> {
+        // No stream: no properties (secrets come from Envoy's environment,
+        // read with std::env as in a Wasm VM).
+        None
+    }
+
+    fn publish(&mut self, _path: &str, _value: &[u8]) {}
+
+    fn set_property(&mut self, _path: &str, _value: &[u8]) -> Result<(), Status> {
+        Err(Status::NotFound)
+    }
+
+    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        self.process.data.get(key)
+    }
+
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
+        self.process.data.set(key, value, cas)
+    }
+
+    fn register_queue(&mut self, name: &str) -> Result<u32, Status> {
+        if name == self.queue.name() {
+            Ok(1)
+        } else {
+            Err(Status::BadArgument)
+        }
+    }
+
+    fn resolve_queue(&mut self, _vm_id: &str, name: &str) -> Option<u32> {
+        (name == self.queue.name()).then_some(1)
+    }
+
+    fn enqueue(&mut self, _queue: u32, bytes: &[u8]) -> Result<(), Status> {
+        self.queue.post(bytes)
+    }
+
+    fn dequeue(&mut self, _queue: u32) -> Result<Option<Vec<u8>>, Status> {
+        if let Some(job) = self.peeked.take() {
+            return Ok(Some(job));
+        }
+        match self.jobs.try_recv() {
+            Ok(job) => Ok(Some(job)),
+            Err(mpsc::error::TryRecvError::Empty) => Ok(None),
+            Err(mpsc::error::TryRecvError::Disconnected) => Ok(None),
+        }
+    }
+
+    fn dispatch(
+        &mut self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<u32, Status> {
+        let Some(&addr) = self.upstreams.get(cluster) else {
+            // Checked at load for every cluster the configuration names.
+            log::warn!("zerolayer-native: no upstream for cluster {cluster}");
+            return Err(Status::BadArgument);
+        };
+        let token = self.next_token;
+        self.next_token = self.next_token.wrapping_add(1).max(1);
+        let headers: Vec<(String, String)> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let body = body.map(<[u8]>::to_vec).unwrap_or_default();
+        let answers = self.answers.clone();
+        tokio::spawn(async move {
+            let answer = match call(addr, headers, body, timeout).await {
+                Ok((status, body)) => Answer {
+                    token,
+                    status: Some(status),
+                    body,
+                },
+                Err(why) => {
+                    log::debug!("zerolayer-native: callout {token} failed: {why}");
+                    Answer {
+                        token,
+                        status: None,
+                        body: Vec::new(),
+                    }
+                }
+            };
+            let _ = answers.send(answer);
+        });
+        Ok(token)
+    }
+
+    fn callout_status(&mut self) -> Option<u16> {
+        self.answer.as_ref().and_then(|a| a.status)
+    }
+
+    fn callout_body(&mut self, size: usize) -> Vec<u8> {
+        self.answer
+            .as_ref()
+            .map(|a| a.body[..size.min(a.body.len())].to_vec())
+            .unwrap_or_default()
+    }
+
+    fn resume(&mut self) {}
+
+    fn send_local_response(
+        &mut self,
+        _status: u32,
+        _headers: &[(&str, &str)],
+        _body: &[u8],
+    ) -> Result<(), Status> {
+        Err(Status::NotFound)
+    }
+
+    fn set_effective_context(&mut self, _context_id: u32) -> Result<(), Status> {
+        Err(Status::NotFound)
+    }
+
+    fn define_metric(&mut self, kind: MetricKind, name: &str) -> Result<u32, Status> {
+        self.process.metrics.id(kind, name)
+    }
+
+    fn increment_metric(&mut self, id: u32, delta: i64) {
+        self.process.metrics.add(id, delta);
+    }
+
+    fn record_metric(&mut self, id: u32, value: u64) {
+        self.process.metrics.record(id, value);
+    }
+}
