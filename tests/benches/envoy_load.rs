@@ -103,6 +103,9 @@ struct Variant {
     filters: Vec<Yaml>,
     /// The observer singleton's configuration, when it runs.
     observer: Option<Json>,
+    /// The native chain's sections, when filter `zerolayer` is the native
+    /// module (its observer's upstreams are filled in at start).
+    native: Option<Json>,
     request: Request,
     expect: Expect,
 }
@@ -116,6 +119,7 @@ impl Variant {
             group,
             filters,
             observer: None,
+            native: None,
             request: Request::Plain,
             expect: Expect::Backend,
         }
@@ -123,6 +127,12 @@ impl Variant {
 
     fn observer(mut self, config: Json) -> Self {
         self.observer = Some(config);
+        self
+    }
+
+    /// The native module with `sections` (its only filter).
+    fn native(mut self, sections: Json) -> Self {
+        self.native = Some(sections);
         self
     }
 
@@ -281,6 +291,17 @@ impl Services {
         })
     }
 
+    /// Where the native module's observer thread reaches them
+    /// (`native.upstreams`).
+    fn upstreams(&self) -> Json {
+        json!({
+            "idp": self.auth.idp.addr().to_string(),
+            "api_keys": self.auth.api_keys.addr().to_string(),
+            "audit": self.auth.audit.addr().to_string(),
+            "clickhouse": self.usage.addr().to_string(),
+        })
+    }
+
     fn point(&self, config: EnvoyConfig) -> Result<EnvoyConfig> {
         self.auth
             .point(config)?
@@ -413,9 +434,14 @@ fn main() -> Result<()> {
     let mut running = Vec::new();
     for v in &variants {
         let config = EnvoyConfig::load(&shipped.write_variant(v)?)?.for_run(replay.listener())?;
-        let config = services
+        let mut config = services
             .point(config)?
             .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
+        if let Some(sections) = &v.native {
+            let mut sections = sections.clone();
+            sections["native"] = json!({"upstreams": services.upstreams()});
+            config.set_native_filter_config("zerolayer", &sections.to_string())?;
+        }
         let envoy = Envoy::start(&config).with_context(|| format!("starting {}", v.label))?;
         let pid = envoy.pid();
         ensure!(
@@ -582,6 +608,40 @@ fn targets(summaries: &[Summary]) -> Vec<String> {
             r,
             "≤ 1.5",
             r <= 1.5,
+        );
+    }
+    if let Some(native) = get("c-native") {
+        let r = native.rps / plain.rps;
+        check(
+            "native chain throughput / plain Envoy's",
+            r,
+            "≥ 0.85",
+            r >= 0.85,
+        );
+        let r = native.cpu_us_per_request / plain.cpu_us_per_request;
+        check(
+            "native chain CPU per request / plain Envoy's",
+            r,
+            "≤ 1.15",
+            r <= 1.15,
+        );
+        if let Some(probe) = get("p-native") {
+            let r = overhead(native) / overhead(probe);
+            check(
+                "native chain overhead / native chain-like probe's",
+                r,
+                "≤ 2",
+                r <= 2.0,
+            );
+        }
+    }
+    if let Some(hit) = get("c-native-hit") {
+        let r = hit.cpu_us_per_request / plain.cpu_us_per_request;
+        check(
+            "native hit CPU per request / plain proxying's",
+            r,
+            "< 1",
+            r < 1.0,
         );
     }
     let mut notes = Vec::new();
@@ -817,6 +877,35 @@ impl Shipped {
         self.fused_stages(FUSED_STAGES.len())
     }
 
+    /// The four stages' sections, as the fused filter and the native module
+    /// take them.
+    fn sections(&self) -> Json {
+        json!({
+            "lazy_auth": self.lazy_auth,
+            "activation": self.activation,
+            "post_cache": self.post_cache,
+            "metering": self.metering,
+        })
+    }
+
+    /// The native module's chain (`filter_name: zerolayer`); its sections
+    /// come with the variant ([`Variant::native`]).
+    fn native_chain(&self) -> Result<Yaml> {
+        paths::native_module()?;
+        Ok(serde_yaml::to_value(json!({
+            "name": "zerolayer",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+                "dynamic_module_config": {"name": "zerolayer_native", "do_not_close": true},
+                "filter_name": "zerolayer",
+                "filter_config": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": "{}",
+                },
+            },
+        }))?)
+    }
+
     /// The fused filter with only the first `n` stages (sections left out
     /// are stages left out): what each stage adds inside one instance.
     fn fused_stages(&self, n: usize) -> Result<Yaml> {
@@ -1017,6 +1106,22 @@ impl Shipped {
                 vec![self.fused()?],
             )
             .observer(self.observer(true, true))
+            .expect(Expect::CacheHit),
+            Variant::new(
+                "c-native",
+                "native chain (dynamic module), to the backend (no-store)",
+                Chain,
+                vec![self.native_chain()?],
+            )
+            .native(self.sections())
+            .request(Request::NoStore),
+            Variant::new(
+                "c-native-hit",
+                "native chain (dynamic module), cache hit",
+                Chain,
+                vec![self.native_chain()?],
+            )
+            .native(self.sections())
             .expect(Expect::CacheHit),
             Variant::new(
                 "c-one-vm",

@@ -24,6 +24,33 @@ pub const CACHE_SECRET: &str = "zerolayer-e2e-cache-secret-0123456789abcdef";
 /// The API key the introspection endpoint knows (tenant `globex`).
 pub const GOOD_API_KEY: &str = "sk-chain-globex";
 
+/// The form of zerolayer that runs the chain in Envoy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// Four Wasm filters and the observer singleton (`envoy/zerolayer.yaml`).
+    Separate,
+    /// One fused Wasm filter and the observer singleton
+    /// (`envoy/zerolayer-fused.yaml`).
+    Fused,
+    /// The Envoy dynamic module, its observer on its own thread
+    /// (`envoy/zerolayer-native.yaml`).
+    Native,
+}
+
+impl Form {
+    /// Every form, the reference (separate) first.
+    pub const ALL: [Form; 3] = [Form::Separate, Form::Fused, Form::Native];
+
+    /// Its shipped Envoy configuration.
+    pub fn file(self) -> &'static str {
+        match self {
+            Form::Separate => "zerolayer.yaml",
+            Form::Fused => "zerolayer-fused.yaml",
+            Form::Native => "zerolayer-native.yaml",
+        }
+    }
+}
+
 /// How to start the chain.
 #[derive(Debug, Clone)]
 pub struct ChainOptions {
@@ -37,13 +64,8 @@ pub struct ChainOptions {
     pub route_timeout: Option<Duration>,
     /// Whether the observer singleton runs (off: "the observer is gone").
     pub observer: bool,
-    /// The fused filter (`envoy/zerolayer-fused.yaml`) instead of the four
-    /// separate ones; same stage configurations either way.
-    pub fused: bool,
-    /// The native module (`envoy/zerolayer-native.yaml`: the fused chain as
-    /// an Envoy dynamic module, its observer on its own thread) instead;
-    /// same stage configurations.
-    pub native: bool,
+    /// Which form runs it; the stage configurations are the same in all.
+    pub form: Form,
 }
 
 impl Default for ChainOptions {
@@ -54,8 +76,7 @@ impl Default for ChainOptions {
             sample_percent: 100.0,
             route_timeout: None,
             observer: true,
-            fused: false,
-            native: false,
+            form: Form::Separate,
         }
     }
 }
@@ -134,15 +155,16 @@ impl Chain {
         // The stages' configurations come from the separate filters' file;
         // the fused file embeds the same (tests/tests/fused_envoy.rs).
         let separate = EnvoyConfig::shipped("zerolayer.yaml")?;
-        let file = if options.native {
-            crate::paths::native_module()?;
-            "zerolayer-native.yaml"
-        } else if options.fused {
-            crate::paths::wasm("fused")?;
-            "zerolayer-fused.yaml"
-        } else {
-            "zerolayer.yaml"
-        };
+        match options.form {
+            Form::Native => {
+                crate::paths::native_module()?;
+            }
+            Form::Fused => {
+                crate::paths::wasm("fused")?;
+            }
+            Form::Separate => {}
+        }
+        let file = options.form.file();
         let mut config = services
             .point(EnvoyConfig::shipped(file)?.for_run(stub.addr())?)?
             .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET)
@@ -167,7 +189,7 @@ impl Chain {
         metering["sink"]["backoff_ms"] = json!(100);
         metering["sink"]["max_backoff_ms"] = json!(1000);
         metering["sink"]["breaker"] = json!({"failures": 5, "open_secs": 1});
-        if options.native {
+        if options.form == Form::Native {
             // The observer's thread calls the services directly.
             let mut upstreams = json!({
                 "idp": services.idp.addr().to_string(),
@@ -186,7 +208,7 @@ impl Chain {
                 "native": {"upstreams": upstreams},
             });
             config.set_native_filter_config("zerolayer", &sections.to_string())?;
-        } else if options.fused {
+        } else if options.form == Form::Fused {
             let sections = json!({
                 "activation": activation,
                 "lazy_auth": lazy,
@@ -203,7 +225,7 @@ impl Chain {
         if fleet.is_some() {
             service["post_cache"] = post;
         }
-        if !options.native {
+        if options.form != Form::Native {
             config.set_service_config("zerolayer.observer", &service.to_string())?;
         }
         if !options.observer {

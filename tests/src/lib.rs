@@ -31,3 +31,44 @@ pub use envoy::{Envoy, EnvoyConfig};
 pub use mock::MockServer;
 pub use model::ModelServer;
 pub use upstream::{EchoUpstream, SeenRequest};
+
+/// One test per form of the chain for each `scenario(form: Form) ->
+/// Result<()>` named: `<scenario>::separate`, `::fused` and `::native`
+/// (see [`chain::Form`]).
+#[macro_export]
+macro_rules! in_every_form {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[test]
+            fn separate() -> anyhow::Result<()> {
+                super::$scenario($crate::chain::Form::Separate)
+            }
+            #[test]
+            fn fused() -> anyhow::Result<()> {
+                super::$scenario($crate::chain::Form::Fused)
+            }
+            #[test]
+            fn native() -> anyhow::Result<()> {
+                super::$scenario($crate::chain::Form::Native)
+            }
+        }
+    )*};
+}
+
+/// [`in_every_form`] for scenarios only the Wasm forms have (the observer
+/// as a separate Envoy service that can be left out).
+#[macro_export]
+macro_rules! in_wasm_forms {
+    ($($scenario:ident),* $(,)?) => {$(
+        mod $scenario {
+            #[test]
+            fn separate() -> anyhow::Result<()> {
+                super::$scenario($crate::chain::Form::Separate)
+            }
+            #[test]
+            fn fused() -> anyhow::Result<()> {
+                super::$scenario($crate::chain::Form::Fused)
+            }
+        }
+    )*};
+}

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, ensure};
 use serde_json::{Value, json};
-use zerolayer_e2e::chain::{self, Chain, ChainOptions, anthropic, openai};
+use zerolayer_e2e::chain::{self, Chain, ChainOptions, Form, anthropic, openai};
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{EnvoyConfig, wait};
 
@@ -342,7 +342,7 @@ fn the_fused_filter_and_the_native_module_behave_as_the_separate_chain() -> Resu
     let native = agrees(
         "native",
         ChainOptions {
-            native: true,
+            form: Form::Native,
             ..ChainOptions::default()
         },
         &expected,
@@ -360,7 +360,7 @@ fn the_fused_filter_and_the_native_module_behave_as_the_separate_chain() -> Resu
     let fused = agrees(
         "fused",
         ChainOptions {
-            fused: true,
+            form: Form::Fused,
             ..ChainOptions::default()
         },
         &expected,

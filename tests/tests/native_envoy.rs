@@ -152,9 +152,9 @@ fn the_chain_probe_reads_and_writes_the_same_in_both_forms() -> Result<()> {
 /// suite, `fused_envoy.rs`, compares it with the other forms in full.)
 #[test]
 fn the_native_chain_authenticates_caches_meters_and_counts() -> Result<()> {
-    use zerolayer_e2e::chain::{Chain, ChainOptions, anthropic};
+    use zerolayer_e2e::chain::{Chain, ChainOptions, Form, anthropic};
     let chain = Chain::start(ChainOptions {
-        native: true,
+        form: Form::Native,
         ..ChainOptions::default()
     })?;
     let alice = chain.verified_bearer("alice", "acme")?;

@@ -11,13 +11,17 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use serde_json::Value;
 use zerolayer_e2e::chain::{
-    self, Chain, ChainOptions, GOOD_API_KEY, anthropic, logged_usage, openai,
+    self, Chain, ChainOptions, Form, GOOD_API_KEY, anthropic, logged_usage, openai,
 };
 use zerolayer_e2e::wait;
 
-#[test]
-fn backend_errors_reach_the_client_unchanged_and_are_neither_cached_nor_lost() -> Result<()> {
-    let chain = Chain::start(ChainOptions::default())?;
+fn backend_errors_reach_the_client_unchanged_and_are_neither_cached_nor_lost(
+    form: Form,
+) -> Result<()> {
+    let chain = Chain::start(ChainOptions {
+        form,
+        ..ChainOptions::default()
+    })?;
     let bearer = chain.verified_bearer("alice", "acme")?;
     let mut ids = Vec::new();
     for (fault, status) in [("429", 429), ("500", 500), ("503", 503)] {
@@ -75,9 +79,13 @@ fn backend_errors_reach_the_client_unchanged_and_are_neither_cached_nor_lost() -
     Ok(())
 }
 
-#[test]
-fn a_backend_that_disconnects_mid_stream_is_neither_cached_nor_billed_as_complete() -> Result<()> {
-    let chain = Chain::start(ChainOptions::default())?;
+fn a_backend_that_disconnects_mid_stream_is_neither_cached_nor_billed_as_complete(
+    form: Form,
+) -> Result<()> {
+    let chain = Chain::start(ChainOptions {
+        form,
+        ..ChainOptions::default()
+    })?;
     let bearer = chain.verified_bearer("alice", "acme")?;
     let body = openai("a stream the backend drops", true);
     for attempt in 0..2 {
@@ -129,12 +137,14 @@ fn a_backend_that_disconnects_mid_stream_is_neither_cached_nor_billed_as_complet
     Ok(())
 }
 
-#[test]
-fn a_stalled_backend_is_cut_at_the_route_timeout_for_the_holder_and_its_followers() -> Result<()> {
+fn a_stalled_backend_is_cut_at_the_route_timeout_for_the_holder_and_its_followers(
+    form: Form,
+) -> Result<()> {
     const TIMEOUT: Duration = Duration::from_secs(2);
     // Generous: the bound under test is "ends at the timeout, not never".
     const SLACK: Duration = Duration::from_secs(5);
     let chain = Chain::start(ChainOptions {
+        form,
         route_timeout: Some(TIMEOUT),
         ..ChainOptions::default()
     })?;
@@ -193,9 +203,11 @@ fn a_stalled_backend_is_cut_at_the_route_timeout_for_the_holder_and_its_follower
     Ok(())
 }
 
-#[test]
-fn a_verifier_outage_refuses_unknown_keys_keeps_known_ones_and_heals() -> Result<()> {
-    let chain = Chain::start(ChainOptions::default())?;
+fn a_verifier_outage_refuses_unknown_keys_keeps_known_ones_and_heals(form: Form) -> Result<()> {
+    let chain = Chain::start(ChainOptions {
+        form,
+        ..ChainOptions::default()
+    })?;
     let bearer = chain.verified_bearer("alice", "acme")?;
     let send = |id: &str, credential: (&str, &str)| -> Result<u16> {
         Ok(chain
@@ -249,9 +261,9 @@ fn a_verifier_outage_refuses_unknown_keys_keeps_known_ones_and_heals() -> Result
     Ok(())
 }
 
-#[test]
-fn the_fleet_tier_going_away_costs_no_request_and_every_write_is_counted() -> Result<()> {
+fn the_fleet_tier_going_away_costs_no_request_and_every_write_is_counted(form: Form) -> Result<()> {
     let mut chain = Chain::start(ChainOptions {
+        form,
         fleet: true,
         ..ChainOptions::default()
     })?;
@@ -303,9 +315,9 @@ fn the_fleet_tier_going_away_costs_no_request_and_every_write_is_counted() -> Re
     Ok(())
 }
 
-#[test]
-fn without_the_observer_requests_are_served_and_lost_work_is_counted() -> Result<()> {
+fn without_the_observer_requests_are_served_and_lost_work_is_counted(form: Form) -> Result<()> {
     let chain = Chain::start(ChainOptions {
+        form,
         observer: false,
         ..ChainOptions::default()
     })?;
@@ -337,3 +349,13 @@ fn without_the_observer_requests_are_served_and_lost_work_is_counted() -> Result
         .wait_metric(r#"zerolayer_metering_records{outcome="lost"}"#, 3.0)?;
     Ok(())
 }
+
+zerolayer_e2e::in_every_form!(
+    backend_errors_reach_the_client_unchanged_and_are_neither_cached_nor_lost,
+    a_backend_that_disconnects_mid_stream_is_neither_cached_nor_billed_as_complete,
+    a_stalled_backend_is_cut_at_the_route_timeout_for_the_holder_and_its_followers,
+    a_verifier_outage_refuses_unknown_keys_keeps_known_ones_and_heals,
+    the_fleet_tier_going_away_costs_no_request_and_every_write_is_counted,
+);
+
+zerolayer_e2e::in_wasm_forms!(without_the_observer_requests_are_served_and_lost_work_is_counted,);

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use serde_json::json;
 use std::time::Duration;
 
-use zerolayer_e2e::chain::{self, Chain, ChainOptions, anthropic, openai};
+use zerolayer_e2e::chain::{self, Chain, ChainOptions, Form, anthropic, openai};
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::wait;
 use zerolayer_stub::{Compression, StubConfig};
@@ -22,9 +22,11 @@ const FORGED_INTERNAL: [(&str, &str); 4] = [
     ("x-zerolayer-debug", "1"),
 ];
 
-#[test]
-fn a_tenant_never_receives_another_tenants_cache_entry() -> Result<()> {
-    let chain = Chain::start(ChainOptions::default())?;
+fn a_tenant_never_receives_another_tenants_cache_entry(form: Form) -> Result<()> {
+    let chain = Chain::start(ChainOptions {
+        form,
+        ..ChainOptions::default()
+    })?;
     let alice = chain.verified_bearer("alice", "acme")?;
     let bob = chain.verified_bearer("bob", "globex")?;
     let body = anthropic("the same question from two tenants", false);
@@ -82,12 +84,12 @@ fn a_tenant_never_receives_another_tenants_cache_entry() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn forged_expired_and_wrong_audience_tokens_under_concurrent_load() -> Result<()> {
+fn forged_expired_and_wrong_audience_tokens_under_concurrent_load(form: Form) -> Result<()> {
     const THREADS: usize = 4;
     const BAD_PER_THREAD: usize = 25;
     const ROUNDS: usize = 3;
     let chain = Chain::start(ChainOptions {
+        form,
         sample_percent: 0.0,
         ..ChainOptions::default()
     })?;
@@ -169,9 +171,11 @@ fn forged_expired_and_wrong_audience_tokens_under_concurrent_load() -> Result<()
     Ok(())
 }
 
-#[test]
-fn oversized_and_malformed_requests_get_clear_errors_and_harm_nothing() -> Result<()> {
-    let chain = Chain::start(ChainOptions::default())?;
+fn oversized_and_malformed_requests_get_clear_errors_and_harm_nothing(form: Form) -> Result<()> {
+    let chain = Chain::start(ChainOptions {
+        form,
+        ..ChainOptions::default()
+    })?;
     let bearer = chain.verified_bearer("alice", "acme")?;
     // Headers past Envoy's limit (60 KiB): refused before any filter runs.
     let huge = "a".repeat(100 * 1024);
@@ -238,9 +242,9 @@ fn oversized_and_malformed_requests_get_clear_errors_and_harm_nothing() -> Resul
 /// escalate "no tenant" and the gateway, after which every unknown
 /// credential is verified before it goes anywhere. A valid token still
 /// works afterwards.
-#[test]
-fn a_spray_of_fresh_credentials_is_bounded_by_the_lazy_budget() -> Result<()> {
+fn a_spray_of_fresh_credentials_is_bounded_by_the_lazy_budget(form: Form) -> Result<()> {
     let chain = Chain::start(ChainOptions {
+        form,
         sample_percent: 0.0,
         ..ChainOptions::default()
     })?;
@@ -306,9 +310,13 @@ fn a_spray_of_fresh_credentials_is_bounded_by_the_lazy_budget() -> Result<()> {
 /// uncached; `/healthz/../v1/messages` and `/healthzv1/messages` public),
 /// bodies naming a member twice, `16.0` hitting the entry for `16`, and
 /// backend headers only the gateway may set reaching the client.
-#[test]
-fn paths_bodies_numbers_and_gateway_headers_are_read_as_the_backend_reads_them() -> Result<()> {
-    let chain = Chain::start(ChainOptions::default())?;
+fn paths_bodies_numbers_and_gateway_headers_are_read_as_the_backend_reads_them(
+    form: Form,
+) -> Result<()> {
+    let chain = Chain::start(ChainOptions {
+        form,
+        ..ChainOptions::default()
+    })?;
     let bearer = chain.verified_bearer("alice", "acme")?;
 
     // Item 8: no credential, no path trick makes a request public.
@@ -456,10 +464,10 @@ fn paths_bodies_numbers_and_gateway_headers_are_read_as_the_backend_reads_them()
 /// clients that never accepted gzip.
 #[test]
 fn a_compressing_backend_is_asked_for_identity_and_clients_get_what_they_accept() -> Result<()> {
-    for fused in [false, true] {
+    for form in Form::ALL {
         let chain = Chain::start(ChainOptions {
             stub: StubConfig::default().compression(Compression::Negotiated),
-            fused,
+            form,
             ..ChainOptions::default()
         })?;
         let bearer = chain.verified_bearer("alice", "acme")?;
@@ -529,9 +537,9 @@ fn a_compressing_backend_is_asked_for_identity_and_clients_get_what_they_accept(
 /// decodes it and bills exactly, post-cache stores nothing (an entry would
 /// reach clients that never accepted gzip), and the client gets the
 /// backend's bytes with their `content-encoding`.
-#[test]
-fn a_backend_that_always_compresses_is_metered_exactly_and_never_cached() -> Result<()> {
+fn a_backend_that_always_compresses_is_metered_exactly_and_never_cached(form: Form) -> Result<()> {
     let chain = Chain::start(ChainOptions {
+        form,
         stub: StubConfig::default().compression(Compression::Always),
         ..ChainOptions::default()
     })?;
@@ -601,9 +609,9 @@ fn a_backend_that_always_compresses_is_metered_exactly_and_never_cached() -> Res
 #[test]
 fn tenant_rules_match_only_the_verified_tenant_and_refusals_are_audited() -> Result<()> {
     const PREMIUM: &str = r#"zerolayer_activation_rule_matches{rule="premium_tenants"}"#;
-    for fused in [false, true] {
+    for form in Form::ALL {
         let chain = Chain::start(ChainOptions {
-            fused,
+            form,
             ..ChainOptions::default()
         })?;
         let claims = tokens::claims("mallory", "acme", tokens::now(), 3600);
@@ -656,3 +664,12 @@ fn tenant_rules_match_only_the_verified_tenant_and_refusals_are_audited() -> Res
     }
     Ok(())
 }
+
+zerolayer_e2e::in_every_form!(
+    a_tenant_never_receives_another_tenants_cache_entry,
+    forged_expired_and_wrong_audience_tokens_under_concurrent_load,
+    oversized_and_malformed_requests_get_clear_errors_and_harm_nothing,
+    a_spray_of_fresh_credentials_is_bounded_by_the_lazy_budget,
+    paths_bodies_numbers_and_gateway_headers_are_read_as_the_backend_reads_them,
+    a_backend_that_always_compresses_is_metered_exactly_and_never_cached,
+);

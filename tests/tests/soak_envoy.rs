@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use host_sim_tools::reconcile::{self, Measure};
-use zerolayer_e2e::chain::{Chain, ChainOptions, GOOD_API_KEY, anthropic, openai};
+use zerolayer_e2e::chain::{Chain, ChainOptions, Form, GOOD_API_KEY, anthropic, openai};
 use zerolayer_stub::StubConfig;
 
 const SAMPLE_PERCENT: f64 = 10.0;
@@ -34,8 +34,24 @@ fn env_number(name: &str, default: u64) -> Result<u64> {
     }
 }
 
-#[test]
-fn the_whole_chain_under_steady_load_stays_bounded_loses_nothing_and_reconciles() -> Result<()> {
+/// The soak in the reference form and in the native module (whose shared
+/// data, queue and observer thread are its own code, not the host's); the
+/// fused filter shares the separate filters' host and code.
+mod the_whole_chain_under_steady_load_stays_bounded_loses_nothing_and_reconciles {
+    use zerolayer_e2e::chain::Form;
+
+    #[test]
+    fn separate() -> anyhow::Result<()> {
+        super::soak(Form::Separate)
+    }
+
+    #[test]
+    fn native() -> anyhow::Result<()> {
+        super::soak(Form::Native)
+    }
+}
+
+fn soak(form: Form) -> Result<()> {
     let seconds = env_number("ZEROLAYER_SOAK_SECS", 60)?;
     let max_requests = env_number("ZEROLAYER_SOAK_MAX_REQUESTS", 120_000)? as usize;
     let chain = Chain::start(ChainOptions {
@@ -43,6 +59,7 @@ fn the_whole_chain_under_steady_load_stays_bounded_loses_nothing_and_reconciles(
             .ttft(Duration::ZERO)
             .itl(Duration::ZERO),
         sample_percent: SAMPLE_PERCENT,
+        form,
         ..ChainOptions::default()
     })?;
     let credentials: Vec<(&str, String)> = vec![

@@ -222,6 +222,9 @@ pub(crate) enum Form {
     Separate,
     /// `envoy/zerolayer-fused.yaml`: one filter instance.
     Fused,
+    /// `envoy/zerolayer-native.yaml`: the stages as an Envoy dynamic
+    /// module, the observer on a thread of its own (Envoy only).
+    Native,
 }
 
 impl Form {
@@ -229,6 +232,7 @@ impl Form {
         match self {
             Form::Separate => "zerolayer.yaml",
             Form::Fused => "zerolayer-fused.yaml",
+            Form::Native => "zerolayer-native.yaml",
         }
     }
 }
@@ -249,6 +253,7 @@ pub fn run(args: &[String]) -> Result<()> {
             "--real-model" => real_model = true,
             "--keep-running" => keep_running = true,
             "--fused" => form = Form::Fused,
+            "--native" => form = Form::Native,
             "--host" => {
                 host = match iter.next().map(String::as_str) {
                     Some("envoy") => DemoHost::Envoy,
@@ -257,13 +262,21 @@ pub fn run(args: &[String]) -> Result<()> {
                 }
             }
             other => bail!(
-                "unknown demo option {other:?} (try --real-model, --upstream URL, --fused, --host envoy|ngx-wasm, --keep-running)"
+                "unknown demo option {other:?} (try --real-model, --upstream URL, --fused, --native, --host envoy|ngx-wasm, --keep-running)"
             ),
         }
+    }
+    if form == Form::Native && host == DemoHost::NgxWasm {
+        bail!(
+            "--native is Envoy's dynamic module: it does not run in ngx_wasm_module (use --fused)"
+        );
     }
 
     setup::all()?;
     crate::build_wasm()?;
+    if form == Form::Native {
+        crate::build_native()?;
+    }
 
     let backend = match (&upstream_url, real_model) {
         (Some(url), _) => Backend::External(resolve(url)?, url.clone()),
@@ -343,9 +356,14 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
     clickhouse.create_usage_table()?;
     let file = form.file();
     step(&format!(
-        "starting Envoy with envoy/{file} (lazy-auth, activation, post-cache, metering{}, observer)",
-        if form == Form::Fused {
-            " as one filter"
+        "starting Envoy with envoy/{file} (lazy-auth, activation, post-cache, metering{}, observer{})",
+        match form {
+            Form::Separate => "",
+            Form::Fused => " as one filter",
+            Form::Native => " as one native filter",
+        },
+        if form == Form::Native {
+            " on the module's own thread"
         } else {
             ""
         }
@@ -382,11 +400,24 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
             let sections = json!({"activation": rules, "lazy_auth": lazy, "post_cache": post, "metering": metering});
             config.set_wasm_filter_config("zerolayer", &sections.to_string())?;
         }
+        Form::Native => {
+            // The observer's thread reaches its services directly.
+            let upstreams = json!({
+                "idp": services.idp.addr().to_string(),
+                "api_keys": services.api_keys.addr().to_string(),
+                "audit": services.audit.addr().to_string(),
+                "clickhouse": clickhouse.addr().to_string(),
+            });
+            let sections = json!({"activation": rules, "lazy_auth": lazy, "post_cache": post, "metering": metering, "native": {"upstreams": upstreams}});
+            config.set_native_filter_config("zerolayer", &sections.to_string())?;
+        }
     }
-    config.set_service_config(
-        "zerolayer.observer",
-        &json!({"lazy_auth": lazy, "metering": metering, "tick_ms": 100}).to_string(),
-    )?;
+    if form != Form::Native {
+        config.set_service_config(
+            "zerolayer.observer",
+            &json!({"lazy_auth": lazy, "metering": metering, "tick_ms": 100}).to_string(),
+        )?;
+    }
     let envoy = Envoy::start(&config)?;
     // The binary the harness just started (its `$ZEROLAYER_ENVOY` or `.venv`).
     let version = std::process::Command::new(zerolayer_e2e::paths::envoy_binary()?)
@@ -396,18 +427,35 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
         .unwrap_or_default();
 
     println!();
+    let runtime = if form == Form::Native {
+        "native, an Envoy dynamic module"
+    } else {
+        "Wasm, V8"
+    };
     println!(
-        "zerolayer demo: lazy-auth, activation, post-cache and metering (Wasm, V8) inside real Envoy,"
+        "zerolayer demo: lazy-auth, activation, post-cache and metering ({runtime}) inside real Envoy,"
     );
     println!(
-        "with the observer verifying credentials and shipping audit and usage records off the request path"
+        "with the observer verifying credentials and shipping audit and usage records off the request path{}",
+        if form == Form::Native {
+            " (on the module's own thread)"
+        } else {
+            ""
+        }
     );
     let version = version
         .split("version: ")
         .nth(1)
         .and_then(|v| v.split('/').nth(1))
         .unwrap_or("?");
-    println!("  envoy     {version} (V8)");
+    println!(
+        "  envoy     {version} ({})",
+        if form == Form::Native {
+            "dynamic module ABI v0.2.0"
+        } else {
+            "V8"
+        }
+    );
     println!("  listener  {}", envoy.url("/"));
     println!("  backend   {}", backend.describe());
     println!(
@@ -849,10 +897,11 @@ mod tests {
     /// The demo's story holds in real Envoy: refusals, lazy admission,
     /// verification off the path, forged credentials cut off, the cache
     /// only for verified tenants, nothing internal reaching the backend;
-    /// with four filters and, `--fused`, with one.
+    /// with four filters, `--fused` with one, and `--native` as Envoy's
+    /// dynamic module.
     #[test]
     fn the_demo_tells_what_it_claims() -> Result<()> {
-        for form in [Form::Separate, Form::Fused] {
+        for form in [Form::Separate, Form::Fused, Form::Native] {
             the_demo_tells_what_it_claims_as(form)?;
         }
         Ok(())

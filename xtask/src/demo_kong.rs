@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::clickhouse::ClickHouse;
@@ -32,6 +32,7 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
     let file = match form {
         Form::Separate => "kong.yml",
         Form::Fused => "kong-fused.yml",
+        Form::Native => bail!("the native module is Envoy's: Kong runs the Wasm forms"),
     };
     step(&format!(
         "starting nginx + ngx_wasm_module (Kong's Proxy-Wasm host) with kong/{file} and kong/kong.conf"
@@ -43,7 +44,7 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
         .retarget("127.0.0.1:8123", clickhouse.addr())
         .env("ZEROLAYER_CACHE_SECRET", DEMO_CACHE_SECRET);
     let mut sections = match form {
-        Form::Fused => config.filter_json("zerolayer_fused")?,
+        Form::Fused | Form::Native => config.filter_json("zerolayer_fused")?,
         Form::Separate => {
             let mut sections = json!({});
             for (section, filter) in STAGES {
@@ -59,7 +60,9 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
     sections["metering"]["sampling"] = json!({"percent": 100.0});
     sections["metering"]["sink"]["flush_ms"] = json!(200);
     match form {
-        Form::Fused => config.set_filter_config("zerolayer_fused", &sections.to_string())?,
+        Form::Fused | Form::Native => {
+            config.set_filter_config("zerolayer_fused", &sections.to_string())?
+        }
         Form::Separate => {
             for (section, filter) in STAGES {
                 config.set_filter_config(filter, &sections[section].to_string())?;

@@ -128,7 +128,7 @@ fn build_wasm() -> Result<()> {
 /// The native form: the Envoy dynamic module (`filters/native`), built for
 /// this machine in release mode where the tests and benches point Envoy at
 /// it (`ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/release`).
-fn build_native() -> Result<()> {
+pub(crate) fn build_native() -> Result<()> {
     cargo(&[
         "build",
         "--locked",
@@ -249,6 +249,7 @@ fn soak(args: &[String]) -> Result<()> {
     }
     setup::all()?;
     build_wasm()?;
+    build_native()?;
     step(&format!("soaking the chain for up to {seconds} s"));
     cargo_with_env(
         &[
