@@ -888,6 +888,13 @@ impl Shipped {
         })
     }
 
+    /// [`Shipped::sections`] with activation's default `audit` off.
+    fn sections_without_audit(&self) -> Json {
+        let mut sections = self.sections();
+        sections["activation"]["defaults"] = json!([]);
+        sections
+    }
+
     /// The native module's chain (`filter_name: zerolayer`); its sections
     /// come with the variant ([`Variant::native`]).
     fn native_chain(&self) -> Result<Yaml> {
@@ -1114,6 +1121,14 @@ impl Shipped {
                 vec![self.native_chain()?],
             )
             .native(self.sections())
+            .request(Request::NoStore),
+            Variant::new(
+                "c-native-no-audit",
+                "native chain, audit off, to the backend",
+                Chain,
+                vec![self.native_chain()?],
+            )
+            .native(self.sections_without_audit())
             .request(Request::NoStore),
             Variant::new(
                 "c-native-hit",

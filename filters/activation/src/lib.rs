@@ -77,6 +77,10 @@ impl<H: Host> RootStage<H> for ActivationRoot {
     }
 
     fn tick(&mut self, host: &mut H) {
+        self.flush(host);
+    }
+
+    fn flush(&mut self, host: &mut H) {
         if let Some(plan) = &self.plan {
             plan.counters.flush(host);
         }

@@ -23,6 +23,12 @@ pub trait RootStage<H: Host> {
     /// The tick the stage asked for with `Host::set_tick_period`.
     fn tick(&mut self, _host: &mut H) {}
 
+    /// Hands over now what it keeps in memory to report (counters, batched
+    /// audit records), and nothing else of its tick: for a host whose roots
+    /// tick only inside requests (the native module, at each stream's end,
+    /// so nothing waits for the next request to be reported).
+    fn flush(&mut self, _host: &mut H) {}
+
     /// A callout the root made has an answer (the token may be another's:
     /// the fused root asks every stage).
     fn call_answered(&mut self, _host: &mut H, _token: u32, _body_size: usize) {}

@@ -138,11 +138,15 @@ impl<H: Host> RootStage<H> for AuthRoot {
     }
 
     fn tick(&mut self, host: &mut H) {
+        self.flush(host);
+        self.observer.tick(host);
+    }
+
+    fn flush(&mut self, host: &mut H) {
         if let Some(plan) = &self.plan {
             plan.flush_audit(host);
             plan.metrics.flush(host);
         }
-        self.observer.tick(host);
     }
 
     fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {

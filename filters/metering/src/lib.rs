@@ -94,10 +94,14 @@ impl<H: Host> RootStage<H> for MeteringRoot {
     }
 
     fn tick(&mut self, host: &mut H) {
+        self.flush(host);
+        self.observer.tick(host);
+    }
+
+    fn flush(&mut self, host: &mut H) {
         if let Some(plan) = &self.plan {
             plan.meters.flush(host);
         }
-        self.observer.tick(host);
     }
 
     fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {

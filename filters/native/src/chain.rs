@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::rc::{Rc, Weak};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -27,7 +28,7 @@ use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::config::{Endpoint, ObserverMode};
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_fused::{Pipeline, Stage, StageStream};
-use zerolayer_host::{Action, Body, Headers, Host, RootStage, StageHost, StreamMap};
+use zerolayer_host::{Action, Body, Headers, Host, MetricKind, RootStage, StageHost, StreamMap};
 use zerolayer_observer::ObserverConfig;
 
 use crate::abi::{self, ConfigEnvoy, FilterEnvoy};
@@ -92,6 +93,24 @@ pub struct Process {
     pub queue: Option<JobQueue>,
     /// Metrics, defined when Envoy loaded the configuration.
     pub metrics: Metrics,
+    /// `zerolayer_native_shared_refused`: shared-data writes refused at
+    /// the bounds (a fresh key past them), and how many were reported.
+    refused: Option<u32>,
+    refused_reported: AtomicU64,
+}
+
+impl Process {
+    /// Reports shared-data refusals since the last report.
+    fn report_refused(&self) {
+        let Some(id) = self.refused else {
+            return;
+        };
+        let now = self.data.refused();
+        let before = self.refused_reported.swap(now, Ordering::Relaxed);
+        if now > before {
+            self.metrics.add(id, (now - before) as i64);
+        }
+    }
 }
 
 /// One chain configuration (`envoy_dynamic_module_on_http_filter_config_new`).
@@ -99,8 +118,49 @@ pub struct ChainConfig {
     sections: Vec<(Stage, Vec<u8>)>,
     process: Arc<Process>,
     observer: Option<ObserverThread>,
+    reporter: Option<Reporter>,
     /// The shortest tick a stage asked for.
     tick: Duration,
+}
+
+/// The thread asking Envoy's main thread to report the metrics, every
+/// [`crate::metrics::REPORT_EVERY`] while they change.
+struct Reporter {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Reporter {
+    fn start(process: &Arc<Process>) -> Option<Reporter> {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let process = Arc::downgrade(process);
+        let stopping = stop.clone();
+        let started = std::thread::Builder::new()
+            .name("zerolayer-metrics".into())
+            .spawn(move || {
+                while !stopping.load(Ordering::Acquire) {
+                    std::thread::sleep(crate::metrics::REPORT_EVERY);
+                    match process.upgrade() {
+                        Some(process) => process.metrics.commit_if_changed(),
+                        None => return,
+                    }
+                }
+            });
+        match started {
+            Ok(thread) => Some(Reporter { stop, thread }),
+            Err(e) => {
+                log::error!("zerolayer-native: no metrics thread ({e}); metrics are not reported");
+                None
+            }
+        }
+    }
+
+    fn stop(self) {
+        self.stop.store(true, Ordering::Release);
+        if self.thread.join().is_err() {
+            log::error!("zerolayer-native: the metrics thread panicked");
+        }
+    }
 }
 
 /// A stage's root on one worker, and its tick.
@@ -164,10 +224,15 @@ impl ChainConfig {
             }
             None => (None, None),
         };
+        let refused = metrics
+            .id(MetricKind::Counter, "zerolayer_native_shared_refused")
+            .ok();
         let process = Arc::new(Process {
             data: SharedData::new(native.shared_max_entries, native.shared_max_bytes),
             queue,
             metrics,
+            refused,
+            refused_reported: AtomicU64::new(0),
         });
         // Configured once here for the errors and the metrics (Envoy takes
         // metric definitions only now); each worker configures its own.
@@ -204,10 +269,12 @@ impl ChainConfig {
                 "none"
             }
         );
+        let reporter = Reporter::start(&process);
         Ok(Arc::new(ChainConfig {
             sections,
             process,
             observer,
+            reporter,
             tick,
         }))
     }
@@ -217,6 +284,9 @@ impl ChainConfig {
     pub fn shut_down(&mut self) {
         if let Some(observer) = &mut self.observer {
             observer.stop();
+        }
+        if let Some(reporter) = self.reporter.take() {
+            reporter.stop();
         }
         self.process.metrics.stop();
     }
@@ -475,30 +545,37 @@ impl Outcome {
 }
 
 impl ChainStream {
-    /// Runs the roots' ticks that are due (`force`: every root's, at the
-    /// end of a stream, so its counters reach Envoy without waiting for
-    /// the next request).
-    fn tick(&mut self, force: bool) {
+    /// Runs the roots' ticks that are due; `flush`: at the end of a
+    /// stream, every root also hands over what it keeps to report (so
+    /// nothing waits for the next request to be reported).
+    fn tick(&mut self, flush: bool) {
         let Ok(mut worker) = self.worker.try_borrow_mut() else {
             return;
         };
         let worker = &mut *worker;
+        // The roots' clock is read afresh for each tick.
+        worker.host.begin_callback();
         let now = worker.host.now_ms();
-        if !force && now < worker.next_tick_ms {
+        let due = now >= worker.next_tick_ms;
+        if !due && !flush {
             return;
         }
-        worker.next_tick_ms = now + self.tick.as_millis() as u64;
+        if due {
+            worker.next_tick_ms = now + self.tick.as_millis() as u64;
+        }
         worker.host.enter(self.filter);
         for root in &mut worker.roots {
-            let Some(tick) = root.tick else {
-                continue;
-            };
-            if force || now >= root.next_tick_ms {
-                root.next_tick_ms = now + tick.as_millis() as u64;
-                root.root.tick(&mut worker.host);
+            match root.tick {
+                Some(tick) if now >= root.next_tick_ms => {
+                    root.next_tick_ms = now + tick.as_millis() as u64;
+                    root.root.tick(&mut worker.host);
+                }
+                _ if flush => root.root.flush(&mut worker.host),
+                _ => {}
             }
         }
         worker.host.leave();
+        worker.host.process().report_refused();
         for (id, woken) in worker.host.take_woken() {
             let Some(slot) = worker.streams.get(&id).and_then(Weak::upgrade) else {
                 continue;
@@ -667,8 +744,8 @@ impl ChainStream {
         Outcome::verdict(Verdict::Continue)
     }
 
-    /// The request is over: the stages' log step, and the roots' ticks so
-    /// the counters reach Envoy now.
+    /// The request is over: the stages' log step, then the roots hand over
+    /// what they keep to report.
     pub fn complete(&mut self) {
         self.pipeline.host.begin_callback();
         self.pipeline.log();
@@ -682,5 +759,99 @@ impl Drop for ChainStream {
         if let Ok(mut worker) = self.worker.try_borrow_mut() {
             worker.streams.remove(&self.id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn refused(config: Value) -> String {
+        // SAFETY: a null handle: nothing reaches Envoy.
+        match unsafe { ChainConfig::new(std::ptr::null_mut(), config.to_string().as_bytes()) } {
+            Ok(_) => String::from("accepted"),
+            Err(why) => why,
+        }
+    }
+
+    fn lazy_auth(mode: &str) -> Value {
+        json!({
+            "credentials": [{"header": "authorization", "scheme": "Bearer", "kind": "jwt"}],
+            "jwt": {
+                "issuers": ["https://idp.test"],
+                "jwks": {"cluster": "idp", "path": "/jwks", "timeout_ms": 500},
+            },
+            "observer": {"vm_id": "zerolayer", "queue": "zerolayer.jobs", "mode": mode},
+        })
+    }
+
+    #[test]
+    fn a_stage_section_is_checked_as_the_fused_filter_checks_it() {
+        let why = refused(
+            json!({"activation": {"rules": [{"name": "r", "when": {"path": {"matches": "("}}}]}}),
+        );
+        assert!(why.starts_with("activation: refused"), "{why}");
+    }
+
+    #[test]
+    fn the_observer_runs_on_its_own_thread_so_tick_mode_is_refused_naming_the_field() {
+        let why = refused(json!({
+            "lazy_auth": lazy_auth("tick"),
+            "native": {"upstreams": {"idp": "127.0.0.1:9"}},
+        }));
+        assert!(why.starts_with("lazy_auth.observer.mode:"), "{why}");
+    }
+
+    #[test]
+    fn every_cluster_the_observer_calls_needs_an_upstream_address() {
+        let why = refused(json!({"lazy_auth": lazy_auth("singleton")}));
+        assert!(
+            why.starts_with(
+                "native.upstreams: no address for cluster \"idp\" (lazy_auth.jwt.jwks.cluster)"
+            ),
+            "{why}"
+        );
+        let why = refused(json!({
+            "lazy_auth": lazy_auth("singleton"),
+            "native": {"upstreams": {"idp": "localhost"}},
+        }));
+        assert!(
+            why.starts_with("native.upstreams.idp: \"localhost\" is not host:port"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn a_chain_without_observer_work_starts_no_observer() {
+        // SAFETY: a null handle: nothing reaches Envoy.
+        let chain =
+            unsafe { ChainConfig::new(std::ptr::null_mut(), br#"{"activation":{"rules":[]}}"#) };
+        let chain = chain.unwrap_or_else(|why| panic!("{why}"));
+        assert!(chain.observer.is_none());
+        assert!(chain.process.queue.is_none());
+    }
+
+    #[test]
+    fn the_observer_thread_starts_with_the_chain_and_stops_with_it() {
+        let config = json!({
+            "lazy_auth": lazy_auth("singleton"),
+            "native": {"upstreams": {"idp": "127.0.0.1:9"}},
+        });
+        // SAFETY: a null handle: nothing reaches Envoy.
+        let chain =
+            unsafe { ChainConfig::new(std::ptr::null_mut(), config.to_string().as_bytes()) };
+        let chain = chain.unwrap_or_else(|why| panic!("{why}"));
+        assert!(chain.observer.is_some());
+        let queue = chain.process.queue.clone().expect("the observer's queue");
+        assert_eq!(queue.name(), "zerolayer.jobs");
+        assert!(queue.post(b"not a job").is_ok());
+        // Joins the thread: a hang here is a thread that does not stop.
+        drop(chain);
+        assert!(
+            queue.post(b"after").is_err(),
+            "the observer stopped draining"
+        );
     }
 }

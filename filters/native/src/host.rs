@@ -78,6 +78,10 @@ pub struct NativeHost {
     /// The local response to send once the stages returned.
     pending_response: Option<LocalResponse>,
     answer: Option<Answer>,
+    /// The clock, read once per callback: the stages ask it a dozen times
+    /// a request, and one instant serves a callback as Envoy's own
+    /// dispatcher time does.
+    clock: Option<Duration>,
 }
 
 impl NativeHost {
@@ -110,6 +114,7 @@ impl NativeHost {
             done: DoneWith::default(),
             pending_response: None,
             answer: None,
+            clock: None,
         }
     }
 
@@ -133,6 +138,7 @@ impl NativeHost {
     pub fn leave(&mut self) {
         self.filter = std::ptr::null_mut();
         self.effective = None;
+        self.clock = None;
     }
 
     /// Stream: reads `map` once, for every stage's header reads.
@@ -217,6 +223,7 @@ fn header_map(map: Headers) -> HeaderMap {
 impl StageHost for NativeHost {
     fn begin_callback(&mut self) {
         self.body = None;
+        self.clock = None;
     }
 
     fn answered(&self) -> bool {
@@ -234,9 +241,11 @@ impl StageHost for NativeHost {
 
 impl Host for NativeHost {
     fn now(&mut self) -> Duration {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
+        *self.clock.get_or_insert_with(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+        })
     }
 
     fn platform(&mut self) -> Platform {

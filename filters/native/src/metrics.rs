@@ -7,9 +7,9 @@
 //! runtime flag that strips the module's stat namespace, see the README).
 //!
 //! Updates are kept in memory and reported on Envoy's main thread (the
-//! configuration's scheduled event): Envoy's metric callbacks may not be
-//! called from the observer's thread, and a worker reports nothing on the
-//! request path.
+//! configuration's scheduled event), at most every [`REPORT_EVERY`]: Envoy's
+//! metric callbacks may not be called from the observer's thread, and a
+//! worker reports nothing on the request path.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
@@ -18,6 +18,9 @@ use std::sync::{Mutex, RwLock};
 use zerolayer_host::{MetricKind, Status};
 
 use crate::abi::{self, Buffer, ConfigEnvoy, Scheduler};
+
+/// How often updates are reported at most.
+pub const REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Histogram samples kept between two reports at most (more are dropped,
 /// counted in the log line of the report).
@@ -105,8 +108,8 @@ pub struct Metrics {
     samples: Mutex<Vec<(u32, u64)>>,
     dropped_samples: AtomicU64,
     frozen: AtomicBool,
-    /// Whether a report is already asked for.
-    asked: AtomicBool,
+    /// Whether anything changed since the last report.
+    dirty: AtomicBool,
     scheduler: Mutex<Option<SendScheduler>>,
 }
 
@@ -168,7 +171,7 @@ impl Metrics {
             samples: Mutex::default(),
             dropped_samples: AtomicU64::new(0),
             frozen: AtomicBool::new(false),
-            asked: AtomicBool::new(false),
+            dirty: AtomicBool::new(false),
             scheduler: Mutex::new(scheduler),
         }
     }
@@ -289,9 +292,15 @@ impl Metrics {
         self.ask_report();
     }
 
-    /// Asks Envoy's main thread for a report, once until it runs.
+    /// Something changed: the next report has work.
     fn ask_report(&self) {
-        if self.asked.swap(true, Ordering::AcqRel) {
+        self.dirty.store(true, Ordering::Release);
+    }
+
+    /// Asks Envoy's main thread for a report if anything changed since the
+    /// last (the configuration's reporter thread, every [`REPORT_EVERY`]).
+    pub fn commit_if_changed(&self) {
+        if !self.dirty.swap(false, Ordering::AcqRel) {
             return;
         }
         let scheduler = self.scheduler.lock().unwrap_or_else(|e| e.into_inner());
@@ -311,7 +320,6 @@ impl Metrics {
     /// Reports what is pending to Envoy: on the main thread, in the
     /// configuration's scheduled event.
     pub fn report(&self) {
-        self.asked.store(false, Ordering::Release);
         let series = read(&self.series);
         let pending = read(&self.pending);
         let gauges = read(&self.gauges);

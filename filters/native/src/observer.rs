@@ -56,7 +56,6 @@ impl ObserverThread {
             process,
             queue,
             jobs,
-            peeked: None,
             upstreams,
             answers: answers_tx,
             next_token: 1,
@@ -100,9 +99,17 @@ impl Drop for ObserverThread {
     }
 }
 
-/// The observer's loop: a job, an answer, the tick or the stop, whichever
-/// comes first. A panic in the observer's code ends the thread, logged,
-/// never the process.
+/// How often the observer drains its queue: jobs are taken in bursts, so
+/// a request's post never wakes the thread (a wake per job cost more than
+/// the job).
+const DRAIN_EVERY: Duration = Duration::from_millis(10);
+
+/// Drains (of the observer's budget each) per wake at most.
+const DRAINS_PER_WAKE: usize = 64;
+
+/// The observer's loop: the drain, an answer, the tick or the stop,
+/// whichever comes first. A panic in the observer's code ends the thread,
+/// logged, never the process.
 async fn run(
     mut observer: Observer,
     mut host: ObserverHost,
@@ -112,21 +119,26 @@ async fn run(
 ) {
     let mut ticker = tokio::time::interval(tick);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut drain = tokio::time::interval(DRAIN_EVERY);
+    drain.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let step = tokio::select! {
-            job = host.jobs.recv() => match job {
-                Some(job) => Step::Job(job),
-                None => Step::Stop,
-            },
+            _ = drain.tick() => Step::Drain,
             Some(answer) = answers.recv() => Step::Answer(answer),
             _ = ticker.tick() => Step::Tick,
             _ = stopped.changed() => Step::Stop,
         };
         let stop = matches!(step, Step::Stop);
         let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match step {
-            Step::Job(job) => {
-                host.peeked = Some(job);
-                observer.drain(&mut host);
+            Step::Drain => {
+                // A budget per drain keeps each step short; a burst
+                // larger than one gets several.
+                for _ in 0..DRAINS_PER_WAKE {
+                    observer.drain(&mut host);
+                    if host.jobs.is_empty() {
+                        break;
+                    }
+                }
             }
             Step::Answer(answer) => {
                 let (token, size) = (answer.token, answer.body.len());
@@ -147,7 +159,7 @@ async fn run(
 }
 
 enum Step {
-    Job(Vec<u8>),
+    Drain,
     Answer(Answer),
     Tick,
     Stop,
@@ -159,8 +171,6 @@ struct ObserverHost {
     process: Arc<Process>,
     queue: JobQueue,
     jobs: mpsc::Receiver<Vec<u8>>,
-    /// The job that woke the thread, handed out by the first dequeue.
-    peeked: Option<Vec<u8>>,
     upstreams: BTreeMap<String, SocketAddr>,
     answers: mpsc::UnboundedSender<Answer>,
     next_token: u32,
@@ -298,9 +308,6 @@ impl Host for ObserverHost {
     }
 
     fn dequeue(&mut self, _queue: u32) -> Result<Option<Vec<u8>>, Status> {
-        if let Some(job) = self.peeked.take() {
-            return Ok(Some(job));
-        }
         match self.jobs.try_recv() {
             Ok(job) => Ok(Some(job)),
             Err(mpsc::error::TryRecvError::Empty) => Ok(None),

@@ -146,8 +146,14 @@ impl<H: Host> RootStage<H> for CacheRoot {
             return;
         };
         wake_followers(host, plan);
-        plan.metrics.flush(host);
+        self.flush(host);
         self.observer.tick(host);
+    }
+
+    fn flush(&mut self, host: &mut H) {
+        if let Some(plan) = &self.plan {
+            plan.metrics.flush(host);
+        }
     }
 
     fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
