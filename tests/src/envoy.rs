@@ -203,23 +203,21 @@ impl EnvoyConfig {
         Ok(())
     }
 
+    /// The JSON configuration (`filter_config`) of the dynamic module
+    /// filter named `filter`.
+    pub fn native_filter_config(&self, filter: &str) -> Result<String> {
+        let name = self.name.clone();
+        self.clone()
+            .native_config_value(filter)?
+            .as_str()
+            .map(str::to_string)
+            .ok_or_else(|| anyhow!("{name}: {filter}'s filter_config value is not a string"))
+    }
+
     /// Replaces the JSON configuration (`filter_config`) of the dynamic
     /// module filter named `filter`.
     pub fn set_native_filter_config(&mut self, filter: &str, json: &str) -> Result<()> {
-        let name = self.name.clone();
-        let value = self
-            .http_connection_managers_mut()?
-            .into_iter()
-            .flat_map(|hcm| {
-                hcm.get_mut("http_filters")
-                    .and_then(Value::as_sequence_mut)
-                    .into_iter()
-                    .flatten()
-            })
-            .find(|f| f.get("name").and_then(Value::as_str) == Some(filter))
-            .and_then(|f| lookup_mut(f, &["typed_config", "filter_config", "value"]))
-            .ok_or_else(|| anyhow!("{name}: no dynamic module filter named {filter}"))?;
-        *value = Value::from(json);
+        *self.native_config_value(filter)? = Value::from(json);
         Ok(())
     }
 
@@ -401,6 +399,21 @@ impl EnvoyConfig {
         Ok(out)
     }
 
+    fn native_config_value(&mut self, filter: &str) -> Result<&mut Value> {
+        let name = self.name.clone();
+        self.http_connection_managers_mut()?
+            .into_iter()
+            .flat_map(|hcm| {
+                hcm.get_mut("http_filters")
+                    .and_then(Value::as_sequence_mut)
+                    .into_iter()
+                    .flatten()
+            })
+            .find(|f| f.get("name").and_then(Value::as_str) == Some(filter))
+            .and_then(|f| lookup_mut(f, &["typed_config", "filter_config", "value"]))
+            .ok_or_else(|| anyhow!("{name}: no dynamic module filter named {filter}"))
+    }
+
     fn wasm_config_value(&mut self, filter: &str) -> Result<&mut Value> {
         let name = self.name.clone();
         self.wasm_filters_mut()?
@@ -512,6 +525,7 @@ impl Envoy {
             ])
             .arg(path)
             .current_dir(paths::root())
+            .env("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", paths::native_modules())
             .envs(env.iter().map(|(k, v)| (k, v)))
             .output()
             .context("running envoy --mode validate")?;

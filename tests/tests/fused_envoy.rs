@@ -425,41 +425,81 @@ fn the_fused_config_embeds_the_separate_filters_configs() -> Result<()> {
         fused.service_config("zerolayer.observer")?,
         separate.service_config("zerolayer.observer")?
     );
-    let validation = zerolayer_e2e::Envoy::validate_file_with_env(
-        &zerolayer_e2e::paths::envoy_config("zerolayer-fused.yaml"),
-        &[("ZEROLAYER_CACHE_SECRET".into(), chain::CACHE_SECRET.into())],
-    )?;
-    assert!(validation.ok, "{}", validation.output);
+    let native = EnvoyConfig::shipped("zerolayer-native.yaml")?;
+    let mut native_sections: Value =
+        serde_json::from_str(&native.native_filter_config("zerolayer")?)?;
+    let upstreams = native_sections
+        .as_object_mut()
+        .and_then(|s| s.remove("native"))
+        .expect("the native section");
+    assert_eq!(
+        native_sections, sections,
+        "envoy/zerolayer-native.yaml's sections drifted from envoy/zerolayer-fused.yaml's"
+    );
+    // The observer's thread reaches the same services as the singleton's clusters.
+    for cluster in ["idp", "api_keys", "audit", "clickhouse"] {
+        assert!(
+            upstreams["upstreams"][cluster].is_string(),
+            "no upstream for {cluster}"
+        );
+    }
+    zerolayer_e2e::paths::native_module()?;
+    for file in ["zerolayer-fused.yaml", "zerolayer-native.yaml"] {
+        let validation = zerolayer_e2e::Envoy::validate_file_with_env(
+            &zerolayer_e2e::paths::envoy_config(file),
+            &[("ZEROLAYER_CACHE_SECRET".into(), chain::CACHE_SECRET.into())],
+        )?;
+        assert!(validation.ok, "{file}: {}", validation.output);
+    }
     Ok(())
 }
 
 #[test]
 fn a_bad_section_is_refused_naming_the_stage_and_the_field() -> Result<()> {
-    for (config, want) in [
+    zerolayer_e2e::paths::native_module()?;
+    // What the fused filter says, and what the native module says.
+    for (config, fused, native) in [
         (
             json!({"lazy_auth": {}, "cache": {}}),
             "zerolayer: invalid configuration: cache: unknown stage",
+            "zerolayer-native: invalid configuration: zerolayer: cache: unknown stage",
         ),
         (
             json!({}),
             "zerolayer: invalid configuration: no stage configured",
+            "zerolayer-native: invalid configuration: zerolayer: no stage configured",
         ),
         (
             json!({"activation": {"rules": [{"name": "ok"}, {"name": "broken", "when": {"path": {"matches": "("}}}]}}),
             "activation: invalid configuration: rules[1].when.path.matches",
+            "activation: invalid configuration: rules[1].when.path.matches",
+        ),
+        (
+            json!({"activation": {}, "native": {"queue": 1}}),
+            "zerolayer: invalid configuration: native: unknown stage",
+            "zerolayer-native: invalid configuration: zerolayer: native: unknown field `queue`",
         ),
     ] {
-        let mut envoy = EnvoyConfig::shipped("zerolayer-fused.yaml")?
-            .for_run(std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?
-            .env("ZEROLAYER_CACHE_SECRET", chain::CACHE_SECRET);
-        envoy.set_wasm_filter_config("zerolayer", &config.to_string())?;
-        let validation = zerolayer_e2e::Envoy::validate(&envoy)?;
-        assert!(!validation.ok, "{config}: Envoy accepted it");
-        assert!(
-            validation.output.contains(want),
-            "{config}: {}",
-            validation.output
-        );
+        for (file, want) in [
+            ("zerolayer-fused.yaml", fused),
+            ("zerolayer-native.yaml", native),
+        ] {
+            let mut envoy = EnvoyConfig::shipped(file)?
+                .for_run(std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?
+                .env("ZEROLAYER_CACHE_SECRET", chain::CACHE_SECRET);
+            if file == "zerolayer-native.yaml" {
+                envoy.set_native_filter_config("zerolayer", &config.to_string())?;
+            } else {
+                envoy.set_wasm_filter_config("zerolayer", &config.to_string())?;
+            }
+            let validation = zerolayer_e2e::Envoy::validate(&envoy)?;
+            assert!(!validation.ok, "{file}: {config}: Envoy accepted it");
+            assert!(
+                validation.output.contains(want),
+                "{file}: {config}: {}",
+                validation.output
+            );
+        }
     }
     Ok(())
 }

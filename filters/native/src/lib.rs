@@ -3,20 +3,26 @@
 //! this is the form for Envoy operators who want the layer to cost as
 //! little as it can, tied to Envoy's dynamic-module ABI (1.40: `v0.2.0`).
 //!
-//! For now it holds the floor probes (`probe_trivial`, `probe_chain`, see
-//! [`probe`]) the native chain will be measured against; the chain's stages
-//! come next, on a `zerolayer_host::Host` over this ABI.
+//! Filters (`filter_name`): `zerolayer`, the fused chain's stages on a
+//! `zerolayer_host::Host` over this ABI ([`chain`], [`host`]), the observer
+//! on a thread of its own ([`observer`]); and the floor probes
+//! (`probe_trivial`, `probe_chain`, see [`probe`]) it is measured against.
 //!
 //! Lifecycle, top to bottom, as Envoy calls it: program init (the ABI
 //! version) → filter config (`filter_name`, `filter_config`; refused with
 //! one line naming the field) → a filter per request → request headers,
-//! body → response headers, body → destroy. Every hook Envoy 1.40 resolves
+//! body → callout answers and scheduled events → response headers, body →
+//! stream complete (the stages' log step) → destroy. Every hook Envoy 1.40 resolves
 //! is exported, used or not (a missing one fails the configuration), and
 //! none lets a panic cross into Envoy: a panic is logged and the request
 //! goes on untouched.
 // FFI: Envoy calls the exported hooks with its pointers and the module
 // calls Envoy's callbacks (`abi`); every unsafe block says why it holds.
 #![allow(unsafe_code)]
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
+)]
 
 pub mod abi;
 pub mod chain;
