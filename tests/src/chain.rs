@@ -66,6 +66,8 @@ pub struct ChainOptions {
     pub observer: bool,
     /// Which form runs it; the stage configurations are the same in all.
     pub form: Form,
+    /// Envoy's worker threads.
+    pub workers: usize,
 }
 
 impl Default for ChainOptions {
@@ -77,6 +79,7 @@ impl Default for ChainOptions {
             route_timeout: None,
             observer: true,
             form: Form::Separate,
+            workers: 1,
         }
     }
 }
@@ -168,6 +171,7 @@ impl Chain {
         let mut config = services
             .point(EnvoyConfig::shipped(file)?.for_run(stub.addr())?)?
             .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET)
+            .workers(options.workers)
             .point_cluster("clickhouse", clickhouse.addr())?;
         if let Some(fleet) = &fleet {
             config = config.add_cluster("webdis", fleet.webdis())?;

@@ -24,6 +24,8 @@ pub struct EnvoyConfig {
     /// Environment for the Envoy process (secrets reach VMs through
     /// `vm_config.environment_variables.host_env_keys`).
     env: Vec<(String, String)>,
+    /// Worker threads (`--concurrency`; 1 unless a test asks for more).
+    workers: usize,
 }
 
 impl EnvoyConfig {
@@ -41,6 +43,7 @@ impl EnvoyConfig {
             doc,
             name,
             env: Vec::new(),
+            workers: 1,
         })
     }
 
@@ -111,6 +114,12 @@ impl EnvoyConfig {
     /// Sets environment variable `key` for the Envoy process.
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.env.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    /// Runs Envoy with `n` worker threads.
+    pub fn workers(mut self, n: usize) -> Self {
+        self.workers = n.max(1);
         self
     }
 
@@ -551,7 +560,9 @@ impl Envoy {
         let child = Command::new(paths::envoy_binary()?)
             .arg("-c")
             .arg(&path)
-            .args(["--disable-hot-restart", "--concurrency", "1", "-l", "info"])
+            .args(["--disable-hot-restart", "--concurrency"])
+            .arg(config.workers.to_string())
+            .args(["-l", "info"])
             // Access logs reach the file within 200 ms instead of 10 s.
             .args(["--file-flush-interval-msec", "200"])
             .arg("--admin-address-path")

@@ -37,38 +37,32 @@ pub use upstream::{EchoUpstream, SeenRequest};
 /// (see [`chain::Form`]).
 #[macro_export]
 macro_rules! in_every_form {
-    ($($scenario:ident),* $(,)?) => {$(
-        mod $scenario {
-            #[test]
-            fn separate() -> anyhow::Result<()> {
-                super::$scenario($crate::chain::Form::Separate)
-            }
-            #[test]
-            fn fused() -> anyhow::Result<()> {
-                super::$scenario($crate::chain::Form::Fused)
-            }
-            #[test]
-            fn native() -> anyhow::Result<()> {
-                super::$scenario($crate::chain::Form::Native)
-            }
-        }
-    )*};
+    ($($scenario:ident),* $(,)?) => {
+        $($crate::form_tests!($scenario [separate: Separate, fused: Fused, native: Native]);)*
+    };
 }
 
 /// [`in_every_form`] for scenarios only the Wasm forms have (the observer
 /// as a separate Envoy service that can be left out).
 #[macro_export]
 macro_rules! in_wasm_forms {
-    ($($scenario:ident),* $(,)?) => {$(
+    ($($scenario:ident),* $(,)?) => {
+        $($crate::form_tests!($scenario [separate: Separate, fused: Fused]);)*
+    };
+}
+
+/// The tests of one scenario: a module named after it, a test per form.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! form_tests {
+    ($scenario:ident [$($test:ident: $form:ident),*]) => {
         mod $scenario {
-            #[test]
-            fn separate() -> anyhow::Result<()> {
-                super::$scenario($crate::chain::Form::Separate)
-            }
-            #[test]
-            fn fused() -> anyhow::Result<()> {
-                super::$scenario($crate::chain::Form::Fused)
-            }
+            $(
+                #[test]
+                fn $test() -> anyhow::Result<()> {
+                    super::$scenario($crate::chain::Form::$form)
+                }
+            )*
         }
-    )*};
+    };
 }

@@ -206,3 +206,111 @@ fn the_native_chain_authenticates_caches_meters_and_counts() -> Result<()> {
     })?;
     Ok(())
 }
+
+/// The native chain on two Envoy workers, each with its own stage roots and
+/// the process's shared data: concurrent clients on both see one cache (an
+/// entry stored by one worker is a hit on the other), one set of verdicts
+/// (a token verified once is known to both), and the counters add up
+/// across workers.
+#[test]
+fn the_native_chain_on_two_workers_shares_one_cache_and_one_set_of_verdicts() -> Result<()> {
+    use zerolayer_e2e::chain::{Chain, ChainOptions, Form, anthropic, concurrently};
+    let chain = Chain::start(ChainOptions {
+        form: Form::Native,
+        workers: 2,
+        ..ChainOptions::default()
+    })?;
+    let alice = chain.verified_bearer("alice", "acme")?;
+    // Four prompts, stored once each (sequentially, so each is one miss).
+    let prompts: Vec<String> = (0..4)
+        .map(|i| anthropic(&format!("two workers {i}"), false))
+        .collect();
+    for (i, body) in prompts.iter().enumerate() {
+        let id = format!("store-{i}");
+        let reply = chain.post(
+            "/v1/messages",
+            &[("authorization", &alice), ("x-request-id", &id)],
+            body,
+        )?;
+        ensure!(
+            reply.status == 200 && reply.header("x-cache") == Some("MISS"),
+            "{id}: {reply:?}"
+        );
+        chain
+            .envoy
+            .wait_metric("zerolayer_cache_stored", (i + 1) as f64)?;
+    }
+    // Then 8 clients × 10 requests on fresh connections, spread over both
+    // workers: every one a hit, whichever worker stored the entry.
+    let replies = concurrently(8, |client| {
+        let mut statuses = Vec::new();
+        for n in 0..10 {
+            let id = format!("spread-{client}-{n}");
+            let reply = zerolayer_e2e::Client::new().send(
+                "POST",
+                &chain.envoy.url("/v1/messages"),
+                &[
+                    ("authorization", alice.as_str()),
+                    ("x-request-id", &id),
+                    ("content-type", "application/json"),
+                    ("connection", "close"),
+                ],
+                &prompts[(client + n) % prompts.len()],
+            )?;
+            statuses.push((
+                reply.status,
+                reply.header("x-cache").unwrap_or("-").to_string(),
+            ));
+        }
+        Ok(statuses)
+    });
+    let mut hits = 0;
+    for statuses in replies {
+        for (status, cache) in statuses? {
+            ensure!(status == 200, "a spread request answered {status}");
+            ensure!(cache == "HIT", "a spread request was a {cache}, not a hit");
+            hits += 1;
+        }
+    }
+    ensure!(hits == 80, "{hits} hits");
+    // Both workers took connections (Envoy's per-worker listener stats).
+    let stats = zerolayer_e2e::Client::new().get(&chain.envoy.admin_url("/stats"), &[])?;
+    for worker in ["worker_0", "worker_1"] {
+        let accepted: u64 = stats
+            .body
+            .lines()
+            .filter(|l| {
+                l.starts_with("listener.")
+                    && l.contains(&format!(".{worker}.downstream_cx_total: "))
+            })
+            .filter_map(|l| l.rsplit_once(" ")?.1.parse::<u64>().ok())
+            .sum();
+        ensure!(
+            accepted > 0,
+            "{worker} took no connection: the test ran on one worker"
+        );
+    }
+    ensure!(
+        chain.backend_requests("spread-") == 0,
+        "a spread request reached the backend"
+    );
+    let counted = zerolayer_e2e::wait::settled(
+        "the counters of both workers",
+        std::time::Duration::from_secs(10),
+        || {
+            Ok((
+                chain
+                    .envoy
+                    .metric(r#"zerolayer_cache_lookups{result="hit"}"#)?,
+                chain
+                    .envoy
+                    .metric(r#"zerolayer_auth_decisions{outcome="valid_cached"}"#)?,
+            ))
+        },
+    )?;
+    ensure!(
+        counted == (Some(80.0), Some(84.0)),
+        "hits and cached verdicts counted: {counted:?}"
+    );
+    Ok(())
+}
