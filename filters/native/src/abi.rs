@@ -601,9 +601,9 @@ pub unsafe fn callout_answer(
     headers_len: usize,
     body: *const Buffer,
     body_len: usize,
-) -> (Option<u16>, Vec<u8>) {
+) -> zerolayer_host::CalloutAnswer {
     if result != CALLOUT_SUCCESS {
-        return (None, Vec::new());
+        return zerolayer_host::CalloutAnswer::default();
     }
     // SAFETY: the caller's contract.
     unsafe {
@@ -637,6 +637,9 @@ pub unsafe fn callout_answer(
         for chunk in chunks {
             bytes.extend_from_slice(chunk.bytes());
         }
-        (status, bytes)
+        zerolayer_host::CalloutAnswer {
+            status,
+            body: bytes,
+        }
     }
 }

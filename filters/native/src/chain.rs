@@ -28,7 +28,9 @@ use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::config::{Endpoint, ObserverMode};
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_fused::{Pipeline, Stage, StageStream};
-use zerolayer_host::{Action, Body, Headers, Host, MetricKind, RootStage, StageHost, StreamMap};
+use zerolayer_host::{
+    Action, Body, CalloutAnswer, Headers, Host, MetricKind, RootStage, StageHost, StreamMap,
+};
 use zerolayer_observer::ObserverConfig;
 
 use crate::abi::{self, ConfigEnvoy, FilterEnvoy};
@@ -513,6 +515,24 @@ pub struct Outcome {
 }
 
 impl Outcome {
+    /// Sends `response` (the stream stops for good).
+    fn answer(response: LocalResponse) -> Outcome {
+        Outcome {
+            verdict: Verdict::Answered,
+            send: Some(response),
+            resume: false,
+        }
+    }
+
+    /// Continues the request.
+    fn resume() -> Outcome {
+        Outcome {
+            verdict: Verdict::Continue,
+            send: None,
+            resume: true,
+        }
+    }
+
     fn verdict(verdict: Verdict) -> Outcome {
         Outcome {
             verdict,
@@ -599,28 +619,16 @@ impl ChainStream {
     fn after_stages(&mut self, action: Action) -> Outcome {
         if let Some(response) = self.pipeline.host.take_response() {
             self.stop_waiting();
-            return Outcome {
-                verdict: Verdict::Answered,
-                send: Some(response),
-                resume: false,
-            };
+            return Outcome::answer(response);
         }
         if self.pipeline.host.take_resumed() {
             if self.pipeline.resume() {
                 self.stop_waiting();
-                return Outcome {
-                    verdict: Verdict::Continue,
-                    send: None,
-                    resume: true,
-                };
+                return Outcome::resume();
             }
             if let Some(response) = self.pipeline.host.take_response() {
                 self.stop_waiting();
-                return Outcome {
-                    verdict: Verdict::Answered,
-                    send: Some(response),
-                    resume: false,
-                };
+                return Outcome::answer(response);
             }
         }
         match action {
@@ -690,9 +698,9 @@ impl ChainStream {
     }
 
     /// A callout this stream made has its answer (`status` `None`: it failed).
-    pub fn callout_done(&mut self, token: u32, status: Option<u16>, body: Vec<u8>) -> Outcome {
-        let size = body.len();
-        self.pipeline.host.set_answer(Some((status, body)));
+    pub fn callout_done(&mut self, token: u32, answer: CalloutAnswer) -> Outcome {
+        let size = answer.body.len();
+        self.pipeline.host.set_answer(Some(answer));
         let outcome = self.step(|p| {
             p.call_answered(token, size);
             Action::Continue
@@ -714,29 +722,17 @@ impl ChainStream {
                 Woken::Answer(response) => {
                     self.pipeline.host.mark_answered();
                     self.stop_waiting();
-                    return Outcome {
-                        verdict: Verdict::Answered,
-                        send: Some(response),
-                        resume: false,
-                    };
+                    return Outcome::answer(response);
                 }
                 Woken::Resume => {
                     self.pipeline.host.begin_callback();
                     if self.pipeline.resume() {
                         self.stop_waiting();
-                        return Outcome {
-                            verdict: Verdict::Continue,
-                            send: None,
-                            resume: true,
-                        };
+                        return Outcome::resume();
                     }
                     if let Some(response) = self.pipeline.host.take_response() {
                         self.stop_waiting();
-                        return Outcome {
-                            verdict: Verdict::Answered,
-                            send: Some(response),
-                            resume: false,
-                        };
+                        return Outcome::answer(response);
                     }
                 }
             }

@@ -14,10 +14,18 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// The wall clock since the Unix epoch (zero before it), as `Host::now`
+/// reads it in the module's hosts.
+pub(crate) fn unix_now() -> Duration {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal;
 use zerolayer_host::{
-    Body, Callback, DoneWith, Headers, Host, MetricKind, Platform, StageHost, Status,
+    Body, Callback, CalloutAnswer, DoneWith, Headers, Host, MetricKind, Platform, StageHost, Status,
 };
 
 use crate::abi::{self, BodyKind, FilterEnvoy, HeaderMap};
@@ -42,12 +50,6 @@ pub enum Woken {
     Resume,
     /// Answer it.
     Answer(LocalResponse),
-}
-
-/// The answer of the callout being delivered.
-struct Answer {
-    status: Option<u16>,
-    body: Vec<u8>,
 }
 
 /// The native module's host: a stream's, or a worker's roots'.
@@ -77,7 +79,7 @@ pub struct NativeHost {
     done: DoneWith,
     /// The local response to send once the stages returned.
     pending_response: Option<LocalResponse>,
-    answer: Option<Answer>,
+    answer: Option<CalloutAnswer>,
     /// The clock, read once per callback: the stages ask it a dozen times
     /// a request, and one instant serves a callback as Envoy's own
     /// dispatcher time does.
@@ -186,8 +188,8 @@ impl NativeHost {
     }
 
     /// Stream: a callout's answer is being delivered (`None` after).
-    pub fn set_answer(&mut self, answer: Option<(Option<u16>, Vec<u8>)>) {
-        self.answer = answer.map(|(status, body)| Answer { status, body });
+    pub fn set_answer(&mut self, answer: Option<CalloutAnswer>) {
+        self.answer = answer;
     }
 
     /// Roots: what the stages did to streams since the last call.
@@ -241,11 +243,7 @@ impl StageHost for NativeHost {
 
 impl Host for NativeHost {
     fn now(&mut self) -> Duration {
-        *self.clock.get_or_insert_with(|| {
-            SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap_or_default()
-        })
+        *self.clock.get_or_insert_with(unix_now)
     }
 
     fn platform(&mut self) -> Platform {

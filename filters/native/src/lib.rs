@@ -415,12 +415,11 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_http_callout_done(
 ) {
     guarded("http_callout_done", (), || {
         // SAFETY: Envoy's arrays, valid during the hook (null when empty).
-        let (status, bytes) =
-            unsafe { abi::callout_answer(result, headers, headers_len, body, body_len) };
+        let answer = unsafe { abi::callout_answer(result, headers, headers_len, body, body_len) };
         // SAFETY: Envoy's handles of this hook.
         unsafe {
             chain_step(filter_envoy, filter_module, |c| {
-                c.callout_done(callout_id as u32, status, bytes)
+                c.callout_done(callout_id as u32, answer)
             })
         };
     })

@@ -12,13 +12,13 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use tokio::sync::{mpsc, watch};
 use zerolayer_core::headers::HeaderBlock;
-use zerolayer_host::{Body, Headers, Host, MetricKind, Platform, Status};
+use zerolayer_host::{Body, CalloutAnswer, Headers, Host, MetricKind, Platform, Status};
 use zerolayer_observer::{Observer, ObserverConfig};
 
 use crate::chain::Process;
@@ -31,8 +31,7 @@ const MAX_ANSWER_BYTES: usize = 1 << 20;
 /// A callout's answer, back on the observer's thread.
 struct Answer {
     token: u32,
-    status: Option<u16>,
-    body: Vec<u8>,
+    answer: CalloutAnswer,
 }
 
 /// The observer thread, running until [`ObserverThread::stop`].
@@ -140,8 +139,8 @@ async fn run(
                     }
                 }
             }
-            Step::Answer(answer) => {
-                let (token, size) = (answer.token, answer.body.len());
+            Step::Answer(Answer { token, answer }) => {
+                let size = answer.body.len();
                 host.answer = Some(answer);
                 observer.on_http_call_response(&mut host, token, size);
                 host.answer = None;
@@ -175,7 +174,7 @@ struct ObserverHost {
     answers: mpsc::UnboundedSender<Answer>,
     next_token: u32,
     /// The answer being handled.
-    answer: Option<Answer>,
+    answer: Option<CalloutAnswer>,
     tick: Option<Duration>,
 }
 
@@ -229,9 +228,7 @@ async fn call(
 
 impl Host for ObserverHost {
     fn now(&mut self) -> Duration {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
+        crate::host::unix_now()
     }
 
     fn platform(&mut self) -> Platform {
@@ -337,21 +334,16 @@ impl Host for ObserverHost {
         let answers = self.answers.clone();
         tokio::spawn(async move {
             let answer = match call(addr, headers, body, timeout).await {
-                Ok((status, body)) => Answer {
-                    token,
+                Ok((status, body)) => CalloutAnswer {
                     status: Some(status),
                     body,
                 },
                 Err(why) => {
                     log::debug!("zerolayer-native: callout {token} failed: {why}");
-                    Answer {
-                        token,
-                        status: None,
-                        body: Vec::new(),
-                    }
+                    CalloutAnswer::default()
                 }
             };
-            let _ = answers.send(answer);
+            let _ = answers.send(Answer { token, answer });
         });
         Ok(token)
     }
