@@ -130,7 +130,7 @@ fn baselines(c: &mut Criterion) {
         (":path", "/v1/messages?beta=true"),
         (":authority", "gw"),
         ("x-tier", "silver"),
-        ("user-agent", "anthropic-python/0.40.0"),
+        ("user-agent", "Anthropic/Python 2.16.0"),
         ("x-tenant-id", "globex"),
         ("x-request-id", "0d9d1e52-5bd2-4f3c-9d1b-2f0d7b6f1c11"),
     ];

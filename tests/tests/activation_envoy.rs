@@ -95,14 +95,14 @@ fn each_rule_case_reaches_the_upstream_as_the_right_decision() -> Result<()> {
             "sdk",
             "GET",
             "/",
-            &[("user-agent", "anthropic-python/0.40")],
+            &[("user-agent", "AsyncAnthropic/Python 2.16.0")],
             "audit,shadow",
         ),
         (
             "sdk_regex_anchored",
             "GET",
             "/",
-            &[("user-agent", "my-anthropic-python")],
+            &[("user-agent", "my-Anthropic/Python 2.16.0")],
             "audit",
         ),
     ];

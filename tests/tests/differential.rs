@@ -50,7 +50,7 @@ fn activation_behaves_the_same_in_envoy_and_host_sim() -> Result<()> {
             .header("x-quiet", "1")
             .header("x-request-id", "fixed-4"),
         Scenario::get("sdk", "/")
-            .header("user-agent", "anthropic-python/0.40")
+            .header("user-agent", "AsyncAnthropic/Python 2.16.0")
             .header("x-request-id", "fixed-5"),
         Scenario::get("forged", "/")
             .header("x-zerolayer-observers", "cache,shadow")

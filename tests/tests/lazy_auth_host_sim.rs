@@ -222,7 +222,7 @@ fn missing_credentials_are_refused_and_public_paths_need_none() -> Result<()> {
     assert_eq!(none.status, Some(401));
     assert_eq!(
         serde_json::from_str::<Value>(&none.body)?,
-        json!({"error": {"type": "authentication_error", "message": "missing credential"}})
+        json!({"type": "error", "error": {"type": "authentication_error", "message": "missing credential"}})
     );
     let wrong_scheme = gw.request(&[("authorization", "Basic dXNlcjpwdw==")])?;
     assert_eq!(wrong_scheme.status, Some(401));

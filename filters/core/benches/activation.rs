@@ -22,7 +22,7 @@ impl Facts {
             .iter()
             .map(|name| match &**name {
                 "x-tier" => Some(&b"silver"[..]),
-                "user-agent" => Some(&b"anthropic-python/0.40.0"[..]),
+                "user-agent" => Some(&b"Anthropic/Python 2.16.0"[..]),
                 _ => None,
             })
             .collect();

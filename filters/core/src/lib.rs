@@ -22,6 +22,7 @@ pub mod metrics;
 pub mod observers;
 pub mod path;
 pub mod queue;
+pub mod reply;
 pub mod sampling;
 pub mod sink;
 pub mod sse;

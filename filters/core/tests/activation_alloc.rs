@@ -34,7 +34,7 @@ fn evaluation_does_not_allocate() {
         Request::get("/v1/messages?beta=1")
             .method("POST")
             .header("x-tier", "silver")
-            .header("user-agent", "anthropic-python/0.40")
+            .header("user-agent", "AsyncAnthropic/Python 2.16.0")
             .header("x-tenant-id", "globex")
             .id("0d9d1e52")
             .at(1_795_953_600),

@@ -9,7 +9,9 @@
 
 use std::time::Duration;
 
+use zerolayer_core::cache::key::Provider;
 use zerolayer_core::headers::HeaderBlock;
+use zerolayer_core::reply::{self, RetryHint};
 
 #[cfg(feature = "wasm")]
 pub use proxy_wasm::types::{Action, Status};
@@ -353,7 +355,31 @@ pub trait Host {
         self.send_local_response(status, headers, body)
     }
 
-    /// Answers the request with `{"error":{"type":…,"message":…}}`.
+    /// This request's id (`x-request-id`). Envoy sets one on every request;
+    /// ngx_wasm_module does not, so there the first stage to ask sets the
+    /// request header from nginx's `$request_id` (random, 32 hex digits):
+    /// sampling, records and the backend then all see one id.
+    fn request_id(&mut self) -> Option<Vec<u8>> {
+        if let Some(id) = self.request_header("x-request-id") {
+            return Some(id);
+        }
+        if self.platform() != Platform::NgxWasm {
+            return None;
+        }
+        let id = self.property("ngx.request_id")?;
+        self.set_request_header("x-request-id", &id);
+        Some(id)
+    }
+
+    /// The API of this request's path (`None`: not an LLM API the stages know).
+    fn provider(&mut self) -> Option<Provider> {
+        let path = self.request_header(":path")?;
+        Provider::for_path(std::str::from_utf8(&path).ok()?)
+    }
+
+    /// Answers the request with an error in the format of its API
+    /// (`zerolayer_core::reply`), with the retry hints its status calls for
+    /// and the request id its client reads.
     fn send_json_error(&mut self, status: u32, kind: &str, message: &str) {
         json_error(self, status, kind, message, false);
     }
@@ -435,12 +461,26 @@ pub trait Host {
 }
 
 fn json_error<H: Host + ?Sized>(host: &mut H, status: u32, kind: &str, message: &str, close: bool) {
-    let body = serde_json::json!({"error": {"type": kind, "message": message}}).to_string();
-    let mut headers = vec![("content-type", "application/json")];
+    let provider = host.provider();
+    let id = host.request_id();
+    let code = u16::try_from(status).unwrap_or(500);
+    let reply = reply::error(
+        provider,
+        code,
+        kind,
+        message,
+        RetryHint::for_status(code),
+        id.as_deref().and_then(|id| std::str::from_utf8(id).ok()),
+    );
+    let mut headers: Vec<(&str, &str)> = reply
+        .headers
+        .iter()
+        .map(|(name, value)| (*name, value.as_str()))
+        .collect();
     if close {
         headers.push(("connection", "close"));
     }
-    if let Err(err) = host.send_response(status, &headers, body.as_bytes()) {
+    if let Err(err) = host.send_response(status, &headers, &reply.body) {
         log::error!("could not send a {status} response: {err:?}");
     }
 }

@@ -149,9 +149,12 @@ impl Stream {
                 if token.len() > max {
                     return Read::TooLong;
                 }
+                let kind = source
+                    .kind
+                    .classify(token, self.plan.config.api_keys.is_some());
                 let hash = match self.plan.recent.try_borrow_mut() {
-                    Ok(mut recent) => recent.hash(token),
-                    Err(_) => TokenHash::of(token),
+                    Ok(mut recent) => recent.hash(kind, token),
+                    Err(_) => TokenHash::credential(kind, token),
                 };
                 // Keep the token in the header's own buffer (no copy): it is
                 // needed only when the verdict is unknown.
@@ -161,7 +164,7 @@ impl Stream {
                 token.truncate(end);
                 token.drain(..start);
                 return Read::Found(Credential {
-                    kind: source.kind,
+                    kind,
                     hash,
                     token,
                 });
@@ -587,7 +590,7 @@ impl Stream {
 #[cfg(test)]
 mod tests {
     use serde_json::{Value, json};
-    use zerolayer_core::auth::credential::TokenHash;
+    use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
     use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants};
     use zerolayer_core::auth::exposure::ENQUEUED_KEY;
     use zerolayer_core::auth::verdict::{self, Lookup, Verdict};
@@ -622,7 +625,7 @@ mod tests {
 
     /// The verdict stored for `credential`.
     fn stored(host: &FakeHost, credential: &str) -> Lookup {
-        let hash = TokenHash::of(credential.as_bytes());
+        let hash = TokenHash::credential(CredentialKind::ApiKey, credential.as_bytes());
         verdict::lookup(host.shared_value(&verdict::key(&hash, SLOTS)), &hash, NOW)
     }
 
@@ -663,10 +666,13 @@ mod tests {
             host.sent[0].header("content-type"),
             Some("application/json")
         );
+        // Anthropic's error object on its path, and no retry: the SDKs
+        // would send the same request again otherwise.
         assert_eq!(
             json_body(&host),
-            json!({"error": {"type": "authentication_error", "message": "missing credential"}})
+            json!({"type": "error", "error": {"type": "authentication_error", "message": "missing credential"}})
         );
+        assert_eq!(host.sent[0].header("x-should-retry"), Some("false"));
         assert_eq!(identity(&host), None);
         assert_eq!(counter(&mut root, &mut host, &outcome("missing")), 1);
     }
@@ -702,7 +708,7 @@ mod tests {
     fn a_cached_valid_verdict_continues_as_its_tenant() {
         let mut host = host_with_observer();
         let mut root = configured(&mut host, &api_keys(json!({})));
-        let hash = TokenHash::of(b"sk-live-1");
+        let hash = TokenHash::credential(CredentialKind::ApiKey, b"sk-live-1");
         store(
             &mut host,
             &Verdict::valid(
@@ -731,7 +737,7 @@ mod tests {
     fn a_cached_invalid_verdict_is_refused_with_401() {
         let mut host = host_with_observer();
         let mut root = configured(&mut host, &api_keys(json!({})));
-        let hash = TokenHash::of(b"sk-revoked");
+        let hash = TokenHash::credential(CredentialKind::ApiKey, b"sk-revoked");
         store(&mut host, &Verdict::invalid(&hash, NOW, 60, "revoked"));
         let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-revoked")]);
         assert_eq!(action, Action::Pause);
@@ -749,7 +755,7 @@ mod tests {
     fn an_expired_verdict_reads_as_unknown() {
         let mut host = host_with_observer();
         let root = configured(&mut host, &api_keys(json!({})));
-        let hash = TokenHash::of(b"sk-old");
+        let hash = TokenHash::credential(CredentialKind::ApiKey, b"sk-old");
         let mut old = Verdict::valid(&hash, NOW - 400, None, 300, Some("acme".into()), None);
         old.expires_at = NOW;
         store(&mut host, &old);
@@ -770,7 +776,7 @@ mod tests {
         assert_eq!(identity(&host).as_deref(), Some("unverified"));
         let jobs = verify_jobs(&host);
         assert_eq!(jobs.len(), 1);
-        assert_eq!(jobs[0].hash, TokenHash::of(b"sk-new").0);
+        assert_eq!(jobs[0].hash, TokenHash::credential(CredentialKind::ApiKey, b"sk-new").0);
         assert_eq!(jobs[0].credential, b"sk-new");
         assert_eq!(jobs[0].enqueued_at_ms, NOW * 1000);
         // The pending count the observer's FINISHED_KEY is compared with.

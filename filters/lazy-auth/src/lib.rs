@@ -209,7 +209,7 @@ mod tests {
     use std::time::Duration;
 
     use serde_json::json;
-    use zerolayer_core::auth::credential::TokenHash;
+    use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
     use zerolayer_core::auth::verdict::{self, Verdict};
     use zerolayer_core::event::{AuditRecord, Job};
     use zerolayer_core::internal;
@@ -234,7 +234,7 @@ mod tests {
     }
 
     fn valid_verdict(host: &mut FakeHost, credential: &[u8]) {
-        let hash = TokenHash::of(credential);
+        let hash = TokenHash::credential(CredentialKind::ApiKey, credential);
         let v = Verdict::valid(&hash, NOW, None, 300, Some("acme".into()), None);
         assert!(host.shared_put(&verdict::key(&hash, 65_536), &v.encode()));
     }
@@ -335,7 +335,7 @@ mod tests {
         assert_eq!(records[0].decision, "valid_cached");
         assert_eq!(records[0].tenant.as_deref(), Some("acme"));
         assert!(records[0].verified);
-        assert_eq!(records[0].hash_prefix, TokenHash::of(b"sk-live-1").prefix());
+        assert_eq!(records[0].hash_prefix, TokenHash::credential(CredentialKind::ApiKey, b"sk-live-1").prefix());
     }
 
     #[test]

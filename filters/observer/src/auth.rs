@@ -471,7 +471,7 @@ mod tests {
     use hmac::{Hmac, Mac};
     use serde_json::{Value, json};
     use sha2::Sha256;
-    use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
+    use zerolayer_core::auth::credential::{CredentialKind, SourceKind, TokenHash};
     use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants};
     use zerolayer_core::auth::exposure::{FINISHED_KEY, decode_count};
     use zerolayer_core::auth::verdict::{self, Lookup, Verdict};
@@ -518,7 +518,7 @@ mod tests {
     /// Posts a verification job for `credential` (no drain).
     fn post(host: &mut FakeHost, observer: &Observer, kind: CredentialKind, credential: &[u8]) {
         let job = Job::Verify(VerifyJob {
-            hash: TokenHash::of(credential).0,
+            hash: TokenHash::credential(kind, credential).0,
             kind,
             credential: credential.to_vec(),
             tenant_hint: None,
@@ -538,9 +538,11 @@ mod tests {
         observer.drain(host);
     }
 
-    /// The verdict stored for `credential` (default slots).
+    /// The verdict stored for `credential` (default slots), as the kind
+    /// its shape says (these tests' keys are `sk-…`).
     fn stored(host: &FakeHost, credential: &[u8]) -> Lookup {
-        let hash = TokenHash::of(credential);
+        let kind = SourceKind::Auto.classify(credential, true);
+        let hash = TokenHash::credential(kind, credential);
         let entry = host.shared_value(&verdict::key(&hash, 65_536));
         verdict::lookup(entry, &hash, host.clock.as_secs())
     }
@@ -896,7 +898,7 @@ mod tests {
         for n in 0..4 {
             let key = format!("sk-{n}");
             let job = Job::Verify(VerifyJob {
-                hash: TokenHash::of(key.as_bytes()).0,
+                hash: TokenHash::credential(CredentialKind::ApiKey, key.as_bytes()).0,
                 kind: CredentialKind::ApiKey,
                 credential: key.into_bytes(),
                 tenant_hint: Some("acme".into()),

@@ -28,7 +28,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use zerolayer_core::cache::config::PostCacheConfig;
-use zerolayer_core::cache::key::CacheKey;
+use zerolayer_core::cache::key::{CacheKey, Provider};
 use zerolayer_host::{Host, ObserverQueue, RootStage, StreamStage};
 use zerolayer_observer::{EmbeddedObserver, ObserverConfig};
 
@@ -73,6 +73,8 @@ impl Plan {
 /// A paused request waiting for another request's response.
 pub(crate) struct Waiter {
     pub context_id: u32,
+    /// The API it called (its hit answers with that API's request-id header).
+    pub provider: Provider,
     pub key: CacheKey,
     pub max_age: Option<u64>,
     pub deadline_ms: u64,
@@ -187,7 +189,7 @@ fn wake_followers(host: &mut impl Host, plan: &Plan) {
         }
         let end = if let Some(hit) = plan.shelf.lookup(host, &w.key, now, w.max_age) {
             if host.set_effective_context(w.context_id).is_ok() {
-                serve(host, &hit);
+                serve(host, &hit, w.provider);
             }
             WaitEnd::Hit
         } else if !plan.shelf.lease_held(host, &w.key, now_ms) {

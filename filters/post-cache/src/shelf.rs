@@ -3,9 +3,10 @@
 //! delete).
 
 use zerolayer_core::cache::control::{age, fresh_enough};
-use zerolayer_core::cache::key::CacheKey;
+use zerolayer_core::cache::key::{CacheKey, Provider};
 use zerolayer_core::cache::lease::{LeaseOutcome, LeaseTable};
 use zerolayer_core::cache::store::{Layout, SetIndex, StoredResponse, WayRecord};
+use zerolayer_core::reply;
 use zerolayer_host::Host;
 
 /// A stored response found for a request.
@@ -126,17 +127,30 @@ impl Shelf {
     }
 }
 
-/// Answers the current request with a stored response.
-pub(crate) fn serve(host: &mut impl Host, hit: &Hit) {
+/// The response header a hit carries the stored response's own request id
+/// in (the id of the request that reached the backend).
+pub(crate) const ORIGIN_REQUEST_ID: &str = "x-cache-origin-request-id";
+
+/// Answers the current request (of `provider`'s API) with a stored
+/// response: its stored headers, `x-cache: HIT`, `age`, and this request's
+/// own id in the header its client reads (the stored response's id is in
+/// [`ORIGIN_REQUEST_ID`]).
+pub(crate) fn serve(host: &mut impl Host, hit: &Hit, provider: Provider) {
     let age = hit.age.to_string();
+    let id_header = reply::request_id_header(Some(provider));
     let mut headers: Vec<(&str, &str)> = hit
         .response
         .headers
         .iter()
+        .filter(|(n, _)| !n.eq_ignore_ascii_case(id_header))
         .map(|(n, v)| (n.as_str(), v.as_str()))
         .collect();
     headers.push(("x-cache", "HIT"));
     headers.push(("age", &age));
+    let id = host.request_id().and_then(|id| String::from_utf8(id).ok());
+    if let Some(id) = &id {
+        headers.push((id_header, id));
+    }
     if let Err(status) =
         host.send_response(u32::from(hit.response.status), &headers, &hit.response.body)
     {
@@ -146,7 +160,7 @@ pub(crate) fn serve(host: &mut impl Host, hit: &Hit) {
 
 #[cfg(test)]
 mod tests {
-    use zerolayer_core::cache::key::CacheKey;
+    use zerolayer_core::cache::key::{CacheKey, Provider};
     use zerolayer_core::cache::lease::LeaseOutcome;
     use zerolayer_core::cache::store::{Layout, StoredResponse};
     use zerolayer_host::{FakeHost, Host};
@@ -254,7 +268,8 @@ mod tests {
             response: response(&key, NOW, b"{}\n"),
             age: 12,
         };
-        serve(&mut host, &hit);
+        host.set_request_header("x-request-id", b"this-request");
+        serve(&mut host, &hit, Provider::OpenAi);
         let sent = &host.sent[0];
         assert_eq!(sent.status, 200);
         assert_eq!(
@@ -263,6 +278,7 @@ mod tests {
                 ("content-type".to_string(), "application/json".to_string()),
                 ("x-cache".into(), "HIT".into()),
                 ("age".into(), "12".into()),
+                ("x-request-id".into(), "this-request".into()),
             ]
         );
         assert_eq!(sent.body, b"{}\n");

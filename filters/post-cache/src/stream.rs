@@ -9,7 +9,8 @@ use std::time::Duration;
 use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_core::cache::config::{Namespace, StampedeMode};
 use zerolayer_core::cache::control::{
-    Bypass, RequestDirectives, RequestPlan, age, fresh_enough, plan_request, response_ttl,
+    Bypass, RequestDirectives, RequestPlan, SAMPLED_OPT_IN_HEADER, SampledPolicy, Sampling, age,
+    fresh_enough, opts_in_to_sampled, plan_request, response_ttl,
 };
 use zerolayer_core::cache::key::{CacheKey, CanonicalRequest, KeyError, Provider};
 use zerolayer_core::cache::lease::LeaseOutcome;
@@ -18,11 +19,12 @@ use zerolayer_core::cache::stream::{StreamCompletion, is_error_data};
 use zerolayer_core::encoding::ContentCoding;
 use zerolayer_core::event::{CacheWrite, Job};
 use zerolayer_core::internal;
+use zerolayer_core::reply;
 use zerolayer_core::usage::UsageChunkStripper;
 use zerolayer_host::{Action, Body, Callback, Headers, Host, StreamStage};
 
 use crate::metrics::{FleetRead, Lookup, WaitEnd};
-use crate::shelf::{Hit, serve};
+use crate::shelf::{Hit, ORIGIN_REQUEST_ID, serve};
 use crate::{Plan, Waiter};
 
 /// Where a request stands.
@@ -63,6 +65,8 @@ pub(crate) struct CacheStream {
     provider: Provider,
     namespace: Option<String>,
     cache_control: Option<String>,
+    /// It asked for a stored sample (`x-zerolayer-cache: sampled`).
+    sampled_opt_in: bool,
     key: Option<CacheKey>,
     /// Whether the response is to be stored (a miss or refresh whose plan allows it).
     store: bool,
@@ -90,6 +94,7 @@ impl CacheStream {
             provider: Provider::Anthropic,
             namespace: None,
             cache_control: None,
+            sampled_opt_in: false,
             key: None,
             store: false,
             holds_lease: false,
@@ -139,6 +144,10 @@ impl CacheStream {
             && RequestDirectives::parse(cc).no_store
         {
             return self.bypass(Bypass::RequestNoStore);
+        }
+        if plan.config.ttl.sampled == SampledPolicy::OptIn {
+            self.sampled_opt_in =
+                opts_in_to_sampled(host.request_header(SAMPLED_OPT_IN_HEADER).as_deref());
         }
         // Without activation in the chain the cache runs for every request;
         // with it, only where a rule turned `cache` on.
@@ -197,10 +206,15 @@ impl CacheStream {
         };
         let key = request.key;
         self.key = Some(key);
+        let sampling = Sampling {
+            provider: self.provider,
+            temperature: request.temperature,
+            opted_in: self.sampled_opt_in,
+        };
         let plan_now = plan_request(
             "POST",
             self.cache_control.as_deref(),
-            request.temperature,
+            sampling,
             &plan.config.ttl,
         );
         let (max_age, store, only_if_cached) = match plan_now {
@@ -224,7 +238,7 @@ impl CacheStream {
         let now_ms = host.now_ms();
         if let Some(hit) = plan.shelf.lookup(host, &key, now_ms / 1000, max_age) {
             plan.metrics.lookup(Lookup::Hit);
-            serve(host, &hit);
+            serve(host, &hit, self.provider);
             self.phase = Phase::Answered;
             return Action::Pause;
         }
@@ -299,7 +313,7 @@ impl CacheStream {
                 age: age(entry.response.stored_at_ms / 1000, now),
                 response: entry.response,
             };
-            serve(host, &hit);
+            serve(host, &hit, self.provider);
             self.phase = Phase::Answered;
             // Kept locally too: the next request on this gateway stays local.
             let _ = plan
@@ -342,6 +356,7 @@ impl CacheStream {
                 let outcome = Rc::new(Cell::new(None));
                 plan.waiters.borrow_mut().push(Waiter {
                     context_id: self.context_id,
+                    provider: self.provider,
                     key,
                     max_age,
                     deadline_ms: now_ms.saturating_add(stampede.max_wait_ms),
@@ -488,6 +503,11 @@ impl CacheStream {
         let mut headers: Vec<(String, String)> = Vec::new();
         if let Some(ct) = content_type {
             headers.push(("content-type".into(), ct));
+        }
+        // A hit answers with its own request's id; the id of the request
+        // that reached the backend goes with the entry under another name.
+        if let Some(origin) = host.response_header(reply::request_id_header(Some(self.provider))) {
+            headers.push((ORIGIN_REQUEST_ID.into(), origin));
         }
         for name in &plan.config.stored_headers {
             if let Some(value) = host.response_header(name) {

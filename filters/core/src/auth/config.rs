@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 use super::budget::LazyBudget;
-use super::credential::{CredentialKind, CredentialSource};
+use super::credential::{CredentialSource, SourceKind};
 use super::escalation::EscalationConfig;
 use super::policy::{Policy, UnknownPolicy, VerifierDown};
 use crate::breaker::BreakerConfig;
@@ -240,12 +240,12 @@ fn default_sources() -> Vec<CredentialSource> {
         CredentialSource {
             header: "authorization".into(),
             scheme: Some("Bearer".into()),
-            kind: CredentialKind::Jwt,
+            kind: SourceKind::Auto,
         },
         CredentialSource {
             header: "x-api-key".into(),
             scheme: None,
-            kind: CredentialKind::ApiKey,
+            kind: SourceKind::ApiKey,
         },
     ]
 }
@@ -305,7 +305,7 @@ impl LazyAuthConfig {
                     format!("invalid header name {}", quoted(&source.header)),
                 ));
             }
-            if source.kind == CredentialKind::ApiKey && self.api_keys.is_none() {
+            if source.kind == SourceKind::ApiKey && self.api_keys.is_none() {
                 return Err(ConfigError::new(
                     format!("credentials[{i}].kind"),
                     "api_key credentials need an `api_keys` introspection endpoint",

@@ -20,6 +20,62 @@ pub enum CredentialKind {
     ApiKey,
 }
 
+impl CredentialKind {
+    /// The domain tag hashed ahead of a credential of this kind, so one
+    /// string's verdict as one kind never answers for it as the other.
+    fn tag(self) -> &'static [u8] {
+        match self {
+            CredentialKind::Jwt => b"zerolayer:jwt\0",
+            CredentialKind::ApiKey => b"zerolayer:api_key\0",
+        }
+    }
+}
+
+/// What a source's credentials are: one kind, or `auto` (what
+/// `Authorization: Bearer` carries from the official SDKs: a JWT or an API
+/// key, told apart by shape).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[serde(rename_all = "snake_case")]
+pub enum SourceKind {
+    /// Always a JSON Web Token.
+    Jwt,
+    /// Always an opaque API key.
+    ApiKey,
+    /// A JWT when it has a JWT's shape (three base64url segments, the first
+    /// a JSON object), otherwise an API key (a JWT again when no `api_keys`
+    /// endpoint is configured: such a token then fails as a malformed JWT).
+    Auto,
+}
+
+impl SourceKind {
+    /// The kind `token` is verified as; `api_keys`: whether an
+    /// introspection endpoint is configured.
+    pub fn classify(self, token: &[u8], api_keys: bool) -> CredentialKind {
+        match self {
+            SourceKind::Jwt => CredentialKind::Jwt,
+            SourceKind::ApiKey => CredentialKind::ApiKey,
+            SourceKind::Auto if !api_keys || looks_like_jwt(token) => CredentialKind::Jwt,
+            SourceKind::Auto => CredentialKind::ApiKey,
+        }
+    }
+}
+
+/// Whether `token` has a compact JWS's shape: exactly three non-empty
+/// base64url segments, the first starting `eyJ` (the encoding of `{"`).
+/// API keys (`sk-…`, `sk-ant-…`, hex or base64url strings) have no dots.
+pub fn looks_like_jwt(token: &[u8]) -> bool {
+    let mut segments = 0;
+    for segment in token.split(|&b| b == b'.') {
+        segments += 1;
+        let base64url = |b: &u8| b.is_ascii_alphanumeric() || *b == b'-' || *b == b'_';
+        if segments > 3 || segment.is_empty() || !segment.iter().all(base64url) {
+            return false;
+        }
+    }
+    segments == 3 && token.starts_with(b"eyJ")
+}
+
 /// Where a credential is read from: a header, optionally with a scheme
 /// prefix (`Authorization: Bearer <token>`).
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -31,18 +87,31 @@ pub struct CredentialSource {
     /// Scheme before the credential (`Bearer`), matched case-insensitively.
     #[serde(default)]
     pub scheme: Option<String>,
-    /// How the credential is verified.
-    pub kind: CredentialKind,
+    /// How the credential is verified: `jwt`, `api_key`, or `auto` (by
+    /// shape: a JWT's three segments → JWT, anything else → API key).
+    pub kind: SourceKind,
 }
 
-/// The SHA-256 of a credential.
+/// The SHA-256 of a credential: of its kind's domain tag and its bytes
+/// ([`TokenHash::credential`]), which is what verdicts and counters are
+/// keyed by, or of plain bytes ([`TokenHash::of`]).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TokenHash(pub [u8; 32]);
 
 impl TokenHash {
-    /// Hashes a credential.
-    pub fn of(credential: &[u8]) -> TokenHash {
-        TokenHash(Sha256::digest(credential).into())
+    /// The SHA-256 of `bytes`.
+    pub fn of(bytes: &[u8]) -> TokenHash {
+        TokenHash(Sha256::digest(bytes).into())
+    }
+
+    /// The hash a credential of `kind` is known by: verdicts and exposure
+    /// counts are keyed by (kind, credential), so a string refused as a JWT
+    /// is still unknown as an API key, and the other way round.
+    pub fn credential(kind: CredentialKind, credential: &[u8]) -> TokenHash {
+        let mut hasher = Sha256::new();
+        hasher.update(kind.tag());
+        hasher.update(credential);
+        TokenHash(hasher.finalize().into())
     }
 
     /// The first 8 bytes as 16 hex digits: enough to follow a credential
@@ -78,6 +147,7 @@ pub struct RecentCredentials {
 
 struct RecentCredential {
     fingerprint: u64,
+    kind: CredentialKind,
     credential: Zeroizing<Vec<u8>>,
     hash: TokenHash,
 }
@@ -95,23 +165,23 @@ impl RecentCredentials {
         }
     }
 
-    /// The credential's [`TokenHash`]: remembered, or computed and kept.
-    pub fn hash(&mut self, credential: &[u8]) -> TokenHash {
+    /// The credential's [`TokenHash::credential`]: remembered, or computed
+    /// and kept.
+    pub fn hash(&mut self, kind: CredentialKind, credential: &[u8]) -> TokenHash {
         if self.capacity == 0 || credential.len() > Self::MAX_KEPT_LEN {
-            return TokenHash::of(credential);
+            return TokenHash::credential(kind, credential);
         }
         let fingerprint = xxh3_64(credential);
-        if let Some(entry) = self
-            .entries
-            .iter()
-            .find(|e| e.fingerprint == fingerprint && e.credential.as_slice() == credential)
-        {
+        if let Some(entry) = self.entries.iter().find(|e| {
+            e.fingerprint == fingerprint && e.kind == kind && e.credential.as_slice() == credential
+        }) {
             return entry.hash;
         }
         let entry = RecentCredential {
             fingerprint,
+            kind,
             credential: Zeroizing::new(credential.to_vec()),
-            hash: TokenHash::of(credential),
+            hash: TokenHash::credential(kind, credential),
         };
         let hash = entry.hash;
         if self.entries.len() < self.capacity {
@@ -174,11 +244,14 @@ pub fn extract<'a>(source: &CredentialSource, value: &'a [u8]) -> Option<&'a [u8
 mod tests {
     use super::*;
 
+    const JWT: CredentialKind = CredentialKind::Jwt;
+    const KEY: CredentialKind = CredentialKind::ApiKey;
+
     fn bearer() -> CredentialSource {
         CredentialSource {
             header: "authorization".into(),
             scheme: Some("Bearer".into()),
-            kind: CredentialKind::Jwt,
+            kind: SourceKind::Auto,
         }
     }
 
@@ -187,7 +260,7 @@ mod tests {
         let mut recent = RecentCredentials::new(2);
         let tokens: [&[u8]; 3] = [b"token-a", b"token-b", b"token-c"];
         for token in tokens.iter().chain(tokens.iter()).chain([&&b"token-c"[..]]) {
-            assert_eq!(recent.hash(token), TokenHash::of(token));
+            assert_eq!(recent.hash(JWT, token), TokenHash::credential(JWT, token));
         }
         // Capacity 2: the two newest are kept, the oldest replaced.
         assert_eq!(recent.entries.len(), 2);
@@ -202,14 +275,20 @@ mod tests {
         );
         // Too long to keep, or nothing kept at all: hashed every time.
         let long = vec![b'x'; RecentCredentials::MAX_KEPT_LEN + 1];
-        assert_eq!(recent.hash(&long), TokenHash::of(&long));
+        assert_eq!(recent.hash(KEY, &long), TokenHash::credential(KEY, &long));
         assert!(
             recent
                 .entries
                 .iter()
                 .all(|e| e.credential.len() <= RecentCredentials::MAX_KEPT_LEN)
         );
-        assert_eq!(RecentCredentials::new(0).hash(b"t"), TokenHash::of(b"t"));
+        assert_eq!(
+            RecentCredentials::new(0).hash(KEY, b"t"),
+            TokenHash::credential(KEY, b"t")
+        );
+        // The same bytes as the other kind are another credential.
+        assert_eq!(recent.hash(KEY, b"token-c"), TokenHash::credential(KEY, b"token-c"));
+        assert_ne!(recent.hash(KEY, b"token-c"), recent.hash(JWT, b"token-c"));
         assert_eq!(format!("{recent:?}"), "RecentCredentials(2 of 2)");
     }
 
@@ -217,13 +296,17 @@ mod tests {
         /// Whatever the sequence of credentials, the hash is the SHA-256.
         #[test]
         fn recent_credentials_never_answer_another_credentials_hash(
-            picks in proptest::collection::vec(0usize..6, 1..40),
+            picks in proptest::collection::vec((0usize..6, proptest::bool::ANY), 1..40),
             capacity in 0usize..4,
         ) {
             let tokens: Vec<Vec<u8>> = (0..6).map(|i| format!("tok{i}").into_bytes()).collect();
             let mut recent = RecentCredentials::new(capacity);
-            for pick in picks {
-                proptest::prop_assert_eq!(recent.hash(&tokens[pick]), TokenHash::of(&tokens[pick]));
+            for (pick, jwt) in picks {
+                let kind = if jwt { JWT } else { KEY };
+                proptest::prop_assert_eq!(
+                    recent.hash(kind, &tokens[pick]),
+                    TokenHash::credential(kind, &tokens[pick])
+                );
             }
         }
     }
@@ -243,10 +326,55 @@ mod tests {
         let key = CredentialSource {
             header: "x-api-key".into(),
             scheme: None,
-            kind: CredentialKind::ApiKey,
+            kind: SourceKind::ApiKey,
         };
         assert_eq!(extract(&key, b" sk-123 "), Some(&b"sk-123"[..]));
         assert_eq!(extract(&key, b"   "), None);
+    }
+
+    /// What the official SDKs and identity providers really send.
+    #[test]
+    fn auto_tells_jwts_from_api_keys_by_shape() {
+        let jwts: [&[u8]; 2] = [
+            b"eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ1In0.c2lnbmF0dXJl",
+            b"eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.e30.AbC-_09",
+        ];
+        for jwt in jwts {
+            assert!(looks_like_jwt(jwt), "{jwt:?}");
+            assert_eq!(SourceKind::Auto.classify(jwt, true), JWT);
+        }
+        let keys: [&[u8]; 7] = [
+            b"sk-proj-Abc_def-123",
+            b"sk-ant-api03-xyz_-ABC",
+            b"sk-chain-globex",
+            b"0123456789abcdef",
+            b"eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ1In0",
+            b"eyJa.b.c.d",
+            b"eyJa..c",
+        ];
+        for key in keys {
+            assert!(!looks_like_jwt(key), "{key:?}");
+            assert_eq!(SourceKind::Auto.classify(key, true), KEY);
+            // Without an introspection endpoint nothing can verify a key.
+            assert_eq!(SourceKind::Auto.classify(key, false), JWT);
+        }
+        assert!(!looks_like_jwt(b"abc.def.ghi"), "not a JSON header");
+        assert!(!looks_like_jwt(b"eyJ+.e30.sig"), "not base64url");
+        assert_eq!(SourceKind::Jwt.classify(b"sk-1", true), JWT);
+        assert_eq!(SourceKind::ApiKey.classify(jwts[0], true), KEY);
+    }
+
+    #[test]
+    fn a_credentials_hash_depends_on_its_kind() {
+        let (jwt, key) = (
+            TokenHash::credential(JWT, b"sk-1"),
+            TokenHash::credential(KEY, b"sk-1"),
+        );
+        assert_ne!(jwt, key);
+        assert_ne!(jwt, TokenHash::of(b"sk-1"));
+        let mut tagged = b"zerolayer:api_key\0".to_vec();
+        tagged.extend_from_slice(b"sk-1");
+        assert_eq!(key, TokenHash::of(&tagged));
     }
 
     #[test]

@@ -7,14 +7,20 @@
 
 use serde::Deserialize;
 
+use super::key::Provider;
 use crate::config::ConfigError;
 
 /// Largest delta-seconds value kept: RFC 9111 §1.2.2 lets a cache saturate
 /// larger values at the greatest integer it can conveniently represent.
 const MAX_DELTA: u64 = u32::MAX as u64;
 
-/// Temperature assumed for a request that sets none: the providers' default.
+/// Temperature assumed for a request that sets none: both providers'
+/// documented default.
 const DEFAULT_TEMPERATURE: f64 = 1.0;
+
+/// The request header a client opts in with (value `sampled`) to being
+/// served a stored sample when the operator's `sampled` is `opt_in`.
+pub const SAMPLED_OPT_IN_HEADER: &str = "x-zerolayer-cache";
 
 /// Directives of a request's Cache-Control that the cache honours.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -125,11 +131,103 @@ pub struct TtlPolicy {
     /// Whether upstream `private` responses may be stored (the cache is per
     /// tenant, not per user).
     pub store_private: bool,
-    /// Requests with a temperature above this are not cached; a request
-    /// without one counts as the provider default, 1.0. With the default
-    /// 0.0 only deterministic requests are cached; raise it to cache
-    /// sampled responses (every hit then replays the one stored sample).
+    /// Requests with a temperature above this are *sampled*: `sampled`
+    /// decides whether they are cached. A request without one samples at
+    /// `missing_temperature`. With the default 0.0 only deterministic
+    /// requests are cached unless `sampled` says otherwise.
     pub max_temperature: f64,
+    /// What a request without `temperature` samples at, per API (the
+    /// providers' documented default, 1.0, for both; set it to what your
+    /// backend does when it differs). The Anthropic SDK's typed calls never
+    /// send one.
+    pub missing_temperature: MissingTemperature,
+    /// Whether sampled requests (above `max_temperature`) are cached.
+    pub sampled: SampledPolicy,
+}
+
+/// The temperature a request without one samples at, per API.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
+#[serde(deny_unknown_fields, default)]
+pub struct MissingTemperature {
+    /// `/v1/messages`.
+    pub anthropic: f64,
+    /// `/v1/chat/completions`.
+    pub openai: f64,
+}
+
+impl Default for MissingTemperature {
+    fn default() -> Self {
+        MissingTemperature {
+            anthropic: DEFAULT_TEMPERATURE,
+            openai: DEFAULT_TEMPERATURE,
+        }
+    }
+}
+
+/// What the cache does with sampled requests (temperature above
+/// `max_temperature`, or none and a `missing_temperature` above it).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
+#[serde(rename_all = "snake_case")]
+pub enum SampledPolicy {
+    /// Never cached (`x-cache: BYPASS`, reason `temperature`).
+    #[default]
+    Bypass,
+    /// Cached when the request asks with `x-zerolayer-cache: sampled`;
+    /// others bypass (and never read what an opted-in request stored).
+    OptIn,
+    /// Cached like deterministic requests: every hit replays the one stored
+    /// sample for as long as it is fresh.
+    Cache,
+}
+
+/// What a request's sampling means to the cache: its API, its own
+/// `temperature` and whether it opted in to a stored sample.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// The API it calls (its `missing_temperature`).
+    pub provider: Provider,
+    /// Its `temperature`, if it sets one.
+    pub temperature: Option<f64>,
+    /// It sent `x-zerolayer-cache: sampled`.
+    pub opted_in: bool,
+}
+
+impl From<Option<f64>> for Sampling {
+    /// An Anthropic request with this temperature that did not opt in.
+    fn from(temperature: Option<f64>) -> Sampling {
+        Sampling {
+            provider: Provider::Anthropic,
+            temperature,
+            opted_in: false,
+        }
+    }
+}
+
+impl TtlPolicy {
+    /// Whether a request sampling as `sampling` says may be cached.
+    pub fn caches(&self, sampling: Sampling) -> bool {
+        let missing = match sampling.provider {
+            Provider::Anthropic => self.missing_temperature.anthropic,
+            Provider::OpenAi => self.missing_temperature.openai,
+        };
+        let t = sampling.temperature.unwrap_or(missing);
+        if !t.is_nan() && t <= self.max_temperature {
+            return true;
+        }
+        match self.sampled {
+            SampledPolicy::Bypass => false,
+            SampledPolicy::OptIn => sampling.opted_in,
+            // A NaN is no temperature any backend samples at: never cached.
+            SampledPolicy::Cache => !t.is_nan(),
+        }
+    }
+}
+
+/// Whether a request's `x-zerolayer-cache` value opts in to a stored sample.
+pub fn opts_in_to_sampled(value: Option<&[u8]>) -> bool {
+    value.is_some_and(|v| v.trim_ascii().eq_ignore_ascii_case(b"sampled"))
 }
 
 impl Default for TtlPolicy {
@@ -140,6 +238,8 @@ impl Default for TtlPolicy {
             honour_upstream_no_cache: false,
             store_private: false,
             max_temperature: 0.0,
+            missing_temperature: MissingTemperature::default(),
+            sampled: SampledPolicy::Bypass,
         }
     }
 }
@@ -160,12 +260,20 @@ impl TtlPolicy {
                 format!("{section}.{field}")
             }
         };
-        let t = self.max_temperature;
-        if !t.is_finite() || t < 0.0 {
-            return Err(ConfigError::new(
-                at("max_temperature"),
-                format!("{t} is not a temperature (a finite number >= 0)"),
-            ));
+        for (field, t) in [
+            ("max_temperature", self.max_temperature),
+            (
+                "missing_temperature.anthropic",
+                self.missing_temperature.anthropic,
+            ),
+            ("missing_temperature.openai", self.missing_temperature.openai),
+        ] {
+            if !t.is_finite() || t < 0.0 {
+                return Err(ConfigError::new(
+                    at(field),
+                    format!("{t} is not a temperature (a finite number >= 0)"),
+                ));
+            }
         }
         if self.default_ttl_secs > self.max_ttl_secs {
             return Err(ConfigError::new(
@@ -186,7 +294,8 @@ crate::labels! {
     pub enum Bypass {
         /// The request said `no-store`.
         RequestNoStore => "request_no_store",
-        /// The request samples above [`TtlPolicy::max_temperature`] (or its temperature is NaN).
+        /// The request samples above [`TtlPolicy::max_temperature`] (or its
+        /// temperature is NaN) and [`TtlPolicy::sampled`] does not cache it.
         Temperature => "temperature",
         /// Not a POST: LLM APIs are POST, other methods on their paths pass through.
         NotCacheableMethod => "not_cacheable_method",
@@ -243,15 +352,16 @@ pub enum RequestPlan {
 }
 
 /// Plans a request: `method`, its Cache-Control (None if absent), its
-/// temperature (None if absent → treated as 1.0).
+/// sampling (a bare `Option<f64>` is an Anthropic request's temperature,
+/// not opted in; see [`TtlPolicy::caches`]).
 ///
-/// Requests the cache never handles (not POST, `no-store`, temperature too
-/// high) pass through as [`RequestPlan::Bypass`] even with `only-if-cached`:
-/// for them the cache is not there at all.
+/// Requests the cache never handles (not POST, `no-store`, sampled where
+/// the policy does not cache that) pass through as [`RequestPlan::Bypass`]
+/// even with `only-if-cached`: for them the cache is not there at all.
 pub fn plan_request(
     method: &str,
     cache_control: Option<&str>,
-    temperature: Option<f64>,
+    sampling: impl Into<Sampling>,
     policy: &TtlPolicy,
 ) -> RequestPlan {
     // Methods are case-sensitive (RFC 9110 §9.1): `post` is not POST.
@@ -264,8 +374,7 @@ pub fn plan_request(
     if cc.no_store {
         return RequestPlan::Bypass(Bypass::RequestNoStore);
     }
-    let t = temperature.unwrap_or(DEFAULT_TEMPERATURE);
-    if t.is_nan() || t > policy.max_temperature {
+    if !policy.caches(sampling.into()) {
         return RequestPlan::Bypass(Bypass::Temperature);
     }
     // An invalid max-age is read as 0 (RFC 9111 §4.2.1 lets a cache treat

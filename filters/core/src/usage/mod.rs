@@ -7,6 +7,7 @@
 pub mod extract;
 pub mod include;
 pub(crate) mod needle;
+pub mod request;
 pub mod scan;
 
 pub use extract::{
@@ -14,4 +15,5 @@ pub use extract::{
     UsageExtractor,
 };
 pub use include::{Injection, MAX_HELD_EVENT, UsageChunkStripper, inject_include_usage};
+pub use request::{INCLUDE_USAGE_MEMBER, RequestScan, SkipReason, StreamedInjection};
 pub use scan::{TopLevelScanner, TopLevelValue, Wanted};

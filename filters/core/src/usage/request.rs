@@ -1,0 +1,295 @@
+//! What metering reads of a request body as it streams past, never
+//! buffering it: the model the request names (the record of a response that
+//! names none, such as a backend's 429 or 503, still carries it) and, for a
+//! body too large to hold (see [`StreamedInjection`]), whether an OpenAI
+//! request streams and asks for usage, so `include_usage` can be appended
+//! where the root object closes.
+
+use serde_json::Value;
+
+use super::extract::MAX_MODEL_LEN;
+use super::scan::{TopLevelScanner, Wanted};
+
+/// The members read: `model` (its value kept), `stream` and
+/// `stream_options` (small values, kept to be read).
+const MEMBERS: &[Wanted] = &[
+    Wanted {
+        key: b"model",
+        // Escapes may take six bytes a character.
+        limit: MAX_MODEL_LEN * 6 + 2,
+    },
+    Wanted {
+        key: b"stream",
+        limit: 16,
+    },
+    Wanted {
+        key: b"stream_options",
+        limit: 1024,
+    },
+];
+
+const MODEL: usize = 0;
+const STREAM: usize = 1;
+const STREAM_OPTIONS: usize = 2;
+
+/// The member appended to a streamed OpenAI request that asks for no usage.
+pub const INCLUDE_USAGE_MEMBER: &[u8] = br#","stream_options":{"include_usage":true}"#;
+
+/// What became of `include_usage` for a body read as it streamed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamedInjection {
+    /// Not (yet) decided: the root object has not closed.
+    Pending,
+    /// Not a streamed request (`stream` absent, `false` or `null`), or not a
+    /// JSON object: nothing to do.
+    NotApplicable,
+    /// The client asked for usage itself.
+    ClientAsked,
+    /// [`INCLUDE_USAGE_MEMBER`] goes before the root's closing brace.
+    Append,
+    /// It streams but cannot be made to ask for usage without holding the
+    /// body: a `stream_options` of its own without `include_usage: true`
+    /// (its bytes went on already), a `stream` that is not a boolean, or a
+    /// member named twice. Forwarded unchanged; its usage may be missing.
+    Skipped(SkipReason),
+}
+
+crate::labels! {
+    /// Why a streamed body's `include_usage` could not be added (the label of
+    /// `zerolayer_metering_include_usage_skipped{reason=…}`).
+    pub enum SkipReason {
+        /// The body has its own `stream_options` without `include_usage: true`.
+        StreamOptions => "stream_options",
+        /// `stream` is not a boolean.
+        StreamNotBoolean => "stream_not_boolean",
+        /// `stream` or `stream_options` is named twice.
+        Duplicate => "duplicate",
+    }
+}
+
+/// Scans a request body chunk by chunk; see the module documentation.
+#[derive(Debug)]
+pub struct RequestScan {
+    scanner: TopLevelScanner,
+    model: Option<String>,
+    stream: Option<Value>,
+    stream_options: Option<Option<Value>>,
+    /// `stream` or `stream_options` was named twice.
+    repeated: bool,
+    /// Offset of the root's closing brace, once seen.
+    root_end: Option<usize>,
+    /// Bytes pushed so far.
+    offset: usize,
+}
+
+impl Default for RequestScan {
+    fn default() -> Self {
+        RequestScan::new()
+    }
+}
+
+impl RequestScan {
+    /// A scan at the start of a body.
+    pub fn new() -> RequestScan {
+        RequestScan {
+            scanner: TopLevelScanner::new(MEMBERS),
+            model: None,
+            stream: None,
+            stream_options: None,
+            repeated: false,
+            root_end: None,
+            offset: 0,
+        }
+    }
+
+    /// Feeds the next chunk. Returns where in `chunk` the root object
+    /// closed, if it closed in this chunk.
+    pub fn push(&mut self, chunk: &[u8]) -> Option<usize> {
+        let start = self.offset;
+        self.offset += chunk.len();
+        if self.scanner.done() {
+            return None;
+        }
+        let (model, stream, options, repeated) = (
+            &mut self.model,
+            &mut self.stream,
+            &mut self.stream_options,
+            &mut self.repeated,
+        );
+        self.scanner.push(chunk, |value| {
+            let parsed = value
+                .raw
+                .and_then(|raw| serde_json::from_slice::<Value>(raw).ok());
+            match value.index {
+                MODEL => {
+                    *model = parsed
+                        .and_then(|v| v.as_str().map(str::to_string))
+                        .filter(|m| m.len() <= MAX_MODEL_LEN);
+                }
+                STREAM => {
+                    if stream.is_some() {
+                        *repeated = true;
+                    }
+                    // Too long to be kept: not a boolean either.
+                    *stream = Some(parsed.unwrap_or(Value::String(String::new())));
+                }
+                STREAM_OPTIONS => {
+                    if options.is_some() {
+                        *repeated = true;
+                    }
+                    *options = Some(parsed);
+                }
+                _ => {}
+            }
+        });
+        let end = self.scanner.root_end()?;
+        if self.root_end.is_some() {
+            return None;
+        }
+        self.root_end = Some(end);
+        end.checked_sub(start).filter(|at| *at < chunk.len())
+    }
+
+    /// The model the request names (a string `model` member), once read.
+    pub fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+
+    /// Whether the root object closed (every member was read).
+    pub fn complete(&self) -> bool {
+        self.root_end.is_some()
+    }
+
+    /// What to do about `include_usage` for an OpenAI body streamed past.
+    pub fn injection(&self) -> StreamedInjection {
+        if self.root_end.is_none() {
+            return if self.scanner.done() {
+                StreamedInjection::NotApplicable
+            } else {
+                StreamedInjection::Pending
+            };
+        }
+        if self.repeated {
+            // Which `stream` or `stream_options` the backend reads is not known.
+            return StreamedInjection::Skipped(SkipReason::Duplicate);
+        }
+        match &self.stream {
+            Some(Value::Bool(true)) => {}
+            None | Some(Value::Null | Value::Bool(false)) => {
+                return StreamedInjection::NotApplicable;
+            }
+            Some(_) => return StreamedInjection::Skipped(SkipReason::StreamNotBoolean),
+        }
+        match &self.stream_options {
+            None => StreamedInjection::Append,
+            Some(Some(Value::Object(options)))
+                if options.get("include_usage") == Some(&Value::Bool(true)) =>
+            {
+                StreamedInjection::ClientAsked
+            }
+            // Even a `null` one: a second member would be a duplicate.
+            Some(_) => StreamedInjection::Skipped(SkipReason::StreamOptions),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pushes `body` cut at every split point in two; checks every cut agrees.
+    fn scanned(body: &[u8]) -> (Option<String>, StreamedInjection, Option<usize>) {
+        let mut whole = RequestScan::new();
+        let end = whole.push(body);
+        let expected = (whole.model().map(str::to_string), whole.injection(), end);
+        for cut in 0..=body.len() {
+            let (a, b) = body.split_at(cut);
+            let mut scan = RequestScan::new();
+            let first = scan.push(a);
+            let second = scan.push(b).map(|at| at + cut);
+            assert_eq!(
+                (
+                    scan.model().map(str::to_string),
+                    scan.injection(),
+                    first.or(second)
+                ),
+                expected,
+                "cut at {cut}"
+            );
+        }
+        expected
+    }
+
+    #[test]
+    fn the_model_is_read_wherever_it_is() {
+        let body = br#"{"messages":[{"role":"user","content":"\"model\":\"x\"}"}],"model":"gpt-4o","max_tokens":5}"#;
+        let (model, injection, end) = scanned(body);
+        assert_eq!(model.as_deref(), Some("gpt-4o"));
+        assert_eq!(injection, StreamedInjection::NotApplicable);
+        assert_eq!(end, Some(body.len() - 1));
+        let (model, ..) = scanned(br#"{"model":42,"messages":[]}"#);
+        assert_eq!(model, None);
+        let long = format!(r#"{{"model":"{}"}}"#, "m".repeat(MAX_MODEL_LEN + 1));
+        assert_eq!(scanned(long.as_bytes()).0, None);
+    }
+
+    #[test]
+    fn a_streamed_request_without_usage_gets_it_appended_at_the_root_end() {
+        let body = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"}"}],"stream":true} "#;
+        let (_, injection, end) = scanned(body);
+        assert_eq!(injection, StreamedInjection::Append);
+        let end = end.unwrap();
+        let mut rewritten = body[..end].to_vec();
+        rewritten.extend_from_slice(INCLUDE_USAGE_MEMBER);
+        rewritten.extend_from_slice(&body[end..]);
+        let parsed: Value = serde_json::from_slice(&rewritten).unwrap();
+        assert_eq!(parsed["stream_options"]["include_usage"], true);
+        assert_eq!(parsed["messages"][0]["content"], "}");
+    }
+
+    #[test]
+    fn what_cannot_be_appended_is_skipped_with_its_reason() {
+        let cases: [(&[u8], StreamedInjection); 9] = [
+            (br#"{"stream":false}"#, StreamedInjection::NotApplicable),
+            (br#"{"stream":null}"#, StreamedInjection::NotApplicable),
+            (br#"{"model":"m"}"#, StreamedInjection::NotApplicable),
+            (br#"[1,2]"#, StreamedInjection::NotApplicable),
+            (
+                br#"{"stream":true,"stream_options":{"include_usage":true}}"#,
+                StreamedInjection::ClientAsked,
+            ),
+            (
+                br#"{"stream":true,"stream_options":{"include_usage":false}}"#,
+                StreamedInjection::Skipped(SkipReason::StreamOptions),
+            ),
+            (
+                br#"{"stream":"true"}"#,
+                StreamedInjection::Skipped(SkipReason::StreamNotBoolean),
+            ),
+            (
+                br#"{"stream":true,"stream":false}"#,
+                StreamedInjection::Skipped(SkipReason::Duplicate),
+            ),
+            (
+                br#"{"stream":true,"stream_options":null,"stream_options":{}}"#,
+                StreamedInjection::Skipped(SkipReason::Duplicate),
+            ),
+        ];
+        for (body, want) in cases {
+            assert_eq!(scanned(body).1, want, "{}", String::from_utf8_lossy(body));
+        }
+        assert_eq!(
+            scanned(br#"{"stream":true,"stream_options":null}"#).1,
+            StreamedInjection::Skipped(SkipReason::StreamOptions)
+        );
+        assert_eq!(
+            scanned(br#"{"model":"a","model":"b","stream":true}"#).1,
+            StreamedInjection::Append,
+            "only stream and stream_options decide"
+        );
+        let mut open = RequestScan::new();
+        open.push(br#"{"stream":true,"messages":["#);
+        assert_eq!(open.injection(), StreamedInjection::Pending);
+        assert!(!open.complete());
+    }
+}
