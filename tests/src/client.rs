@@ -100,6 +100,22 @@ impl Client {
     }
 }
 
+impl Client {
+    /// `POST url` with `body` sent chunked (`transfer-encoding: chunked`,
+    /// no `content-length`), as a client streaming its upload does.
+    pub fn post_chunked(&self, url: &str, headers: &[(&str, &str)], body: &[u8]) -> Result<Reply> {
+        let mut request = self.agent.post(url);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let mut reader = body;
+        let response = request
+            .send(ureq::SendBody::from_reader(&mut reader))
+            .with_context(|| format!("POST {url} (chunked)"))?;
+        reply(response)
+    }
+}
+
 /// A response whose body may have been cut off.
 #[derive(Debug, Clone)]
 pub struct Partial {

@@ -140,7 +140,14 @@ mod tests {
         );
         assert_eq!(header(&openai, "x-request-id"), Some("r-2"));
         // Any other path: OpenAI's shape, which has `error.type` and `.message` too.
-        let other = error(None, 401, "authentication_error", "m", RetryHint::Never, None);
+        let other = error(
+            None,
+            401,
+            "authentication_error",
+            "m",
+            RetryHint::Never,
+            None,
+        );
         assert_eq!(other.body, openai_body("m", "authentication_error"));
         assert_eq!(header(&other, "x-request-id"), None);
     }
@@ -157,7 +164,11 @@ mod tests {
             assert_eq!(RetryHint::for_status(status), RetryHint::Never, "{status}");
         }
         for status in [429, 503] {
-            assert_eq!(RetryHint::for_status(status), RetryHint::After(1), "{status}");
+            assert_eq!(
+                RetryHint::for_status(status),
+                RetryHint::After(1),
+                "{status}"
+            );
         }
         let never = error(None, 504, "cache_miss", "m", RetryHint::Never, None);
         assert_eq!(header(&never, "x-should-retry"), Some("false"));

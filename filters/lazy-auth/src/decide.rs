@@ -163,11 +163,7 @@ impl Stream {
                 let mut token = value;
                 token.truncate(end);
                 token.drain(..start);
-                return Read::Found(Credential {
-                    kind,
-                    hash,
-                    token,
-                });
+                return Read::Found(Credential { kind, hash, token });
             }
         }
         Read::Missing
@@ -776,7 +772,10 @@ mod tests {
         assert_eq!(identity(&host).as_deref(), Some("unverified"));
         let jobs = verify_jobs(&host);
         assert_eq!(jobs.len(), 1);
-        assert_eq!(jobs[0].hash, TokenHash::credential(CredentialKind::ApiKey, b"sk-new").0);
+        assert_eq!(
+            jobs[0].hash,
+            TokenHash::credential(CredentialKind::ApiKey, b"sk-new").0
+        );
         assert_eq!(jobs[0].credential, b"sk-new");
         assert_eq!(jobs[0].enqueued_at_ms, NOW * 1000);
         // The pending count the observer's FINISHED_KEY is compared with.

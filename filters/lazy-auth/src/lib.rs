@@ -335,7 +335,10 @@ mod tests {
         assert_eq!(records[0].decision, "valid_cached");
         assert_eq!(records[0].tenant.as_deref(), Some("acme"));
         assert!(records[0].verified);
-        assert_eq!(records[0].hash_prefix, TokenHash::credential(CredentialKind::ApiKey, b"sk-live-1").prefix());
+        assert_eq!(
+            records[0].hash_prefix,
+            TokenHash::credential(CredentialKind::ApiKey, b"sk-live-1").prefix()
+        );
     }
 
     #[test]

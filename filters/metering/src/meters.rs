@@ -11,6 +11,7 @@
 use std::cell::RefCell;
 
 use zerolayer_core::metering::{LabelLimits, SeriesTable, UsageRecord};
+use zerolayer_core::usage::SkipReason;
 use zerolayer_host::{Counter, Family, Host, MetricKind};
 
 /// Token kinds, in series order (after the request count).
@@ -59,6 +60,7 @@ pub(crate) struct Meters {
     usage: Family<UsageResult>,
     records: Family<RecordOutcome>,
     injected: Counter,
+    skipped: Family<SkipReason>,
     encoded: Family<Decoding>,
     table: RefCell<SeriesTable>,
     series: RefCell<Vec<SeriesMetrics>>,
@@ -71,6 +73,12 @@ impl Meters {
             usage: Family::define(host, WHO, "zerolayer_metering_usage", "result"),
             records: Family::define(host, WHO, "zerolayer_metering_records", "outcome"),
             injected: Counter::define(host, WHO, "zerolayer_metering_include_usage_injected"),
+            skipped: Family::define(
+                host,
+                WHO,
+                "zerolayer_metering_include_usage_skipped",
+                "reason",
+            ),
             encoded: Family::define(host, WHO, "zerolayer_metering_encoded_responses", "result"),
             table: RefCell::new(SeriesTable::new(limits)),
             series: RefCell::new(Vec::new()),
@@ -126,6 +134,11 @@ impl Meters {
         self.injected.add(1);
     }
 
+    /// A streamed OpenAI request whose `include_usage` could not be added.
+    pub(crate) fn skipped(&self, reason: SkipReason) {
+        self.skipped.add(reason);
+    }
+
     /// A compressed response: its usage decoded, or unreadable (a coding
     /// or bytes the decoder cannot read).
     pub(crate) fn encoded(&self, decoded: bool) {
@@ -141,6 +154,7 @@ impl Meters {
         self.usage.flush(host);
         self.records.flush(host);
         self.injected.flush(host);
+        self.skipped.flush(host);
         self.encoded.flush(host);
         let Ok(mut series) = self.series.try_borrow_mut() else {
             return;

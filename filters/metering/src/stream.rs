@@ -10,10 +10,12 @@ use zerolayer_core::encoding::{BodyDecoder, ContentCoding};
 use zerolayer_core::event::Job;
 use zerolayer_core::internal;
 use zerolayer_core::metering::UsageRecord;
+use zerolayer_core::metrics::Label;
 use zerolayer_core::usage::{
-    Injection, ResponseFormat, UsageChunkStripper, UsageExtractor, inject_include_usage,
+    INCLUDE_USAGE_MEMBER, Injection, RequestScan, ResponseFormat, StreamedInjection,
+    UsageChunkStripper, UsageExtractor, inject_include_usage,
 };
-use zerolayer_host::{Action, Body, Callback, Host, StreamStage};
+use zerolayer_host::{Action, Body, Callback, Headers, Host, StreamStage};
 
 use crate::Plan;
 
@@ -31,8 +33,11 @@ pub(crate) struct MeteredStream {
     request_id: String,
     /// The tenant header's value, when configured (same reason).
     tenant_header: Option<String>,
-    /// The request body may need `include_usage` (held until complete).
-    rewrite_pending: bool,
+    /// What becomes of an OpenAI request's `include_usage`.
+    rewrite: Rewrite,
+    /// The request body's members as they pass (the model; for a streamed
+    /// rewrite, `stream` and where the object ends). `None` once read whole.
+    scan: Option<RequestScan>,
     /// ngx_wasm_module: the request has a body this filter has not seen
     /// yet. Every filter's request headers run first there, so a request
     /// answered by an earlier filter's body step (a cache hit) never
@@ -50,6 +55,19 @@ pub(crate) struct MeteredStream {
     recorded: bool,
 }
 
+/// How an OpenAI request is made to ask for usage.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rewrite {
+    /// Nothing to do (not OpenAI, not configured, no body, or done).
+    None,
+    /// The body is held until complete (at most `max_request_bytes`), then
+    /// rewritten in place.
+    Held,
+    /// The body streams through; `include_usage` is appended where the
+    /// object closes.
+    Streamed,
+}
+
 impl MeteredStream {
     pub(crate) fn new(plan: Option<Rc<Plan>>) -> MeteredStream {
         MeteredStream {
@@ -58,7 +76,8 @@ impl MeteredStream {
             started_us: 0,
             request_id: String::new(),
             tenant_header: None,
-            rewrite_pending: false,
+            rewrite: Rewrite::None,
+            scan: None,
             body_pending: false,
             stripper: None,
             extractor: None,
@@ -84,6 +103,14 @@ impl MeteredStream {
             Some(e) => (e.usage.ok(), e.model),
             None => (None, None),
         };
+        // The response names the model it ran; one that names none (an
+        // error) is recorded under the model the request asked for.
+        let model = model.or_else(|| {
+            self.scan
+                .as_ref()
+                .and_then(RequestScan::model)
+                .map(str::to_string)
+        });
         let request_id = std::mem::take(&mut self.request_id);
         let tenant = self.tenant(host);
         let rate = plan.sampling.rate(&tenant);
@@ -159,7 +186,7 @@ impl MeteredStream {
         host.ask_identity_encoding();
         self.started_us = host.now_us();
         self.request_id = host
-            .request_header("x-request-id")
+            .request_id()
             .map(|mut id| {
                 id.truncate(MAX_REQUEST_ID);
                 String::from_utf8_lossy(&id).into_owned()
@@ -178,20 +205,38 @@ impl MeteredStream {
                 .is_some_and(|l| l != b"0")
                 || host.request_header("transfer-encoding").is_some();
         }
-        if plan.config.openai_include_usage && provider == Provider::OpenAi && !end_of_stream {
-            // The body may grow: hold the headers until it is rewritten, so
-            // content-length can still be set. ngx_wasm_module cannot hold
-            // them (it reads the body after the headers went on) and takes
-            // the body's new length from the rewrite itself.
-            self.rewrite_pending = true;
-            if holds_headers {
-                return Action::Pause;
-            }
+        if end_of_stream {
+            return Action::Continue;
+        }
+        // The model the request names, for a response that names none.
+        self.scan = Some(RequestScan::new());
+        if !(plan.config.openai_include_usage && provider == Provider::OpenAi) {
+            return Action::Continue;
+        }
+        let declared = host
+            .request_header("content-length")
+            .and_then(|l| std::str::from_utf8(&l).ok()?.trim().parse::<u64>().ok());
+        if holds_headers && declared.is_some_and(|n| n > u64::from(plan.config.max_request_bytes)) {
+            // Too large to hold: it streams through, and the member is
+            // appended as it passes, so the length the client declared
+            // no longer holds (the backend gets the body chunked).
+            self.rewrite = Rewrite::Streamed;
+            host.remove_header(Headers::Request, "content-length");
+            return Action::Continue;
+        }
+        // The body may grow: hold the headers until it is rewritten, so
+        // content-length can still be set. ngx_wasm_module cannot hold
+        // them (it reads the whole body after the headers went on) and
+        // takes the body's new length from the rewrite itself.
+        self.rewrite = Rewrite::Held;
+        if holds_headers {
+            return Action::Pause;
         }
         Action::Continue
     }
 
-    /// The request body: `include_usage` once it is complete.
+    /// The request body: its members read as it passes, `include_usage`
+    /// once it is complete (held) or where its object closes (streamed).
     fn on_request_body(
         &mut self,
         host: &mut impl Host,
@@ -199,17 +244,50 @@ impl MeteredStream {
         end_of_stream: bool,
     ) -> Action {
         self.body_pending = false;
-        if !self.rewrite_pending {
-            return Action::Continue;
-        }
-        if !end_of_stream {
-            return Action::Pause;
-        }
-        self.rewrite_pending = false;
-        let (Some(plan), Some(provider)) = (&self.plan, self.provider) else {
+        let Some(plan) = self.plan.clone() else {
             return Action::Continue;
         };
+        if self.rewrite == Rewrite::Held {
+            if body_size > plan.config.max_request_bytes as usize {
+                // A body of unknown length grew past what is held: what is
+                // held so far goes on, the rest streams through.
+                self.rewrite = Rewrite::Streamed;
+            } else if !end_of_stream {
+                return Action::Pause;
+            } else {
+                return self.rewrite_held(host, &plan, body_size);
+            }
+        }
+        // After a `Continue` the host hands over only the new bytes.
+        let Some(scan) = &mut self.scan else {
+            return Action::Continue;
+        };
+        let closed = host.with_body(Body::Request, body_size, |chunk| scan.push(chunk));
+        let complete = scan.complete();
+        if self.rewrite == Rewrite::Streamed
+            && let Some(at) = closed
+        {
+            self.rewrite = Rewrite::None;
+            self.append_include_usage(host, &plan, body_size, at);
+        }
+        if complete || end_of_stream {
+            // Everything it names is read: the rest is not ours.
+            self.rewrite = Rewrite::None;
+        }
+        Action::Continue
+    }
+
+    /// The whole body is held: make it ask for usage in place.
+    fn rewrite_held(&mut self, host: &mut impl Host, plan: &Plan, body_size: usize) -> Action {
+        self.rewrite = Rewrite::None;
+        let Some(provider) = self.provider else {
+            return Action::Continue;
+        };
+        let scan = &mut self.scan;
         let injection = host.with_body(Body::Request, body_size, |body| {
+            if let Some(scan) = scan {
+                scan.push(body);
+            }
             inject_include_usage(provider, body)
         });
         if let Injection::Refused(message) = &injection {
@@ -232,6 +310,53 @@ impl MeteredStream {
             }
         }
         Action::Continue
+    }
+
+    /// A streamed body's object closes at `at` in the current chunk: append
+    /// `include_usage` there if the request streams without asking for it.
+    fn append_include_usage(&mut self, host: &mut impl Host, plan: &Plan, size: usize, at: usize) {
+        let Some(scan) = &self.scan else {
+            return;
+        };
+        match scan.injection() {
+            StreamedInjection::Append => {}
+            StreamedInjection::Skipped(reason) => {
+                log::warn!(
+                    "metering: request {:?} ({size} bytes or more) streams without include_usage \
+                     and was not held ({}): its usage may be missing",
+                    self.request_id,
+                    reason.label()
+                );
+                plan.meters.skipped(reason);
+                return;
+            }
+            StreamedInjection::Pending
+            | StreamedInjection::NotApplicable
+            | StreamedInjection::ClientAsked => return,
+        }
+        let appended = host.with_body(Body::Request, size, |chunk| {
+            let (head, tail) = chunk.split_at(at.min(chunk.len()));
+            let mut out = Vec::with_capacity(chunk.len() + INCLUDE_USAGE_MEMBER.len());
+            out.extend_from_slice(head);
+            out.extend_from_slice(INCLUDE_USAGE_MEMBER);
+            out.extend_from_slice(tail);
+            out
+        });
+        let length = appended.len();
+        if host.set_body(Body::Request, size, &appended).is_ok() {
+            if !host.can_hold_headers_for_body() {
+                // ngx_wasm_module hands over the whole body at once and
+                // sends the length the headers say.
+                host.set_request_header("content-length", length.to_string().as_bytes());
+            }
+            self.stripper = Some(UsageChunkStripper::new());
+            plan.meters.injected();
+            if host.responses_in_chain_order() {
+                host.publish(internal::USAGE_HIDDEN_PROPERTY, b"1");
+            }
+        } else {
+            log::warn!("metering: could not append include_usage; usage may be missing");
+        }
     }
 }
 
@@ -295,8 +420,8 @@ impl MeteredStream {
 impl<H: Host> StreamStage<H> for MeteredStream {
     fn request_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         let action = self.on_request_headers(host, end_of_stream);
-        if !self.rewrite_pending && !self.body_pending {
-            // No rewrite to make: the request body is not ours.
+        if self.scan.is_none() && !self.body_pending {
+            // Nothing to read or rewrite: the request body is not ours.
             host.done_with(Callback::RequestBody);
         }
         if self.provider.is_none() {
@@ -308,7 +433,7 @@ impl<H: Host> StreamStage<H> for MeteredStream {
 
     fn request_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
         let action = self.on_request_body(host, body_size, end_of_stream);
-        if !self.rewrite_pending {
+        if self.rewrite == Rewrite::None && self.scan.as_ref().is_none_or(RequestScan::complete) {
             host.done_with(Callback::RequestBody);
         }
         action
@@ -469,6 +594,23 @@ mod tests {
             None => Action::Continue,
         };
         (stream, headers, body)
+    }
+
+    /// A POST to `path` whose body is still to come (see `send_body`).
+    fn open(
+        root: &MeteringRoot,
+        host: &mut FakeHost,
+        path: &str,
+        extra: &[(&str, &str)],
+    ) -> (Stream, Action) {
+        host.request_headers = [(":method", "POST"), (":path", path)]
+            .iter()
+            .chain(extra)
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect();
+        let mut stream = RootStage::<FakeHost>::stream(root, 1);
+        let headers = stream.request_headers(host, false);
+        (stream, headers)
     }
 
     fn post(root: &MeteringRoot, host: &mut FakeHost, path: &str, body: &[u8]) -> Stream {
@@ -744,6 +886,136 @@ mod tests {
                 .properties
                 .contains_key(internal::USAGE_HIDDEN_PROPERTY)
         );
+    }
+
+    /// A streamed OpenAI request of `content` bytes of text.
+    fn large_streamed_request(content: usize, extra: &str) -> Vec<u8> {
+        format!(
+            r#"{{"messages":[{{"role":"user","content":"{}"}}],"model":"gpt-4o","stream":true{extra}}}"#,
+            "x".repeat(content)
+        )
+        .into_bytes()
+    }
+
+    /// Sends `body` in `chunk`-byte pieces as Envoy does: while the stage
+    /// pauses the body is buffered (each callback sees all of it so far),
+    /// after it continues each callback sees only the new bytes. Returns
+    /// the bytes that went on and each callback's action.
+    fn send_body(
+        stream: &mut Stream,
+        host: &mut FakeHost,
+        body: &[u8],
+        chunk: usize,
+    ) -> (Vec<u8>, Vec<Action>) {
+        let (mut forwarded, mut actions, mut buffered) = (Vec::new(), Vec::new(), Vec::new());
+        let pieces: Vec<&[u8]> = body.chunks(chunk).collect();
+        for (i, piece) in pieces.iter().enumerate() {
+            buffered.extend_from_slice(piece);
+            host.request_body = buffered.clone();
+            let action = stream.request_body(host, buffered.len(), i + 1 == pieces.len());
+            actions.push(action);
+            if action == Action::Continue {
+                forwarded.extend_from_slice(&host.request_body);
+                buffered.clear();
+            }
+        }
+        (forwarded, actions)
+    }
+
+    const SMALL_HOLD: &str = r#"{"openai_include_usage":true,"max_request_bytes":1024}"#;
+
+    #[test]
+    fn a_body_declared_over_max_request_bytes_streams_with_include_usage_appended() {
+        let (mut host, mut root) = configured(SMALL_HOLD);
+        let body = large_streamed_request(5000, "");
+        let length = body.len().to_string();
+        let extra = [("content-length", length.as_str())];
+        let (mut stream, headers) = open(&root, &mut host, OPENAI, &extra);
+        assert_eq!(headers, Action::Continue, "never held");
+        assert_eq!(
+            host.request_header_value("content-length"),
+            None,
+            "it grows"
+        );
+        let (forwarded, actions) = send_body(&mut stream, &mut host, &body, 700);
+        assert!(
+            actions.iter().all(|a| *a == Action::Continue),
+            "{actions:?}"
+        );
+        let sent: Value = serde_json::from_slice(&forwarded).expect("JSON");
+        assert_eq!(sent["stream_options"]["include_usage"], true);
+        assert_eq!(
+            forwarded.len(),
+            body.len() + zerolayer_core::usage::INCLUDE_USAGE_MEMBER.len()
+        );
+        assert!(forwarded.starts_with(&body[..body.len() - 1]));
+        let injected = "zerolayer_metering_include_usage_injected";
+        assert_eq!(counted(&mut root, &mut host, injected), Some(1));
+        // The usage chunk it asked for is the gateway's, not the client's.
+        let chunks = [CONTENT_EVENT, USAGE_EVENT, DONE_EVENT];
+        let client = complete(&mut stream, &mut host, SSE_200, &chunks);
+        assert_eq!(client, [CONTENT_EVENT, DONE_EVENT].concat());
+        assert_eq!(logged(&host).expect("a usage entry")["output_tokens"], 2);
+    }
+
+    #[test]
+    fn a_body_of_unknown_length_is_held_until_it_outgrows_max_request_bytes() {
+        let (mut host, root) = configured(SMALL_HOLD);
+        let body = large_streamed_request(3000, "");
+        let (mut stream, headers) = open(&root, &mut host, OPENAI, &[]);
+        assert_eq!(headers, Action::Pause, "held while it may be small");
+        let (forwarded, actions) = send_body(&mut stream, &mut host, &body, 400);
+        // Held for the first two pieces (800 bytes), released with the third.
+        assert_eq!(
+            actions[..3],
+            [Action::Pause, Action::Pause, Action::Continue]
+        );
+        let sent: Value = serde_json::from_slice(&forwarded).expect("JSON");
+        assert_eq!(sent["stream_options"]["include_usage"], true);
+        assert_eq!(
+            sent["messages"][0]["content"].as_str().map(str::len),
+            Some(3000)
+        );
+    }
+
+    #[test]
+    fn a_streamed_body_that_cannot_ask_for_usage_goes_on_unchanged_and_is_counted() {
+        let (mut host, mut root) = configured(SMALL_HOLD);
+        let body = large_streamed_request(2000, r#","stream_options":{"include_usage":false}"#);
+        let length = body.len().to_string();
+        let extra = [("content-length", length.as_str())];
+        let (mut stream, _) = open(&root, &mut host, OPENAI, &extra);
+        let (forwarded, _) = send_body(&mut stream, &mut host, &body, 1000);
+        assert_eq!(forwarded, body);
+        let skipped = "zerolayer_metering_include_usage_skipped_reason=stream_options";
+        assert_eq!(counted(&mut root, &mut host, skipped), Some(1));
+        let chunks = [CONTENT_EVENT, DONE_EVENT];
+        assert_eq!(
+            complete(&mut stream, &mut host, SSE_200, &chunks),
+            chunks.concat()
+        );
+        assert_eq!(logged(&host).expect("a usage entry")["usage_missing"], 1);
+    }
+
+    #[test]
+    fn an_error_without_a_model_is_recorded_under_the_model_the_request_named() {
+        let (mut host, root) = configured(SAMPLED);
+        let body =
+            br#"{"max_tokens":5,"messages":[{"role":"user","content":"hi"}],"model":"claude-x"}"#;
+        let (mut stream, _) = open(&root, &mut host, ANTHROPIC, &[]);
+        let _ = send_body(&mut stream, &mut host, body, 16);
+        let error =
+            br#"{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}"#;
+        complete(
+            &mut stream,
+            &mut host,
+            &[(":status", "429"), ("content-type", "application/json")],
+            &[error],
+        );
+        let entry = logged(&host).expect("a usage entry");
+        assert_eq!(entry["model"], "claude-x");
+        assert_eq!(entry["status"], 429);
+        assert_eq!(entry["usage_missing"], 1);
     }
 
     #[test]

@@ -170,6 +170,13 @@ impl CacheStream {
         if end_of_stream {
             return self.bypass(Bypass::Unkeyable);
         }
+        let declared = host
+            .request_header("content-length")
+            .and_then(|l| std::str::from_utf8(&l).ok()?.trim().parse::<u64>().ok());
+        if declared.is_some_and(|n| n > u64::from(plan.config.max_request_bytes)) {
+            // Too large to key: never held, it streams to the backend.
+            return self.bypass(Bypass::TooLarge);
+        }
         // An entry is the body as the backend sent it: uncompressed, so
         // any client can be served it (a compressed one is not stored).
         host.ask_identity_encoding();
@@ -644,7 +651,7 @@ mod tests {
     use zerolayer_core::cache::store::{FleetEntry, StoredResponse};
     use zerolayer_core::event::Job;
     use zerolayer_core::internal;
-    use zerolayer_host::{Action, FakeHost, Platform};
+    use zerolayer_host::{Action, FakeHost, Platform, RootStage};
 
     use crate::CacheRoot;
     use crate::testing::{
@@ -707,6 +714,33 @@ mod tests {
             let name = format!("zerolayer_cache_lookups_result={result}");
             assert_eq!(counted(&mut root, &mut host, &name), 0, "{name}");
         }
+    }
+
+    #[test]
+    fn a_body_declared_larger_than_max_request_bytes_is_never_held() {
+        let (mut host, mut root) = shared_cache();
+        let length = (1024 * 1024 + 1).to_string();
+        host.request_headers = [(":method", "POST"), (":path", OPENAI)]
+            .iter()
+            .chain(&[("content-length", length.as_str())])
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect();
+        let mut stream = RootStage::<FakeHost>::stream(&root, 1);
+        assert_eq!(stream.request_headers(&mut host, false), Action::Continue);
+        // Its body is not the cache's: the first chunk goes on at once.
+        host.request_body = vec![b'{'; 16 * 1024];
+        assert_eq!(
+            stream.request_body(&mut host, 16 * 1024, false),
+            Action::Continue
+        );
+        complete(&mut stream, &mut host, JSON_200, &ANSWER);
+        assert_eq!(
+            host.response_header_value("x-cache").as_deref(),
+            Some("BYPASS")
+        );
+        assert_eq!(stored_bodies(&host), 0);
+        let too_large = "zerolayer_cache_bypass_reason=too_large";
+        assert_eq!(counted(&mut root, &mut host, too_large), 1);
     }
 
     #[test]

@@ -29,8 +29,10 @@ use crate::config::{Compression, Fault, StubConfig};
 use crate::headers::RequestOptions;
 use crate::provider::{ErrorKind, Provider, Reply, StreamPlan};
 
-/// Request bodies above this size get 413: no chat request is this big.
-const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+/// Request bodies above this size get 413, as a provider answers one over
+/// its own limit (Anthropic's is 32 MB); long-context and multimodal
+/// requests below it are served.
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
 
 /// How long a disconnect waits after the last event left the channel, so
 /// that hyper has flushed it before the connection is torn down.

@@ -287,7 +287,10 @@ mod tests {
             TokenHash::credential(KEY, b"t")
         );
         // The same bytes as the other kind are another credential.
-        assert_eq!(recent.hash(KEY, b"token-c"), TokenHash::credential(KEY, b"token-c"));
+        assert_eq!(
+            recent.hash(KEY, b"token-c"),
+            TokenHash::credential(KEY, b"token-c")
+        );
         assert_ne!(recent.hash(KEY, b"token-c"), recent.hash(JWT, b"token-c"));
         assert_eq!(format!("{recent:?}"), "RecentCredentials(2 of 2)");
     }

@@ -147,7 +147,10 @@ pub struct PostCacheConfig {
     /// Largest response stored, bytes (at least 1024).
     #[serde(default = "default_max_entry_bytes")]
     pub max_entry_bytes: u32,
-    /// Largest request body keyed, bytes (larger ones bypass the cache).
+    /// Largest request body keyed, bytes: a larger one bypasses the cache
+    /// (reason `too_large`) and is never held, so it streams to the
+    /// backend (one whose `content-length` says so is not even held for
+    /// its first byte). Keep it below the proxy's request buffer limit.
     #[serde(default = "default_max_request_bytes")]
     pub max_request_bytes: u32,
     /// Response headers stored and replayed (lowercase), besides `content-type`.

@@ -266,7 +266,10 @@ impl TtlPolicy {
                 "missing_temperature.anthropic",
                 self.missing_temperature.anthropic,
             ),
-            ("missing_temperature.openai", self.missing_temperature.openai),
+            (
+                "missing_temperature.openai",
+                self.missing_temperature.openai,
+            ),
         ] {
             if !t.is_finite() || t < 0.0 {
                 return Err(ConfigError::new(

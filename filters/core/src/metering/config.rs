@@ -71,12 +71,23 @@ pub struct MeteringConfig {
     /// lack it, and strip the extra usage chunk from what the client sees.
     #[serde(default)]
     pub openai_include_usage: bool,
+    /// Largest OpenAI request body held whole for the `include_usage`
+    /// rewrite, bytes (1 KiB–64 MiB; keep it below the proxy's request
+    /// buffer limit). A larger body is never held: it streams through and
+    /// `include_usage` is appended where its JSON object closes (with
+    /// `content-length` dropped, so the backend gets it chunked).
+    #[serde(default = "default_max_request_bytes")]
+    pub max_request_bytes: u32,
     /// Where the observer ships full records (none: metrics and access log only).
     #[serde(default)]
     pub sink: Option<SinkConfig>,
     /// Where the observer is (`mode: tick` in Kong).
     #[serde(default)]
     pub observer: ObserverLink,
+}
+
+fn default_max_request_bytes() -> u32 {
+    1024 * 1024
 }
 
 fn default_environment() -> String {
@@ -111,6 +122,15 @@ impl MeteringConfig {
         self.observer.validate()?;
         if self.environment.is_empty() {
             return Err(ConfigError::new("environment", "must not be empty"));
+        }
+        if !(1024..=64 * 1024 * 1024).contains(&self.max_request_bytes) {
+            return Err(ConfigError::new(
+                "max_request_bytes",
+                format!(
+                    "{} is outside 1024..=67108864 bytes",
+                    self.max_request_bytes
+                ),
+            ));
         }
         if let Some(header) = &self.tenant_header
             && !is_lowercase_header_name(header)

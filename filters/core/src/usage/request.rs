@@ -235,7 +235,8 @@ mod tests {
 
     #[test]
     fn a_streamed_request_without_usage_gets_it_appended_at_the_root_end() {
-        let body = br#"{"model":"gpt-4o","messages":[{"role":"user","content":"}"}],"stream":true} "#;
+        let body =
+            br#"{"model":"gpt-4o","messages":[{"role":"user","content":"}"}],"stream":true} "#;
         let (_, injection, end) = scanned(body);
         assert_eq!(injection, StreamedInjection::Append);
         let end = end.unwrap();
