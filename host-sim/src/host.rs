@@ -223,6 +223,11 @@ pub struct HostOptions {
     /// entries take a 4-byte prefix). Enqueueing past it traps, as
     /// ngx_wasm_module does ("could not enqueue (queue is full)").
     pub kong_queue_bytes: usize,
+    /// Kong: nginx's `client_body_buffer_size`. A request body larger than
+    /// this is buffered to a file, which filters cannot read there
+    /// (`proxy_get_buffer_bytes` fails, logged as ngx_wasm_module does);
+    /// the upstream still gets it whole. `None`: every body in memory.
+    pub kong_body_buffer_bytes: Option<usize>,
 }
 
 impl Default for HostOptions {
@@ -236,6 +241,7 @@ impl Default for HostOptions {
             kong_queues: Vec::new(),
             kong_gateway: false,
             kong_queue_bytes: 4 * 1024 * 1024,
+            kong_body_buffer_bytes: None,
         }
     }
 }
@@ -316,6 +322,7 @@ impl Host {
         world.kong_queues = options.kong_queues.clone();
         world.kong_gateway = options.kong_gateway;
         world.kong_queue_bytes = options.kong_queue_bytes;
+        world.kong_body_buffer_bytes = options.kong_body_buffer_bytes;
         Ok(Host {
             _epochs: epochs,
             engine,

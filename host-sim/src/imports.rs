@@ -169,8 +169,25 @@ fn buffer_bytes(caller: &mut C<'_>, kind: BufferType) -> Result<Vec<u8>, Status>
         BufferType::RequestBody | BufferType::ResponseBody => {
             let (stream, _) = caller.data().current_stream().ok_or(Status::NotFound)?;
             let world = caller.data().world.clone();
-            let world = world.borrow();
+            let mut world = world.borrow_mut();
             let data = world.streams.get(&stream).ok_or(Status::NotFound)?;
+            if kind == BufferType::RequestBody
+                && world.profile == Profile::Kong
+                && world
+                    .kong_body_buffer_bytes
+                    .is_some_and(|limit| data.request_body.len() > limit)
+            {
+                // nginx wrote it to a file: ngx_wasm_module cannot read it
+                // and answers as for no body (the SDK panics on an error).
+                world.log(
+                    "host-sim",
+                    LogLevel::Error,
+                    "cannot read request body buffered to file (larger than \
+                     client_body_buffer_size)"
+                        .into(),
+                );
+                return Err(Status::NotFound);
+            }
             Ok(if kind == BufferType::RequestBody {
                 data.request_body.clone()
             } else {

@@ -50,6 +50,9 @@ pub(crate) fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
         // nginx variables (`ngx.*`) answer only in a request, as here.
         return Some(NGINX_VERSION.as_bytes().to_vec());
     }
+    if profile == Profile::Kong && parts.join(".") == NGX_REQUEST_ID {
+        return Some(request_id(stream, data.info.start_ns).into_bytes());
+    }
     if profile == Profile::Kong && world.kong_gateway {
         let dotted = parts.join(".");
         if dotted == "kong.version" {
@@ -65,12 +68,27 @@ pub(crate) fn get(state: &VmState, path: &[u8]) -> Option<Vec<u8>> {
 
 /// The nginx variable ngx_wasm_module answers as property `ngx.nginx_version`.
 const NGX_VERSION: &str = "ngx.nginx_version";
+/// nginx's `$request_id` (32 hex digits, random, one per request).
+const NGX_REQUEST_ID: &str = "ngx.request_id";
 /// The nginx version of `../shared/ngx-wasm` (what `ngx.nginx_version` answers).
 const NGINX_VERSION: &str = "1.27.4";
 /// The version Kong Gateway's `kong.version` property answers.
 const KONG_VERSION: &str = "3.9.1";
 /// Kong Gateway's per-request namespace (`kong.ctx.shared`).
 const KONG_SHARED: &str = "kong.ctx.shared.";
+
+/// A request's `$request_id`: 32 hex digits, the same all through the
+/// request, different for every request (splitmix64 of its stream and start).
+fn request_id(stream: u64, start_ns: u64) -> String {
+    let mix = |mut z: u64| {
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let a = mix(stream.wrapping_add(0x9e37_79b9_7f4a_7c15));
+    let b = mix(a ^ start_ns);
+    format!("{a:016x}{b:016x}")
+}
 
 fn attribute(data: &StreamData, parts: &[&str], now_ns: u64) -> Option<Vec<u8>> {
     let req = &data.request_headers;

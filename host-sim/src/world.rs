@@ -261,6 +261,8 @@ pub struct World {
     pub(crate) kong_gateway: bool,
     /// Kong: capacity of each declared queue, bytes.
     pub(crate) kong_queue_bytes: usize,
+    /// Kong: larger request bodies are in a file filters cannot read.
+    pub(crate) kong_body_buffer_bytes: Option<usize>,
     /// Host calls by plugin and function, while counting is on.
     pub(crate) host_calls: Option<BTreeMap<(String, &'static str), u64>>,
 }
@@ -284,6 +286,7 @@ impl World {
             kong_queues: Vec::new(),
             kong_gateway: false,
             kong_queue_bytes: usize::MAX,
+            kong_body_buffer_bytes: None,
             host_calls: None,
         }
     }

@@ -355,6 +355,137 @@ pub fn concurrently<T: Send>(
     })
 }
 
+/// A mebibyte.
+pub const MIB: usize = 1024 * 1024;
+
+/// A request body case of the large-body scenarios.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyCase {
+    /// Its `x-request-id`.
+    pub id: &'static str,
+    /// The API path.
+    pub path: &'static str,
+    /// About how many bytes.
+    pub size: usize,
+    /// Whether it asks for a stream.
+    pub stream: bool,
+    /// Sent chunked (no `content-length`) rather than with its length.
+    pub chunked: bool,
+}
+
+/// Large bodies as long-context and multimodal requests send them, each
+/// API streamed and not, with and without a declared length; and one under
+/// the stages' 1 MiB, held and rewritten in place.
+pub const LARGE_BODIES: &[BodyCase] = &[
+    BodyCase {
+        id: "big-anthropic",
+        path: "/v1/messages",
+        size: 32 * MIB,
+        stream: false,
+        chunked: false,
+    },
+    BodyCase {
+        id: "big-anthropic-stream",
+        path: "/v1/messages",
+        size: 3 * MIB,
+        stream: true,
+        chunked: true,
+    },
+    BodyCase {
+        id: "big-openai",
+        path: "/v1/chat/completions",
+        size: 32 * MIB,
+        stream: false,
+        chunked: false,
+    },
+    BodyCase {
+        id: "big-openai-stream",
+        path: "/v1/chat/completions",
+        size: 32 * MIB,
+        stream: true,
+        chunked: false,
+    },
+    BodyCase {
+        id: "big-openai-stream-chunked",
+        path: "/v1/chat/completions",
+        size: 3 * MIB,
+        stream: true,
+        chunked: true,
+    },
+    BodyCase {
+        id: "small-openai-stream",
+        path: "/v1/chat/completions",
+        size: 100 * 1024,
+        stream: true,
+        chunked: false,
+    },
+];
+
+/// A JSON request body for `path` of about `size` bytes: one user message
+/// whose content is base64-like text (what a PDF or an image is on the
+/// wire), the model after the messages as the official SDKs write it.
+pub fn large_request(path: &str, size: usize, stream: bool) -> Vec<u8> {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let content: String = (0..size).map(|i| char::from(ALPHABET[i % 64])).collect();
+    let request = if path == "/v1/messages" {
+        json!({"max_tokens": 8, "messages": [{"role": "user", "content": content}],
+               "model": "claude-large", "stream": stream})
+    } else {
+        json!({"messages": [{"role": "user", "content": content}], "model": "gpt-large",
+               "stream": stream})
+    };
+    request.to_string().into_bytes()
+}
+
+/// Checks that the backend got `sent` (request `id`) byte for byte, or,
+/// where the gateway asked for usage on the client's behalf
+/// (`usage_added`), `sent` with `stream_options.include_usage` and the
+/// usage chunk kept from the client's `reply`.
+pub fn large_request_arrived(
+    stub: &Stub,
+    id: &str,
+    usage_added: bool,
+    sent: &[u8],
+    reply: &Reply,
+) -> Result<()> {
+    let seen = stub
+        .requests()
+        .into_iter()
+        .find(|r| r.header("x-request-id") == Some(id))
+        .with_context(|| format!("{id}: never reached the backend"))?;
+    if usage_added {
+        let got: Value = serde_json::from_slice(&seen.body).with_context(|| {
+            format!(
+                "{id}: the backend got no JSON ({} bytes for {} sent, ending {:?})",
+                seen.body.len(),
+                sent.len(),
+                String::from_utf8_lossy(&seen.body[seen.body.len().saturating_sub(80)..])
+            )
+        })?;
+        let mut want: Value = serde_json::from_slice(sent)?;
+        want["stream_options"] = json!({"include_usage": true});
+        anyhow::ensure!(
+            got == want,
+            "{id}: the backend got another body ({} bytes for {} sent, ending {:?})",
+            seen.body.len(),
+            sent.len(),
+            String::from_utf8_lossy(&seen.body[seen.body.len().saturating_sub(80)..])
+        );
+        anyhow::ensure!(
+            !reply.body.contains("\"choices\":[]"),
+            "{id}: the usage chunk reached the client"
+        );
+    } else {
+        anyhow::ensure!(
+            seen.body == sent,
+            "{id}: the backend got {} bytes, not the {} sent",
+            seen.body.len(),
+            sent.len()
+        );
+    }
+    Ok(())
+}
+
 /// An Anthropic Messages body at temperature 0 (cacheable).
 pub fn anthropic(prompt: &str, stream: bool) -> String {
     json!({

@@ -138,6 +138,7 @@ impl Pair {
             profile: Profile::Envoy,
             echo_logs: false,
             kong_queues: Vec::new(),
+            kong_body_buffer_bytes: None,
             records: None,
         })
         .context("starting host-sim serve")?;

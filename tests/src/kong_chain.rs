@@ -261,6 +261,21 @@ impl KongChain {
             })
     }
 
+    /// `POST path` with `body` sent chunked (no `content-length`).
+    pub fn post_chunked(&self, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Result<Reply> {
+        let mut all = headers.to_vec();
+        all.push(("content-type", "application/json"));
+        self.client
+            .post_chunked(&self.gateway.url(path), &all, body)
+            .with_context(|| {
+                format!(
+                    "through {}; log tail:\n{}",
+                    self.form,
+                    self.gateway.log_tail(40)
+                )
+            })
+    }
+
     /// [`KongChain::post`] for a response that may break off mid-body.
     pub fn post_partial(
         &self,
@@ -346,6 +361,7 @@ pub fn host_sim_server(
         profile: host_sim::Profile::Kong,
         echo_logs: std::env::var_os("ZEROLAYER_ECHO_LOGS").is_some(),
         kong_queues: config.queues(),
+        kong_body_buffer_bytes: config.client_body_buffer_bytes(),
         records: None,
     })
 }

@@ -169,6 +169,23 @@ impl KongConfig {
         self.env.iter().map(|(k, v)| (k.as_str(), v.as_str()))
     }
 
+    /// nginx's `client_body_buffer_size` as `kong.conf` sets it (`1m`,
+    /// `512k`, bytes), if it does.
+    pub fn client_body_buffer_bytes(&self) -> Option<usize> {
+        self.http.iter().find_map(|line| {
+            let size = line
+                .strip_prefix("client_body_buffer_size ")?
+                .trim_end_matches(';')
+                .trim();
+            let (digits, unit) = match size.char_indices().last()? {
+                (at, 'k' | 'K') => (&size[..at], 1024),
+                (at, 'm' | 'M') => (&size[..at], 1024 * 1024),
+                _ => (size, 1),
+            };
+            digits.parse::<usize>().ok().map(|n| n * unit)
+        })
+    }
+
     /// The queues `kong.conf` declares (`shm_queue NAME SIZE`, possibly
     /// chained in one value).
     pub fn queues(&self) -> Vec<String> {

@@ -6,29 +6,12 @@
 //! not ask for usage gets `include_usage` appended as its body passes.
 
 use anyhow::{Context, Result, ensure};
-use serde_json::{Value, json};
-use zerolayer_e2e::chain::{Chain, ChainOptions, Form, logged_usage};
+
+use zerolayer_e2e::chain::{
+    BodyCase, Chain, ChainOptions, Form, LARGE_BODIES, MIB, large_request, large_request_arrived,
+    logged_usage,
+};
 use zerolayer_e2e::{Reply, in_every_form};
-
-const MIB: usize = 1024 * 1024;
-
-/// A JSON request body of about `size` bytes: one user message whose
-/// content is base64-like text (what a PDF or an image is on the wire).
-fn body(path: &str, size: usize, stream: bool) -> Vec<u8> {
-    let content: String = (0..size)
-        .map(|i| {
-            char::from(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"[i % 64])
-        })
-        .collect();
-    let request = if path == "/v1/messages" {
-        json!({"max_tokens": 8, "messages": [{"role": "user", "content": content}],
-               "model": "claude-large", "stream": stream})
-    } else {
-        json!({"messages": [{"role": "user", "content": content}], "model": "gpt-large",
-               "stream": stream})
-    };
-    request.to_string().into_bytes()
-}
 
 fn large_bodies_reach_the_backend_byte_for_byte(form: Form) -> Result<()> {
     let chain = Chain::start(ChainOptions {
@@ -37,36 +20,15 @@ fn large_bodies_reach_the_backend_byte_for_byte(form: Form) -> Result<()> {
     })?;
     let bearer = chain.verified_bearer("alice", "acme")?;
     let url = |path: &str| chain.envoy.url(path);
-    // (id, path, size, stream, chunked upload)
-    let cases = [
-        ("big-anthropic", "/v1/messages", 32 * MIB, false, false),
-        ("big-anthropic-stream", "/v1/messages", 3 * MIB, true, true),
-        ("big-openai", "/v1/chat/completions", 32 * MIB, false, false),
-        (
-            "big-openai-stream",
-            "/v1/chat/completions",
-            32 * MIB,
-            true,
-            false,
-        ),
-        (
-            "big-openai-stream-chunked",
-            "/v1/chat/completions",
-            3 * MIB,
-            true,
-            true,
-        ),
-        // Under the stages' 1 MiB: held, keyed, rewritten in place.
-        (
-            "small-openai-stream",
-            "/v1/chat/completions",
-            100 * 1024,
-            true,
-            false,
-        ),
-    ];
-    for (id, path, size, stream, chunked) in cases {
-        let sent = body(path, size, stream);
+    for &BodyCase {
+        id,
+        path,
+        size,
+        stream,
+        chunked,
+    } in LARGE_BODIES
+    {
+        let sent = large_request(path, size, stream);
         let headers = [
             ("authorization", bearer.as_str()),
             ("x-request-id", id),
@@ -83,41 +45,15 @@ fn large_bodies_reach_the_backend_byte_for_byte(form: Form) -> Result<()> {
             )?
         };
         ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
-        let seen = chain
-            .stub
-            .requests()
-            .into_iter()
-            .find(|r| r.header("x-request-id") == Some(id))
-            .with_context(|| format!("{id}: never reached the backend"))?;
-        let openai_stream = path == "/v1/chat/completions" && stream;
-        if openai_stream {
-            // Asked for usage on the client's behalf: the same body with
-            // one member more.
-            let got: Value = serde_json::from_slice(&seen.body)
-                .with_context(|| format!("{id}: the backend got no JSON"))?;
-            let mut want: Value = serde_json::from_slice(&sent)?;
-            want["stream_options"] = json!({"include_usage": true});
-            ensure!(got == want, "{id}: the backend got another body");
-            // …and the client never sees the usage chunk it did not ask for.
-            ensure!(
-                !reply.body.contains("\"choices\":[]"),
-                "{id}: the usage chunk reached the client"
-            );
-        } else {
-            ensure!(
-                seen.body == sent,
-                "{id}: the backend got {} bytes, not the {} sent",
-                seen.body.len(),
-                sent.len()
-            );
-        }
+        let usage_added = path == "/v1/chat/completions" && stream;
+        large_request_arrived(&chain.stub, id, usage_added, &sent, &reply)?;
         ensure!(
             reply.header("x-cache") == Some("BYPASS") || size < MIB,
             "{id}: x-cache {:?}",
             reply.header("x-cache")
         );
     }
-    let ids: Vec<&str> = cases.iter().map(|c| c.0).collect();
+    let ids: Vec<&str> = LARGE_BODIES.iter().map(|c| c.id).collect();
     let log = chain.wait_access_log_for(&ids)?;
     for id in ids {
         let usage = logged_usage(&log, id)?;

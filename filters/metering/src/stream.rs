@@ -12,7 +12,7 @@ use zerolayer_core::internal;
 use zerolayer_core::metering::UsageRecord;
 use zerolayer_core::metrics::Label;
 use zerolayer_core::usage::{
-    INCLUDE_USAGE_MEMBER, Injection, RequestScan, ResponseFormat, StreamedInjection,
+    INCLUDE_USAGE_MEMBER, Injection, RequestScan, ResponseFormat, SkipReason, StreamedInjection,
     UsageChunkStripper, UsageExtractor, inject_include_usage,
 };
 use zerolayer_host::{Action, Body, Callback, Headers, Host, StreamStage};
@@ -262,7 +262,12 @@ impl MeteredStream {
         let Some(scan) = &mut self.scan else {
             return Action::Continue;
         };
-        let closed = host.with_body(Body::Request, body_size, |chunk| scan.push(chunk));
+        let Some(closed) = host.with_body(Body::Request, body_size, |chunk| {
+            (chunk.len() == body_size).then(|| scan.push(chunk))
+        }) else {
+            self.unreadable(&plan, body_size);
+            return Action::Continue;
+        };
         let complete = scan.complete();
         if self.rewrite == Rewrite::Streamed
             && let Some(at) = closed
@@ -279,17 +284,24 @@ impl MeteredStream {
 
     /// The whole body is held: make it ask for usage in place.
     fn rewrite_held(&mut self, host: &mut impl Host, plan: &Plan, body_size: usize) -> Action {
-        self.rewrite = Rewrite::None;
         let Some(provider) = self.provider else {
+            self.rewrite = Rewrite::None;
             return Action::Continue;
         };
         let scan = &mut self.scan;
-        let injection = host.with_body(Body::Request, body_size, |body| {
+        let Some(injection) = host.with_body(Body::Request, body_size, |body| {
+            if body.len() != body_size {
+                return None;
+            }
             if let Some(scan) = scan {
                 scan.push(body);
             }
-            inject_include_usage(provider, body)
-        });
+            Some(inject_include_usage(provider, body))
+        }) else {
+            self.unreadable(plan, body_size);
+            return Action::Continue;
+        };
+        self.rewrite = Rewrite::None;
         if let Injection::Refused(message) = &injection {
             // Forwarded, it could stream without the usage chunk: refused
             // (a request the backend never saw is not metered).
@@ -310,6 +322,21 @@ impl MeteredStream {
             }
         }
         Action::Continue
+    }
+
+    /// The host could not hand the body over: it goes on unread (no model,
+    /// and an OpenAI stream's `include_usage` cannot be added), counted.
+    fn unreadable(&mut self, plan: &Plan, body_size: usize) {
+        self.scan = None;
+        if std::mem::replace(&mut self.rewrite, Rewrite::None) != Rewrite::None {
+            log::warn!(
+                "metering: request {:?}: the host could not hand over its {body_size}-byte body \
+                 (ngx_wasm_module: buffered to a file, over client_body_buffer_size): \
+                 include_usage not added, its usage may be missing",
+                self.request_id
+            );
+            plan.meters.skipped(SkipReason::Unreadable);
+        }
     }
 
     /// A streamed body's object closes at `at` in the current chunk: append
@@ -995,6 +1022,21 @@ mod tests {
             chunks.concat()
         );
         assert_eq!(logged(&host).expect("a usage entry")["usage_missing"], 1);
+    }
+
+    #[test]
+    fn a_body_the_host_cannot_hand_over_goes_on_unread_and_is_counted() {
+        let (mut host, mut root) = configured(SMALL_HOLD);
+        // ngx_wasm_module: nginx buffered the body to a file, and the
+        // filter gets nothing for its 5000 bytes.
+        host.platform = Platform::NgxWasm;
+        let (mut stream, headers) = open(&root, &mut host, OPENAI, &[("content-length", "5000")]);
+        assert_eq!(headers, Action::Continue);
+        host.request_body.clear();
+        assert_eq!(stream.request_body(&mut host, 5000, true), Action::Continue);
+        assert!(host.request_body.is_empty(), "left as it is");
+        let unreadable = "zerolayer_metering_include_usage_skipped_reason=unreadable";
+        assert_eq!(counted(&mut root, &mut host, unreadable), Some(1));
     }
 
     #[test]

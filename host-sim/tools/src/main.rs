@@ -27,7 +27,8 @@ use zerolayer_stub::{Fault, StubConfig};
 const USAGE: &str = "\
 usage:
   host-sim serve --chain FILE --upstream URL|stub [--listen ADDR] [--admin ADDR]
-                                  [--profile envoy|kong] [--kong-queues NAME,NAME…] [--logs]
+                                  [--profile envoy|kong] [--kong-queues NAME,NAME…]
+                                  [--kong-body-buffer BYTES] [--logs]
       Run the chain in FILE (an Envoy bootstrap .yaml: its Wasm http_filters,
       bootstrap singletons and static clusters; or a JSON chain file) as a
       loopback proxy in front of URL (or a built-in GPU backend stub).
@@ -183,6 +184,11 @@ fn serve(args: &[String]) -> Result<()> {
             .get("kong-queues")
             .map(|list| list.split(',').map(str::to_string).collect())
             .unwrap_or_default(),
+        kong_body_buffer_bytes: args
+            .get("kong-body-buffer")
+            .map(|n| n.parse::<usize>())
+            .transpose()
+            .context("--kong-body-buffer: expected a number of bytes")?,
         records: None,
     })?;
     eprintln!(

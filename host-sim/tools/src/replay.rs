@@ -250,6 +250,7 @@ pub fn run(options: ReplayOptions) -> Result<Replay> {
         profile: options.profile,
         echo_logs: false,
         kong_queues: options.kong_queues.clone(),
+        kong_body_buffer_bytes: None,
         records: Some(records_tx),
     })?;
 

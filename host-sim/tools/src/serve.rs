@@ -54,6 +54,9 @@ pub struct ServeOptions {
     pub echo_logs: bool,
     /// Kong: the declared shared queues (`shm_queue`).
     pub kong_queues: Vec<String>,
+    /// Kong: nginx's `client_body_buffer_size` (see
+    /// `HostOptions::kong_body_buffer_bytes`).
+    pub kong_body_buffer_bytes: Option<usize>,
     /// Where to send a [`StreamRecord`] for each stream that ends (replay).
     pub records: Option<std_mpsc::Sender<StreamRecord>>,
 }
@@ -232,6 +235,7 @@ fn wasm_thread(
             virtual_start_ns: None,
             echo_logs: options.echo_logs,
             kong_queues: options.kong_queues.clone(),
+            kong_body_buffer_bytes: options.kong_body_buffer_bytes,
             kong_gateway: false,
             ..HostOptions::default()
         })?;

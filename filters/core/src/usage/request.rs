@@ -64,6 +64,10 @@ crate::labels! {
         StreamNotBoolean => "stream_not_boolean",
         /// `stream` or `stream_options` is named twice.
         Duplicate => "duplicate",
+        /// The host could not hand the body over (ngx_wasm_module cannot
+        /// read a body nginx buffered to a file: one over
+        /// `client_body_buffer_size`).
+        Unreadable => "unreadable",
     }
 }
 
