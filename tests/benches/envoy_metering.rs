@@ -104,7 +104,7 @@ fn main() -> Result<()> {
             .itl(Duration::ZERO),
     )?;
     let clickhouse = ClickHouse::start()?;
-    clickhouse.create_usage_table()?;
+    clickhouse.create_tables()?;
     let dir = tempfile::tempdir()?;
     let plain = common::start(&common::hcm(""), stub.addr(), dir.path(), "plain", &[])?;
     let sampled = start_metering(1.0, stub.addr(), clickhouse.addr(), dir.path())?;

@@ -133,12 +133,21 @@ impl AuthServices {
     }
 }
 
-/// The introspection endpoint's normal answers: [`GOOD_API_KEY`] is active.
+/// The prefix of the API keys a tenant that rotates its keys mints: every
+/// key with it is active (tenant `globex`, subject `rotating`).
+pub const ROTATING_KEY_PREFIX: &str = "sk-rotating-";
+
+/// The introspection endpoint's normal answers: [`GOOD_API_KEY`] and every
+/// [`ROTATING_KEY_PREFIX`] key are active.
 pub fn introspect(request: &crate::SeenRequest) -> (u16, String) {
     match request.header("x-api-key") {
         Some(GOOD_API_KEY) => (
             200,
             r#"{"active":true,"tenant":"globex","sub":"batch"}"#.into(),
+        ),
+        Some(key) if key.starts_with(ROTATING_KEY_PREFIX) => (
+            200,
+            r#"{"active":true,"tenant":"globex","sub":"rotating"}"#.into(),
         ),
         _ => (200, r#"{"active":false}"#.into()),
     }
@@ -152,7 +161,7 @@ impl Chain {
         let stub = Stub::start(options.stub.clone()).context("starting the backend stub")?;
         let services = AuthServices::start(introspect)?;
         let clickhouse = ClickHouse::start()?;
-        clickhouse.create_usage_table()?;
+        clickhouse.create_tables()?;
         let fleet = options.fleet.then(RedisFleet::start).transpose()?;
 
         // The stages' configurations come from the separate filters' file;
@@ -183,6 +192,7 @@ impl Chain {
         let mut lazy = separate.wasm_filter_json("zerolayer.lazy_auth")?;
         lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
         lazy["audit"]["flush_ms"] = json!(200);
+        lazy["attribution"]["flush_ms"] = json!(200);
         let mut post = separate.wasm_filter_json("zerolayer.post_cache")?;
         if fleet.is_some() {
             post["fleet"] = json!({"cluster": "webdis", "path": "/", "timeout_ms": 500});

@@ -29,13 +29,27 @@ pub const USAGE_TABLE: &str = "zerolayer_usage";
 /// The path (with query) the observer posts sample rows to, JSON lines as the body.
 pub const INSERT_PATH: &str = "/?query=INSERT%20INTO%20zerolayer_usage%20FORMAT%20JSONEachRow";
 
-/// The sample table, columns in the sample row's order.
+/// The attribution table lazy-auth's observer writes (reconciliation joins it).
+pub const ATTRIBUTION_TABLE: &str = "zerolayer_attribution";
+
+/// The path (with query) the observer posts attribution rows to.
+pub const ATTRIBUTION_INSERT_PATH: &str =
+    "/?query=INSERT%20INTO%20zerolayer_attribution%20FORMAT%20JSONEachRow";
+
+/// The sample table, columns in the sample row's order (`credential`: the
+/// attribution id of a request whose verification was pending, else empty).
 const USAGE_TABLE_DDL: &str = "CREATE TABLE IF NOT EXISTS zerolayer_usage (\
      at_ms UInt64, request_id String, tenant String, model String, \
      input_tokens UInt64, output_tokens UInt64, cache_read_tokens UInt64, \
      cache_creation_tokens UInt64, usage_missing UInt8, status UInt16, \
-     latency_ms UInt32, streamed UInt8, sample_weight Float64) \
+     latency_ms UInt32, streamed UInt8, sample_weight Float64, \
+     credential String DEFAULT '') \
      ENGINE = MergeTree ORDER BY (tenant, at_ms)";
+
+/// The attribution table: one row per lazily admitted credential found valid.
+const ATTRIBUTION_TABLE_DDL: &str = "CREATE TABLE IF NOT EXISTS zerolayer_attribution (\
+     credential String, tenant Nullable(String), subject Nullable(String), at_ms UInt64) \
+     ENGINE = MergeTree ORDER BY (credential, at_ms)";
 
 /// How long the server may take to answer `/ping` (about 0.1 s when idle).
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -120,9 +134,11 @@ impl ClickHouse {
         Ok(reply.body)
     }
 
-    /// Creates the metering sample table [`USAGE_TABLE`] (idempotent).
-    pub fn create_usage_table(&self) -> Result<()> {
-        self.query(USAGE_TABLE_DDL).map(drop)
+    /// Creates the metering sample table [`USAGE_TABLE`] and the
+    /// attribution table [`ATTRIBUTION_TABLE`] (idempotent).
+    pub fn create_tables(&self) -> Result<()> {
+        self.query(USAGE_TABLE_DDL)?;
+        self.query(ATTRIBUTION_TABLE_DDL).map(drop)
     }
 
     /// Every row of [`USAGE_TABLE`], ordered by `at_ms` then `request_id`,

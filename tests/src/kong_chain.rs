@@ -133,7 +133,7 @@ impl KongChain {
         let stub = Stub::start(options.stub.clone()).context("starting the backend stub")?;
         let services = AuthServices::start(introspect)?;
         let clickhouse = ClickHouse::start()?;
-        clickhouse.create_usage_table()?;
+        clickhouse.create_tables()?;
         let fleet = options.fleet.then(RedisFleet::start).transpose()?;
         let form = if options.fused {
             "kong/kong-fused.yml"
@@ -152,6 +152,7 @@ impl KongChain {
         // As the Envoy chain (tests/src/chain.rs): the test issuer, quick flushes.
         sections["lazy_auth"]["jwt"]["issuers"] = json!(["https://idp.test"]);
         sections["lazy_auth"]["audit"]["flush_ms"] = json!(200);
+        sections["lazy_auth"]["attribution"]["flush_ms"] = json!(200);
         if let Some(fleet) = &fleet {
             sections["post_cache"]["fleet"] = json!({
                 "cluster": fleet.webdis().to_string(),

@@ -36,8 +36,8 @@ fn insert(ch: &ClickHouse, body: &str) -> Result<(u16, String)> {
 fn sample_rows_round_trip_over_http() -> Result<()> {
     let ch = ClickHouse::start()?;
     ensure!(ch.query("SELECT version()")?.trim() == "18.16.1");
-    ch.create_usage_table()?;
-    ch.create_usage_table()?; // idempotent
+    ch.create_tables()?;
+    ch.create_tables()?; // idempotent
 
     let rows = sample_rows();
     let (status, body) = insert(&ch, &json_lines(&rows))?;
@@ -75,7 +75,7 @@ fn sample_rows_round_trip_over_http() -> Result<()> {
 #[test]
 fn a_bad_batch_is_rejected_whole_with_a_message() -> Result<()> {
     let ch = ClickHouse::start()?;
-    ch.create_usage_table()?;
+    ch.create_tables()?;
     let good = json_lines(&sample_rows()[..1]);
     let unknown_field = format!("{good}{{\"at_ms\":1,\"request_id\":\"x\",\"bogus\":1}}\n");
     let (status, body) = insert(&ch, &unknown_field)?;
@@ -108,7 +108,7 @@ fn a_bad_batch_is_rejected_whole_with_a_message() -> Result<()> {
 #[test]
 fn stop_and_restart_keep_data_and_port() -> Result<()> {
     let mut ch = ClickHouse::start()?;
-    ch.create_usage_table()?;
+    ch.create_tables()?;
     let url = ch.url();
     let (status, body) = insert(&ch, &json_lines(&sample_rows()))?;
     ensure!(status == 200, "{body}");
@@ -177,7 +177,7 @@ fn listeners(port: u16) -> Result<Vec<String>> {
 fn reconcile_reads_the_sample_from_clickhouse() -> Result<()> {
     use host_sim_tools::reconcile::{self, Measure};
     let ch = ClickHouse::start()?;
-    ch.create_usage_table()?;
+    ch.create_tables()?;
     let (status, body) = insert(&ch, &json_lines(&sample_rows()))?;
     ensure!(status == 200, "{body}");
     // ClickHouse quotes the 64-bit columns; the reader takes them as numbers.

@@ -129,7 +129,7 @@ fn access_log(envoy: &Envoy, n: usize) -> Result<reconcile::AccessLog> {
 fn sampled_rows_land_and_reconcile_to_the_access_log_exactly() -> Result<()> {
     let stub = Stub::start(StubConfig::default())?;
     let clickhouse = ClickHouse::start()?;
-    clickhouse.create_usage_table()?;
+    clickhouse.create_tables()?;
     let envoy = gateway(stub.addr(), clickhouse.addr(), sampling(25.0))?;
     let acme = traffic(&envoy, "acme", 60)?;
     let globex = traffic(&envoy, "globex", 40)?;
@@ -208,7 +208,7 @@ fn sampled_rows_land_and_reconcile_to_the_access_log_exactly() -> Result<()> {
 fn a_sink_down_for_a_while_costs_no_request_and_no_record() -> Result<()> {
     let stub = Stub::start(StubConfig::default())?;
     let mut clickhouse = ClickHouse::start()?;
-    clickhouse.create_usage_table()?;
+    clickhouse.create_tables()?;
     let envoy = gateway(stub.addr(), clickhouse.addr(), sampling(100.0))?;
     traffic(&envoy, "acme", 8)?;
     wait_rows(&clickhouse, 8, &envoy)?;
@@ -250,7 +250,7 @@ fn a_sink_down_for_a_while_costs_no_request_and_no_record() -> Result<()> {
 fn include_usage_is_injected_and_its_chunk_hidden_in_envoy() -> Result<()> {
     let stub = Stub::start(StubConfig::default())?;
     let clickhouse = ClickHouse::start()?;
-    clickhouse.create_usage_table()?;
+    clickhouse.create_tables()?;
     let envoy = gateway(stub.addr(), clickhouse.addr(), sampling(100.0))?;
     let body = json!({"model": "gpt-test", "max_tokens": 6, "stream": true,
                       "messages": [{"role": "user", "content": "count to three"}]});
@@ -280,7 +280,7 @@ fn include_usage_is_injected_and_its_chunk_hidden_in_envoy() -> Result<()> {
 fn usage_from_the_real_model_server_in_both_apis() -> Result<()> {
     let model = ModelServer::shared()?;
     let clickhouse = ClickHouse::start()?;
-    clickhouse.create_usage_table()?;
+    clickhouse.create_tables()?;
     let envoy = gateway(model.addr(), clickhouse.addr(), sampling(100.0))?;
     let client = Client::new();
     let mut told = Vec::new();

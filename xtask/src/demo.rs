@@ -353,7 +353,7 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
     let services = AuthServices::start(introspect)?;
     step("starting ClickHouse (metering's usage sink)");
     let clickhouse = ClickHouse::start()?;
-    clickhouse.create_usage_table()?;
+    clickhouse.create_tables()?;
     let file = form.file();
     step(&format!(
         "starting Envoy with envoy/{file} (lazy-auth, activation, post-cache, metering{}, observer{})",
@@ -620,13 +620,27 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
             r["sample_weight"]
         );
     }
-    let sample = host_sim_tools::reconcile::fetch_sample(&clickhouse.url(), "zerolayer_usage")?;
-    let report = host_sim_tools::reconcile::reconcile(&truth.rows, &sample, 0.0);
+    use host_sim_tools::reconcile;
+    let mut sample = reconcile::fetch_sample(&clickhouse.url(), reconcile::DEFAULT_TABLE)?;
+    // Requests admitted before their credential was verified are billed to
+    // the tenant verification found: at once by metering when the verdict
+    // came first, else through the observer's attribution rows.
+    let attributions =
+        reconcile::fetch_attributions(&clickhouse.url(), reconcile::DEFAULT_ATTRIBUTION_TABLE)?;
+    let mut truth_rows = truth.rows.clone();
+    let attributed = attributions.apply(&mut truth_rows, &mut sample);
+    let report = reconcile::reconcile(&truth_rows, &sample, 0.0);
     println!();
     println!(
         "Reconciliation (host-sim reconcile --threshold 0): the sample's estimate against the access log,"
     );
-    println!("corrections making billed totals exact:");
+    println!(
+        "with {attributed} request(s) admitted before verification billed to their verified tenant by"
+    );
+    println!(
+        "the observer's attribution rows ({} credential(s) found valid); corrections making billed totals exact:",
+        attributions.len()
+    );
     for line in report.summary().lines() {
         println!("  {line}");
     }

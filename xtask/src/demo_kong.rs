@@ -28,7 +28,7 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
     let services = AuthServices::start(introspect)?;
     step("starting ClickHouse (metering's usage sink)");
     let clickhouse = ClickHouse::start()?;
-    clickhouse.create_usage_table()?;
+    clickhouse.create_tables()?;
     let file = match form {
         Form::Separate => "kong.yml",
         Form::Fused => "kong-fused.yml",

@@ -50,6 +50,12 @@ pub const OBSERVERS_FILTER_STATE: &str = "wasm.wasmx.zerolayer_observers";
 /// tenant=<claimed>`, `public`); see `crate::auth::identity`.
 pub const AUTH_PROPERTY: &str = "wasmx.zerolayer_auth";
 
+/// Property: the credential of a request lazy-auth admitted before it was
+/// verified (`crate::auth::attribution::PendingCredential`), so metering
+/// can bill the request to the tenant verification finds. Set for those
+/// requests only; never logged.
+pub const CREDENTIAL_PROPERTY: &str = "wasmx.zerolayer_credential";
+
 /// Property: the request's usage as metering recorded it (a JSON object,
 /// see `crate::metering::UsageRecord::log_entry`), for the access log.
 pub const USAGE_PROPERTY: &str = "wasmx.zerolayer_usage";

@@ -5,6 +5,7 @@
 use std::rc::Rc;
 use std::time::Duration;
 
+use zerolayer_core::auth::attribution::PendingCredential;
 use zerolayer_core::auth::budget::{self, Scope};
 use zerolayer_core::auth::credential::{self, CredentialKind, TokenHash};
 use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants};
@@ -294,6 +295,11 @@ impl Stream {
                 "missing credential",
             );
         };
+        // Metering bills the request to the tenant verification finds.
+        let pending = PendingCredential {
+            hash: c.hash,
+            slots: plan.config.verdict_slots,
+        };
         let job = Job::Verify(VerifyJob {
             hash: c.hash.0,
             kind: c.kind,
@@ -321,6 +327,7 @@ impl Stream {
             claimed_tenant: self.claimed_tenant.as_deref(),
         };
         host.publish(internal::AUTH_PROPERTY, &identity.render());
+        host.publish(internal::CREDENTIAL_PROPERTY, &pending.render());
         self.tenant = self.claimed_tenant.clone();
         self.done(
             host,

@@ -220,6 +220,7 @@ mod tests {
             streamed: false,
             rate_bp: 0,
             in_sample: false,
+            credential: None,
         }
     }
 

@@ -4,12 +4,14 @@
 
 use std::rc::Rc;
 
-use zerolayer_core::auth::identity::billing_tenant;
+use zerolayer_core::auth::attribution::{PendingCredential, Resolution};
+use zerolayer_core::auth::identity::{UNVERIFIED_TENANT, billing_tenant};
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::encoding::{BodyDecoder, ContentCoding};
 use zerolayer_core::event::Job;
 use zerolayer_core::internal;
 use zerolayer_core::metering::UsageRecord;
+use zerolayer_core::metering::labels::UNKNOWN as UNKNOWN_TENANT;
 use zerolayer_core::metrics::Label;
 use zerolayer_core::usage::{
     INCLUDE_USAGE_MEMBER, Injection, RequestScan, ResponseFormat, SkipReason, StreamedInjection,
@@ -112,7 +114,7 @@ impl MeteredStream {
                 .map(str::to_string)
         });
         let request_id = std::mem::take(&mut self.request_id);
-        let tenant = self.tenant(host);
+        let (tenant, credential) = self.tenant(host);
         let rate = plan.sampling.rate(&tenant);
         let in_sample = rate.includes(request_id.as_bytes());
         let record = UsageRecord {
@@ -131,6 +133,7 @@ impl MeteredStream {
             streamed: self.streamed,
             rate_bp: rate.basis_points(),
             in_sample,
+            credential,
         };
         plan.meters.count(host, &record);
         let entry = record.log_entry();
@@ -151,17 +154,47 @@ impl MeteredStream {
     /// The tenant billed: lazy-auth's verified one, `unverified` for an
     /// unverified request (never what it claims), the configured default
     /// for a tenant-less one; the operator's header only when lazy-auth
-    /// published nothing (see `auth::identity::billing_tenant`).
-    fn tenant(&mut self, host: &mut impl Host) -> String {
+    /// published nothing (see `auth::identity::billing_tenant`). A request
+    /// admitted before verification is billed to the tenant its credential
+    /// turned out to have, read from the verdict now; while that is still
+    /// pending it is `unverified` with the credential's attribution id
+    /// (`auth::attribution`).
+    fn tenant(&mut self, host: &mut impl Host) -> (String, Option<String>) {
         let default = self
             .plan
             .as_ref()
             .and_then(|p| p.config.default_tenant.clone());
-        billing_tenant(
-            host.property(internal::AUTH_PROPERTY).as_deref(),
+        let identity = host.property(internal::AUTH_PROPERTY);
+        let tenant = billing_tenant(
+            identity.as_deref(),
             self.tenant_header.take().as_deref(),
             default.as_deref(),
-        )
+        );
+        if tenant != UNVERIFIED_TENANT {
+            return (tenant, None);
+        }
+        // Only lazily admitted requests carry their credential.
+        let Some(pending) = host
+            .property(internal::CREDENTIAL_PROPERTY)
+            .and_then(|v| PendingCredential::parse(&v))
+        else {
+            return (tenant, None);
+        };
+        let entry = host
+            .shared_get(&pending.verdict_key())
+            .0
+            .unwrap_or_default();
+        match pending.resolve(&entry, host.now_secs()) {
+            Resolution::Verified { tenant, .. } => {
+                let tenant = tenant
+                    .filter(|t| !t.is_empty())
+                    .or(default.as_deref())
+                    .unwrap_or(UNKNOWN_TENANT);
+                (tenant.to_string(), None)
+            }
+            Resolution::Refused => (tenant, None),
+            Resolution::Pending(id) => (tenant, Some(id.render())),
+        }
     }
 
     /// The request headers: is it an LLM call, and may its body need
@@ -818,6 +851,59 @@ mod tests {
     fn an_unverified_identity_is_billed_as_unverified() {
         let claimed = Some("unverified tenant=acme");
         assert_eq!(tenant_billed(SAMPLED, claimed, None), "unverified");
+    }
+
+    /// A lazily admitted request's usage entry when its credential's
+    /// verdict is `verdict` (none: still pending) as its response ends.
+    fn lazily_admitted(verdict: Option<bool>) -> Value {
+        use zerolayer_core::auth::attribution::PendingCredential;
+        use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
+        use zerolayer_core::auth::verdict::Verdict;
+        let (mut host, root) = configured(SAMPLED);
+        identity(&mut host, "unverified tenant=mallory");
+        let hash = TokenHash::credential(CredentialKind::ApiKey, b"sk-new");
+        let pending = PendingCredential { hash, slots: 16 };
+        host.properties
+            .insert(internal::CREDENTIAL_PROPERTY.into(), pending.render());
+        let now = host.now_secs();
+        match verdict {
+            Some(true) => {
+                let v = Verdict::valid(&hash, now, None, 300, Some("acme".into()), None);
+                host.shared_put(&pending.verdict_key(), &v.encode());
+            }
+            Some(false) => {
+                let v = Verdict::invalid(&hash, now, 60, "inactive");
+                host.shared_put(&pending.verdict_key(), &v.encode());
+            }
+            None => {}
+        }
+        let (mut stream, _, _) = ask(&root, &mut host, "POST", OPENAI, &[], Some(REQUEST));
+        complete(&mut stream, &mut host, JSON_200, &[OPENAI_ANSWER]);
+        let entry = logged(&host).expect("a usage entry");
+        // The sample's record says the same as the access log.
+        let shipped = usage_jobs(&host);
+        assert_eq!(shipped[0].tenant, entry["tenant"].as_str().unwrap());
+        assert_eq!(
+            shipped[0].credential.as_deref(),
+            entry["credential"].as_str()
+        );
+        entry
+    }
+
+    #[test]
+    fn a_lazily_admitted_request_is_billed_to_the_tenant_verification_found() {
+        let verified = lazily_admitted(Some(true));
+        assert_eq!(verified["tenant"], "acme", "never the claimed mallory");
+        assert_eq!(verified.get("credential"), None);
+        // Refused: unverified for good, nothing to attribute later.
+        let refused = lazily_admitted(Some(false));
+        assert_eq!(refused["tenant"], "unverified");
+        assert_eq!(refused.get("credential"), None);
+        // Still pending: unverified, with the id an attribution record names.
+        let pending = lazily_admitted(None);
+        assert_eq!(pending["tenant"], "unverified");
+        let id = pending["credential"].as_str().expect("an attribution id");
+        assert_eq!(id.len(), 32);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! introspection; verdicts into shared data; escalation windows; the
 //! verifier breaker.
 
+use zerolayer_core::auth::attribution::{AttributionId, AttributionRecord};
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
 use zerolayer_core::auth::escalation::{ESCALATED_KEY, Escalation, Flip};
@@ -69,6 +70,9 @@ pub(crate) struct AuthWorker {
     deferred: Vec<VerifyJob>,
     breaker: Breaker,
     escalation: Escalation,
+    /// Lazily admitted credentials found valid since the observer last
+    /// took them (kept only when an attribution sink is configured).
+    attributions: Vec<AttributionRecord>,
 }
 
 impl AuthWorker {
@@ -83,8 +87,14 @@ impl AuthWorker {
             deferred: Vec::new(),
             breaker: Breaker::new(config.breaker),
             escalation: Escalation::new(config.escalation),
+            attributions: Vec::new(),
             config: config.clone(),
         })
+    }
+
+    /// The attribution rows found since the last call, for the sink.
+    pub(crate) fn take_attributions(&mut self) -> Vec<AttributionRecord> {
+        std::mem::take(&mut self.attributions)
     }
 
     pub(crate) fn key_count(&self) -> usize {
@@ -354,6 +364,16 @@ impl AuthWorker {
         } else {
             VerdictOutcome::Invalid
         });
+        if verdict.valid && self.config.attribution.is_some() {
+            // Every job is a lazy admission's: its requests' records may
+            // name the credential, waiting for this.
+            self.attributions.push(AttributionRecord {
+                credential: AttributionId::of(&TokenHash(job.hash)).render(),
+                tenant: verdict.tenant.clone(),
+                subject: verdict.subject.clone(),
+                at_ms: host.now_ms(),
+            });
+        }
         let tenant = verdict.tenant.clone().or_else(|| job.tenant_hint.clone());
         self.record(
             host,
@@ -471,6 +491,7 @@ mod tests {
     use hmac::{Hmac, Mac};
     use serde_json::{Value, json};
     use sha2::Sha256;
+    use zerolayer_core::auth::attribution::AttributionId;
     use zerolayer_core::auth::credential::{CredentialKind, SourceKind, TokenHash};
     use zerolayer_core::auth::escalation::{ESCALATED_KEY, EscalatedTenants};
     use zerolayer_core::auth::exposure::{FINISHED_KEY, decode_count};
@@ -603,6 +624,41 @@ mod tests {
         assert!(
             host.dispatched.is_empty(),
             "configured keys need no callout"
+        );
+    }
+
+    #[test]
+    fn a_lazily_admitted_credential_found_valid_is_attributed_to_its_tenant() {
+        let mut host = FakeHost::default();
+        let fields = format!(
+            r#""jwt":{{"keys":[{}]}},"attribution":{{"cluster":"clickhouse","path":"/attribution","batch_max":2}}"#,
+            jwk(SECRET, "k1")
+        );
+        let mut observer = observer(&mut host, &fields);
+        let jwt = token(&host, SECRET, "k1");
+        verify(&mut host, &mut observer, CredentialKind::Jwt, &jwt);
+        // A forged one is never attributed: its requests stay unverified.
+        let forged = token(&host, OTHER_SECRET, "k1");
+        verify(&mut host, &mut observer, CredentialKind::Jwt, &forged);
+        host.advance(Duration::from_secs(1));
+        let valid = token(&host, SECRET, "k1");
+        verify(&mut host, &mut observer, CredentialKind::Jwt, &valid);
+        // Two valid ones fill the batch of two: shipped.
+        let batch = host.last_dispatched().expect("a batch shipped");
+        assert_eq!(batch.cluster, "clickhouse");
+        let body = String::from_utf8(batch.body.clone().unwrap()).unwrap();
+        let rows: Vec<Value> = body
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), 2, "{body}");
+        let id =
+            |t: &[u8]| AttributionId::of(&TokenHash::credential(CredentialKind::Jwt, t)).render();
+        assert_eq!(rows[0]["credential"], id(&jwt));
+        assert_eq!(rows[1]["credential"], id(&valid));
+        assert!(
+            rows.iter()
+                .all(|r| r["tenant"] == "acme" && r["subject"] == "u1")
         );
     }
 

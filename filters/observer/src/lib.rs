@@ -164,6 +164,7 @@ pub struct Observer {
     auth: Option<AuthWorker>,
     audit: Option<Shipper>,
     usage: Option<Shipper>,
+    attribution: Option<Shipper>,
     fleet: Option<FleetWriter>,
     calls: Calls,
     counters: ObserverMetrics,
@@ -204,6 +205,9 @@ impl Observer {
             if lazy.audit.is_some() {
                 work.push("audit sink".into());
             }
+            if lazy.attribution.is_some() {
+                work.push("attribution sink".into());
+            }
         }
         if let Some(fleet) = &fleet {
             work.push(format!("cache fleet tier on cluster {}", fleet.cluster()));
@@ -228,6 +232,11 @@ impl Observer {
                 .as_ref()
                 .and_then(|l| l.audit.clone())
                 .map(|sink| Shipper::new(Sink::Audit, sink)),
+            attribution: config
+                .lazy_auth
+                .as_ref()
+                .and_then(|l| l.attribution.clone())
+                .map(|sink| Shipper::new(Sink::Attribution, sink)),
             usage,
             auth,
             fleet,
@@ -294,6 +303,7 @@ impl Observer {
             }
             drained += 1;
         }
+        self.ship_attributions(host, now);
         if drained > 0 {
             self.counters.queue_depth.record(host, drained);
             if let Some(key) = &self.backlog {
@@ -305,6 +315,18 @@ impl Observer {
                     zerolayer_host::release_backlog(host, key, drained_bytes);
                 }
             }
+        }
+    }
+
+    /// Hands what the auth worker found valid to the attribution sink.
+    fn ship_attributions(&mut self, host: &mut impl Host, now: u64) {
+        let (Some(auth), Some(sink)) = (&mut self.auth, &mut self.attribution) else {
+            return;
+        };
+        for record in auth.take_attributions() {
+            let mut line = Vec::with_capacity(128);
+            record.write_sink_row(&mut line);
+            sink.push(host, line, now, &mut self.calls, &self.counters);
         }
     }
 
@@ -326,7 +348,10 @@ impl Observer {
     /// Ships the sinks' batches that are due.
     fn flush_sinks(&mut self, host: &mut impl Host) {
         let now_ms = host.now_ms();
-        for shipper in [&mut self.audit, &mut self.usage].into_iter().flatten() {
+        for shipper in [&mut self.audit, &mut self.usage, &mut self.attribution]
+            .into_iter()
+            .flatten()
+        {
             shipper.maybe_flush(host, now_ms, &mut self.calls, &self.counters);
         }
         if let Some(usage) = &self.usage {
@@ -344,8 +369,13 @@ impl Observer {
         if let Some(auth) = &mut self.auth {
             auth.maintain(host, now, &mut self.calls, &self.counters);
         }
+        let now_ms = host.now_ms();
+        self.ship_attributions(host, now_ms);
         self.flush_sinks(host);
-        for shipper in [&mut self.audit, &mut self.usage].into_iter().flatten() {
+        for shipper in [&mut self.audit, &mut self.usage, &mut self.attribution]
+            .into_iter()
+            .flatten()
+        {
             shipper.report_drops();
         }
         self.counters.flush(host);
@@ -369,6 +399,7 @@ impl Observer {
                 let shipper = match sink {
                     Sink::Audit => &mut self.audit,
                     Sink::Usage => &mut self.usage,
+                    Sink::Attribution => &mut self.attribution,
                 };
                 if let Some(shipper) = shipper {
                     let now_ms = host.now_ms();
@@ -562,6 +593,7 @@ mod tests {
             streamed: false,
             rate_bp: 10_000,
             in_sample: true,
+            credential: None,
         })
     }
 

@@ -6,7 +6,8 @@
 //! `zerolayer_auth_escalations{flip}`, `zerolayer_auth_verifier_breaker{flip}`,
 //! `zerolayer_audit_records{outcome}`, `zerolayer_audit_batches_failed`,
 //! `zerolayer_auth_jwks_fetches{outcome}`, `zerolayer_cache_fleet_writes{outcome}`,
-//! `zerolayer_metering_records{outcome}`, `zerolayer_metering_batches_failed`;
+//! `zerolayer_metering_records{outcome}`, `zerolayer_metering_batches_failed`,
+//! `zerolayer_attribution_records{outcome}`, `zerolayer_attribution_batches_failed`;
 //! `zerolayer_observer_queue_depth`, `zerolayer_auth_verify_latency_ms`
 //! (histograms), `zerolayer_auth_escalated_tenants`,
 //! `zerolayer_metering_records_buffered` (gauges).
@@ -137,6 +138,8 @@ pub(crate) struct ObserverMetrics {
     pub(crate) audit: SinkMetrics,
     /// The usage sink's records and batches.
     pub(crate) usage: SinkMetrics,
+    /// The attribution sink's records and batches.
+    pub(crate) attribution: SinkMetrics,
     /// Queue depth at each wake-up (jobs drained, up to the budget): a
     /// histogram, since a gauge would stick at the last wake-up's value.
     pub(crate) queue_depth: Metric,
@@ -162,6 +165,7 @@ impl ObserverMetrics {
             fleet_writes: Family::define(host, who, "zerolayer_cache_fleet_writes", "outcome"),
             audit: SinkMetrics::define(host, who, "zerolayer_audit"),
             usage: SinkMetrics::define(host, who, "zerolayer_metering"),
+            attribution: SinkMetrics::define(host, who, "zerolayer_attribution"),
             queue_depth: Metric::histogram(host, "zerolayer_observer_queue_depth"),
             escalated: Metric::gauge(host, "zerolayer_auth_escalated_tenants"),
             verify_latency_ms: Metric::histogram(host, "zerolayer_auth_verify_latency_ms"),
@@ -174,6 +178,7 @@ impl ObserverMetrics {
         match sink {
             Sink::Audit => &self.audit,
             Sink::Usage => &self.usage,
+            Sink::Attribution => &self.attribution,
         }
     }
 
@@ -199,5 +204,6 @@ impl ObserverMetrics {
         self.fleet_writes.flush(host);
         self.audit.flush(host);
         self.usage.flush(host);
+        self.attribution.flush(host);
     }
 }

@@ -21,6 +21,8 @@ pub(crate) enum Sink {
     Audit,
     /// metering's usage records.
     Usage,
+    /// lazy-auth's attribution rows.
+    Attribution,
 }
 
 impl Sink {
@@ -28,6 +30,7 @@ impl Sink {
         match self {
             Sink::Audit => "audit",
             Sink::Usage => "usage",
+            Sink::Attribution => "attribution",
         }
     }
 }
@@ -278,6 +281,7 @@ mod tests {
             streamed: false,
             rate_bp: 10_000,
             in_sample: true,
+            credential: None,
         }
     }
 

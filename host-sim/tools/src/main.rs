@@ -40,9 +40,11 @@ usage:
       Serve the rule playground page (`cargo xtask build-playground`; DIR,
       default target/playground) on ADDR (default 127.0.0.1:8787).
   host-sim reconcile --access-log FILE (--sample FILE | --clickhouse URL [--table NAME])
+                     [--attribution FILE | --attribution-table NAME]
                      [--threshold FRACTION] [--out FILE]
       Compare the metering sample with the access log per tenant and hour
-      and emit correction rows (`host-sim reconcile --help`).
+      (unverified requests billed to the tenant attribution rows name) and
+      emit correction rows (`host-sim reconcile --help`).
   host-sim replay --chain FILE --traffic FILE --upstream stub|recorded|URL
                   [--speed F] [--concurrency N] [--no-baseline] [--out FILE] [--report FILE]
                   [--cluster NAME=IP:PORT]... [--capture CLUSTER]... [--title TEXT]
@@ -237,6 +239,8 @@ fn reconcile(args: &[String]) -> Result<()> {
             "sample",
             "clickhouse",
             "table",
+            "attribution",
+            "attribution-table",
             "threshold",
             "out",
             "help",
@@ -251,8 +255,9 @@ fn reconcile(args: &[String]) -> Result<()> {
     let log_path = args
         .get("access-log")
         .context("--access-log FILE is required")?;
-    let log = reconcile::read_access_log(open(log_path)?).with_context(|| log_path.to_string())?;
-    let sample = match (args.get("sample"), args.get("clickhouse")) {
+    let mut log =
+        reconcile::read_access_log(open(log_path)?).with_context(|| log_path.to_string())?;
+    let mut sample = match (args.get("sample"), args.get("clickhouse")) {
         (Some(_), None) if args.get("table").is_some() => {
             bail!("--table goes with --clickhouse, not --sample")
         }
@@ -265,6 +270,23 @@ fn reconcile(args: &[String]) -> Result<()> {
         }
         _ => bail!("give one of --sample FILE and --clickhouse URL"),
     };
+    let attributions = match (
+        args.get("attribution"),
+        args.get("attribution-table"),
+        args.get("clickhouse"),
+    ) {
+        (Some(_), Some(_), _) => bail!("give one of --attribution FILE and --attribution-table"),
+        (Some(path), None, _) => {
+            reconcile::read_attributions(open(path)?).with_context(|| path.to_string())?
+        }
+        (None, table, Some(url)) => reconcile::fetch_attributions(
+            url,
+            table.unwrap_or(reconcile::DEFAULT_ATTRIBUTION_TABLE),
+        )?,
+        (None, Some(_), None) => bail!("--attribution-table goes with --clickhouse"),
+        (None, None, None) => reconcile::Attributions::default(),
+    };
+    let attributed = attributions.apply(&mut log.rows, &mut sample);
     let threshold = match args.get("threshold") {
         Some(text) => text
             .parse::<f64>()
@@ -282,7 +304,8 @@ fn reconcile(args: &[String]) -> Result<()> {
         rows.push('\n');
     }
     let summary = format!(
-        "{}access log lines without usage (not metered), skipped: {}\n",
+        "{}access log lines without usage (not metered), skipped: {}\n\
+         unverified requests billed to the tenant their credential turned out to have: {attributed}\n",
         report.summary(),
         log.skipped
     );

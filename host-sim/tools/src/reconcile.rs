@@ -23,8 +23,13 @@
 //!
 //! Sample rows with the same non-empty `request_id` and `at_ms` count once:
 //! shipping is at-least-once, and a batch whose answer was lost is sent again.
+//!
+//! Before that, rows billed `unverified` whose `credential` an attribution
+//! row names ([`Attributions`]) are billed to that row's tenant: requests a
+//! gateway admitted before verifying their credential, which verification
+//! then found valid. Per tenant, the bill is then exact.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::io::BufRead;
 use std::time::Duration;
@@ -36,6 +41,9 @@ use serde_json::{Map, Value};
 /// The sample table the metering filter writes to.
 pub const DEFAULT_TABLE: &str = "zerolayer_usage";
 
+/// The attribution table lazy-auth's observer writes to.
+pub const DEFAULT_ATTRIBUTION_TABLE: &str = "zerolayer_attribution";
+
 /// The default relative deviation tolerated before a group is corrected (0.3%).
 pub const DEFAULT_THRESHOLD: f64 = 0.003;
 
@@ -43,6 +51,7 @@ pub const DEFAULT_THRESHOLD: f64 = 0.003;
 pub const USAGE: &str = "\
 usage:
   host-sim reconcile --access-log FILE (--sample FILE | --clickhouse URL [--table NAME])
+                     [--attribution FILE | --attribution-table NAME]
                      [--threshold FRACTION] [--out FILE]
       Compare the metering sample with the access log's usage (the ground
       truth) per tenant and UTC hour, for requests, input_tokens,
@@ -62,6 +71,11 @@ usage:
       --sample FILE       sample rows, one JSON object per line
       --clickhouse URL    or read them from ClickHouse's HTTP interface
       --table NAME        the sample table (default zerolayer_usage)
+      --attribution FILE  attribution rows (one JSON object per line:
+                          {\"credential\",\"tenant\",...}); with --clickhouse
+                          they are read from --attribution-table NAME
+                          (default zerolayer_attribution). Unverified rows
+                          whose credential one names are that tenant's.
       --threshold F       tolerated relative deviation (default 0.003 = 0.3%)
       --out FILE          write the correction rows there (default: stdout,
                           and the summary goes to stderr)
@@ -143,6 +157,9 @@ pub struct TruthRow {
     pub request_id: String,
     /// Its token counts.
     pub tokens: Tokens,
+    /// The attribution id of an `unverified` request's credential, when
+    /// its verdict was pending as its response ended (see [`Attributions`]).
+    pub credential: Option<String>,
 }
 
 /// One record from the sample.
@@ -158,6 +175,97 @@ pub struct SampleRow {
     pub tokens: Tokens,
     /// How many requests it stands for; 0 for a forced record outside the sample.
     pub sample_weight: f64,
+    /// As [`TruthRow::credential`].
+    pub credential: Option<String>,
+}
+
+/// The observer's attribution rows: which tenant each lazily admitted
+/// credential turned out to have. Rows billed `unverified` whose
+/// credential is here are that tenant's (`zerolayer_core::auth::attribution`):
+/// their request reached the backend before verification and with a valid
+/// credential. A forged credential never has a row.
+#[derive(Debug, Clone, Default)]
+pub struct Attributions {
+    tenants: HashMap<String, String>,
+}
+
+/// The tenant a verified credential without one is billed as (metering's
+/// default when no `default_tenant` is configured).
+const TENANTLESS: &str = "unknown";
+
+impl Attributions {
+    /// How many credentials it attributes.
+    pub fn len(&self) -> usize {
+        self.tenants.len()
+    }
+
+    /// Whether it attributes none.
+    pub fn is_empty(&self) -> bool {
+        self.tenants.is_empty()
+    }
+
+    /// Bills each `unverified` row whose credential is attributed to that
+    /// credential's tenant; returns how many rows of `truth` moved.
+    pub fn apply(&self, truth: &mut [TruthRow], sample: &mut [SampleRow]) -> usize {
+        let mut moved = 0;
+        let retenant = |tenant: &mut String, credential: Option<&str>| {
+            if tenant != UNVERIFIED {
+                return false;
+            }
+            match credential.and_then(|c| self.tenants.get(c)) {
+                Some(found) => {
+                    *tenant = found.clone();
+                    true
+                }
+                None => false,
+            }
+        };
+        for row in truth.iter_mut() {
+            moved += usize::from(retenant(&mut row.tenant, row.credential.as_deref()));
+        }
+        for row in sample.iter_mut() {
+            retenant(&mut row.tenant, row.credential.as_deref());
+        }
+        moved
+    }
+}
+
+/// The tenant of a request admitted before verification.
+const UNVERIFIED: &str = "unverified";
+
+/// Reads attribution rows (`{"credential","tenant",…}`, one JSON object
+/// per line); an unparsable line is an error naming its number.
+pub fn read_attributions(reader: impl BufRead) -> Result<Attributions> {
+    let mut out = Attributions::default();
+    for (n, line) in reader.lines().enumerate() {
+        let line = line.with_context(|| format!("reading line {}", n + 1))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let parsed = || -> Result<(String, String)> {
+            let Value::Object(row) = serde_json::from_str(&line).context("not JSON")? else {
+                bail!("not a JSON object");
+            };
+            let tenant = match row.get("tenant") {
+                Some(Value::String(t)) if !t.is_empty() => t.clone(),
+                _ => TENANTLESS.to_string(),
+            };
+            Ok((text(&row, "credential")?, tenant))
+        };
+        let (credential, tenant) = parsed().with_context(|| format!("line {}", n + 1))?;
+        out.tenants.insert(credential, tenant);
+    }
+    Ok(out)
+}
+
+/// Reads the attribution table from ClickHouse's HTTP interface at `url`.
+pub fn fetch_attributions(url: &str, table: &str) -> Result<Attributions> {
+    let sql = format!(
+        "SELECT credential, tenant FROM {} FORMAT JSONEachRow",
+        table_name(table)?
+    );
+    read_attributions(clickhouse_query(url, &sql)?)
+        .with_context(|| format!("ClickHouse's answer from {url}"))
 }
 
 /// The usage records of an access log.
@@ -526,6 +634,7 @@ pub fn parse_sample_line(line: &str) -> Result<SampleRow> {
         request_id: text(&row, "request_id")?,
         tokens: tokens(&row)?,
         sample_weight,
+        credential: credential(&row),
     })
 }
 
@@ -562,20 +671,33 @@ pub fn read_sample(reader: impl BufRead) -> Result<Vec<SampleRow>> {
 /// Reads the sample table from ClickHouse's HTTP interface at `url` (the
 /// query goes in the POST body, so `url` may carry `?user=…` parameters).
 pub fn fetch_sample(url: &str, table: &str) -> Result<Vec<SampleRow>> {
+    let sql = format!(
+        "SELECT tenant, at_ms, request_id, input_tokens, output_tokens, cache_read_tokens, \
+         cache_creation_tokens, sample_weight, credential FROM {} FORMAT JSONEachRow",
+        table_name(table)?
+    );
+    read_sample(clickhouse_query(url, &sql)?)
+        .with_context(|| format!("ClickHouse's answer from {url}"))
+}
+
+/// `table` if it is a plain identifier (optionally `db.table`): the name
+/// goes into SQL.
+fn table_name(table: &str) -> Result<&str> {
     let valid_name = |part: &str| {
         part.chars()
             .next()
             .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
             && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
     };
-    // The name goes into SQL: only plain identifiers (optionally db.table).
     if !table.split('.').all(valid_name) || table.split('.').count() > 2 {
-        bail!("--table: expected NAME or DATABASE.NAME (letters, digits, _), got {table:?}");
+        bail!("table: expected NAME or DATABASE.NAME (letters, digits, _), got {table:?}");
     }
-    let sql = format!(
-        "SELECT tenant, at_ms, request_id, input_tokens, output_tokens, cache_read_tokens, \
-         cache_creation_tokens, sample_weight FROM {table} FORMAT JSONEachRow"
-    );
+    Ok(table)
+}
+
+/// The answer to `sql` from ClickHouse's HTTP interface at `url` (the
+/// query goes in the POST body, so `url` may carry `?user=…` parameters).
+fn clickhouse_query(url: &str, sql: &str) -> Result<impl BufRead + use<>> {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .proxy(None)
@@ -585,7 +707,7 @@ pub fn fetch_sample(url: &str, table: &str) -> Result<Vec<SampleRow>> {
         .into();
     let mut response = agent
         .post(url)
-        .send(sql.as_str())
+        .send(sql)
         .with_context(|| format!("POST {url}"))?;
     if response.status() != 200 {
         let body = response.body_mut().read_to_string().unwrap_or_default();
@@ -597,8 +719,7 @@ pub fn fetch_sample(url: &str, table: &str) -> Result<Vec<SampleRow>> {
     }
     // Streamed, not read into one string: a sample table can exceed the
     // client's 10 MB default for whole bodies.
-    let reader = std::io::BufReader::new(response.into_body().into_reader());
-    read_sample(reader).with_context(|| format!("ClickHouse's answer from {url}"))
+    Ok(std::io::BufReader::new(response.into_body().into_reader()))
 }
 
 fn usage_row(usage: &Map<String, Value>) -> Result<TruthRow> {
@@ -607,7 +728,16 @@ fn usage_row(usage: &Map<String, Value>) -> Result<TruthRow> {
         at_ms: uint(usage, "at_ms")?,
         request_id: text(usage, "request_id")?,
         tokens: tokens(usage)?,
+        credential: credential(usage),
     })
+}
+
+/// A row's `credential`: absent or empty (ClickHouse's default) is none.
+fn credential(obj: &Map<String, Value>) -> Option<String> {
+    match obj.get("credential") {
+        Some(Value::String(c)) if !c.is_empty() => Some(c.clone()),
+        _ => None,
+    }
 }
 
 fn tokens(obj: &Map<String, Value>) -> Result<Tokens> {
@@ -679,6 +809,7 @@ mod tests {
                 cache_read: input / 2,
                 cache_creation: 0,
             },
+            credential: None,
         }
     }
 
@@ -689,6 +820,7 @@ mod tests {
             request_id: row.request_id.clone(),
             tokens: row.tokens,
             sample_weight,
+            credential: row.credential.clone(),
         }
     }
 
@@ -850,6 +982,45 @@ mod tests {
     }
 
     #[test]
+    fn attributed_credentials_bill_their_unverified_rows_to_their_tenant() {
+        let attributions = read_attributions(
+            concat!(
+                r#"{"credential":"c-valid","tenant":"acme","subject":"u","at_ms":1}"#,
+                "\n",
+                r#"{"credential":"c-tenantless","tenant":null,"subject":"svc","at_ms":2}"#,
+                "\n"
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(attributions.len(), 2);
+        let mut rows = vec![
+            truth("unverified", AT, "r-1", 10, 1),
+            truth("unverified", AT, "r-2", 20, 2),
+            truth("unverified", AT, "r-3", 30, 3),
+            truth("unverified", AT, "r-4", 40, 4),
+            truth("globex", AT, "r-5", 50, 5),
+        ];
+        rows[0].credential = Some("c-valid".into());
+        rows[1].credential = Some("c-forged".into());
+        rows[2].credential = Some("c-tenantless".into());
+        // A verified row naming a credential is never moved.
+        rows[4].credential = Some("c-valid".into());
+        let mut sample: Vec<SampleRow> = rows.iter().map(|r| sampled(r, 1.0)).collect();
+        assert_eq!(attributions.apply(&mut rows, &mut sample), 2);
+        let tenants: Vec<&str> = rows.iter().map(|r| r.tenant.as_str()).collect();
+        assert_eq!(
+            tenants,
+            ["acme", "unverified", "unknown", "unverified", "globex"]
+        );
+        assert_eq!(sample[0].tenant, "acme");
+        let report = reconcile(&rows, &sample, 0.0);
+        assert_eq!(report.billed("acme", Measure::InputTokens), 10.0);
+        assert_eq!(report.billed("unverified", Measure::InputTokens), 60.0);
+        assert!(report.corrections.is_empty());
+    }
+
+    #[test]
     fn usage_may_be_an_object_or_a_string() {
         let usage = r#"{"at_ms":1764430000123,"request_id":"r-1","tenant":"acme","model":"m","input_tokens":12,"output_tokens":34,"cache_read_tokens":3,"cache_creation_tokens":4,"usage_missing":0,"status":200,"streamed":1}"#;
         let object = format!(r#"{{"response_code":200,"usage":{usage}}}"#);
@@ -963,6 +1134,7 @@ mod tests {
                     cache_creation: next(&mut state) % 10 / 9 * (next(&mut state) % 500),
                 },
                 request_id: id,
+                credential: None,
             };
             assert_eq!(
                 rate.includes(row.request_id.as_bytes()),

@@ -233,6 +233,13 @@ pub struct LazyAuthConfig {
     /// a refused request).
     #[serde(default)]
     pub audit: Option<SinkConfig>,
+    /// Attribution sink (JSON lines `{"credential","tenant","subject","at_ms"}`):
+    /// one row each time the observer finds a lazily admitted credential
+    /// valid, so reconciliation bills requests whose record names the
+    /// credential (their verdict was still pending at their response's end)
+    /// to its verified tenant. Without one they stay `unverified` in the bill.
+    #[serde(default)]
+    pub attribution: Option<SinkConfig>,
 }
 
 fn default_sources() -> Vec<CredentialSource> {
@@ -385,6 +392,9 @@ impl LazyAuthConfig {
             }
         }
         self.observer.validate()?;
+        if let Some(attribution) = &self.attribution {
+            attribution.check("attribution")?;
+        }
         if let Some(audit) = &self.audit {
             audit.check("audit")?;
         }

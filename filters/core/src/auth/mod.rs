@@ -1,5 +1,6 @@
 //! Authentication of requests: token verification the filters share.
 
+pub mod attribution;
 pub mod budget;
 pub mod config;
 pub mod credential;

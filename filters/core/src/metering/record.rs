@@ -39,6 +39,12 @@ pub struct UsageRecord {
     /// Whether the request is in the hash sample (a record forced by
     /// activation's `metering` observer may not be: it weighs 0).
     pub in_sample: bool,
+    /// For a request admitted before its credential was verified, and
+    /// whose verdict was still pending when its response ended (`tenant`
+    /// is then `unverified`): the credential's attribution id, which an
+    /// attribution record names once the credential proves valid
+    /// (`crate::auth::attribution`).
+    pub credential: Option<String>,
 }
 
 /// The sink's row (ClickHouse `JSONEachRow`: flags as 0/1) and, without
@@ -60,6 +66,8 @@ struct Row<'a> {
     streamed: u8,
     #[serde(skip_serializing_if = "Option::is_none")]
     sample_weight: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    credential: Option<&'a str>,
 }
 
 impl UsageRecord {
@@ -105,6 +113,7 @@ impl UsageRecord {
             latency_ms,
             streamed: u8::from(self.streamed),
             sample_weight,
+            credential: self.credential.as_deref(),
         }
     }
 }
@@ -129,6 +138,7 @@ mod tests {
             streamed: true,
             rate_bp: 100,
             in_sample: true,
+            credential: None,
         }
     }
 

@@ -538,6 +538,7 @@ pub fn cache_control(data: &[u8]) {
             honour_upstream_no_cache: true,
             store_private: true,
             max_temperature: 2.0,
+            ..TtlPolicy::default()
         },
     ];
     for policy in &policies {
