@@ -19,6 +19,7 @@ pub mod model;
 pub mod ngx;
 pub mod paths;
 pub mod probes;
+pub mod sdk;
 pub mod sim;
 pub mod sse;
 pub mod tokens;

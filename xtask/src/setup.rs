@@ -3,7 +3,9 @@
 //! real LLM server and its model), wasm-bindgen's CLI in `.venv/bin` (the
 //! rule playground), and Debian packages (Redis and webdis, the post-cache
 //! fleet tier; ClickHouse, the metering sample sink; Chromium, the browser
-//! tests); for the `peers` bench only, LiteLLM's proxy in `.venv-peers`.
+//! tests); the official OpenAI and Anthropic SDKs in `.venv` (the
+//! real-client suite); for the `peers` bench only, LiteLLM's proxy in
+//! `.venv-peers`.
 //! Idempotent and quick when everything is in place.
 
 use std::path::{Path, PathBuf};
@@ -53,6 +55,7 @@ pub fn all() -> Result<()> {
     wasm_target()?;
     python_tools()?;
     llm()?;
+    clients()?;
     debian_packages()
 }
 
@@ -312,6 +315,38 @@ fn pin_checks(requirements: &Path) -> Result<String> {
         .map(|(name, version)| format!("m.version({name:?}) == {version:?}"))
         .collect::<Vec<_>>()
         .join(" and "))
+}
+
+/// The official OpenAI and Anthropic Python SDKs the real-client suite
+/// drives (`tests/clients/sdk_suite.py`), in `.venv`, pinned with every
+/// dependency by `tools/requirements-clients.txt`.
+pub fn clients() -> Result<()> {
+    let root = paths::root();
+    let venv = root.join(".venv");
+    let requirements = root.join("tools/requirements-clients.txt");
+    let probe = format!(
+        "import importlib.metadata as m, sys, openai, anthropic\nsys.exit(0 if {} else 1)\n",
+        pin_checks(&requirements)?
+    );
+    if venv.join("bin/python").is_file() && python_ok(&venv, &probe) {
+        return Ok(());
+    }
+    make_venv(&venv)?;
+    step("pip install --require-hashes --no-deps -r tools/requirements-clients.txt (into .venv)");
+    let status = Command::new(venv.join("bin/pip"))
+        .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
+        .arg(&requirements)
+        .status()?;
+    if !status.success() {
+        bail!("pip could not install tools/requirements-clients.txt");
+    }
+    if !python_ok(&venv, &probe) {
+        bail!(
+            "the SDKs are in .venv but do not load at their pinned versions: \
+             remove .venv and run `cargo xtask setup` again"
+        );
+    }
+    Ok(())
 }
 
 /// LiteLLM's proxy for the `peers` bench (`tests/benches/peers.rs`), pinned

@@ -41,6 +41,14 @@ struct Credential {
     hash: TokenHash,
 }
 
+/// Whether the request declares a body that is not empty (a length, or
+/// chunks): nginx then reads it, and runs the body step, before it
+/// contacts the upstream.
+fn declares_body(host: &mut impl Host) -> bool {
+    host.request_header("content-length")
+        .is_some_and(|l| l.trim_ascii() != b"0")
+}
+
 /// One request's state.
 pub(crate) struct Stream {
     plan: Rc<Plan>,
@@ -59,6 +67,9 @@ pub(crate) struct Stream {
     introspection: Option<(u32, SyncReason)>,
     /// Deciding in the introspection's answer (the body may be unread).
     in_answer: bool,
+    /// ngx_wasm_module: a synchronous introspection waits for the body
+    /// step (see [`Stream::introspect`]).
+    deferred: Option<SyncReason>,
 }
 
 impl Stream {
@@ -76,6 +87,7 @@ impl Stream {
             decided_us: 0,
             introspection: None,
             in_answer: false,
+            deferred: None,
         }
     }
 
@@ -367,6 +379,37 @@ impl Stream {
     }
 
     fn introspect(&mut self, host: &mut impl Host, reason: SyncReason) -> Action {
+        // ngx_wasm_module reads a request body only after the request
+        // headers step, and a request paused there for a callout and then
+        // continued once its body was read was now and then never
+        // finalized (its response sent, its log phase never run: no access
+        // log line, no usage record). A request that declares a body is
+        // checked from the body step instead, which nginx runs before it
+        // contacts the upstream; nothing goes on before that. Not in the
+        // fused filter: there the stages after this one would read and
+        // rewrite the body from the callout's answer, which the host
+        // refuses (kong/README.md, "Known host issues").
+        if !host.can_hold_headers_for_body() && !host.fused() && declares_body(host) {
+            self.deferred = Some(reason);
+            return Action::Continue;
+        }
+        self.dispatch_introspection(host, reason)
+    }
+
+    /// The request body step: a deferred check is made now.
+    pub(crate) fn on_request_body(&mut self, host: &mut impl Host) -> Action {
+        match self.deferred.take() {
+            Some(reason) => self.dispatch_introspection(host, reason),
+            None => Action::Continue,
+        }
+    }
+
+    /// Whether a check waits for the body step.
+    pub(crate) fn awaits_body(&self) -> bool {
+        self.deferred.is_some()
+    }
+
+    fn dispatch_introspection(&mut self, host: &mut impl Host, reason: SyncReason) -> Action {
         let plan = self.plan.clone();
         let (Some(api), Some(c)) = (&plan.config.api_keys, &self.credential) else {
             return self.unavailable(host);
@@ -1099,6 +1142,37 @@ mod tests {
         let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
         assert_eq!(action, Action::Continue);
         assert_eq!(host.dispatched.len(), 1);
+    }
+
+    #[test]
+    fn ngx_wasm_module_checks_a_request_with_a_body_from_its_body_step() {
+        let mut host = host_with_observer();
+        host.platform = zerolayer_host::Platform::NgxWasm;
+        let root = configured(&mut host, &sync_api_keys());
+        let headers = [("x-api-key", "sk-live-1"), ("content-length", "2")];
+        let (mut stream, action) = request(&root, &mut host, &headers);
+        // Nothing is decided yet, and nothing goes upstream before the
+        // body step, which nginx runs before it contacts the upstream.
+        assert_eq!(action, Action::Continue);
+        assert!(host.dispatched.is_empty());
+        assert_eq!(identity(&host), None);
+        host.request_body = b"{}".to_vec();
+        assert_eq!(stream.request_body(&mut host, 2, true), Action::Pause);
+        let token = host
+            .last_dispatched()
+            .expect("the check, from the body step")
+            .token;
+        host.answer_with(Some(200), br#"{"active":false}"#);
+        stream.call_answered(&mut host, token, 16);
+        assert_eq!(host.sent[0].status, 401, "refused from the answer");
+        // In the fused filter the check stays in the headers step.
+        let mut fused = host_with_observer();
+        fused.platform = zerolayer_host::Platform::NgxWasm;
+        fused.fused = true;
+        let root = configured(&mut fused, &sync_api_keys());
+        let (_, action) = request(&root, &mut fused, &headers);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(fused.dispatched.len(), 1);
     }
 
     #[test]

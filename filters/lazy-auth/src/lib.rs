@@ -177,17 +177,30 @@ struct AuthStream {
 
 impl<H: Host> StreamStage<H> for AuthStream {
     fn request_headers(&mut self, host: &mut H, _end_of_stream: bool) -> Action {
-        // lazy-auth decides on headers: no body callback of its is needed.
-        host.done_with(Callback::RequestBody);
         host.done_with(Callback::ResponseBody);
-        match &mut self.stream {
+        let action = match &mut self.stream {
             Some(stream) => stream.on_request_headers(host),
             None => {
                 // Lazy must never mean open: no configuration, no entry.
                 host.send_json_error(500, "api_error", "authentication is not configured");
                 Action::Pause
             }
+        };
+        // lazy-auth decides on headers: no body callback of its is needed,
+        // unless a check waits for it (ngx_wasm_module).
+        if !self.stream.as_ref().is_some_and(Stream::awaits_body) {
+            host.done_with(Callback::RequestBody);
         }
+        action
+    }
+
+    fn request_body(&mut self, host: &mut H, _body_size: usize, _end_of_stream: bool) -> Action {
+        let action = match &mut self.stream {
+            Some(stream) => stream.on_request_body(host),
+            None => Action::Continue,
+        };
+        host.done_with(Callback::RequestBody);
+        action
     }
 
     fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {

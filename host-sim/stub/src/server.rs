@@ -186,6 +186,7 @@ async fn handle(
         cache_control: shared.cache_control.clone(),
         retry_after_secs: shared.config.retry_after_secs,
         extra_headers: Vec::new(),
+        request_id: parts.headers.get("x-request-id").cloned(),
     };
     let options = match RequestOptions::resolve(
         &shared.config,
@@ -461,12 +462,19 @@ struct Answer {
     retry_after_secs: u32,
     /// Added to every response (`x-stub-response-header`).
     extra_headers: Vec<(HeaderName, HeaderValue)>,
+    /// The request's `x-request-id`: answered as the provider's request-id
+    /// header on every response, as vLLM does with
+    /// `--enable-request-id-headers` (the client then reads the id the
+    /// gateway logged).
+    request_id: Option<HeaderValue>,
 }
 
 impl Answer {
     fn success(&self, id: &str, content_type: &'static str, body: Body) -> Response<Body> {
         let mut response = self.response(StatusCode::OK, content_type, body);
-        if let Ok(id) = HeaderValue::from_str(id) {
+        if self.request_id.is_none()
+            && let Ok(id) = HeaderValue::from_str(id)
+        {
             response.headers_mut().insert(
                 HeaderName::from_static(self.provider.request_id_header()),
                 id,
@@ -504,6 +512,12 @@ impl Answer {
         }
         for (name, value) in &self.extra_headers {
             headers.append(name.clone(), value.clone());
+        }
+        if let Some(id) = &self.request_id {
+            headers.insert(
+                HeaderName::from_static(self.provider.request_id_header()),
+                id.clone(),
+            );
         }
         response
     }
