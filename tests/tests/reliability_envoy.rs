@@ -59,6 +59,8 @@ fn backend_errors_reach_the_client_unchanged_and_are_neither_cached_nor_lost(
     for id in &ids {
         let usage = logged_usage(&log, id)?;
         assert_eq!(usage["usage_missing"], 1, "{id}: {usage}");
+        // The error names no model: the record has the request's.
+        assert_eq!(usage["model"], "claude-test", "{id}: {usage}");
         assert_eq!(
             usage["status"].to_string(),
             id.split('-').nth(1).unwrap_or_default(),
@@ -246,6 +248,10 @@ fn a_verifier_outage_refuses_unknown_keys_keeps_known_ones_and_heals(form: Form)
     )?;
     assert_eq!(refused.status, 503, "{}", refused.body);
     assert!(refused.body.contains("retry later"), "{}", refused.body);
+    // Worth a retry, a second later: the SDKs wait and send it again.
+    assert_eq!(refused.header("x-should-retry"), Some("true"));
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert_eq!(refused.header("request-id"), Some("new-1"));
     // The outage ends: the same key is verified (here: refused as inactive,
     // which the endpoint says of every key but the good one).
     chain.services.api_keys.set_handler(chain::introspect);
