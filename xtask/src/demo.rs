@@ -576,12 +576,7 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
     println!(
         "               observer in the background; the next request gets the cached verdict)"
     );
-    println!(
-        "   cache     = post-cache's x-cache (BYPASS: no verified tenant yet, or activation turned the cache off;"
-    );
-    println!(
-        "               MISS: stored after the response completed; HIT: answered from the gateway)"
-    );
+    print_cache_legend();
     println!(
         "   tokens    = metering's input→output tokens, from the access log (every request); * = in the"
     );
@@ -635,12 +630,16 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
         "Reconciliation (host-sim reconcile --threshold 0): the sample's estimate against the access log,"
     );
     println!(
-        "with {attributed} request(s) admitted before verification billed to their verified tenant by"
+        "corrections making billed totals exact. Requests admitted before their credential was verified"
     );
     println!(
-        "the observer's attribution rows ({} credential(s) found valid); corrections making billed totals exact:",
+        "are their verified tenant's: billed so at their end, or ({attributed} here) through the observer's"
+    );
+    println!(
+        "attribution rows ({} credential(s) found valid); `unverified` is only what credentials verification",
         attributions.len()
     );
+    println!("refused sent (forged, unknown):");
     for line in report.summary().lines() {
         println!("  {line}");
     }
@@ -719,6 +718,23 @@ pub(crate) fn print_row(
     println!("{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<22} {cache:<7} {tokens:<11} {leak}");
 }
 
+/// What the table's cache column says (both hosts' demos).
+pub(crate) fn print_cache_legend() {
+    println!(
+        "   cache     = post-cache's x-cache (BYPASS: no verified tenant yet, or activation turned the cache off;"
+    );
+    println!(
+        "               MISS: stored after the response completed; HIT: answered from the gateway). The"
+    );
+    println!(
+        "               requests carry no temperature, as the SDKs send them: the shipped post-cache"
+    );
+    println!(
+        "               caches them (missing_temperature 0, the operator's opt-in; a sampled request opts"
+    );
+    println!("               in with x-zerolayer-cache: sampled)");
+}
+
 /// The demo table's header row.
 pub(crate) fn print_header() {
     print_row(
@@ -733,11 +749,13 @@ pub(crate) fn print_header() {
     );
 }
 
+/// A request as the official SDKs write it: no `temperature` (their
+/// typed calls send none unless the application sets one).
 pub(crate) fn request_body(case: &Case) -> String {
     let messages = r#"[{"role":"user","content":"Say hello to the gateway in five words."}]"#;
     if case.path == "/v1/messages" {
         format!(
-            r#"{{"model":"claude-demo","max_tokens":12,"temperature":0,"stream":{},"messages":{messages}}}"#,
+            r#"{{"model":"claude-demo","max_tokens":12,"stream":{},"messages":{messages}}}"#,
             case.stream
         )
     } else {
@@ -747,7 +765,7 @@ pub(crate) fn request_body(case: &Case) -> String {
             ""
         };
         format!(
-            r#"{{"model":"gpt-demo","max_tokens":12,"temperature":0,"stream":{}{usage},"messages":{messages}}}"#,
+            r#"{{"model":"gpt-demo","max_tokens":12,"stream":{}{usage},"messages":{messages}}}"#,
             case.stream
         )
     }

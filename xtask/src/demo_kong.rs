@@ -226,12 +226,7 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
     println!(
         "               verified by the observer on tick; the next request gets the cached verdict)"
     );
-    println!(
-        "   cache     = post-cache's x-cache (BYPASS: no verified tenant yet, or activation turned the cache off;"
-    );
-    println!(
-        "               MISS: stored after the response completed; HIT: answered from the gateway)"
-    );
+    crate::demo::print_cache_legend();
     println!(
         "   tokens    = metering's input→output tokens, from its record in ClickHouse (-: refused or cached)"
     );
