@@ -214,6 +214,16 @@ fn buffer_bytes(caller: &mut C<'_>, kind: BufferType) -> Result<Vec<u8>, Status>
     }
 }
 
+/// Kong: a request body asked for from a callout's answer, which
+/// ngx_wasm_module refuses by trapping (it hands the body over only in the
+/// body step and `on_log`).
+fn request_body_out_of_step(c: &C<'_>) -> bool {
+    let state = c.data();
+    state.world.borrow().profile == Profile::Kong
+        && state.call_response.is_some()
+        && !matches!(state.contexts.get(&state.current), Some(ContextKind::Root))
+}
+
 /// Envoy's buffer replace rules: `start == 0 && size == 0` prepends,
 /// `start == 0 && size >= len` replaces, `start >= len` appends; anything
 /// else is a bad argument.
@@ -398,7 +408,15 @@ fn buffers(imports: &mut Imports<'_>) -> Result<()> {
                                              max: i32,
                                              ptr_ptr: i32,
                                              size_ptr: i32|
-     -> i32 {
+     -> wasmtime::Result<
+        i32,
+    > {
+        if kind == 0 && request_body_out_of_step(&c) {
+            return Err(wasmtime::Error::msg(
+                "proxy_get_buffer_bytes(request body) from a callout's answer: ngx_wasm_module traps, \
+                 \"can only get request body during on_request_body, on_log\" (Kong profile)",
+            ));
+        }
         let r = (|| {
             let kind = BufferType::from_raw(kind).ok_or(Status::BadArgument)?;
             let bytes = buffer_bytes(&mut c, kind)?;
@@ -406,7 +424,7 @@ fn buffers(imports: &mut Imports<'_>) -> Result<()> {
             let end = start.saturating_add(max as u32 as usize).min(bytes.len());
             give(&mut c, &bytes[start..end], ptr_ptr, size_ptr)
         })();
-        done(r)
+        Ok(done(r))
     });
     env!(imports, "proxy_set_buffer_bytes", |mut c: C<'_>,
                                              kind: i32,

@@ -166,6 +166,38 @@ class Suite:
                 raise AssertionError(f"{what}: never refused")
             time.sleep(0.05)
 
+    def openai_sampled(self):
+        """A sampled request is not cached unless it opts in."""
+        client = self.openai(self.jwt)
+
+        def ask(case, headers):
+            raw = client.chat.completions.with_raw_response.create(
+                model="gpt-sdk",
+                messages=[{"role": "user", "content": self.prompt(case)}],
+                max_tokens=8,
+                temperature=0.9,
+                extra_headers=headers,
+            )
+            completion = raw.parse()
+            self.note(case, completion._request_id,
+                      [completion.usage.prompt_tokens, completion.usage.completion_tokens],
+                      raw.headers.get("x-cache"))
+            return raw.headers.get("x-cache")
+
+        plain = [ask("sampled", {}), ask("sampled", {})]
+        assert plain == ["BYPASS", "BYPASS"], f"temperature 0.9 without opting in: {plain}"
+        opted = {"zerolayer-cache": "sampled"}
+        first = ask("sampled opt-in", opted)
+        again = client.chat.completions.with_raw_response.create(
+            model="gpt-sdk",
+            messages=[{"role": "user", "content": self.prompt("sampled opt-in")}],
+            max_tokens=8,
+            temperature=0.9,
+            extra_headers=opted,
+        )
+        cache = [first, again.headers.get("x-cache")]
+        assert cache == ["MISS", "HIT"], f"temperature 0.9, opted in: {cache}"
+
     def openai_errors(self):
         # A key nobody issued: 401 in OpenAI's format, never retried.
         err, sent = self.refused(
@@ -361,6 +393,7 @@ class Suite:
             ("openai stream", lambda: self.openai_stream("openai stream", self.jwt, False)),
             ("openai stream, include_usage",
              lambda: self.openai_stream("openai stream usage", self.api_key, True)),
+            ("openai sampled, opted in or not", self.openai_sampled),
             ("openai errors", self.openai_errors),
             ("openai large body", lambda: self.openai_large(self.api_key)),
             ("openai 20 concurrent async streams",

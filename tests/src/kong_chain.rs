@@ -310,6 +310,7 @@ impl KongChain {
     pub fn verified_bearer(&self, subject: &str, tenant: &str) -> Result<String> {
         let bearer = crate::chain::Chain::bearer(subject, tenant);
         let mut n = 0;
+        let mut last = None;
         crate::wait::until(
             &format!("{subject}'s token verified in ngx_wasm_module"),
             Duration::from_secs(10),
@@ -323,9 +324,17 @@ impl KongChain {
                     &anthropic(&id, false),
                 )?;
                 ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
-                Ok((reply.header("x-cache") == Some("MISS")).then_some(()))
+                last = reply.header("x-cache").map(str::to_string);
+                Ok((last.as_deref() == Some("MISS")).then_some(()))
             },
-        )?;
+        )
+        .with_context(|| {
+            format!(
+                "in {}: the last warm-up's x-cache was {last:?}; log tail:\n{}",
+                self.form,
+                self.gateway.log_tail(20)
+            )
+        })?;
         Ok(bearer)
     }
 }

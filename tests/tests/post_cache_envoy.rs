@@ -206,10 +206,23 @@ fn the_shipped_config_embeds_the_documented_example() -> Result<()> {
         filter, example,
         "envoy/zerolayer.yaml drifted from filters/post-cache/example.json"
     );
-    let lazy: Value = serde_json::from_str(&config.wasm_filter_config("zerolayer.lazy_auth")?)?;
+    let mut lazy: Value = serde_json::from_str(&config.wasm_filter_config("zerolayer.lazy_auth")?)?;
     let lazy_example: Value = serde_json::from_str(&std::fs::read_to_string(
         paths::root().join("filters/lazy-auth/example.json"),
     )?)?;
+    // The whole chain adds one section to lazy-auth's own example: its
+    // attribution rows go to the chain's ClickHouse, next to the usage.
+    let attribution = lazy
+        .as_object_mut()
+        .and_then(|l| l.remove("attribution"))
+        .expect("the chain ships attribution rows");
+    assert_eq!(attribution["cluster"], "clickhouse");
+    assert!(
+        attribution["path"]
+            .as_str()
+            .is_some_and(|p| p.contains("zerolayer_attribution")),
+        "{attribution}"
+    );
     assert_eq!(
         lazy, lazy_example,
         "envoy/zerolayer.yaml's lazy-auth drifted"

@@ -732,7 +732,7 @@ pub(crate) fn print_cache_legend() {
     println!(
         "               caches them (missing_temperature 0, the operator's opt-in; a sampled request opts"
     );
-    println!("               in with x-zerolayer-cache: sampled)");
+    println!("               in with zerolayer-cache: sampled)");
 }
 
 /// The demo table's header row.

@@ -5,6 +5,12 @@
 //! in the same run: the SSE parser alone on the same stream bytes (what any
 //! stream-aware filter pays), and a whole-body `serde_json` pass over the
 //! JSON body (what a buffering filter would pay).
+//!
+//! The request side: metering reads every LLM request body as it passes
+//! for its `model` (and a large OpenAI stream's `stream` members), with
+//! `RequestScan`: a typical SDK chat request (~2 KiB, the model after the
+//! messages) and a 1 MiB long-context one, in 16 KiB chunks; baseline: a
+//! whole-body `serde_json` pass (what reading the model by parsing costs).
 #![allow(missing_docs)]
 
 use std::hint::black_box;
@@ -14,7 +20,9 @@ use serde::de::IgnoredAny;
 use serde_json::json;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::sse::SseParser;
-use zerolayer_core::usage::{Missing, ResponseFormat, Usage, UsageChunkStripper, UsageExtractor};
+use zerolayer_core::usage::{
+    Missing, RequestScan, ResponseFormat, Usage, UsageChunkStripper, UsageExtractor,
+};
 
 const TARGET: usize = 1 << 20;
 const CHUNK: usize = 16 * 1024;
@@ -205,5 +213,52 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+/// A chat request as the official SDKs write it: messages first, the model
+/// after them; about `size` bytes of conversation.
+fn chat_request(size: usize) -> Vec<u8> {
+    let mut state = 17;
+    let mut messages = Vec::new();
+    let mut len = 0;
+    while len < size {
+        let content = words(&mut state, 48);
+        len += content.len() + 40;
+        let role = if messages.len().is_multiple_of(2) {
+            "user"
+        } else {
+            "assistant"
+        };
+        messages.push(json!({"role": role, "content": content}));
+    }
+    serde_json::to_vec(&json!({
+        "messages": messages,
+        "model": "gpt-4o-mini-2024-07-18",
+        "max_tokens": 256,
+        "stream": true,
+    }))
+    .unwrap_or_default()
+}
+
+fn scan(body: &[u8]) -> bool {
+    let mut scan = RequestScan::new();
+    for chunk in body.chunks(CHUNK) {
+        scan.push(chunk);
+    }
+    scan.model().is_some()
+}
+
+fn request_bench(c: &mut Criterion) {
+    for (name, size) in [("usage/request_2k", 2 * 1024), ("usage/request_1m", TARGET)] {
+        let body = chat_request(size);
+        assert!(scan(&body), "the model is found");
+        let mut group = c.benchmark_group(name);
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_function("request_scan", |b| b.iter(|| scan(black_box(&body))));
+        group.bench_function("serde_json_whole_body_baseline", |b| {
+            b.iter(|| serde_json::from_slice::<IgnoredAny>(black_box(&body)).is_ok())
+        });
+        group.finish();
+    }
+}
+
+criterion_group!(benches, bench, request_bench);
 criterion_main!(benches);

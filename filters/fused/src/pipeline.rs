@@ -197,6 +197,9 @@ impl<H: StageHost> Pipeline<H> {
                 && stage.request_body(&mut self.host, size, eos) == Action::Pause
             {
                 self.stopped = Some(Stop::Body(i));
+                if i + 1 < self.stages.len() {
+                    self.host.hold_request_body(size);
+                }
                 return Action::Pause;
             }
         }

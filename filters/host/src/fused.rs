@@ -41,6 +41,9 @@ pub struct FusedHost {
     handoffs: Vec<(String, Vec<u8>)>,
     /// Stream: the body the current callback's stages read.
     body: Option<(Body, Vec<u8>)>,
+    /// Stream: the request body kept past a pause in the body step, for
+    /// the stages that run from a callout's answer (ngx_wasm_module).
+    held_request: Option<Vec<u8>>,
     /// Stream: a stage answered the request (a local response).
     answered: bool,
     /// Stream: a stage resumed the request (from a callout's answer).
@@ -118,6 +121,15 @@ impl StageHost for FusedHost {
         std::mem::take(&mut self.done)
     }
 
+    fn hold_request_body(&mut self, size: usize) {
+        // ngx_wasm_module hands a request body over only in the body step
+        // and `on_log` (from a callout's answer the call traps); Envoy
+        // anywhere in the stream.
+        if self.stream && self.held_request.is_none() && self.platform() == Platform::NgxWasm {
+            self.held_request = Some(self.wasm.with_body(Body::Request, size, <[u8]>::to_vec));
+        }
+    }
+
     fn take_resumed(&mut self) -> bool {
         std::mem::take(&mut self.resumed)
     }
@@ -183,6 +195,9 @@ impl Host for FusedHost {
         if !self.stream {
             return self.wasm.with_body(body, size, f);
         }
+        if let (Body::Request, Some(held)) = (body, &self.held_request) {
+            return f(held.get(..size).unwrap_or(held));
+        }
         if !matches!(&self.body, Some((kept, _)) if *kept == body) {
             let bytes = self.wasm.with_body(body, size, <[u8]>::to_vec);
             self.body = Some((body, bytes));
@@ -192,6 +207,10 @@ impl Host for FusedHost {
     }
 
     fn set_body(&mut self, body: Body, size: usize, bytes: &[u8]) -> Result<(), Status> {
+        if body == Body::Request && self.held_request.is_some() {
+            // From a callout's answer the host takes no body back.
+            return Err(Status::BadArgument);
+        }
         // The stages after this one read the host's new body.
         self.body = None;
         self.wasm.set_body(body, size, bytes)

@@ -118,6 +118,11 @@ pub trait StageHost: Host {
     fn take_done(&mut self) -> DoneWith;
     /// Whether a stage resumed the stream since the last call.
     fn take_resumed(&mut self) -> bool;
+    /// A stage paused the request in its body step (`size` bytes): the
+    /// stages after it run later, from a callout's answer, where a host may
+    /// not hand a request body over (ngx_wasm_module traps): keep it for
+    /// them. Hosts that can, need not.
+    fn hold_request_body(&mut self, _size: usize) {}
 }
 
 /// `stage` as a filter of its own: the root context a module crate

@@ -385,11 +385,10 @@ impl Stream {
         // finalized (its response sent, its log phase never run: no access
         // log line, no usage record). A request that declares a body is
         // checked from the body step instead, which nginx runs before it
-        // contacts the upstream; nothing goes on before that. Not in the
-        // fused filter: there the stages after this one would read and
-        // rewrite the body from the callout's answer, which the host
-        // refuses (kong/README.md, "Known host issues").
-        if !host.can_hold_headers_for_body() && !host.fused() && declares_body(host) {
+        // contacts the upstream; nothing goes on before that. (The fused
+        // filter keeps the body for the stages after this one, which run
+        // from the callout's answer there.)
+        if !host.can_hold_headers_for_body() && declares_body(host) {
             self.deferred = Some(reason);
             return Action::Continue;
         }
@@ -1165,14 +1164,6 @@ mod tests {
         host.answer_with(Some(200), br#"{"active":false}"#);
         stream.call_answered(&mut host, token, 16);
         assert_eq!(host.sent[0].status, 401, "refused from the answer");
-        // In the fused filter the check stays in the headers step.
-        let mut fused = host_with_observer();
-        fused.platform = zerolayer_host::Platform::NgxWasm;
-        fused.fused = true;
-        let root = configured(&mut fused, &sync_api_keys());
-        let (_, action) = request(&root, &mut fused, &headers);
-        assert_eq!(action, Action::Pause);
-        assert_eq!(fused.dispatched.len(), 1);
     }
 
     #[test]

@@ -351,7 +351,10 @@ impl MeteredStream {
                     host.publish(internal::USAGE_HIDDEN_PROPERTY, b"1");
                 }
             } else {
+                // ngx_wasm_module takes no body back from a callout's
+                // answer (the fused filter, after an earlier stage's callout).
                 log::warn!("metering: could not rewrite the request body; usage may be missing");
+                plan.meters.skipped(SkipReason::Unreadable);
             }
         }
         Action::Continue

@@ -65,7 +65,7 @@ pub(crate) struct CacheStream {
     provider: Provider,
     namespace: Option<String>,
     cache_control: Option<String>,
-    /// It asked for a stored sample (`x-zerolayer-cache: sampled`).
+    /// It asked for a stored sample (`zerolayer-cache: sampled`).
     sampled_opt_in: bool,
     key: Option<CacheKey>,
     /// Whether the response is to be stored (a miss or refresh whose plan allows it).

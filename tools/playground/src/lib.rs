@@ -35,7 +35,7 @@ pub const EXAMPLE_REQUEST: &str = r#"{
   "method": "POST",
   "path": "/v1/messages?beta=true",
   "headers": {
-    "user-agent": "anthropic-sdk-python/0.40",
+    "user-agent": "Anthropic/Python 2.16.0",
     "x-tenant-id": "acme",
     "x-request-id": "req-13",
     "content-type": "application/json"

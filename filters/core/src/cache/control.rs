@@ -19,8 +19,10 @@ const MAX_DELTA: u64 = u32::MAX as u64;
 const DEFAULT_TEMPERATURE: f64 = 1.0;
 
 /// The request header a client opts in with (value `sampled`) to being
-/// served a stored sample when the operator's `sampled` is `opt_in`.
-pub const SAMPLED_OPT_IN_HEADER: &str = "x-zerolayer-cache";
+/// served a stored sample when the operator's `sampled` is `opt_in`. Not
+/// under `x-zerolayer-`: activation removes those from requests (they are
+/// the gateway's own decisions, which a client must not forge).
+pub const SAMPLED_OPT_IN_HEADER: &str = "zerolayer-cache";
 
 /// Directives of a request's Cache-Control that the cache honours.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -174,7 +176,7 @@ pub enum SampledPolicy {
     /// Never cached (`x-cache: BYPASS`, reason `temperature`).
     #[default]
     Bypass,
-    /// Cached when the request asks with `x-zerolayer-cache: sampled`;
+    /// Cached when the request asks with `zerolayer-cache: sampled`;
     /// others bypass (and never read what an opted-in request stored).
     OptIn,
     /// Cached like deterministic requests: every hit replays the one stored
@@ -190,7 +192,7 @@ pub struct Sampling {
     pub provider: Provider,
     /// Its `temperature`, if it sets one.
     pub temperature: Option<f64>,
-    /// It sent `x-zerolayer-cache: sampled`.
+    /// It sent `zerolayer-cache: sampled`.
     pub opted_in: bool,
 }
 
@@ -225,7 +227,7 @@ impl TtlPolicy {
     }
 }
 
-/// Whether a request's `x-zerolayer-cache` value opts in to a stored sample.
+/// Whether a request's `zerolayer-cache` value opts in to a stored sample.
 pub fn opts_in_to_sampled(value: Option<&[u8]>) -> bool {
     value.is_some_and(|v| v.trim_ascii().eq_ignore_ascii_case(b"sampled"))
 }
