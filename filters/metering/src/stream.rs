@@ -345,11 +345,7 @@ impl MeteredStream {
         if let Injection::Rewritten(rewritten) = injection {
             if host.set_body(Body::Request, body_size, &rewritten).is_ok() {
                 host.set_request_header("content-length", rewritten.len().to_string().as_bytes());
-                self.stripper = Some(UsageChunkStripper::new());
-                plan.meters.injected();
-                if host.responses_in_chain_order() {
-                    host.publish(internal::USAGE_HIDDEN_PROPERTY, b"1");
-                }
+                self.asked_for_usage(host, plan);
             } else {
                 // ngx_wasm_module takes no body back from a callout's
                 // answer (the fused filter, after an earlier stage's callout).
@@ -412,13 +408,20 @@ impl MeteredStream {
                 // sends the length the headers say.
                 host.set_request_header("content-length", length.to_string().as_bytes());
             }
-            self.stripper = Some(UsageChunkStripper::new());
-            plan.meters.injected();
-            if host.responses_in_chain_order() {
-                host.publish(internal::USAGE_HIDDEN_PROPERTY, b"1");
-            }
+            self.asked_for_usage(host, plan);
         } else {
             log::warn!("metering: could not append include_usage; usage may be missing");
+        }
+    }
+
+    /// The request now asks for usage on the client's behalf: the usage
+    /// chunk is ours to remove from the response (and post-cache's, where
+    /// it sees the response first).
+    fn asked_for_usage(&mut self, host: &mut impl Host, plan: &Plan) {
+        self.stripper = Some(UsageChunkStripper::new());
+        plan.meters.injected();
+        if host.responses_in_chain_order() {
+            host.publish(internal::USAGE_HIDDEN_PROPERTY, b"1");
         }
     }
 }
