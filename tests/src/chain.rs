@@ -68,6 +68,13 @@ pub struct ChainOptions {
     pub form: Form,
     /// Envoy's worker threads.
     pub workers: usize,
+    /// Members replacing the shipped lazy-auth configuration's (a JSON
+    /// object merged one level deep; `Null`: as shipped).
+    pub lazy_auth: serde_json::Value,
+    /// Members set on every HTTP connection manager (a JSON object, e.g.
+    /// `{"use_remote_address": true, "xff_num_trusted_hops": 1}` for a
+    /// gateway behind one load balancer; `Null`: as shipped).
+    pub connection_manager: serde_json::Value,
 }
 
 impl Default for ChainOptions {
@@ -80,6 +87,8 @@ impl Default for ChainOptions {
             observer: true,
             form: Form::Separate,
             workers: 1,
+            lazy_auth: serde_json::Value::Null,
+            connection_manager: serde_json::Value::Null,
         }
     }
 }
@@ -188,11 +197,21 @@ impl Chain {
         if let Some(timeout) = options.route_timeout {
             config.set_route_timeout(timeout)?;
         }
+        if let Some(members) = options.connection_manager.as_object() {
+            for (key, value) in members {
+                config.set_connection_manager_option(key, serde_yaml::to_value(value)?)?;
+            }
+        }
         let activation = separate.wasm_filter_json("zerolayer.activation")?;
         let mut lazy = separate.wasm_filter_json("zerolayer.lazy_auth")?;
         lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
         lazy["audit"]["flush_ms"] = json!(200);
         lazy["attribution"]["flush_ms"] = json!(200);
+        if let Some(members) = options.lazy_auth.as_object() {
+            for (name, value) in members {
+                lazy[name] = value.clone();
+            }
+        }
         let mut post = separate.wasm_filter_json("zerolayer.post_cache")?;
         if fleet.is_some() {
             post["fleet"] = json!({"cluster": "webdis", "path": "/", "timeout_ms": 500});

@@ -309,6 +309,25 @@ impl EnvoyConfig {
         Ok(())
     }
 
+    /// Sets `key` of every HTTP connection manager (e.g. `use_remote_address`
+    /// and `xff_num_trusted_hops`, which decide the client address Envoy
+    /// gives the filters): how a test runs the chain behind the proxies an
+    /// operator's configuration trusts.
+    pub fn set_connection_manager_option(&mut self, key: &str, value: Value) -> Result<()> {
+        let name = self.name.clone();
+        let managers = self.http_connection_managers_mut()?;
+        if managers.is_empty() {
+            bail!("{name}: no HTTP connection manager");
+        }
+        for manager in managers {
+            manager
+                .as_mapping_mut()
+                .ok_or_else(|| anyhow!("{name}: an HTTP connection manager is not a map"))?
+                .insert(Value::from(key), value.clone());
+        }
+        Ok(())
+    }
+
     /// Removes the bootstrap Wasm services (the observer): how a test shows
     /// what the filters do when it is gone.
     pub fn remove_services(&mut self) -> Result<()> {

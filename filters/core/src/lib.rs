@@ -14,6 +14,7 @@ pub mod cache;
 pub mod config;
 pub mod encoding;
 pub mod event;
+pub mod footprint;
 pub mod headers;
 pub mod internal;
 pub mod json;

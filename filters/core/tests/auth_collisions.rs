@@ -1,9 +1,10 @@
 //! Adversarially colliding credentials: every credential lands in the same
 //! verdict and counter set (one or two slots), requests and off-path
 //! verifications interleave in any order, and still no forged credential is
-//! admitted unverified more than `max_unverified_per_token` times within the
-//! retention, none is ever allowed as valid, and no valid credential is
-//! refused. The model runs the hot path's steps with the functions
+//! admitted unverified more than `max_unverified_per_token` times until it
+//! has been silent for the whole retention (`unverified_memory_secs`), also
+//! long after its negative verdict expired, none is ever allowed as valid,
+//! and no valid credential is refused. The model runs the hot path's steps with the functions
 //! lazy-auth calls, over a map standing in for shared data.
 
 use std::collections::HashMap;
@@ -14,7 +15,14 @@ use zerolayer_core::auth::exposure::{self, Bump};
 use zerolayer_core::auth::policy::{Admission, Policy, UnknownPolicy, VerifierDown};
 use zerolayer_core::auth::verdict::{self, Verdict};
 
-const RETENTION: u64 = 60;
+/// How long an invalid verdict is kept (`negative_ttl_secs`).
+const NEGATIVE_TTL: u64 = 60;
+/// How long a count outlives its credential's last request
+/// (`unverified_memory_secs`).
+const RETENTION: u64 = 600;
+/// How often a refused credential's way is refreshed at most
+/// (`exposure_touch_secs`: an eighth of the memory).
+const TOUCH: u64 = RETENTION / 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Outcome {
@@ -41,7 +49,7 @@ impl Gateway {
 
     fn verify(&mut self, hash: &TokenHash, forged: bool, now: u64) -> Verdict {
         let v = if forged {
-            Verdict::invalid(hash, now, RETENTION, "bad_signature")
+            Verdict::invalid(hash, now, NEGATIVE_TTL, "bad_signature")
         } else {
             Verdict::valid(hash, now, None, 300, Some("acme".into()), None)
         };
@@ -56,11 +64,17 @@ impl Gateway {
             .get(&vkey)
             .and_then(|e| verdict::view(e, hash, now))
         {
-            return if v.valid {
-                Outcome::Allowed
-            } else {
-                Outcome::Denied
-            };
+            if v.valid {
+                return Outcome::Allowed;
+            }
+            // Refused from its verdict: its count's way is kept fresh.
+            let ekey = exposure::key(hash, self.slots);
+            if let Some(next) =
+                exposure::touch(self.shared.get(&ekey).map(Vec::as_slice), hash, now, TOUCH)
+            {
+                self.shared.insert(ekey, next);
+            }
+            return Outcome::Denied;
         }
         let ekey = exposure::key(hash, self.slots);
         let count = match exposure::bump(
@@ -68,7 +82,7 @@ impl Gateway {
             hash,
             now,
             self.ways,
-            RETENTION,
+            RETENTION + TOUCH,
         ) {
             Bump::Counted(next, count) => {
                 self.shared.insert(ekey, next);
@@ -112,6 +126,9 @@ enum Op {
 fn op(credentials: usize) -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (0..credentials, 0u64..3).prop_map(|(i, dt)| Op::Request { i, dt }),
+        // Silences past the negative verdict's TTL, and now and then past
+        // the retention.
+        1 => (0..credentials, 50u64..700).prop_map(|(i, dt)| Op::Request { i, dt }),
         1 => (0usize..4).prop_map(|n| Op::Drain { n }),
     ]
 }
@@ -145,17 +162,19 @@ proptest! {
             queue: Vec::new(),
         };
         let mut now = 1_000;
-        let start = now;
+        // Per credential: its last request and its unverified requests
+        // since it was last silent for the whole retention.
+        let mut last: HashMap<usize, u64> = HashMap::new();
         let mut lazy: HashMap<usize, u32> = HashMap::new();
         for op in ops {
             match op {
                 Op::Request { i, dt } => {
                     let i = i % credentials.len();
                     now += dt;
-                    // Within one retention: the bound is the whole story.
-                    if now - start >= RETENTION {
-                        break;
+                    if last.get(&i).is_some_and(|&t| now - t >= RETENTION) {
+                        lazy.remove(&i);
                     }
+                    last.insert(i, now);
                     let (hash, forged) = credentials[i];
                     let outcome = gw.request(&hash, forged, now);
                     if forged {

@@ -411,7 +411,7 @@ pub trait Host {
                 Ok(()) => return true,
                 Err(Status::CasMismatch) => continue,
                 Err(status) => {
-                    log::warn!("shared data {key}: {status:?}");
+                    warn_shared_failure(self, key, status);
                     return false;
                 }
             }
@@ -451,13 +451,37 @@ pub trait Host {
                 Ok(()) => return Some(result),
                 Err(Status::CasMismatch) => continue,
                 Err(status) => {
-                    log::warn!("shared data {key}: {status:?}");
+                    warn_shared_failure(self, key, status);
                     return None;
                 }
             }
         }
         None
     }
+}
+
+/// A failed shared-data write, logged at most once a minute per process
+/// (or VM) with the number of failures since the last line: a churn
+/// refused thousands of times a second must not flood the log.
+fn warn_shared_failure<H: Host + ?Sized>(host: &mut H, key: &str, status: Status) {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static LOGGED_AT_S: AtomicU64 = AtomicU64::new(0);
+    static SINCE: AtomicU64 = AtomicU64::new(0);
+    let now = (host.now_us() / 1_000_000).max(1);
+    let last = LOGGED_AT_S.load(Relaxed);
+    let due = last == 0 || now >= last.saturating_add(60);
+    if !due
+        || LOGGED_AT_S
+            .compare_exchange(last, now, Relaxed, Relaxed)
+            .is_err()
+    {
+        SINCE.fetch_add(1, Relaxed);
+        return;
+    }
+    let more = SINCE.swap(0, Relaxed);
+    log::warn!(
+        "shared data {key}: {status:?} ({more} more failed writes since the last such line; one line a minute at most)"
+    );
 }
 
 fn json_error<H: Host + ?Sized>(host: &mut H, status: u32, kind: &str, message: &str, close: bool) {

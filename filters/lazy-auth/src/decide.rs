@@ -139,6 +139,7 @@ impl Stream {
             }
             Some(v) => {
                 let reason = v.reason.to_string();
+                self.touch_exposure(host, now);
                 return self.refuse(
                     host,
                     401,
@@ -223,7 +224,10 @@ impl Stream {
             inline_ok,
             verifier_down,
         ) {
-            Route::Sync(reason) => self.verify_now(host, reason, now),
+            Route::Sync(reason) => {
+                self.touch_exposure(host, now);
+                self.verify_now(host, reason, now)
+            }
             Route::Unavailable => self.unavailable(host),
             Route::TryLazy => {
                 let config = &plan.config;
@@ -265,6 +269,22 @@ impl Stream {
                 "invalid credential",
             ),
         }
+    }
+
+    /// A request of a credential that is not counted (refused from its
+    /// cached verdict, or checked now) keeps its count's way fresh, so a
+    /// credential that keeps coming never loses it to colliding newcomers.
+    /// A read per such request, a write at most every
+    /// `exposure_touch_secs`.
+    fn touch_exposure(&self, host: &mut impl Host, now: u64) {
+        let Some(hash) = self.credential.as_ref().map(|c| c.hash) else {
+            return;
+        };
+        let config = &self.plan.config;
+        let every = config.exposure_touch_secs();
+        let _ = host.shared_update_if(&exposure::key(&hash, config.verdict_slots), |current| {
+            (exposure::touch(current, &hash, now, every), ())
+        });
     }
 
     /// One lazy admission from the client's, the claimed tenant's and the

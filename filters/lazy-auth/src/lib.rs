@@ -130,6 +130,10 @@ impl<H: Host> RootStage<H> for AuthRoot {
             plan.config.max_unverified_per_token,
             plan.config.observer.mode,
         );
+        log::info!(
+            "lazy-auth: {}",
+            zerolayer_core::footprint::describe(&plan.config.key_spaces())
+        );
         self.plan = Some(Rc::new(plan));
         if let Err(status) = host.set_tick_period(TICK) {
             log::warn!("lazy-auth: no tick ({status:?}); counters flush at shutdown only");

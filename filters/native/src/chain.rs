@@ -26,6 +26,7 @@ use serde_json::Value;
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::config::{Endpoint, ObserverMode};
+use zerolayer_core::footprint::{self, KeySpace};
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_fused::{Pipeline, Stage, StageStream};
 use zerolayer_host::{
@@ -51,25 +52,19 @@ pub struct NativeSection {
     /// clusters.
     #[serde(default)]
     pub upstreams: BTreeMap<String, String>,
-    /// Shared data bounds (verdicts, exposure counters, escalation, cache
-    /// entries and leases): keys at most.
-    #[serde(default = "default_max_entries")]
-    pub shared_max_entries: usize,
-    /// Shared data bounds: bytes of keys and values at most.
-    #[serde(default = "default_max_bytes")]
-    pub shared_max_bytes: usize,
+    /// Shared data's keys at most, if the operator caps them: refused at
+    /// load when the stages' configurations may need more (by default the
+    /// store holds exactly what they declare, each purpose its own quota).
+    #[serde(default)]
+    pub shared_max_entries: Option<u64>,
+    /// Shared data's bytes of keys and values at most, if the operator caps
+    /// them (as `shared_max_entries`).
+    #[serde(default)]
+    pub shared_max_bytes: Option<u64>,
     /// Jobs waiting for the observer at most (a full queue refuses jobs,
     /// counted by the stage that posts).
     #[serde(default = "default_queue")]
     pub queue_capacity: usize,
-}
-
-fn default_max_entries() -> usize {
-    100_000
-}
-
-fn default_max_bytes() -> usize {
-    256 << 20
 }
 
 fn default_queue() -> usize {
@@ -80,8 +75,8 @@ impl Default for NativeSection {
     fn default() -> Self {
         NativeSection {
             upstreams: BTreeMap::new(),
-            shared_max_entries: default_max_entries(),
-            shared_max_bytes: default_max_bytes(),
+            shared_max_entries: None,
+            shared_max_bytes: None,
             queue_capacity: default_queue(),
         }
     }
@@ -96,23 +91,75 @@ pub struct Process {
     /// Metrics, defined when Envoy loaded the configuration.
     pub metrics: Metrics,
     /// `zerolayer_native_shared_refused`: shared-data writes refused at
-    /// the bounds (a fresh key past them), and how many were reported.
+    /// a purpose's quota, and how many were reported (and logged, at most
+    /// once per [`REFUSAL_LOG_EVERY_MS`]).
     refused: Option<u32>,
     refused_reported: AtomicU64,
+    refusal_logged_ms: AtomicU64,
 }
 
+/// Shortest time between two log lines about refused shared-data writes:
+/// a churn refused thousands of times a second logs one line per minute.
+const REFUSAL_LOG_EVERY_MS: u64 = 60_000;
+
 impl Process {
-    /// Reports shared-data refusals since the last report.
-    fn report_refused(&self) {
-        let Some(id) = self.refused else {
+    /// Reports shared-data refusals since the last report: the counter at
+    /// once, one log line (per purpose, with its quota) at most once a minute.
+    fn report_refused(&self, now_ms: u64) {
+        let by_purpose = self.data.refused();
+        let now: u64 = by_purpose.iter().map(|(_, n)| n).sum();
+        if now <= self.refused_reported.load(Ordering::Relaxed) {
             return;
-        };
-        let now = self.data.refused();
+        }
+        let logged = self.refusal_logged_ms.load(Ordering::Relaxed);
+        let log_now = now_ms >= logged.saturating_add(REFUSAL_LOG_EVERY_MS)
+            && self
+                .refusal_logged_ms
+                .compare_exchange(logged, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok();
         let before = self.refused_reported.swap(now, Ordering::Relaxed);
         if now > before {
-            self.metrics.add(id, (now - before) as i64);
+            if let Some(id) = self.refused {
+                self.metrics.add(id, (now - before) as i64);
+            }
+            if log_now {
+                let usage = self.data.usage();
+                let detail: Vec<String> = by_purpose
+                    .iter()
+                    .zip(&usage)
+                    .filter(|((_, n), _)| *n > 0)
+                    .map(|((purpose, n), (space, keys, bytes))| {
+                        format!(
+                            "{purpose}: {n} refused in all, holding {keys} of {} keys, {bytes} of {} bytes",
+                            space.keys, space.bytes
+                        )
+                    })
+                    .collect();
+                log::warn!(
+                    "zerolayer-native: shared data refused {} writes since the last report ({}); at most one such line a minute",
+                    now - before,
+                    detail.join("; ")
+                );
+            }
         }
     }
+}
+
+/// What the configured stages may hold in shared data, by purpose (a
+/// section that does not parse declares nothing: its stage refuses it).
+fn key_spaces(sections: &[(Stage, Vec<u8>)]) -> Vec<KeySpace> {
+    sections
+        .iter()
+        .flat_map(|(stage, section)| match stage {
+            Stage::LazyAuth => LazyAuthConfig::from_json(section)
+                .map(|c| c.key_spaces())
+                .unwrap_or_default(),
+            Stage::PostCache => PostCacheConfig::from_json(section)
+                .map(|c| c.key_spaces())
+                .unwrap_or_default(),
+            Stage::Activation | Stage::Metering => Vec::new(),
+        })
+        .collect()
 }
 
 /// One chain configuration (`envoy_dynamic_module_on_http_filter_config_new`).
@@ -229,12 +276,28 @@ impl ChainConfig {
         let refused = metrics
             .id(MetricKind::Counter, "zerolayer_native_shared_refused")
             .ok();
+        let spaces = key_spaces(&sections);
+        let (keys, bytes) = footprint::total(&spaces);
+        if let Some(max) = native.shared_max_entries.filter(|&max| max < keys) {
+            return Err(format!(
+                "native.shared_max_entries: {max} is less than the {keys} keys the stages may hold ({})",
+                footprint::describe(&spaces)
+            ));
+        }
+        if let Some(max) = native.shared_max_bytes.filter(|&max| max < bytes) {
+            return Err(format!(
+                "native.shared_max_bytes: {max} is less than the {bytes} bytes the stages may hold ({})",
+                footprint::describe(&spaces)
+            ));
+        }
+        log::info!("zerolayer-native: {}", footprint::describe(&spaces));
         let process = Arc::new(Process {
-            data: SharedData::new(native.shared_max_entries, native.shared_max_bytes),
+            data: SharedData::new(&spaces),
             queue,
             metrics,
             refused,
             refused_reported: AtomicU64::new(0),
+            refusal_logged_ms: AtomicU64::new(0),
         });
         // Configured once here for the errors and the metrics (Envoy takes
         // metric definitions only now); each worker configures its own.
@@ -595,7 +658,7 @@ impl ChainStream {
             }
         }
         worker.host.leave();
-        worker.host.process().report_refused();
+        worker.host.process().report_refused(now);
         for (id, woken) in worker.host.take_woken() {
             let Some(slot) = worker.streams.get(&id).and_then(Weak::upgrade) else {
                 continue;
@@ -798,6 +861,19 @@ mod tests {
             "native": {"upstreams": {"idp": "127.0.0.1:9"}},
         }));
         assert!(why.starts_with("lazy_auth.observer.mode:"), "{why}");
+    }
+
+    #[test]
+    fn a_cap_below_what_the_stages_may_hold_is_refused_naming_the_field() {
+        let why = refused(json!({
+            "lazy_auth": lazy_auth("singleton"),
+            "native": {"upstreams": {"idp": "127.0.0.1:9"}, "shared_max_entries": 1000},
+        }));
+        assert!(
+            why.starts_with("native.shared_max_entries: 1000 is less than the 139522 keys"),
+            "{why}"
+        );
+        assert!(why.contains("verdicts 65536 keys"), "{why}");
     }
 
     #[test]

@@ -115,6 +115,10 @@ impl<H: Host> RootStage<H> for CacheRoot {
             config.memory_bound() / (1024 * 1024),
             config.stampede.mode,
         );
+        log::info!(
+            "post-cache: {}",
+            zerolayer_core::footprint::describe(&config.key_spaces())
+        );
         let Some(observer) = EmbeddedObserver::configure(
             host,
             &config.observer,
@@ -127,7 +131,7 @@ impl<H: Host> RootStage<H> for CacheRoot {
         self.observer = observer;
         let tick = Duration::from_millis(config.stampede.poll_ms.clamp(1, 1000));
         self.plan = Some(Rc::new(Plan {
-            shelf: Shelf::new(config.max_entries),
+            shelf: Shelf::new(config.max_entries, config.max_entry_bytes),
             secret: secret.unwrap_or_default(),
             metrics: Metrics::define(host),
             queue: self.observer.queue(&config.observer, "post-cache"),

@@ -5,7 +5,9 @@
 use zerolayer_core::cache::control::{age, fresh_enough};
 use zerolayer_core::cache::key::{CacheKey, Provider};
 use zerolayer_core::cache::lease::{LeaseOutcome, LeaseTable};
-use zerolayer_core::cache::store::{Layout, SetIndex, StoredResponse, WayRecord};
+use zerolayer_core::cache::store::{
+    Layout, MAX_SLOT_OVERHEAD_BYTES, SetIndex, StoredResponse, WayRecord,
+};
 use zerolayer_core::reply;
 use zerolayer_host::Host;
 
@@ -19,12 +21,15 @@ pub(crate) struct Hit {
 /// Access to the local tier.
 pub(crate) struct Shelf {
     layout: Layout,
+    /// Largest body slot stored (the cache's memory bound counts on it).
+    max_slot_bytes: usize,
 }
 
 impl Shelf {
-    pub(crate) fn new(max_entries: u32) -> Shelf {
+    pub(crate) fn new(max_entries: u32, max_entry_bytes: u32) -> Shelf {
         Shelf {
             layout: Layout::new(max_entries),
+            max_slot_bytes: max_entry_bytes as usize + MAX_SLOT_OVERHEAD_BYTES,
         }
     }
 
@@ -71,6 +76,9 @@ impl Shelf {
         let (index, _) = host.shared_get(&index_key);
         let placement = SetIndex::decode(index.as_deref()).place(key, now);
         let body = response.encode();
+        if body.len() > self.max_slot_bytes {
+            return None;
+        }
         if !host.shared_put(&self.layout.body_key(set, placement.way), &body) {
             return None;
         }
@@ -182,7 +190,7 @@ mod tests {
 
     /// One set of two ways: every key lands in it.
     fn one_set() -> Shelf {
-        Shelf::new(2)
+        Shelf::new(2, 1 << 20)
     }
 
     #[test]

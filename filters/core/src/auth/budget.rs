@@ -25,6 +25,8 @@ pub const BUDGET_PREFIX: &str = "zl:auth:budget:";
 /// Bucket keys per scope for tenants and for client addresses.
 pub const BUCKET_SLOTS: u64 = 4096;
 const VERSION: u8 = 1;
+/// Size of an encoded bucket.
+pub const BUCKET_BYTES: usize = 17;
 /// Tokens are kept in thousandths, so slow rates refill between requests.
 const MILLI: u64 = 1000;
 
@@ -177,7 +179,7 @@ pub struct Bucket {
 impl Bucket {
     /// Serializes for shared data (17 bytes).
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(17);
+        let mut out = Vec::with_capacity(BUCKET_BYTES);
         out.push(VERSION);
         out.extend_from_slice(&self.milli_tokens.to_le_bytes());
         out.extend_from_slice(&self.at_ms.to_le_bytes());

@@ -187,6 +187,13 @@ pub struct LazyAuthConfig {
     /// How long an invalid verdict is kept, seconds.
     #[serde(default = "default_negative_ttl")]
     pub negative_ttl_secs: u64,
+    /// How long a credential's count of unverified requests outlives its
+    /// last request, seconds: a colliding newcomer cannot take its place
+    /// before, so a credential refused once gets no unverified request
+    /// again until it has been silent this long (at least
+    /// `negative_ttl_secs`; at most 30 days).
+    #[serde(default = "default_unverified_memory")]
+    pub unverified_memory_secs: u64,
     /// Shared-data keys (sets) for verdicts and counters (bounds memory; at
     /// least 1).
     #[serde(default = "default_slots")]
@@ -267,6 +274,9 @@ fn default_max_ttl() -> u64 {
 }
 fn default_negative_ttl() -> u64 {
     60
+}
+fn default_unverified_memory() -> u64 {
+    3600
 }
 fn default_slots() -> u32 {
     65_536
@@ -354,6 +364,18 @@ impl LazyAuthConfig {
             ));
         }
         self.lazy_budget.check("lazy_budget")?;
+        if self.unverified_memory_secs < self.negative_ttl_secs.max(1)
+            || self.unverified_memory_secs > 30 * 86_400
+        {
+            return Err(ConfigError::new(
+                "unverified_memory_secs",
+                format!(
+                    "{} must be between negative_ttl_secs ({}) and 2592000 (30 days)",
+                    self.unverified_memory_secs,
+                    self.negative_ttl_secs.max(1)
+                ),
+            ));
+        }
         if self.verdict_max_ttl_secs == 0 {
             return Err(ConfigError::new(
                 "verdict_max_ttl_secs",
@@ -402,9 +424,23 @@ impl LazyAuthConfig {
     }
 
     /// How long a per-credential exposure count is kept against colliding
-    /// newcomers: as long as its negative verdict may live.
+    /// newcomers after the last write of its way: `unverified_memory_secs`
+    /// plus the longest a refused request may leave it unwritten
+    /// ([`Self::exposure_touch_secs`]), so that it is kept for
+    /// `unverified_memory_secs` after the credential's last request.
     pub fn exposure_retention_secs(&self) -> u64 {
-        self.negative_ttl_secs.max(1)
+        let memory = self
+            .unverified_memory_secs
+            .max(self.negative_ttl_secs)
+            .max(1);
+        memory.saturating_add(self.exposure_touch_secs())
+    }
+
+    /// How often a refused credential's way is refreshed at most, seconds
+    /// (an eighth of the memory: a shared-data write per refused
+    /// credential that rare).
+    pub fn exposure_touch_secs(&self) -> u64 {
+        (self.unverified_memory_secs / 8).max(1)
     }
 
     /// Whether `path` (query excluded) is public: its normal form (see

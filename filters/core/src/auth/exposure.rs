@@ -30,6 +30,12 @@ pub const FINISHED_KEY: &str = "zl:auth:jobs_finished";
 /// for a colliding credential).
 const VERSION: u8 = 2;
 
+/// Largest encoded set of `ways` counters: version, length, and per way a
+/// hash and two varints.
+pub fn max_set_bytes(ways: u32) -> usize {
+    2 + ways as usize * (32 + 5 + 10)
+}
+
 /// Requests a credential made while unverified: one way of a set.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Unverified {
@@ -124,6 +130,21 @@ pub fn bump(entry: Option<&[u8]>, hash: &TokenHash, now: u64, ways: u32, retenti
     Bump::Counted(set.encode(), 1)
 }
 
+/// A request of `hash` that was refused without being counted (a cached
+/// negative verdict, a synchronous check): its way, if it holds one, is
+/// kept fresh, so a credential that keeps coming never loses its count.
+/// Written at most once per `every` seconds per credential; `None`: nothing
+/// to write.
+pub fn touch(entry: Option<&[u8]>, hash: &TokenHash, now: u64, every: u64) -> Option<Vec<u8>> {
+    let mut set = ExposureSet::decode(entry);
+    let own = set.0.iter_mut().find(|u| u.hash == hash.0)?;
+    if own.last_seen.saturating_add(every) > now {
+        return None;
+    }
+    own.last_seen = now;
+    Some(set.encode())
+}
+
 /// A non-negative counter stored as decimal ASCII (readable with any tool).
 pub fn decode_count(bytes: Option<&[u8]>) -> u64 {
     bytes
@@ -169,6 +190,11 @@ mod tests {
         assert_eq!(n, 1);
         let set = ExposureSet::decode(Some(&e2));
         assert_eq!((set.count(&a), set.count(&b), set.count(&c)), (0, 1, 1));
+        // A refused request keeps c's way fresh, at most once per interval.
+        assert_eq!(touch(Some(&e2), &c, 75, 10), None);
+        let e3 = touch(Some(&e2), &c, 81, 10).unwrap();
+        assert_eq!(ExposureSet::decode(Some(&e3)).0[1].last_seen, 81);
+        assert_eq!(touch(Some(&e3), &TokenHash::of(b"z"), 200, 10), None);
         // Junk and old versions read as empty.
         assert_eq!(counted(bump(Some(b"junk"), &a, 0, 2, 60)).1, 1);
         assert_eq!(counted(bump(Some(b"\x01abc"), &a, 0, 2, 60)).1, 1);

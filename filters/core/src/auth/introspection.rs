@@ -47,11 +47,11 @@ pub fn verdict(
                     .and_then(Value::as_str)
                     .map(str::to_string)
             };
-            Some(Verdict::valid(
+            Some(Verdict::verified(
                 hash,
                 now,
                 answer.pointer(&m.expires_at).and_then(Value::as_u64),
-                config.verdict_max_ttl_secs,
+                (config.verdict_max_ttl_secs, config.negative_ttl_secs),
                 text(&m.tenant),
                 text(&m.subject),
             ))

@@ -19,6 +19,16 @@ use super::credential::TokenHash;
 
 /// Shared-data key prefix of verdicts.
 pub const VERDICT_PREFIX: &str = "zl:auth:verdict:";
+/// Longest tenant or subject a verdict keeps, bytes: a credential whose
+/// verified claims are longer is refused (`claim_too_long`), so a verdict's
+/// size, and the memory of every set, has a bound.
+pub const MAX_CLAIM_BYTES: usize = 256;
+/// Longest reason kept, bytes (reasons are the filters' own short words).
+const MAX_REASON_BYTES: usize = 64;
+/// Largest encoded verdict: hash, flag, two times, two claims and a reason
+/// at their limits, with postcard's lengths.
+pub const MAX_VERDICT_BYTES: usize =
+    32 + 1 + 10 + 2 * (3 + MAX_CLAIM_BYTES) + 2 + MAX_REASON_BYTES + 10;
 /// Format version, first byte of every entry: an old entry after an
 /// upgrade reads as "unknown" instead of being misread. Version 2: a set
 /// of verdicts, each postcard-encoded behind its 2-byte length.
@@ -70,6 +80,25 @@ impl Verdict {
         decode_set(bytes).into_iter().find(|v| v.hash == hash.0)
     }
 
+    /// A valid verdict from verified facts, or an invalid one
+    /// (`claim_too_long`, kept `negative_ttl`) when a claim is longer than
+    /// [`MAX_CLAIM_BYTES`].
+    pub fn verified(
+        hash: &TokenHash,
+        now: u64,
+        credential_expiry: Option<u64>,
+        ttl: (u64, u64),
+        tenant: Option<String>,
+        subject: Option<String>,
+    ) -> Verdict {
+        let (max_ttl, negative_ttl) = ttl;
+        let too_long = |c: &Option<String>| c.as_ref().is_some_and(|c| c.len() > MAX_CLAIM_BYTES);
+        if too_long(&tenant) || too_long(&subject) {
+            return Verdict::invalid(hash, now, negative_ttl, "claim_too_long");
+        }
+        Verdict::valid(hash, now, credential_expiry, max_ttl, tenant, subject)
+    }
+
     /// A valid verdict from verified facts (JWT claims or an introspection
     /// answer): TTL = min(credential expiry, `max_ttl`).
     pub fn valid(
@@ -99,7 +128,7 @@ impl Verdict {
             expires_at: now.saturating_add(negative_ttl),
             tenant: None,
             subject: None,
-            reason: reason.to_string(),
+            reason: reason.chars().take(MAX_REASON_BYTES).collect(),
             verified_at: now,
         }
     }
@@ -121,11 +150,11 @@ pub fn of_jwt(
     result: Result<super::jwt::Claims, super::jwt::JwtError>,
 ) -> Verdict {
     match result {
-        Ok(claims) => Verdict::valid(
+        Ok(claims) => Verdict::verified(
             hash,
             now,
             claims.exp(),
-            config.verdict_max_ttl_secs,
+            (config.verdict_max_ttl_secs, config.negative_ttl_secs),
             claims.get_str(&config.jwt.tenant_claim).map(str::to_string),
             claims.sub().map(str::to_string),
         ),
@@ -163,8 +192,9 @@ pub fn encode_set(verdicts: &[Verdict]) -> Vec<u8> {
     let mut out = vec![VERSION];
     for v in verdicts {
         // Serializing plain owned data into a Vec cannot fail; a verdict
-        // too long for its length prefix (64 KiB of tenant) is not kept.
+        // past the bound (claims are checked before) is not kept.
         if let Ok(body) = postcard::to_allocvec(v)
+            && body.len() <= MAX_VERDICT_BYTES
             && let Ok(len) = u16::try_from(body.len())
         {
             out.extend_from_slice(&len.to_le_bytes());
@@ -199,7 +229,11 @@ pub fn decode_set(bytes: &[u8]) -> Vec<Verdict> {
 
 /// The set entry after storing `verdict` at `now` in the set `entry`, at
 /// most `ways` verdicts: its credential's own is replaced, else an expired
-/// one, else a free way is taken, else the one expiring soonest goes.
+/// one, else a free way is taken, else one goes: the soonest expiring of
+/// the newcomer's own tenant (invalid verdicts: of the invalid ones) when
+/// that tenant already holds half the ways or more, else the soonest
+/// expiring of all. One tenant minting credentials therefore never takes
+/// more than half of any set from the others.
 pub fn insert(entry: Option<&[u8]>, verdict: &Verdict, now: u64, ways: u32) -> Vec<u8> {
     let ways = ways.max(1) as usize;
     let mut set: Vec<Verdict> = entry
@@ -208,10 +242,13 @@ pub fn insert(entry: Option<&[u8]>, verdict: &Verdict, now: u64, ways: u32) -> V
         .into_iter()
         .filter(|v| v.hash != verdict.hash && v.expires_at > now)
         .collect();
+    let same_owner = |v: &Verdict| v.valid == verdict.valid && v.tenant == verdict.tenant;
     while set.len() >= ways {
+        let own_share = set.iter().filter(|v| same_owner(v)).count();
         let Some(i) = set
             .iter()
             .enumerate()
+            .filter(|(_, v)| own_share * 2 < ways || same_owner(v))
             .min_by_key(|(_, v)| v.expires_at)
             .map(|(i, _)| i)
         else {
@@ -331,8 +368,11 @@ mod tests {
         let e = insert(Some(&e), &verdict(&a, false, 170), 110, 2);
         assert_eq!(decode_set(&e).len(), 2);
         assert_eq!(view(&e, &a, 150).map(|v| v.expires_at), Some(170));
-        // A third verdict in a full set evicts the one expiring soonest.
-        let e = insert(Some(&e), &verdict(&c, true, 500), 120, 2);
+        // A third verdict in a full set evicts the one expiring soonest
+        // (another tenant's: see the next test for its own).
+        let mut other = verdict(&c, true, 500);
+        other.tenant = Some("globex".into());
+        let e = insert(Some(&e), &other, 120, 2);
         assert_eq!(view(&e, &a, 150), None);
         assert!(view(&e, &b, 150).is_some() && view(&e, &c, 150).is_some());
         // Expired verdicts go first, whatever their expiry order.
@@ -364,5 +404,71 @@ mod tests {
         let k = key(&TokenHash::of(b"x"), 16);
         let slot: u32 = k.strip_prefix(VERDICT_PREFIX).unwrap().parse().unwrap();
         assert!(slot < 16);
+    }
+
+    #[test]
+    fn one_tenant_never_takes_more_than_half_a_set_from_the_others() {
+        let mut entry: Option<Vec<u8>> = None;
+        let mut put = |name: &str, tenant: &str, expires_at: u64| {
+            let mut v = verdict(&TokenHash::of(name.as_bytes()), true, expires_at);
+            v.tenant = Some(tenant.into());
+            entry = Some(insert(entry.as_deref(), &v, 100, 4));
+            decode_set(entry.as_deref().unwrap())
+        };
+        put("g1", "globex", 1000);
+        put("g2", "globex", 1000);
+        // acme mints credentials: it takes the two free ways, then evicts
+        // only its own, however soon globex's expire.
+        for n in 0..50 {
+            put(&format!("a{n}"), "acme", 2000 + n);
+        }
+        let set = put("a-last", "acme", 5000);
+        let globex = set
+            .iter()
+            .filter(|v| v.tenant.as_deref() == Some("globex"))
+            .count();
+        assert_eq!((set.len(), globex), (4, 2));
+        // Below half, a newcomer evicts the soonest expiring of all.
+        let set = put("i1", "initech", 3000);
+        assert_eq!(set.len(), 4);
+        assert!(set.iter().any(|v| v.tenant.as_deref() == Some("initech")));
+        assert_eq!(
+            set.iter()
+                .filter(|v| v.tenant.as_deref() == Some("globex"))
+                .count(),
+            1
+        );
+    }
+
+    #[test]
+    fn claims_past_the_limit_are_refused_and_every_verdict_fits_its_bound() {
+        let h = TokenHash::of(b"t");
+        let long = "x".repeat(MAX_CLAIM_BYTES + 1);
+        let v = Verdict::verified(&h, 100, None, (300, 60), Some(long.clone()), None);
+        assert!(!v.valid);
+        assert_eq!(v.reason, "claim_too_long");
+        assert_eq!(v.expires_at, 160);
+        let v = Verdict::verified(&h, 100, None, (300, 60), None, Some(long));
+        assert_eq!(v.reason, "claim_too_long");
+        let most = "x".repeat(MAX_CLAIM_BYTES);
+        let v = Verdict {
+            expires_at: u64::MAX,
+            verified_at: u64::MAX,
+            ..Verdict::verified(&h, 100, None, (300, 60), Some(most.clone()), Some(most))
+        };
+        assert!(v.valid);
+        assert!(postcard::to_allocvec(&v).unwrap().len() <= MAX_VERDICT_BYTES);
+        let reason = Verdict::invalid(&h, 0, u64::MAX, &"r".repeat(500)).reason;
+        assert_eq!(reason.len(), MAX_REASON_BYTES);
+        // A set of four at their largest stays within the stated bound.
+        let mut entry = None;
+        for n in 0..4u8 {
+            let mut big = v.clone();
+            big.hash[0] = n;
+            entry = Some(insert(entry.as_deref(), &big, 100, 4));
+        }
+        let entry = entry.unwrap();
+        assert_eq!(decode_set(&entry).len(), 4);
+        assert!(entry.len() <= 1 + 4 * (2 + MAX_VERDICT_BYTES));
     }
 }

@@ -15,6 +15,9 @@ use super::key::CacheKey;
 
 /// Shared-data key prefix of everything the cache stores.
 pub const CACHE_PREFIX: &str = "zl:cache:";
+/// What a body slot may hold beyond `max_entry_bytes` of body: the kept
+/// headers, digest and times. A larger slot is not stored.
+pub const MAX_SLOT_OVERHEAD_BYTES: usize = 16 << 10;
 /// Ways per set: two keeps a hot entry from being evicted by one colliding key.
 pub const WAYS: usize = 2;
 /// Format version, first byte of every record: an entry written by another
