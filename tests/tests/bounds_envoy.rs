@@ -3,12 +3,15 @@
 //! ever — after a verdict expires, against colliding credentials, against a
 //! client spending the verifier, against a full store.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use serde_json::json;
 
 use zerolayer_e2e::chain::{Chain, ChainOptions, Form, anthropic};
+use zerolayer_e2e::mock::MockReply;
 use zerolayer_e2e::tokens::{self, issuer};
 
 const INVALID: &str = r#"zerolayer_auth_verdicts{outcome="invalid"}"#;
@@ -176,7 +179,123 @@ fn a_tenant_minting_credentials_cannot_fill_what_others_need(form: Form) -> Resu
     Ok(())
 }
 
+/// The API keys the introspection endpoint of [`a_client_spraying_keys_cannot_spend_the_verifier`]
+/// knows as active.
+const LEGIT_KEY_PREFIX: &str = "sk-legit-";
+
+/// Issue 28, item 3. An introspection endpoint that allows 40 calls a
+/// second and answers 429 (`retry-after: 1`) beyond; one client (one
+/// address, behind the one load balancer the gateway trusts) sprays random
+/// API keys as fast as it can while 16 new legitimate keys arrive, each
+/// from its own address. Every legitimate key's first request is served;
+/// the endpoint never has to push back; and the calls the sprayer causes
+/// stay within its budgets: lazily admitted keys verified off the path
+/// (`lazy_budget.per_client`: 20 + 5/s) plus synchronous checks
+/// (`verify_budget.per_client`: 5 + 1/s). Before: 1.01 calls per sprayed
+/// key, the endpoint answered 429 and new keys got 503.
+fn a_client_spraying_keys_cannot_spend_the_verifier(form: Form) -> Result<()> {
+    let chain = Chain::start(ChainOptions {
+        form,
+        sample_percent: 0.0,
+        connection_manager: json!({"use_remote_address": true, "xff_num_trusted_hops": 1}),
+        ..ChainOptions::default()
+    })?;
+    // 40 calls a second, then 429.
+    let bucket = Arc::new(Mutex::new((40.0f64, Instant::now())));
+    let limited = bucket.clone();
+    chain.services.api_keys.set_handler(move |request| {
+        let mut state = limited
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = Instant::now();
+        state.0 = (state.0 + now.duration_since(state.1).as_secs_f64() * 40.0).min(40.0);
+        state.1 = now;
+        if state.0 < 1.0 {
+            return MockReply {
+                status: 429,
+                headers: vec![("retry-after".into(), "1".into())],
+                body: r#"{"error":"slow down"}"#.into(),
+            };
+        }
+        state.0 -= 1.0;
+        let active = request
+            .header("x-api-key")
+            .is_some_and(|k| k.starts_with(LEGIT_KEY_PREFIX));
+        let body = if active {
+            r#"{"active":true,"tenant":"globex","sub":"new"}"#
+        } else {
+            r#"{"active":false}"#
+        };
+        MockReply {
+            status: 200,
+            headers: vec![],
+            body: body.into(),
+        }
+    });
+    let started = Instant::now();
+    let mut legit = Vec::new();
+    let mut spray_statuses: HashMap<u16, usize> = HashMap::new();
+    for n in 0..1600u32 {
+        let key = format!("sk-spray-{n}");
+        let id = format!("spray-{n}");
+        let reply = chain.post(
+            "/v1/messages",
+            &[
+                ("x-api-key", &key),
+                ("x-request-id", &id),
+                ("x-forwarded-for", "203.0.113.9"),
+            ],
+            &anthropic("spray", false),
+        )?;
+        *spray_statuses.entry(reply.status).or_default() += 1;
+        if n % 100 == 50 {
+            let i = legit.len();
+            let key = format!("{LEGIT_KEY_PREFIX}{i}");
+            let address = format!("198.51.100.{}", i + 1);
+            let reply = chain.post(
+                "/v1/messages",
+                &[("x-api-key", &key), ("x-forwarded-for", &address)],
+                &anthropic("a new customer", false),
+            )?;
+            legit.push((
+                reply.status,
+                reply.header("retry-after").map(str::to_string),
+            ));
+        }
+    }
+    let secs = started.elapsed().as_secs_f64().ceil();
+    let seen = chain.services.api_keys.seen();
+    let spray_calls = seen
+        .iter()
+        .filter(|r| {
+            r.header("x-api-key")
+                .is_some_and(|k| k.starts_with("sk-spray-"))
+        })
+        .count();
+    let bound = (20.0 + 5.0 * secs) + (5.0 + 1.0 * secs);
+    let pushed_back = chain
+        .envoy
+        .metric(r#"zerolayer_auth_decisions{outcome="verifier_throttled"}"#)?;
+    eprintln!(
+        "{form:?}: {secs} s; legit {legit:?}; spray statuses {spray_statuses:?}; the sprayer caused {spray_calls} introspection calls (bound {bound}); throttled answers {pushed_back:?}"
+    );
+    assert!(
+        legit.iter().all(|(status, _)| *status == 200),
+        "a new legitimate key was refused during the spray: {legit:?}"
+    );
+    assert!(
+        (spray_calls as f64) <= bound,
+        "the sprayer caused {spray_calls} verifier calls in {secs} s (bound {bound})"
+    );
+    assert!(
+        spray_statuses.keys().all(|s| [200, 401, 429].contains(s)),
+        "the sprayer got {spray_statuses:?}"
+    );
+    Ok(())
+}
+
 zerolayer_e2e::in_every_form!(
     a_refused_credential_stays_refused_after_its_verdict_expires,
     a_tenant_minting_credentials_cannot_fill_what_others_need,
+    a_client_spraying_keys_cannot_spend_the_verifier,
 );

@@ -5,7 +5,7 @@
 //! much (one purpose can never take another's room), and the Wasm forms
 //! log the same numbers at load: the memory bound of shared data in both.
 
-use crate::auth::budget::{BUCKET_SLOTS, BUDGET_PREFIX};
+use crate::auth::budget::{BUCKET_SLOTS, BUDGET_PREFIX, VERIFY_PREFIX};
 use crate::auth::config::LazyAuthConfig;
 use crate::auth::exposure::UNVERIFIED_PREFIX;
 use crate::auth::verdict::{MAX_VERDICT_BYTES, VERDICT_PREFIX};
@@ -73,6 +73,12 @@ impl LazyAuthConfig {
                 "lazy_budget",
                 BUDGET_PREFIX,
                 2 * BUCKET_SLOTS + 2,
+                crate::auth::budget::BUCKET_BYTES as u64,
+            ),
+            KeySpace::new(
+                "verify_budget",
+                VERIFY_PREFIX,
+                BUCKET_SLOTS + 1,
                 crate::auth::budget::BUCKET_BYTES as u64,
             ),
         ]

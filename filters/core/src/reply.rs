@@ -34,6 +34,13 @@ impl RetryHint {
     }
 }
 
+/// Seconds a `retry-after` value asks for (delta-seconds; an HTTP date or
+/// anything else: `None`), at most an hour.
+pub fn retry_after_secs(value: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(value).ok()?.trim();
+    text.parse::<u64>().ok().map(|s| s.min(3600))
+}
+
 /// The request-id header a client of `provider`'s API reads.
 pub fn request_id_header(provider: Option<Provider>) -> &'static str {
     match provider {

@@ -187,6 +187,7 @@ impl FakeHost {
         self.answer = CalloutAnswer {
             status,
             body: body.to_vec(),
+            retry_after_secs: None,
         };
     }
 
@@ -412,6 +413,10 @@ impl Host for FakeHost {
 
     fn callout_status(&mut self) -> Option<u16> {
         self.answer.status
+    }
+
+    fn callout_retry_after(&mut self) -> Option<u64> {
+        self.answer.retry_after_secs
     }
 
     fn callout_body(&mut self, size: usize) -> Vec<u8> {

@@ -279,6 +279,10 @@ impl Host for FusedHost {
         self.wasm.callout_body(size)
     }
 
+    fn callout_retry_after(&mut self) -> Option<u64> {
+        self.wasm.callout_retry_after()
+    }
+
     fn resume(&mut self) {
         if self.stream {
             self.resumed = true;

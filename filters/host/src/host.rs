@@ -99,6 +99,8 @@ pub struct CalloutAnswer {
     pub status: Option<u16>,
     /// The answer's body.
     pub body: Vec<u8>,
+    /// Seconds its `retry-after` asks for (a 429's back-pressure).
+    pub retry_after_secs: Option<u64>,
 }
 
 /// What a stage asks of the proxy. Stage code takes `&mut impl Host` and
@@ -199,6 +201,9 @@ pub trait Host {
 
     /// The first `size` bytes of the body of the callout being answered.
     fn callout_body(&mut self, size: usize) -> Vec<u8>;
+
+    /// Seconds the `retry-after` of the callout being answered asks for.
+    fn callout_retry_after(&mut self) -> Option<u64>;
 
     // --- stream control ------------------------------------------------------------
 
@@ -381,7 +386,24 @@ pub trait Host {
     /// (`zerolayer_core::reply`), with the retry hints its status calls for
     /// and the request id its client reads.
     fn send_json_error(&mut self, status: u32, kind: &str, message: &str) {
-        json_error(self, status, kind, message, false);
+        let retry = RetryHint::for_status(u16::try_from(status).unwrap_or(500));
+        json_error(self, status, kind, message, retry, false);
+    }
+
+    /// A 429 or 503 whose wait is known (`retry-after: secs`, at least 1),
+    /// sent as [`Host::send_json_error`] or, `from_answer`, as
+    /// [`Host::send_json_error_before_body`].
+    fn send_retry_later(
+        &mut self,
+        status: u32,
+        kind: &str,
+        message: &str,
+        secs: u64,
+        from_answer: bool,
+    ) {
+        let retry = RetryHint::After(u32::try_from(secs.max(1)).unwrap_or(u32::MAX));
+        let close = from_answer && self.platform() == Platform::NgxWasm;
+        json_error(self, status, kind, message, retry, close);
     }
 
     /// [`Host::send_json_error`] from a callout's answer, before the host
@@ -391,7 +413,8 @@ pub trait Host {
     /// the response closes the connection.
     fn send_json_error_before_body(&mut self, status: u32, kind: &str, message: &str) {
         let close = self.platform() == Platform::NgxWasm;
-        json_error(self, status, kind, message, close);
+        let retry = RetryHint::for_status(u16::try_from(status).unwrap_or(500));
+        json_error(self, status, kind, message, retry, close);
     }
 
     /// The answer of the callout being answered: its status and body.
@@ -399,6 +422,7 @@ pub trait Host {
         CalloutAnswer {
             status: self.callout_status(),
             body: self.callout_body(body_size),
+            retry_after_secs: self.callout_retry_after(),
         }
     }
 
@@ -484,7 +508,14 @@ fn warn_shared_failure<H: Host + ?Sized>(host: &mut H, key: &str, status: Status
     );
 }
 
-fn json_error<H: Host + ?Sized>(host: &mut H, status: u32, kind: &str, message: &str, close: bool) {
+fn json_error<H: Host + ?Sized>(
+    host: &mut H,
+    status: u32,
+    kind: &str,
+    message: &str,
+    retry: RetryHint,
+    close: bool,
+) {
     let provider = host.provider();
     let id = host.request_id();
     let code = u16::try_from(status).unwrap_or(500);
@@ -493,7 +524,7 @@ fn json_error<H: Host + ?Sized>(host: &mut H, status: u32, kind: &str, message: 
         code,
         kind,
         message,
-        RetryHint::for_status(code),
+        retry,
         id.as_deref().and_then(|id| std::str::from_utf8(id).ok()),
     );
     let mut headers: Vec<(&str, &str)> = reply

@@ -64,6 +64,29 @@ impl WasmHost {
     }
 }
 
+/// The roots of the host attributes a stage reads (`source.address`).
+const ATTRIBUTE_ROOTS: [&str; 6] = [
+    "source",
+    "destination",
+    "request",
+    "response",
+    "connection",
+    "upstream",
+];
+
+/// `path` as the segments `proxy_get_property` takes. An attribute goes
+/// segment by segment (`source`, `address`): Envoy reads a single
+/// `source.address` as a filter state name, finds none, and the stage got
+/// no client address at all (every client in one lazy-admission bucket).
+/// ngx_wasm_module joins segments with dots, so both hosts read the same.
+/// Anything else (filter state, hand-offs, `ngx.*`, `kong.*`) stays whole.
+fn property_segments(path: &str) -> Vec<&str> {
+    match path.split_once('.') {
+        Some((root, _)) if ATTRIBUTE_ROOTS.contains(&root) => path.split('.').collect(),
+        _ => vec![path],
+    }
+}
+
 /// Whether the host is Kong Gateway (only it has `kong.version`).
 fn kong_handoffs() -> bool {
     KONG_HANDOFFS.with(|k| {
@@ -171,7 +194,8 @@ impl Host for WasmHost {
     }
 
     fn property(&mut self, path: &str) -> Option<Vec<u8>> {
-        hostcalls::get_property(vec![&WasmHost::host_path(path)])
+        let path = WasmHost::host_path(path);
+        hostcalls::get_property(property_segments(&path))
             .ok()
             .flatten()
     }
@@ -230,6 +254,13 @@ impl Host for WasmHost {
             .and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok())
     }
 
+    fn callout_retry_after(&mut self) -> Option<u64> {
+        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, "retry-after")
+            .ok()
+            .flatten()
+            .and_then(|v| zerolayer_core::reply::retry_after_secs(&v))
+    }
+
     fn callout_body(&mut self, size: usize) -> Vec<u8> {
         hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
             .ok()
@@ -269,5 +300,28 @@ impl Host for WasmHost {
 
     fn record_metric(&mut self, id: u32, value: u64) {
         let _ = hostcalls::record_metric(id, value);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::property_segments;
+
+    #[test]
+    fn attributes_go_segment_by_segment_and_names_stay_whole() {
+        assert_eq!(property_segments("source.address"), ["source", "address"]);
+        assert_eq!(
+            property_segments("request.headers.x-a"),
+            ["request", "headers", "x-a"]
+        );
+        for whole in [
+            "wasmx.zerolayer_auth",
+            "kong.ctx.shared.zerolayer_auth",
+            "ngx.request_id",
+            "plugin_name",
+            "sources.x",
+        ] {
+            assert_eq!(property_segments(whole), [whole]);
+        }
     }
 }

@@ -21,7 +21,7 @@ use zerolayer_core::event::{AuditRecord, Job, VerifyJob, VerifyOutcome};
 use zerolayer_core::internal;
 use zerolayer_core::metrics::Label;
 use zerolayer_host::{Action, Host};
-use zerolayer_observer::auth::VERIFIER_DOWN_KEY;
+use zerolayer_observer::auth::{VERIFIER_DOWN_KEY, throttle, throttled};
 
 use crate::Plan;
 use crate::metrics::Outcome;
@@ -430,7 +430,25 @@ impl Stream {
 
     fn dispatch_introspection(&mut self, host: &mut impl Host, reason: SyncReason) -> Action {
         let plan = self.plan.clone();
-        let (Some(api), Some(c)) = (&plan.config.api_keys, &self.credential) else {
+        let Some(api) = &plan.config.api_keys else {
+            return self.unavailable(host);
+        };
+        let now_ms = host.now_us() / 1000;
+        // The verifier asked to slow down: nobody calls it before then.
+        if let Some(wait_ms) = throttled(host, now_ms) {
+            return self.throttled(host, wait_ms);
+        }
+        if let Err(wait_ms) = self.take_verify_budget(host, now_ms) {
+            self.send_refusal_retry(
+                host,
+                429,
+                "rate_limit_error",
+                "too many new credentials to verify; retry later",
+                wait_ms,
+            );
+            return self.done(host, Outcome::OverBudget, "verify_budget", Action::Pause);
+        }
+        let Some(c) = &self.credential else {
             return self.unavailable(host);
         };
         let key = String::from_utf8_lossy(&c.token).into_owned();
@@ -473,12 +491,18 @@ impl Stream {
         let now = host.now_secs();
         let answer = host.callout_answer(body_size);
         self.in_answer = true;
-        let action =
+        let action = if introspection::is_back_pressure(answer.status) {
+            // Not the credential's failure nor the verifier's ill health:
+            // nobody calls it again before its retry-after.
+            let wait_ms = throttle(host, answer.retry_after_secs);
+            self.throttled(host, wait_ms)
+        } else {
             match introspection::verdict(&plan.config, &hash, now, answer.status, &answer.body) {
                 Some(verdict) => self.concluded(host, verdict, reason),
                 // The verifier did not answer: refuse rather than admit.
                 None => self.unavailable(host),
-            };
+            }
+        };
         self.in_answer = false;
         if action == Action::Continue {
             host.resume();
@@ -571,6 +595,73 @@ impl Stream {
         }
     }
 
+    /// One synchronous introspection from the client's bucket, then the
+    /// gateway's (whose `reserve` only a client with a full bucket may
+    /// take); `Err`: the wait, ms, before a call could be made.
+    fn take_verify_budget(&self, host: &mut impl Host, now_ms: u64) -> Result<(), u64> {
+        let budget = self.plan.config.verify_budget;
+        let address = host.property("source.address").unwrap_or_default();
+        let mut fresh = false;
+        let took = host
+            .shared_update_if(&budget::verify_key(Some(&address)), |current| {
+                fresh = budget::is_full(current, budget.per_client, now_ms);
+                match budget::take(current, budget.per_client, now_ms) {
+                    Some(next) => (Some(next), true),
+                    None => (None, false),
+                }
+            })
+            .unwrap_or(false);
+        if !took {
+            return Err(wait_ms(budget.per_client));
+        }
+        let floor = if fresh { 0 } else { budget.reserve };
+        let took = host
+            .shared_update_if(
+                &budget::verify_key(None),
+                |current| match budget::take_above(current, budget.gateway, now_ms, floor) {
+                    Some(next) => (Some(next), true),
+                    None => (None, false),
+                },
+            )
+            .unwrap_or(false);
+        if took {
+            Ok(())
+        } else {
+            Err(wait_ms(budget.gateway))
+        }
+    }
+
+    /// 503 while the verifier pushes back, with what is left of its wait.
+    fn throttled(&mut self, host: &mut impl Host, wait_ms: u64) -> Action {
+        self.send_refusal_retry(
+            host,
+            503,
+            "overloaded_error",
+            "the credential cannot be verified right now; retry later",
+            wait_ms,
+        );
+        self.done(
+            host,
+            Outcome::Throttled,
+            "verifier_throttled",
+            Action::Pause,
+        )
+    }
+
+    /// A refusal worth retrying after `wait_ms` (rounded up to seconds).
+    fn send_refusal_retry(
+        &mut self,
+        host: &mut impl Host,
+        status: u32,
+        kind: &str,
+        message: &str,
+        wait_ms: u64,
+    ) {
+        self.answered = true;
+        let secs = wait_ms.div_ceil(1000).max(1);
+        host.send_retry_later(status, kind, message, secs, self.in_answer);
+    }
+
     fn unavailable(&mut self, host: &mut impl Host) -> Action {
         self.send_refusal(
             host,
@@ -646,6 +737,15 @@ impl Stream {
         if full {
             plan.flush_audit(host);
         }
+    }
+}
+
+/// How long a bucket of `rate` takes to regain one call, ms (a minute
+/// for a rate of 0).
+fn wait_ms(rate: budget::Rate) -> u64 {
+    match rate.per_sec {
+        0 => 60_000,
+        n => 1000u64.div_ceil(u64::from(n)),
     }
 }
 
@@ -1161,6 +1261,75 @@ mod tests {
         let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
         assert_eq!(action, Action::Continue);
         assert_eq!(host.dispatched.len(), 1);
+    }
+
+    #[test]
+    fn one_client_spends_its_own_verify_budget_then_gets_429_without_a_call() {
+        let mut host = host_with_observer();
+        let config = api_keys(json!({
+            "unknown": "sync",
+            "verify_budget": {"per_client": {"per_sec": 0, "burst": 2}, "gateway": {"per_sec": 0, "burst": 4}, "reserve": 1},
+        }));
+        let mut root = configured(&mut host, &config);
+        let send = |host: &mut FakeHost, key: &str, address: &str| {
+            host.properties
+                .insert("source.address".into(), address.as_bytes().to_vec());
+            let (_, action) = request(&root, host, &[("x-api-key", key)]);
+            action
+        };
+        // The sprayer: its own 2, then 429, no callout.
+        assert_eq!(send(&mut host, "sk-1", "10.0.0.9:1"), Action::Pause);
+        assert_eq!(send(&mut host, "sk-2", "10.0.0.9:2"), Action::Pause);
+        assert_eq!(send(&mut host, "sk-3", "10.0.0.9:3"), Action::Pause);
+        assert_eq!(host.dispatched.len(), 2);
+        let refusal = host.sent.last().unwrap();
+        assert_eq!(refusal.status, 429);
+        assert_eq!(refusal.header("retry-after"), Some("60"));
+        assert_eq!(refusal.header("x-should-retry"), Some("true"));
+        // A second sprayer spends the gateway's bucket down to its reserve
+        // after its first call (its bucket was full for that one)...
+        assert_eq!(send(&mut host, "sk-4", "10.0.0.8:1"), Action::Pause);
+        assert_eq!(send(&mut host, "sk-5", "10.0.0.8:1"), Action::Pause);
+        assert_eq!(host.dispatched.len(), 3);
+        // ...which a client that has not sprayed still gets.
+        assert_eq!(send(&mut host, "sk-6", "10.0.0.7:1"), Action::Pause);
+        assert_eq!(host.dispatched.len(), 4);
+        assert_eq!(
+            counter(&mut root, &mut host, &outcome("over_verify_budget")),
+            2
+        );
+    }
+
+    #[test]
+    fn the_verifiers_429_holds_every_synchronous_check_until_its_retry_after() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &sync_api_keys());
+        let (mut stream, _) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        let token = host.last_dispatched().unwrap().token;
+        host.answer_with(Some(429), b"slow down");
+        host.answer.retry_after_secs = Some(7);
+        stream.call_answered(&mut host, token, 9);
+        let reply = &host.sent[0];
+        assert_eq!(
+            (reply.status, reply.header("retry-after")),
+            (503, Some("7"))
+        );
+        // Nothing stored: the credential is not at fault.
+        assert_eq!(stored(&host, "sk-live-1"), Lookup::Unknown);
+        // Another key within the wait: 503, the verifier not called.
+        host.advance(std::time::Duration::from_secs(3));
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-live-2")]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.dispatched.len(), 1);
+        assert_eq!(host.sent[1].header("retry-after"), Some("4"));
+        assert_eq!(
+            counter(&mut root, &mut host, &outcome("verifier_throttled")),
+            2
+        );
+        // After it, the verifier is called again.
+        host.advance(std::time::Duration::from_secs(5));
+        request(&root, &mut host, &[("x-api-key", "sk-live-3")]);
+        assert_eq!(host.dispatched.len(), 2);
     }
 
     #[test]

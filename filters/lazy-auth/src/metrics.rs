@@ -26,6 +26,12 @@ zerolayer_core::labels! {
         SyncInvalid => "sync_invalid",
         /// Could not be verified now: 503.
         Unavailable => "unavailable",
+        /// Past the synchronous-verification budget (`verify_budget`):
+        /// 429, the verifier not called.
+        OverBudget => "over_verify_budget",
+        /// The verifier asked to slow down (a 429 and its `retry-after`):
+        /// 503 until then, the verifier not called.
+        Throttled => "verifier_throttled",
         /// A credential longer than `max_credential_bytes`: refused.
         TooLong => "too_long",
     }

@@ -612,22 +612,25 @@ pub unsafe fn callout_answer(
         } else {
             std::slice::from_raw_parts(headers, headers_len)
         };
-        let status = headers.iter().find_map(|h| {
-            let key = Buffer {
-                ptr: h.key_ptr,
-                len: h.key_len,
-            }
-            .bytes();
-            (key == b":status")
-                .then(|| {
+        let value = |name: &[u8]| {
+            headers.iter().find_map(|h| {
+                let key = Buffer {
+                    ptr: h.key_ptr,
+                    len: h.key_len,
+                }
+                .bytes();
+                key.eq_ignore_ascii_case(name).then(|| {
                     Buffer {
                         ptr: h.value_ptr,
                         len: h.value_len,
                     }
                     .bytes()
                 })
-                .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
-        });
+            })
+        };
+        let status = value(b":status").and_then(|v| std::str::from_utf8(v).ok()?.parse().ok());
+        let retry_after_secs =
+            value(b"retry-after").and_then(zerolayer_core::reply::retry_after_secs);
         let chunks: &[Buffer] = if body.is_null() {
             &[]
         } else {
@@ -640,6 +643,7 @@ pub unsafe fn callout_answer(
         zerolayer_host::CalloutAnswer {
             status,
             body: bytes,
+            retry_after_secs,
         }
     }
 }

@@ -870,7 +870,7 @@ mod tests {
             "native": {"upstreams": {"idp": "127.0.0.1:9"}, "shared_max_entries": 1000},
         }));
         assert!(
-            why.starts_with("native.shared_max_entries: 1000 is less than the 139522 keys"),
+            why.starts_with("native.shared_max_entries: 1000 is less than the 143619 keys"),
             "{why}"
         );
         assert!(why.contains("verdicts 65536 keys"), "{why}");

@@ -437,6 +437,10 @@ impl Host for NativeHost {
         self.answer.as_ref().and_then(|a| a.status)
     }
 
+    fn callout_retry_after(&mut self) -> Option<u64> {
+        self.answer.as_ref().and_then(|a| a.retry_after_secs)
+    }
+
     fn callout_body(&mut self, size: usize) -> Vec<u8> {
         self.answer
             .as_ref()

@@ -184,7 +184,7 @@ async fn call(
     headers: Vec<(String, String)>,
     body: Vec<u8>,
     timeout: Duration,
-) -> Result<(u16, Vec<u8>), String> {
+) -> Result<(u16, Vec<u8>, Option<u64>), String> {
     let exchange = async {
         let stream = tokio::net::TcpStream::connect(addr)
             .await
@@ -212,13 +212,17 @@ async fn call(
             .await
             .map_err(|e| format!("send: {e}"))?;
         let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get(hyper::header::RETRY_AFTER)
+            .and_then(|v| zerolayer_core::reply::retry_after_secs(v.as_bytes()));
         let limited = http_body_util::Limited::new(response.into_body(), MAX_ANSWER_BYTES);
         let body = limited
             .collect()
             .await
             .map_err(|e| format!("body: {e}"))?
             .to_bytes();
-        Ok((status, body.to_vec()))
+        Ok((status, body.to_vec(), retry_after))
     };
     match tokio::time::timeout(timeout, exchange).await {
         Ok(result) => result,
@@ -334,9 +338,10 @@ impl Host for ObserverHost {
         let answers = self.answers.clone();
         tokio::spawn(async move {
             let answer = match call(addr, headers, body, timeout).await {
-                Ok((status, body)) => CalloutAnswer {
+                Ok((status, body, retry_after_secs)) => CalloutAnswer {
                     status: Some(status),
                     body,
+                    retry_after_secs,
                 },
                 Err(why) => {
                     log::debug!("zerolayer-native: callout {token} failed: {why}");
@@ -357,6 +362,10 @@ impl Host for ObserverHost {
             .as_ref()
             .map(|a| a.body[..size.min(a.body.len())].to_vec())
             .unwrap_or_default()
+    }
+
+    fn callout_retry_after(&mut self) -> Option<u64> {
+        self.answer.as_ref().and_then(|a| a.retry_after_secs)
     }
 
     fn resume(&mut self) {}

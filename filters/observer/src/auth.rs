@@ -3,10 +3,11 @@
 //! verifier breaker.
 
 use zerolayer_core::auth::attribution::{AttributionId, AttributionRecord};
+use zerolayer_core::auth::budget::{MAX_THROTTLE_SECS, THROTTLED_KEY};
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
 use zerolayer_core::auth::escalation::{ESCALATED_KEY, Escalation, Flip};
-use zerolayer_core::auth::exposure::FINISHED_KEY;
+use zerolayer_core::auth::exposure::{FINISHED_KEY, decode_count};
 use zerolayer_core::auth::introspection;
 use zerolayer_core::auth::jwt::{self, KeySet, Validation, VerifyingKey};
 use zerolayer_core::auth::verdict::{self, Verdict};
@@ -23,6 +24,28 @@ pub const JWKS_KEY: &str = "zl:auth:jwks";
 /// Shared-data key: Unix second until which the verifier is considered
 /// down (`0`: up). Written by the observer's breaker.
 pub const VERIFIER_DOWN_KEY: &str = "zl:auth:verifier_down_until";
+/// Records the verifier's back-pressure (a 429): no introspection, on the
+/// request path or off it, calls it for `retry_after` seconds (1 without
+/// one, at most [`MAX_THROTTLE_SECS`]); returns the wait in ms.
+pub fn throttle(host: &mut impl Host, retry_after: Option<u64>) -> u64 {
+    let wait_ms = retry_after.unwrap_or(1).clamp(1, MAX_THROTTLE_SECS) * 1000;
+    let until = host.now_us() / 1000 + wait_ms;
+    let _ = host.shared_update_if(THROTTLED_KEY, |current| {
+        if decode_count(current) >= until {
+            (None, ())
+        } else {
+            (Some(until.to_string().into_bytes()), ())
+        }
+    });
+    wait_ms
+}
+
+/// Whether the verifier asked to be left alone until after `now_ms`.
+pub fn throttled(host: &mut impl Host, now_ms: u64) -> Option<u64> {
+    let until = decode_count(host.shared_get(THROTTLED_KEY).0.as_deref());
+    (until > now_ms).then(|| until - now_ms)
+}
+
 /// Jobs waiting for keys at most; more are dropped (and counted).
 const MAX_DEFERRED: usize = 1000;
 /// Seconds before a failed JWKS fetch is retried.
@@ -189,7 +212,10 @@ impl AuthWorker {
             self.conclude(host, &job, verdict, counters);
             return;
         };
-        if !self.breaker.allow(now) {
+        // A breaker open, or the verifier pushing back: the job goes (its
+        // credential stays unknown; its next request is checked then).
+        let now_ms = host.now_us() / 1000;
+        if !self.breaker.allow(now) || throttled(host, now_ms).is_some() {
             self.drop_job(host, counters);
             return;
         }
@@ -240,6 +266,13 @@ impl AuthWorker {
         body: &[u8],
         counters: &ObserverMetrics,
     ) {
+        if introspection::is_back_pressure(status) {
+            // Neither the credential's failure nor the verifier's ill health.
+            let retry_after = host.callout_retry_after();
+            throttle(host, retry_after);
+            self.drop_job(host, counters);
+            return;
+        }
         match introspection::verdict(&self.config, &TokenHash(job.hash), now, status, body) {
             Some(verdict) => {
                 self.success(host, counters);

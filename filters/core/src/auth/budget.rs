@@ -22,6 +22,13 @@ use crate::config::ConfigError;
 
 /// Shared-data key prefix of the buckets.
 pub const BUDGET_PREFIX: &str = "zl:auth:budget:";
+/// Shared-data key prefix of the synchronous-verification buckets.
+pub const VERIFY_PREFIX: &str = "zl:auth:verify:";
+/// Shared-data key of the time (Unix ms, decimal) before which no
+/// synchronous check calls the verifier: set from a 429's `retry-after`.
+pub const THROTTLED_KEY: &str = "zl:auth:verifier_throttled_until_ms";
+/// Longest back-off a verifier's `retry-after` can impose, seconds.
+pub const MAX_THROTTLE_SECS: u64 = 60;
 /// Bucket keys per scope for tenants and for client addresses.
 pub const BUCKET_SLOTS: u64 = 4096;
 const VERSION: u8 = 1;
@@ -111,6 +118,103 @@ impl LazyBudget {
         }
         Ok(())
     }
+}
+
+/// What synchronous introspection (an API key checked with the request
+/// paused) may spend: a bucket per client address and one for the gateway,
+/// of which `reserve` calls are kept for clients that have not spent their
+/// own bucket. Past either, the request gets 429 without any call. API keys
+/// claim no tenant, so there is no per-tenant bucket; JWTs verify inline
+/// and spend none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
+#[serde(deny_unknown_fields)]
+pub struct VerifyBudget {
+    /// Synchronous introspection calls of this gateway (Envoy process).
+    #[serde(default = "default_verify_gateway")]
+    pub gateway: Rate,
+    /// Synchronous introspection calls per client address (IPv6 per /64).
+    #[serde(default = "default_verify_per_client")]
+    pub per_client: Rate,
+    /// Calls of the gateway bucket only a client whose own bucket is full
+    /// may take: a client spraying keys empties its own bucket first and
+    /// then cannot take these (at most `gateway.burst`).
+    #[serde(default = "default_verify_reserve")]
+    pub reserve: u32,
+}
+
+fn default_verify_gateway() -> Rate {
+    Rate {
+        per_sec: 10,
+        burst: 20,
+    }
+}
+fn default_verify_per_client() -> Rate {
+    Rate {
+        per_sec: 1,
+        burst: 5,
+    }
+}
+fn default_verify_reserve() -> u32 {
+    5
+}
+
+impl Default for VerifyBudget {
+    fn default() -> Self {
+        VerifyBudget {
+            gateway: default_verify_gateway(),
+            per_client: default_verify_per_client(),
+            reserve: default_verify_reserve(),
+        }
+    }
+}
+
+impl VerifyBudget {
+    /// Checks the sizes; `at` is the field path (`verify_budget`).
+    pub fn check(&self, at: &str) -> Result<(), ConfigError> {
+        for (name, rate) in [("gateway", self.gateway), ("per_client", self.per_client)] {
+            if rate.burst == 0 || rate.per_sec > 1_000_000 || rate.burst > 1_000_000 {
+                return Err(ConfigError::new(
+                    format!("{at}.{name}"),
+                    "burst must be 1 to 1000000 and per_sec at most 1000000",
+                ));
+            }
+        }
+        if self.reserve >= self.gateway.burst {
+            return Err(ConfigError::new(
+                format!("{at}.reserve"),
+                format!(
+                    "{} must be less than gateway.burst ({})",
+                    self.reserve, self.gateway.burst
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The shared-data key of a client's synchronous-verification bucket, or
+/// the gateway's (`None`).
+pub fn verify_key(client: Option<&[u8]>) -> String {
+    match client {
+        None => format!("{VERIFY_PREFIX}gateway"),
+        Some(address) => format!(
+            "{VERIFY_PREFIX}client:{}",
+            xxh3_64(&client_id(address)) % BUCKET_SLOTS
+        ),
+    }
+}
+
+/// Whether the bucket stored as `entry` is full at `now_ms` (a client that
+/// has not spent any of it recently).
+pub fn is_full(entry: Option<&[u8]>, rate: Rate, now_ms: u64) -> bool {
+    let capacity = u64::from(rate.burst) * MILLI;
+    entry.and_then(Bucket::decode).is_none_or(|b| {
+        let refill = now_ms
+            .saturating_sub(b.at_ms)
+            .saturating_mul(u64::from(rate.per_sec));
+        b.milli_tokens.saturating_add(refill) >= capacity
+    })
 }
 
 /// Which bucket a key is.
@@ -205,6 +309,12 @@ impl Bucket {
 /// write). A missing or unreadable entry is a full bucket; a clock behind
 /// the entry's (another worker's) refills nothing.
 pub fn take(entry: Option<&[u8]>, rate: Rate, now_ms: u64) -> Option<Vec<u8>> {
+    take_above(entry, rate, now_ms, 0)
+}
+
+/// [`take`], leaving at least `floor` admissions in the bucket (refused
+/// when taking one would go below).
+pub fn take_above(entry: Option<&[u8]>, rate: Rate, now_ms: u64, floor: u32) -> Option<Vec<u8>> {
     let capacity = u64::from(rate.burst) * MILLI;
     let bucket = entry.and_then(Bucket::decode).unwrap_or(Bucket {
         milli_tokens: capacity,
@@ -214,7 +324,7 @@ pub fn take(entry: Option<&[u8]>, rate: Rate, now_ms: u64) -> Option<Vec<u8>> {
     // per_sec tokens per 1000 ms = per_sec milli-tokens per ms.
     let refill = elapsed.saturating_mul(u64::from(rate.per_sec));
     let level = bucket.milli_tokens.saturating_add(refill).min(capacity);
-    if level < MILLI {
+    if level < MILLI + u64::from(floor) * MILLI {
         return None;
     }
     Some(
@@ -284,6 +394,46 @@ mod tests {
         assert_eq!(Bucket::decode(&again).unwrap().at_ms, 10_000);
         assert_eq!(Bucket::decode(b"\x01short"), None);
         assert_eq!(Bucket::decode(b""), None);
+    }
+
+    #[test]
+    fn the_reserve_is_left_to_clients_with_a_full_bucket() {
+        let rate = Rate {
+            per_sec: 0,
+            burst: 5,
+        };
+        let mut entry: Option<Vec<u8>> = None;
+        let mut taken = 0;
+        // A client that has spent its own bucket leaves 2 in the gateway's.
+        while let Some(next) = take_above(entry.as_deref(), rate, 0, 2) {
+            entry = Some(next);
+            taken += 1;
+        }
+        assert_eq!(taken, 3);
+        // A fresh client takes the rest.
+        assert!(take_above(entry.as_deref(), rate, 0, 0).is_some());
+        assert!(is_full(None, rate, 0));
+        let spent = take(None, rate, 0).unwrap();
+        assert!(!is_full(Some(&spent), rate, 10_000));
+        let refilling = Rate {
+            per_sec: 1,
+            burst: 5,
+        };
+        let spent = take(None, refilling, 0).unwrap();
+        assert!(!is_full(Some(&spent), refilling, 500));
+        assert!(is_full(Some(&spent), refilling, 1000));
+        assert_ne!(verify_key(None), verify_key(Some(b"10.0.0.1:1")));
+        assert_eq!(
+            verify_key(Some(b"10.0.0.1:1")),
+            verify_key(Some(b"10.0.0.1:2"))
+        );
+        let mut b = VerifyBudget::default();
+        assert!(b.check("verify_budget").is_ok());
+        b.reserve = 20;
+        assert_eq!(
+            b.check("verify_budget").unwrap_err().to_string(),
+            "verify_budget.reserve: 20 must be less than gateway.burst (20)"
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 
-use super::budget::LazyBudget;
+use super::budget::{LazyBudget, VerifyBudget};
 use super::credential::{CredentialSource, SourceKind};
 use super::escalation::EscalationConfig;
 use super::policy::{Policy, UnknownPolicy, VerifierDown};
@@ -211,6 +211,11 @@ pub struct LazyAuthConfig {
     /// empty one, unknown credentials verify synchronously.
     #[serde(default)]
     pub lazy_budget: LazyBudget,
+    /// What synchronous introspection may spend (token buckets per client
+    /// address and for the gateway, with a reserve for clients that have
+    /// not spent theirs): past one, 429 without calling the verifier.
+    #[serde(default)]
+    pub verify_budget: VerifyBudget,
     /// JWT settings.
     #[serde(default)]
     pub jwt: JwtConfig,
@@ -364,6 +369,7 @@ impl LazyAuthConfig {
             ));
         }
         self.lazy_budget.check("lazy_budget")?;
+        self.verify_budget.check("verify_budget")?;
         if self.unverified_memory_secs < self.negative_ttl_secs.max(1)
             || self.unverified_memory_secs > 30 * 86_400
         {

@@ -7,6 +7,15 @@ use super::config::LazyAuthConfig;
 use super::credential::TokenHash;
 use super::verdict::Verdict;
 
+/// Whether an answer is the verifier pushing back (429): not the
+/// credential's failure and not the verifier's ill health, but a request
+/// to slow down: nothing is stored, the breaker does not count it, and no
+/// synchronous check calls the verifier again before its `retry-after`
+/// ([`super::budget::THROTTLED_KEY`]).
+pub fn is_back_pressure(status: Option<u16>) -> bool {
+    status == Some(429)
+}
+
 /// The verdict an introspection answer gives, or `None` when the endpoint
 /// did not really answer (no status, 5xx, 408, 429, anything unexpected):
 /// then the caller must neither admit nor store anything, and the failure
