@@ -873,6 +873,45 @@ mod tests {
     }
 
     #[test]
+    fn a_429_is_back_pressure_not_a_failure_and_holds_calls_until_its_retry_after() {
+        let mut host = FakeHost::default();
+        let mut observer = observer(&mut host, API_KEYS);
+        // More 429s than the breaker's failures: it never opens.
+        for n in 0..8 {
+            let key = format!("sk-{n}");
+            verify(
+                &mut host,
+                &mut observer,
+                CredentialKind::ApiKey,
+                key.as_bytes(),
+            );
+            let token = host.last_dispatched().unwrap().token;
+            host.answer_with(Some(429), b"");
+            host.answer.retry_after_secs = Some(2);
+            assert!(observer.on_http_call_response(&mut host, token, 0));
+            assert_eq!(stored(&host, key.as_bytes()), Lookup::Unknown);
+            // Let the wait pass before the next call.
+            host.advance(std::time::Duration::from_secs(3));
+        }
+        assert_eq!(host.dispatched.len(), 8);
+        assert_ne!(
+            host.shared_value(VERIFIER_DOWN_KEY).map(|v| v != b"0"),
+            Some(true),
+            "the breaker opened on back-pressure"
+        );
+        // Within a wait, no call: the job is dropped.
+        verify(&mut host, &mut observer, CredentialKind::ApiKey, b"sk-x");
+        let token = host.last_dispatched().unwrap().token;
+        host.answer_with(Some(429), b"");
+        host.answer.retry_after_secs = Some(30);
+        assert!(observer.on_http_call_response(&mut host, token, 0));
+        host.advance(std::time::Duration::from_secs(10));
+        verify(&mut host, &mut observer, CredentialKind::ApiKey, b"sk-y");
+        assert_eq!(host.dispatched.len(), 9);
+        assert_eq!(finished(&host), 10);
+    }
+
+    #[test]
     fn the_verifier_breaker_opens_after_failures_and_publishes_until_when() {
         let mut host = FakeHost::default();
         let until = host.clock.as_secs() + 10;
