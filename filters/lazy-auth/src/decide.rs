@@ -293,6 +293,7 @@ impl Stream {
     fn take_budget(&self, host: &mut impl Host) -> bool {
         let budget = &self.plan.config.lazy_budget;
         let now_ms = self.started_us / 1000;
+        let seed = self.plan.bucket_seed(host);
         let address = host.property("source.address").unwrap_or_default();
         [
             (Scope::Client(&address), budget.per_client),
@@ -304,7 +305,7 @@ impl Stream {
         ]
         .into_iter()
         .all(|(scope, rate)| {
-            host.shared_update_if(&budget::key(scope), |current| {
+            host.shared_update_if(&budget::key(scope, seed), |current| {
                 match budget::take(current, rate, now_ms) {
                     Some(next) => (Some(next), true),
                     None => (None, false),
@@ -600,10 +601,11 @@ impl Stream {
     /// take); `Err`: the wait, ms, before a call could be made.
     fn take_verify_budget(&self, host: &mut impl Host, now_ms: u64) -> Result<(), u64> {
         let budget = self.plan.config.verify_budget;
+        let seed = self.plan.bucket_seed(host);
         let address = host.property("source.address").unwrap_or_default();
         let mut fresh = false;
         let took = host
-            .shared_update_if(&budget::verify_key(Some(&address)), |current| {
+            .shared_update_if(&budget::verify_key(Some(&address), seed), |current| {
                 fresh = budget::is_full(current, budget.per_client, now_ms);
                 match budget::take(current, budget.per_client, now_ms) {
                     Some(next) => (Some(next), true),
@@ -615,14 +617,13 @@ impl Stream {
             return Err(wait_ms(budget.per_client));
         }
         let floor = if fresh { 0 } else { budget.reserve };
-        let took = host
-            .shared_update_if(
-                &budget::verify_key(None),
-                |current| match budget::take_above(current, budget.gateway, now_ms, floor) {
+        let took =
+            host.shared_update_if(&budget::verify_key(None, seed), |current| {
+                match budget::take_above(current, budget.gateway, now_ms, floor) {
                     Some(next) => (Some(next), true),
                     None => (None, false),
-                },
-            )
+                }
+            })
             .unwrap_or(false);
         if took {
             Ok(())

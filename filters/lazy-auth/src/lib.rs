@@ -21,6 +21,7 @@ mod testkit;
 use std::rc::Rc;
 use std::time::Duration;
 
+use zerolayer_core::auth::budget;
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::auth::credential::RecentCredentials;
 use zerolayer_core::auth::jwt::Validation;
@@ -51,6 +52,8 @@ pub(crate) struct Plan {
     pub audit_batch: std::cell::RefCell<Vec<zerolayer_core::event::AuditRecord>>,
     /// The hashes of this VM's recent credentials (clients resend theirs).
     pub recent: std::cell::RefCell<RecentCredentials>,
+    /// The gateway's bucket seed once read ([`budget::SEED_KEY`]).
+    pub bucket_seed: std::cell::Cell<Option<u64>>,
 }
 
 /// Credentials whose hash a VM remembers.
@@ -60,6 +63,32 @@ const RECENT_CREDENTIALS: usize = 64;
 pub(crate) const AUDIT_BATCH: usize = 64;
 
 impl Plan {
+    /// The seed keying the choice of bucket, the same in every worker: read
+    /// once from shared data, written there by the first worker that needs
+    /// it (random bytes from the host's WASI `random_get`, or the OS).
+    pub(crate) fn bucket_seed(&self, host: &mut impl Host) -> u64 {
+        if let Some(seed) = self.bucket_seed.get() {
+            return seed;
+        }
+        let mut fresh = [0u8; 8];
+        if getrandom::getrandom(&mut fresh).is_err() {
+            // No randomness from the host: the clock's nanoseconds, never
+            // a constant every gateway shares.
+            fresh = host.now_us().to_le_bytes();
+        }
+        match host.shared_update_if(budget::SEED_KEY, |current| {
+            let (seed, write) = budget::seed(current, fresh);
+            (write, seed)
+        }) {
+            Some(seed) => {
+                self.bucket_seed.set(Some(seed));
+                seed
+            }
+            // Not stored: this request uses its own, the next one tries again.
+            None => u64::from_le_bytes(fresh),
+        }
+    }
+
     /// Enqueues the waiting audit records as one job (counted as lost,
     /// each, if the observer cannot take it).
     pub(crate) fn flush_audit(&self, host: &mut impl Host) {
@@ -121,6 +150,7 @@ impl<H: Host> RootStage<H> for AuthRoot {
             metrics: Metrics::define(host),
             audit_batch: std::cell::RefCell::new(Vec::new()),
             recent: std::cell::RefCell::new(RecentCredentials::new(RECENT_CREDENTIALS)),
+            bucket_seed: std::cell::Cell::new(None),
             config,
         };
         log::info!(

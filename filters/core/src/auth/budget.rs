@@ -11,17 +11,23 @@
 //! one read and at most one write per bucket, only for unknown
 //! credentials). Tenants and addresses share a bounded set of bucket keys;
 //! two that land on one key share its bucket, which can only make the
-//! bound stricter, never looser.
+//! bound stricter, never looser. Which key is chosen by a hash keyed with
+//! the gateway's own random seed ([`SEED_KEY`]): an attacker who picks its
+//! addresses (a /48 holds 65,536 /64s) or its claimed tenant cannot aim at
+//! a victim's bucket to drain it.
 
 use std::net::IpAddr;
 
 use serde::Deserialize;
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::config::ConfigError;
 
 /// Shared-data key prefix of the buckets.
 pub const BUDGET_PREFIX: &str = "zl:auth:budget:";
+/// Shared-data key of the seed (8 random bytes, written once by the first
+/// worker that needs it) keying the choice of bucket.
+pub const SEED_KEY: &str = "zl:auth:bucket_seed";
 /// Shared-data key prefix of the synchronous-verification buckets.
 pub const VERIFY_PREFIX: &str = "zl:auth:verify:";
 /// Shared-data key of the time (Unix ms, decimal) before which no
@@ -195,12 +201,12 @@ impl VerifyBudget {
 
 /// The shared-data key of a client's synchronous-verification bucket, or
 /// the gateway's (`None`).
-pub fn verify_key(client: Option<&[u8]>) -> String {
+pub fn verify_key(client: Option<&[u8]>, seed: u64) -> String {
     match client {
         None => format!("{VERIFY_PREFIX}gateway"),
         Some(address) => format!(
             "{VERIFY_PREFIX}client:{}",
-            xxh3_64(&client_id(address)) % BUCKET_SLOTS
+            xxh3_64_with_seed(&client_id(address), seed) % BUCKET_SLOTS
         ),
     }
 }
@@ -228,21 +234,30 @@ pub enum Scope<'a> {
     Client(&'a [u8]),
 }
 
-/// The shared-data key of a scope's bucket.
-pub fn key(scope: Scope<'_>) -> String {
+/// The shared-data key of a scope's bucket, its slot chosen with `seed`.
+pub fn key(scope: Scope<'_>, seed: u64) -> String {
     match scope {
         Scope::Gateway => format!("{BUDGET_PREFIX}gateway"),
         Scope::Tenant(None | Some("")) => format!("{BUDGET_PREFIX}no_tenant"),
         Scope::Tenant(Some(t)) => {
             format!(
                 "{BUDGET_PREFIX}tenant:{}",
-                xxh3_64(t.as_bytes()) % BUCKET_SLOTS
+                xxh3_64_with_seed(t.as_bytes(), seed) % BUCKET_SLOTS
             )
         }
         Scope::Client(address) => format!(
             "{BUDGET_PREFIX}client:{}",
-            xxh3_64(&client_id(address)) % BUCKET_SLOTS
+            xxh3_64_with_seed(&client_id(address), seed) % BUCKET_SLOTS
         ),
+    }
+}
+
+/// The seed stored as `entry`, or `fresh` (random bytes) when there is
+/// none yet: (the seed, what to write: `None` when one was there).
+pub fn seed(entry: Option<&[u8]>, fresh: [u8; 8]) -> (u64, Option<Vec<u8>>) {
+    match entry.and_then(|e| <[u8; 8]>::try_from(e).ok()) {
+        Some(stored) => (u64::from_le_bytes(stored), None),
+        None => (u64::from_le_bytes(fresh), Some(fresh.to_vec())),
     }
 }
 
@@ -422,10 +437,10 @@ mod tests {
         let spent = take(None, refilling, 0).unwrap();
         assert!(!is_full(Some(&spent), refilling, 500));
         assert!(is_full(Some(&spent), refilling, 1000));
-        assert_ne!(verify_key(None), verify_key(Some(b"10.0.0.1:1")));
+        assert_ne!(verify_key(None, 7), verify_key(Some(b"10.0.0.1:1"), 7));
         assert_eq!(
-            verify_key(Some(b"10.0.0.1:1")),
-            verify_key(Some(b"10.0.0.1:2"))
+            verify_key(Some(b"10.0.0.1:1"), 7),
+            verify_key(Some(b"10.0.0.1:2"), 7)
         );
         let mut b = VerifyBudget::default();
         assert!(b.check("verify_budget").is_ok());
@@ -438,18 +453,38 @@ mod tests {
 
     #[test]
     fn keys_per_scope() {
-        assert_eq!(key(Scope::Gateway), "zl:auth:budget:gateway");
-        assert_eq!(key(Scope::Tenant(None)), "zl:auth:budget:no_tenant");
-        assert_eq!(key(Scope::Tenant(Some(""))), "zl:auth:budget:no_tenant");
-        assert_ne!(key(Scope::Tenant(Some("acme"))), key(Scope::Tenant(None)));
+        assert_eq!(key(Scope::Gateway, 7), "zl:auth:budget:gateway");
+        assert_eq!(key(Scope::Tenant(None), 7), "zl:auth:budget:no_tenant");
+        assert_eq!(key(Scope::Tenant(Some("")), 7), "zl:auth:budget:no_tenant");
+        assert_ne!(
+            key(Scope::Tenant(Some("acme")), 7),
+            key(Scope::Tenant(None), 7)
+        );
         // The port does not make another client; a /64 is one client.
         assert_eq!(
-            key(Scope::Client(b"10.0.0.1:4000")),
-            key(Scope::Client(b"10.0.0.1:4001"))
+            key(Scope::Client(b"10.0.0.1:4000"), 7),
+            key(Scope::Client(b"10.0.0.1:4001"), 7)
         );
         assert_eq!(
-            key(Scope::Client(b"[2001:db8:1:2::1]:443")),
-            key(Scope::Client(b"[2001:db8:1:2:ffff::9]:80"))
+            key(Scope::Client(b"[2001:db8:1:2::1]:443"), 7),
+            key(Scope::Client(b"[2001:db8:1:2:ffff::9]:80"), 7)
+        );
+        // Another gateway's seed puts clients in other buckets: nobody can
+        // pick an address that shares a victim's bucket everywhere.
+        let moved = (0..64)
+            .filter(|n| {
+                let a = format!("10.0.0.{n}:1");
+                key(Scope::Client(a.as_bytes()), 7) != key(Scope::Client(a.as_bytes()), 8)
+            })
+            .count();
+        assert!(moved > 60, "{moved}");
+        assert_eq!(
+            seed(None, [1; 8]),
+            (u64::from_le_bytes([1; 8]), Some(vec![1; 8]))
+        );
+        assert_eq!(
+            seed(Some(&[2; 8]), [1; 8]),
+            (u64::from_le_bytes([2; 8]), None)
         );
         assert_eq!(client_id(b"10.0.0.1"), vec![10, 0, 0, 1]);
         assert_eq!(client_id(b"[::ffff:10.0.0.1]:1"), vec![10, 0, 0, 1]);
