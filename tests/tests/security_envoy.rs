@@ -291,7 +291,8 @@ fn a_spray_of_fresh_credentials_is_bounded_by_the_lazy_budget(form: Form) -> Res
     );
     let other: usize = statuses
         .iter()
-        .filter(|(s, _)| ![200, 401].contains(*s))
+        // 429: past its synchronous-verification budget (no verifier call).
+        .filter(|(s, _)| ![200, 401, 429].contains(*s))
         .map(|(_, n)| n)
         .sum();
     assert_eq!(other, 0, "unexpected statuses: {statuses:?}");
@@ -675,3 +676,116 @@ zerolayer_e2e::in_every_form!(
     paths_bodies_numbers_and_gateway_headers_are_read_as_the_backend_reads_them,
     a_backend_that_always_compresses_is_metered_exactly_and_never_cached,
 );
+
+/// Issue 28 item 1: the per-client lazy-admission bucket is keyed by the
+/// client address the operator's Envoy configuration resolves (the HTTP
+/// connection manager's `use_remote_address` / `xff_num_trusted_hops`),
+/// the same in every form, never by a header the client writes. One client
+/// sending a fresh forged token with a fresh `x-forwarded-for` every 10 ms
+/// gets at most `20 + 5 × ⌈s⌉` requests to the backend (the shipped
+/// `per_client`; the native form, which read Envoy's XFF-derived address
+/// under the old defaults, let every one through). Then, configured behind
+/// one load balancer (`xff_num_trusted_hops: 1`), two clients that differ
+/// only in the entry the balancer appends get a bucket each, whatever they
+/// write to its left (the Wasm forms, which read no address, shared one).
+/// Escalation is off and the tenant and gateway buckets are wide open, so
+/// only the per-client bucket decides.
+fn the_client_address_is_the_one_the_operator_trusts(form: Form) -> Result<()> {
+    const SECS: f64 = 4.0;
+    let lazy_auth = json!({
+        "escalation": {"failure_ratio": 1.0, "gateway_failure_ratio": 1.0},
+        "lazy_budget": {
+            "gateway": {"per_sec": 1_000_000, "burst": 1_000_000},
+            "per_tenant": {"per_sec": 1_000_000, "burst": 1_000_000},
+            "per_client": {"per_sec": 5, "burst": 20},
+        },
+    });
+    let t = tokens::now();
+    let forged = |id: &str, n: u64| {
+        let claims = tokens::claims(id, &format!("tenant-{id}"), t, 3600);
+        format!("Bearer {}", issuer().forged(&claims, n))
+    };
+    let send = |chain: &Chain, id: &str, n: u64, xff: &str| -> Result<u16> {
+        let bearer = forged(id, n);
+        let headers = [
+            ("authorization", bearer.as_str()),
+            ("x-request-id", id),
+            ("x-forwarded-for", xff),
+        ];
+        Ok(chain
+            .post("/v1/messages", &headers, &anthropic(id, false))?
+            .status)
+    };
+
+    // As shipped: a rotating `x-forwarded-for` is not a new client.
+    let chain = Chain::start(ChainOptions {
+        form,
+        sample_percent: 0.0,
+        lazy_auth: lazy_auth.clone(),
+        ..ChainOptions::default()
+    })?;
+    let started = std::time::Instant::now();
+    let mut statuses: HashMap<u16, usize> = HashMap::new();
+    let mut n = 0u64;
+    while started.elapsed().as_secs_f64() < SECS {
+        let xff = format!("203.0.113.{}", n % 254 + 1);
+        *statuses
+            .entry(send(&chain, &format!("rotating-{n}"), n, &xff)?)
+            .or_default() += 1;
+        n += 1;
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let through = chain.backend_requests("rotating-");
+    let bound = 20 + 5 * secs.ceil() as usize;
+    eprintln!(
+        "{form:?}, shipped: {through} of {n} forged tokens with a fresh x-forwarded-for each \
+         reached the backend in {secs:.1} s (bound {bound}); statuses {statuses:?}"
+    );
+    assert!(
+        through <= bound,
+        "{form:?}: {through} of {n} reached the backend in {secs:.1} s, bound {bound}"
+    );
+    assert!(through >= 20, "{form:?}: not even the burst ({through})");
+    assert_eq!(
+        statuses.keys().filter(|s| ![200, 401].contains(*s)).count(),
+        0,
+        "{statuses:?}"
+    );
+    drop(chain);
+
+    // Behind one load balancer: the entry it appends is the client.
+    let chain = Chain::start(ChainOptions {
+        form,
+        sample_percent: 0.0,
+        lazy_auth,
+        connection_manager: json!({"use_remote_address": true, "xff_num_trusted_hops": 1}),
+        ..ChainOptions::default()
+    })?;
+    let started = std::time::Instant::now();
+    for n in 0..30u64 {
+        // Client a writes a fresh address of its own to the left.
+        let a = format!("203.0.113.{}, 198.51.100.1", n + 1);
+        send(&chain, &format!("client-a-{n}"), 1000 + n, &a)?;
+        send(&chain, &format!("client-b-{n}"), 2000 + n, "198.51.100.2")?;
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let bound = 20 + 5 * secs.ceil() as usize;
+    let (a, b) = (
+        chain.backend_requests("client-a-"),
+        chain.backend_requests("client-b-"),
+    );
+    eprintln!(
+        "{form:?}, one trusted hop: client a {a} of 30, client b {b} of 30 in {secs:.1} s \
+         (each its own bucket: 20 to {bound})"
+    );
+    for (name, got) in [("a", a), ("b", b)] {
+        assert!(
+            (20..=bound).contains(&got),
+            "{form:?}: client {name} got {got} lazy admissions, not its own bucket's 20 to {bound}"
+        );
+    }
+    Ok(())
+}
+
+zerolayer_e2e::in_every_form!(the_client_address_is_the_one_the_operator_trusts);

@@ -67,7 +67,9 @@ pub struct LazyBudget {
     /// one bucket.
     #[serde(default = "default_per_tenant")]
     pub per_tenant: Rate,
-    /// Lazy admissions per client address (IPv6 per /64).
+    /// Lazy admissions per client address (IPv6 per /64): the address
+    /// Envoy resolved, as its connection manager's `use_remote_address` /
+    /// `xff_num_trusted_hops` say (never a header the filter reads).
     #[serde(default = "default_per_client")]
     pub per_client: Rate,
 }
@@ -139,7 +141,8 @@ pub struct VerifyBudget {
     /// Synchronous introspection calls of this gateway (Envoy process).
     #[serde(default = "default_verify_gateway")]
     pub gateway: Rate,
-    /// Synchronous introspection calls per client address (IPv6 per /64).
+    /// Synchronous introspection calls per client address (IPv6 per /64;
+    /// the address as for `lazy_budget.per_client`).
     #[serde(default = "default_verify_per_client")]
     pub per_client: Rate,
     /// Calls of the gateway bucket only a client whose own bucket is full
