@@ -637,7 +637,7 @@ impl Stream {
         self.send_refusal_retry(
             host,
             503,
-            "overloaded_error",
+            "authentication_error",
             "the credential cannot be verified right now; retry later",
             wait_ms,
         );
