@@ -224,7 +224,10 @@ fn test() -> Result<()> {
     cargo(&["test", "--locked", "--workspace"])?;
     // The filters' host-sim suites again, under Kong's host limits.
     step("the filters' host-sim suites under the kong profile");
-    let mut kong = vec!["test", "--locked", "--package", "zerolayer-e2e"];
+    // `--workspace`, as the run above: `--package zerolayer-e2e` alone
+    // unifies features differently and rebuilt wasmtime and the harness
+    // (~2.5 min on 2 cores) for these suites.
+    let mut kong = vec!["test", "--locked", "--workspace"];
     for suite in KONG_SUITES {
         kong.extend(["--test", suite]);
     }
@@ -266,7 +269,8 @@ fn test_quick() -> Result<()> {
         step(&format!(
             "the filters' host-sim suites under the {profile} profile"
         ));
-        let mut suites = vec!["test", "--locked", "--package", "zerolayer-e2e"];
+        // `--workspace`: the same build as the full run's (see `test`).
+        let mut suites = vec!["test", "--locked", "--workspace"];
         for suite in KONG_SUITES {
             suites.extend(["--test", suite]);
         }
