@@ -13,6 +13,7 @@ use serde_json::json;
 use zerolayer_e2e::chain::{Chain, ChainOptions, Form, anthropic};
 use zerolayer_e2e::mock::MockReply;
 use zerolayer_e2e::tokens::{self, issuer};
+use zerolayer_e2e::wait;
 
 const INVALID: &str = r#"zerolayer_auth_verdicts{outcome="invalid"}"#;
 
@@ -58,7 +59,8 @@ fn a_refused_credential_stays_refused_after_its_verdict_expires(form: Form) -> R
     chain.envoy.wait_metric(INVALID, 2.0)?;
     assert_eq!(send(forged_header, "forged-2")?, 401);
     assert_eq!(send(revoked_header, "revoked-2")?, 401);
-    // Past the negative verdicts' TTL, colliders fill the set.
+    // Past the negative verdicts' TTL, colliders fill the set. (Waiting
+    // out a TTL in Envoy's own clock: time is the condition here.)
     std::thread::sleep(Duration::from_secs(3));
     for n in 0..4u64 {
         let collider = format!(
@@ -135,8 +137,19 @@ fn a_tenant_minting_credentials_cannot_fill_what_others_need(form: Form) -> Resu
             )?;
             anyhow::ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
             if attempt == 0 {
-                // Let the observer store the first request's verdict.
-                std::thread::sleep(Duration::from_millis(50));
+                // The key has been introspected (off the path, or on it)
+                // before acme mints more.
+                wait::until(
+                    &format!("{key} introspected"),
+                    Duration::from_secs(5),
+                    || {
+                        let seen = chain.services.api_keys.seen();
+                        Ok(seen
+                            .iter()
+                            .any(|r| r.header("x-api-key") == Some(key.as_str()))
+                            .then_some(()))
+                    },
+                )?;
             }
             mint(120)?;
         }

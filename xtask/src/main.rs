@@ -211,27 +211,10 @@ fn test() -> Result<()> {
     build_native()?;
     // The page the browser test loads (tests/tests/playground_browser.rs).
     build_playground()?;
-    cargo(&["fmt", "--all", "--check"])?;
-    cargo(&[
-        "clippy",
-        "--locked",
-        "--workspace",
-        "--all-targets",
-        "--",
-        "-D",
-        "warnings",
-    ])?;
+    lint()?;
     cargo(&["test", "--locked", "--workspace"])?;
     // The filters' host-sim suites again, under Kong's host limits.
-    step("the filters' host-sim suites under the kong profile");
-    // `--workspace`, as the run above: `--package zerolayer-e2e` alone
-    // unifies features differently and rebuilt wasmtime and the harness
-    // (~2.5 min on 2 cores) for these suites.
-    let mut kong = vec!["test", "--locked", "--workspace"];
-    for suite in KONG_SUITES {
-        kong.extend(["--test", suite]);
-    }
-    cargo_with_env(&kong, &[(zerolayer_e2e::sim::PROFILE_ENV, "kong")])?;
+    host_sim_suites("kong", &[])?;
     // The parsers under libFuzzer for a few seconds each, from the
     // committed corpus, with a fixed seed (long runs: `cargo xtask fuzz`).
     step("fuzzing each parser briefly (cargo xtask fuzz --seconds 10 --seed 1)");
@@ -248,6 +231,23 @@ fn test() -> Result<()> {
 fn test_quick() -> Result<()> {
     setup::wasm_target()?;
     build_wasm()?;
+    lint()?;
+    cargo(&[
+        "test",
+        "--locked",
+        "--workspace",
+        "--exclude",
+        "zerolayer-e2e",
+    ])?;
+    for profile in ["envoy", "kong"] {
+        host_sim_suites(profile, &["--skip", "fleet"])?;
+    }
+    step("quick tests passed (`cargo xtask test` runs everything)");
+    Ok(())
+}
+
+/// `cargo fmt --check` and clippy, warnings denied.
+fn lint() -> Result<()> {
     cargo(&["fmt", "--all", "--check"])?;
     cargo(&[
         "clippy",
@@ -257,28 +257,27 @@ fn test_quick() -> Result<()> {
         "--",
         "-D",
         "warnings",
-    ])?;
-    cargo(&[
-        "test",
-        "--locked",
-        "--workspace",
-        "--exclude",
-        "zerolayer-e2e",
-    ])?;
-    for profile in ["envoy", "kong"] {
-        step(&format!(
-            "the filters' host-sim suites under the {profile} profile"
-        ));
-        // `--workspace`: the same build as the full run's (see `test`).
-        let mut suites = vec!["test", "--locked", "--workspace"];
-        for suite in KONG_SUITES {
-            suites.extend(["--test", suite]);
-        }
-        suites.extend(["--", "--skip", "fleet"]);
-        cargo_with_env(&suites, &[(zerolayer_e2e::sim::PROFILE_ENV, profile)])?;
+    ])
+}
+
+/// The filters' host-sim suites ([`KONG_SUITES`]) under host `profile`,
+/// with `filter` passed to the test harness.
+fn host_sim_suites(profile: &str, filter: &[&str]) -> Result<()> {
+    step(&format!(
+        "the filters' host-sim suites under the {profile} profile"
+    ));
+    // `--workspace`, as `cargo test --workspace`: `--package zerolayer-e2e`
+    // alone unifies features differently and rebuilt wasmtime and the
+    // harness (~2.5 min on 2 cores) for these suites.
+    let mut args = vec!["test", "--locked", "--workspace"];
+    for suite in KONG_SUITES {
+        args.extend(["--test", suite]);
     }
-    step("quick tests passed (`cargo xtask test` runs everything)");
-    Ok(())
+    if !filter.is_empty() {
+        args.push("--");
+        args.extend(filter);
+    }
+    cargo_with_env(&args, &[(zerolayer_e2e::sim::PROFILE_ENV, profile)])
 }
 
 /// The soak test (`tests/tests/soak_envoy.rs`) for longer than CI's minute.

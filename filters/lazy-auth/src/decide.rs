@@ -305,14 +305,9 @@ impl Stream {
         ]
         .into_iter()
         .all(|(scope, rate)| {
-            host.shared_update_if(&budget::key(scope, seed), |current| {
-                match budget::take(current, rate, now_ms) {
-                    Some(next) => (Some(next), true),
-                    None => (None, false),
-                }
+            take_from(host, &budget::key(scope, seed), |current| {
+                budget::take(current, rate, now_ms)
             })
-            // Lost every CAS race: as if empty (never open).
-            .unwrap_or(false)
         })
     }
 
@@ -440,14 +435,13 @@ impl Stream {
             return self.throttled(host, wait_ms);
         }
         if let Err(wait_ms) = self.take_verify_budget(host, now_ms) {
-            self.send_refusal_retry(
+            return self.retry_later(
                 host,
-                429,
-                "rate_limit_error",
+                (429, "rate_limit_error"),
                 "too many new credentials to verify; retry later",
                 wait_ms,
+                (Outcome::OverBudget, "verify_budget"),
             );
-            return self.done(host, Outcome::OverBudget, "verify_budget", Action::Pause);
         }
         let Some(c) = &self.credential else {
             return self.unavailable(host);
@@ -604,77 +598,57 @@ impl Stream {
         let seed = self.plan.bucket_seed(host);
         let address = host.property("source.address").unwrap_or_default();
         let mut fresh = false;
-        let took = host
-            .shared_update_if(&budget::verify_key(Some(&address), seed), |current| {
-                fresh = budget::is_full(current, budget.per_client, now_ms);
-                match budget::take(current, budget.per_client, now_ms) {
-                    Some(next) => (Some(next), true),
-                    None => (None, false),
-                }
-            })
-            .unwrap_or(false);
-        if !took {
-            return Err(wait_ms(budget.per_client));
+        let own = take_from(host, &budget::verify_key(Some(&address), seed), |current| {
+            fresh = budget::is_full(current, budget.per_client, now_ms);
+            budget::take(current, budget.per_client, now_ms)
+        });
+        if !own {
+            return Err(budget.per_client.ms_per_token());
         }
         let floor = if fresh { 0 } else { budget.reserve };
-        let took =
-            host.shared_update_if(&budget::verify_key(None, seed), |current| {
-                match budget::take_above(current, budget.gateway, now_ms, floor) {
-                    Some(next) => (Some(next), true),
-                    None => (None, false),
-                }
-            })
-            .unwrap_or(false);
-        if took {
-            Ok(())
-        } else {
-            Err(wait_ms(budget.gateway))
-        }
+        let gateway = take_from(host, &budget::verify_key(None, seed), |current| {
+            budget::take_above(current, budget.gateway, now_ms, floor)
+        });
+        gateway.then_some(()).ok_or(budget.gateway.ms_per_token())
     }
 
     /// 503 while the verifier pushes back, with what is left of its wait.
     fn throttled(&mut self, host: &mut impl Host, wait_ms: u64) -> Action {
-        self.send_refusal_retry(
+        self.retry_later(
             host,
-            503,
-            "authentication_error",
-            "the credential cannot be verified right now; retry later",
+            (503, "authentication_error"),
+            CANNOT_VERIFY_NOW,
             wait_ms,
-        );
-        self.done(
-            host,
-            Outcome::Throttled,
-            "verifier_throttled",
-            Action::Pause,
+            (Outcome::Throttled, "verifier_throttled"),
         )
     }
 
-    /// A refusal worth retrying after `wait_ms` (rounded up to seconds).
-    fn send_refusal_retry(
+    /// 503: the credential cannot be verified now (retry in a second).
+    fn unavailable(&mut self, host: &mut impl Host) -> Action {
+        self.retry_later(
+            host,
+            (503, "authentication_error"),
+            CANNOT_VERIFY_NOW,
+            1000,
+            (Outcome::Unavailable, "verifier_unavailable"),
+        )
+    }
+
+    /// Answers `status` with an error of `kind` worth retrying after
+    /// `wait_ms` (rounded up to seconds), and records the outcome and its
+    /// reason.
+    fn retry_later(
         &mut self,
         host: &mut impl Host,
-        status: u32,
-        kind: &str,
+        (status, kind): (u32, &str),
         message: &str,
         wait_ms: u64,
-    ) {
+        (outcome, reason): (Outcome, &str),
+    ) -> Action {
         self.answered = true;
         let secs = wait_ms.div_ceil(1000).max(1);
         host.send_retry_later(status, kind, message, secs, self.in_answer);
-    }
-
-    fn unavailable(&mut self, host: &mut impl Host) -> Action {
-        self.send_refusal(
-            host,
-            503,
-            "the credential cannot be verified right now; retry later",
-        );
-        self.done(
-            host,
-            Outcome::Unavailable,
-            "verifier_unavailable",
-            Action::Pause,
-        )
+        self.done(host, outcome, reason, Action::Pause)
     }
 
     fn done(
@@ -741,13 +715,22 @@ impl Stream {
     }
 }
 
-/// How long a bucket of `rate` takes to regain one call, ms (a minute
-/// for a rate of 0).
-fn wait_ms(rate: budget::Rate) -> u64 {
-    match rate.per_sec {
-        0 => 60_000,
-        n => 1000u64.div_ceil(u64::from(n)),
-    }
+/// What a 503 says when a credential cannot be verified now.
+const CANNOT_VERIFY_NOW: &str = "the credential cannot be verified right now; retry later";
+
+/// Takes one token from the bucket at `key` with `take` (the next entry,
+/// or `None`: empty); false when empty, or when every CAS race was lost
+/// (as if empty: never open).
+fn take_from(
+    host: &mut impl Host,
+    key: &str,
+    mut take: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
+) -> bool {
+    host.shared_update_if(key, |current| match take(current) {
+        Some(next) => (Some(next), true),
+        None => (None, false),
+    })
+    .unwrap_or(false)
 }
 
 /// Routing and exposure counting on the recording fake: each test drives

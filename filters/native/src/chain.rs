@@ -91,56 +91,22 @@ pub struct Process {
     /// Metrics, defined when Envoy loaded the configuration.
     pub metrics: Metrics,
     /// `zerolayer_native_shared_refused`: shared-data writes refused at
-    /// a purpose's quota, and how many were reported (and logged, at most
-    /// once per [`REFUSAL_LOG_EVERY_MS`]).
+    /// a purpose's quota, and how many were reported. (Each failed write
+    /// is also logged by the host, at most one line a minute.)
     refused: Option<u32>,
     refused_reported: AtomicU64,
-    refusal_logged_ms: AtomicU64,
 }
 
-/// Shortest time between two log lines about refused shared-data writes:
-/// a churn refused thousands of times a second logs one line per minute.
-const REFUSAL_LOG_EVERY_MS: u64 = 60_000;
-
 impl Process {
-    /// Reports shared-data refusals since the last report: the counter at
-    /// once, one log line (per purpose, with its quota) at most once a minute.
-    fn report_refused(&self, now_ms: u64) {
-        let by_purpose = self.data.refused();
-        let now: u64 = by_purpose.iter().map(|(_, n)| n).sum();
-        if now <= self.refused_reported.load(Ordering::Relaxed) {
+    /// Reports shared-data refusals since the last report.
+    fn report_refused(&self) {
+        let Some(id) = self.refused else {
             return;
-        }
-        let logged = self.refusal_logged_ms.load(Ordering::Relaxed);
-        let log_now = now_ms >= logged.saturating_add(REFUSAL_LOG_EVERY_MS)
-            && self
-                .refusal_logged_ms
-                .compare_exchange(logged, now_ms, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok();
+        };
+        let now = self.data.refused();
         let before = self.refused_reported.swap(now, Ordering::Relaxed);
         if now > before {
-            if let Some(id) = self.refused {
-                self.metrics.add(id, (now - before) as i64);
-            }
-            if log_now {
-                let usage = self.data.usage();
-                let detail: Vec<String> = by_purpose
-                    .iter()
-                    .zip(&usage)
-                    .filter(|((_, n), _)| *n > 0)
-                    .map(|((purpose, n), (space, keys, bytes))| {
-                        format!(
-                            "{purpose}: {n} refused in all, holding {keys} of {} keys, {bytes} of {} bytes",
-                            space.keys, space.bytes
-                        )
-                    })
-                    .collect();
-                log::warn!(
-                    "zerolayer-native: shared data refused {} writes since the last report ({}); at most one such line a minute",
-                    now - before,
-                    detail.join("; ")
-                );
-            }
+            self.metrics.add(id, (now - before) as i64);
         }
     }
 }
@@ -297,7 +263,6 @@ impl ChainConfig {
             metrics,
             refused,
             refused_reported: AtomicU64::new(0),
-            refusal_logged_ms: AtomicU64::new(0),
         });
         // Configured once here for the errors and the metrics (Envoy takes
         // metric definitions only now); each worker configures its own.
@@ -658,7 +623,7 @@ impl ChainStream {
             }
         }
         worker.host.leave();
-        worker.host.process().report_refused(now);
+        worker.host.process().report_refused();
         for (id, woken) in worker.host.take_woken() {
             let Some(slot) = worker.streams.get(&id).and_then(Weak::upgrade) else {
                 continue;

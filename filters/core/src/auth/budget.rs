@@ -103,6 +103,32 @@ impl Default for LazyBudget {
     }
 }
 
+impl Rate {
+    /// Checks the sizes; `at` is the field path, `empty` what to say of a
+    /// burst of 0.
+    fn check(&self, at: &str, empty: &str) -> Result<(), ConfigError> {
+        if self.burst == 0 {
+            return Err(ConfigError::new(format!("{at}.burst"), empty));
+        }
+        if self.per_sec > 1_000_000 || self.burst > 1_000_000 {
+            return Err(ConfigError::new(
+                at,
+                "per_sec and burst must be at most 1000000",
+            ));
+        }
+        Ok(())
+    }
+
+    /// How long a bucket of this rate takes to regain one token, ms (a
+    /// minute for a rate of 0): the `retry-after` of a refusal.
+    pub fn ms_per_token(&self) -> u64 {
+        match self.per_sec {
+            0 => 60_000,
+            n => 1000u64.div_ceil(u64::from(n)),
+        }
+    }
+}
+
 impl LazyBudget {
     /// Checks the sizes; `at` is the field path (`lazy_budget`).
     pub fn check(&self, at: &str) -> Result<(), ConfigError> {
@@ -111,18 +137,10 @@ impl LazyBudget {
             ("per_tenant", self.per_tenant),
             ("per_client", self.per_client),
         ] {
-            if rate.burst == 0 {
-                return Err(ConfigError::new(
-                    format!("{at}.{name}.burst"),
-                    "must be at least 1 (`unknown: sync` turns lazy admission off)",
-                ));
-            }
-            if rate.per_sec > 1_000_000 || rate.burst > 1_000_000 {
-                return Err(ConfigError::new(
-                    format!("{at}.{name}"),
-                    "per_sec and burst must be at most 1000000",
-                ));
-            }
+            rate.check(
+                &format!("{at}.{name}"),
+                "must be at least 1 (`unknown: sync` turns lazy admission off)",
+            )?;
         }
         Ok(())
     }
@@ -182,12 +200,7 @@ impl VerifyBudget {
     /// Checks the sizes; `at` is the field path (`verify_budget`).
     pub fn check(&self, at: &str) -> Result<(), ConfigError> {
         for (name, rate) in [("gateway", self.gateway), ("per_client", self.per_client)] {
-            if rate.burst == 0 || rate.per_sec > 1_000_000 || rate.burst > 1_000_000 {
-                return Err(ConfigError::new(
-                    format!("{at}.{name}"),
-                    "burst must be 1 to 1000000 and per_sec at most 1000000",
-                ));
-            }
+            rate.check(&format!("{at}.{name}"), "must be at least 1")?;
         }
         if self.reserve >= self.gateway.burst {
             return Err(ConfigError::new(
@@ -217,13 +230,24 @@ pub fn verify_key(client: Option<&[u8]>, seed: u64) -> String {
 /// Whether the bucket stored as `entry` is full at `now_ms` (a client that
 /// has not spent any of it recently).
 pub fn is_full(entry: Option<&[u8]>, rate: Rate, now_ms: u64) -> bool {
+    level(entry, rate, now_ms).0 >= u64::from(rate.burst) * MILLI
+}
+
+/// The tokens (thousandths) of the bucket stored as `entry` at `now_ms`,
+/// and the time they were last computed: a missing or unreadable entry is
+/// a full bucket; a clock behind the entry's (another worker's) refills
+/// nothing.
+fn level(entry: Option<&[u8]>, rate: Rate, now_ms: u64) -> (u64, u64) {
     let capacity = u64::from(rate.burst) * MILLI;
-    entry.and_then(Bucket::decode).is_none_or(|b| {
-        let refill = now_ms
-            .saturating_sub(b.at_ms)
-            .saturating_mul(u64::from(rate.per_sec));
-        b.milli_tokens.saturating_add(refill) >= capacity
-    })
+    let bucket = entry.and_then(Bucket::decode).unwrap_or(Bucket {
+        milli_tokens: capacity,
+        at_ms: now_ms,
+    });
+    let elapsed = now_ms.saturating_sub(bucket.at_ms);
+    // per_sec tokens per 1000 ms = per_sec milli-tokens per ms.
+    let refill = elapsed.saturating_mul(u64::from(rate.per_sec));
+    let level = bucket.milli_tokens.saturating_add(refill).min(capacity);
+    (level, bucket.at_ms)
 }
 
 /// Which bucket a key is.
@@ -333,22 +357,14 @@ pub fn take(entry: Option<&[u8]>, rate: Rate, now_ms: u64) -> Option<Vec<u8>> {
 /// [`take`], leaving at least `floor` admissions in the bucket (refused
 /// when taking one would go below).
 pub fn take_above(entry: Option<&[u8]>, rate: Rate, now_ms: u64, floor: u32) -> Option<Vec<u8>> {
-    let capacity = u64::from(rate.burst) * MILLI;
-    let bucket = entry.and_then(Bucket::decode).unwrap_or(Bucket {
-        milli_tokens: capacity,
-        at_ms: now_ms,
-    });
-    let elapsed = now_ms.saturating_sub(bucket.at_ms);
-    // per_sec tokens per 1000 ms = per_sec milli-tokens per ms.
-    let refill = elapsed.saturating_mul(u64::from(rate.per_sec));
-    let level = bucket.milli_tokens.saturating_add(refill).min(capacity);
+    let (level, at_ms) = level(entry, rate, now_ms);
     if level < MILLI + u64::from(floor) * MILLI {
         return None;
     }
     Some(
         Bucket {
             milli_tokens: level - MILLI,
-            at_ms: now_ms.max(bucket.at_ms),
+            at_ms: now_ms.max(at_ms),
         }
         .encode(),
     )
