@@ -6,7 +6,7 @@
 //! metrics, the same behaviour (`tests/tests/fused_envoy.rs` and
 //! `fused_host_sim.rs` compare them). What the stages would each ask the
 //! host again (request and response headers, hand-off values, the current
-//! callback's body) they share through their host, `zerolayer_host::FusedHost`,
+//! callback's body) they share through their host, `zerolayer_host::PipelineHost`,
 //! and a stage done with a body callback (`Host::done_with`) is no longer
 //! called for it. The module crate beside it (`module/`) registers
 //! [`FusedRoot`] as `zerolayer_fused.wasm`.
@@ -25,20 +25,22 @@
 mod pipeline;
 #[cfg(feature = "wasm")]
 mod root;
+mod roots;
 
 use zerolayer_host::{Host, RootStage};
 
 pub use pipeline::{Column, Pipeline, StageStream};
 #[cfg(feature = "wasm")]
 pub use root::FusedRoot;
+pub use roots::StageRoots;
 
-/// A stage of the chain, in chain order.
+/// A stage of the chain ([`Stage::ALL`] gives the order requests meet them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
-    /// `activation`.
-    Activation,
     /// `lazy_auth`.
     LazyAuth,
+    /// `activation`.
+    Activation,
     /// `post_cache`.
     PostCache,
     /// `metering`.
@@ -86,8 +88,8 @@ impl Stage {
         }
     }
 
-    /// A new root of the stage, on host `H` (the fused filter's
-    /// [`FusedHost`], the native module's own).
+    /// A new root of the stage, on host `H` (a `PipelineHost`: the fused
+    /// filter's, the native module's).
     pub fn root<H: Host + 'static>(self) -> Box<dyn RootStage<H>> {
         match self {
             Stage::Activation => Box::new(zerolayer_activation::ActivationRoot::default()),

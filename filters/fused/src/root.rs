@@ -4,22 +4,13 @@
 
 use std::cell::RefCell;
 use std::rc::{Rc, Weak};
-use std::time::Duration;
 
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use zerolayer_host::timing::{self, Span};
-use zerolayer_host::{FusedHost, Headers, Host, RootStage, StageHost, StreamMap, Wake, WasmHost};
+use zerolayer_host::{FusedHost, Headers, Host, StageHost, StreamMap, Wake, WasmHost};
 
-use crate::{Pipeline, Stage, StageStream, sections};
-
-/// A configured stage's root and its tick.
-struct StageRoot {
-    stage: Stage,
-    root: Box<dyn RootStage<FusedHost>>,
-    tick: Option<Duration>,
-    next_tick_ms: u64,
-}
+use crate::{Pipeline, StageRoots, sections};
 
 /// Streams by context id, so that a stage resuming one from its root (a
 /// post-cache follower) reaches the stages after it.
@@ -27,7 +18,7 @@ type Streams = Rc<RefCell<StreamMap<Weak<RefCell<Pipeline<FusedHost>>>>>>;
 
 /// The fused filter's root context: the stages' roots.
 pub struct FusedRoot {
-    stages: Vec<StageRoot>,
+    roots: StageRoots<WasmHost>,
     streams: Streams,
     /// The host the stages' roots see.
     host: FusedHost,
@@ -36,9 +27,9 @@ pub struct FusedRoot {
 impl Default for FusedRoot {
     fn default() -> Self {
         FusedRoot {
-            stages: Vec::new(),
+            roots: StageRoots::default(),
             streams: Streams::default(),
-            host: FusedHost::root(),
+            host: FusedHost::roots(WasmHost),
         }
     }
 }
@@ -52,15 +43,21 @@ impl FusedRoot {
             let Some(pipeline) = pipeline else {
                 continue;
             };
+            // The host calls below act on that stream.
+            if WasmHost.set_effective_context(id).is_err() {
+                continue;
+            }
             match wake {
-                Wake::Answered => pipeline.borrow_mut().host.mark_answered(),
-                Wake::Resume => {
-                    // The stages' host calls act on that stream.
-                    if WasmHost.set_effective_context(id).is_err() {
-                        continue;
+                Wake::Answer(response) => {
+                    let headers = response.header_pairs();
+                    if let Err(status) =
+                        WasmHost.send_local_response(response.status, &headers, &response.body)
+                    {
+                        log::error!("zerolayer: could not answer a waiting request: {status:?}");
                     }
-                    resume(&pipeline);
+                    pipeline.borrow_mut().host.mark_answered();
                 }
+                Wake::Resume => resume(&pipeline),
             }
         }
     }
@@ -77,17 +74,12 @@ fn resume(pipeline: &RefCell<Pipeline<FusedHost>>) {
 
 impl Context for FusedRoot {
     fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
-        // Each stage's root knows its own callouts and ignores the others.
-        for stage in &mut self.stages {
-            stage.root.call_answered(&mut self.host, token, body_size);
-        }
+        self.roots.call_answered(&mut self.host, token, body_size);
         self.wake_streams();
     }
 
     fn on_done(&mut self) -> bool {
-        for stage in &mut self.stages {
-            stage.root.done(&mut self.host);
-        }
+        self.roots.done(&mut self.host);
         true
     }
 }
@@ -102,48 +94,33 @@ impl RootContext for FusedRoot {
                 return false;
             }
         };
-        let mut stages = Vec::with_capacity(sections.len());
+        let mut roots = StageRoots::default();
         for (stage, section) in sections {
-            let mut root = stage.root();
             // The stage logs its own error, naming the field.
-            let ok = root.configure(&mut self.host, &section);
-            let tick = self.host.take_tick();
-            if !ok {
+            if !roots.add(stage, &section, &mut self.host) {
                 log::error!(
                     "zerolayer: invalid configuration: {}: refused (see the line above)",
                     stage.section()
                 );
                 return false;
             }
-            stages.push(StageRoot {
-                stage,
-                root,
-                tick,
-                next_tick_ms: 0,
-            });
         }
-        let names: Vec<&str> = stages.iter().map(|s| s.stage.section()).collect();
-        log::info!("zerolayer: fused filter with stages {}", names.join(" → "));
-        if let Some(tick) = stages.iter().filter_map(|s| s.tick).min()
+        log::info!(
+            "zerolayer: fused filter with stages {}",
+            roots.names().join(" → ")
+        );
+        if let Some(tick) = roots.shortest_tick()
             && let Err(status) = WasmHost.set_tick_period(tick)
         {
             log::warn!("zerolayer: no tick ({status:?}); counters flush at shutdown only");
         }
-        self.stages = stages;
+        self.roots = roots;
         true
     }
 
     fn on_tick(&mut self) {
         let now = self.host.now_ms();
-        for stage in &mut self.stages {
-            let Some(tick) = stage.tick else {
-                continue;
-            };
-            if now >= stage.next_tick_ms {
-                stage.next_tick_ms = now + tick.as_millis() as u64;
-                stage.root.tick(&mut self.host);
-            }
-        }
+        self.roots.tick(&mut self.host, now, false);
         self.wake_streams();
     }
 
@@ -153,18 +130,11 @@ impl RootContext for FusedRoot {
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let span = Span::start();
-        let stages = self
-            .stages
-            .iter()
-            .map(|s| {
-                StageStream::new(
-                    s.root.stream(context_id),
-                    s.stage.headers_pause_withholds_body(),
-                    s.stage.labels(),
-                )
-            })
-            .collect();
-        let pipeline = Rc::new(RefCell::new(Pipeline::new(stages, FusedHost::stream())));
+        let stages = self.roots.streams(context_id);
+        let pipeline = Rc::new(RefCell::new(Pipeline::new(
+            stages,
+            FusedHost::stream(WasmHost),
+        )));
         self.streams
             .borrow_mut()
             .insert(context_id, Rc::downgrade(&pipeline));

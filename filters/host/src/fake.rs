@@ -10,6 +10,7 @@ use std::time::Duration;
 use zerolayer_core::headers::HeaderBlock;
 
 use crate::host::{Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status};
+use crate::pipeline::Proxy;
 use crate::stage::{DoneWith, StageHost};
 
 /// A callout a stage dispatched.
@@ -122,6 +123,11 @@ pub struct FakeHost {
     pub done_with: Vec<Callback>,
     /// Metrics, id = index.
     pub metrics: Vec<FakeMetric>,
+    /// Whole header maps read ([`Proxy::read_headers`], as a chain's
+    /// host reads them).
+    pub map_reads: usize,
+    /// Body reads (`with_body`, [`Proxy::read_body`]).
+    pub body_reads: usize,
     /// `done_with` calls not yet taken by a pipeline ([`StageHost`]).
     done_pending: DoneWith,
     /// Resumes a pipeline already took ([`StageHost`]).
@@ -153,6 +159,8 @@ impl Default for FakeHost {
             effective: None,
             done_with: Vec::new(),
             metrics: Vec::new(),
+            map_reads: 0,
+            body_reads: 0,
             done_pending: DoneWith::default(),
             resumes_taken: 0,
             next_token: 1,
@@ -311,6 +319,7 @@ impl Host for FakeHost {
     }
 
     fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+        self.body_reads += 1;
         let bytes = self.body(body);
         f(bytes.get(..size).unwrap_or(bytes))
     }
@@ -484,6 +493,19 @@ impl Host for FakeHost {
 
 /// The fake as a pipeline's host: a local response answers the request,
 /// `done_with` and resumes are taken as a pipeline takes them.
+/// The fake as the proxy beneath a [`crate::PipelineHost`], for the
+/// chain hosts' own tests.
+impl Proxy for FakeHost {
+    fn read_headers(&mut self, map: Headers) -> Option<HeaderBlock> {
+        self.map_reads += 1;
+        let pairs = self
+            .map(map)
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()));
+        HeaderBlock::parse(HeaderBlock::serialize(pairs)).ok()
+    }
+}
+
 impl StageHost for FakeHost {
     fn begin_callback(&mut self) {}
 

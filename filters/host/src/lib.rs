@@ -2,7 +2,8 @@
 //! its host explicitly, as a [`Host`] (`&mut impl Host`) in every callback
 //! of its [`RootStage`] and [`StreamStage`]; which host that is decides
 //! whether it runs as its own filter ([`WasmHost`], registered by a module
-//! crate with [`standalone`]), inside the fused filter ([`FusedHost`]), or
+//! crate with [`standalone`]), inside a chain in one filter ([`PipelineHost`]:
+//! [`FusedHost`] in the fused filter, the native module's over Envoy's ABI), or
 //! in a native test ([`FakeHost`], feature `fake`).
 //!
 //! Logic stays in `zerolayer-core`; what this crate adds is composed the
@@ -20,6 +21,7 @@ mod fake;
 mod fused;
 mod host;
 mod metrics;
+mod pipeline;
 mod queue;
 #[cfg(feature = "wasm")]
 mod raw;
@@ -36,10 +38,11 @@ pub use host::{
     Action, Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status,
 };
 pub use metrics::{Counter, Counters, Family, Metric};
+pub use pipeline::{LocalResponse, PipelineHost, Proxy, Wake};
 pub use queue::{ObserverQueue, release_backlog};
 #[cfg(feature = "wasm")]
 pub use stage::standalone;
-pub use stage::{DoneWith, RootStage, StageHost, StreamStage, Wake};
+pub use stage::{DoneWith, RootStage, StageHost, StreamStage};
 #[cfg(feature = "wasm")]
 pub use wasm::WasmHost;
 

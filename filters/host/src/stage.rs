@@ -1,8 +1,8 @@
 //! A stage of the chain as zerolayer writes it: a root ([`RootStage`]) and
 //! a stream per request ([`StreamStage`]), each callback handed its host.
 //! The same stage runs as its own filter ([`standalone`]: a module crate
-//! registers it), inside the fused filter (on [`crate::FusedHost`]), and in
-//! native tests (on [`crate::FakeHost`]).
+//! registers it), inside a chain in one filter (on [`crate::PipelineHost`]: the
+//! fused filter, the native module), and in native tests (on [`crate::FakeHost`]).
 
 #[cfg(feature = "wasm")]
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -69,15 +69,6 @@ pub trait StreamStage<H: Host> {
     fn log(&mut self, _host: &mut H) {}
 }
 
-/// What a stage's root did to a stream it made effective.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Wake {
-    /// Resumed it: the stages after the one that paused run next.
-    Resume,
-    /// Answered it (a local response): nothing is left for the stages.
-    Answered,
-}
-
 /// The callbacks one stage of one stream is done with.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct DoneWith(u8);
@@ -107,8 +98,9 @@ impl DoneWith {
 }
 
 /// What a pipeline of stages sharing one host needs of it besides [`Host`]:
-/// the state of the callback being run through them. `FusedHost` in the
-/// fused filter, the native module's host; [`crate::FakeHost`] in the pipeline's own tests.
+/// the state of the callback being run through them: [`crate::PipelineHost`]
+/// in the fused filter and the native module, [`crate::FakeHost`] in the
+/// pipeline's own tests.
 pub trait StageHost: Host {
     /// A new host callback begins (what was read in the last one is stale).
     fn begin_callback(&mut self);

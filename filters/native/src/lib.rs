@@ -4,7 +4,8 @@
 //! little as it can, tied to Envoy's dynamic-module ABI (1.40: `v0.2.0`).
 //!
 //! Filters (`filter_name`): `zerolayer`, the fused chain's stages on a
-//! `zerolayer_host::Host` over this ABI ([`chain`], [`host`]), the observer
+//! `zerolayer_host::Host` over this ABI ([`chain`]: configuration and
+//! workers, [`stream`]: a request's hooks, [`host`]), the observer
 //! on a thread of its own ([`observer`]); and the floor probes
 //! (`probe_trivial`, `probe_chain`, see [`probe`]) it is measured against.
 //!
@@ -26,6 +27,7 @@
 
 pub mod abi;
 pub mod chain;
+mod config;
 #[cfg(test)]
 mod fake_envoy;
 pub mod host;
@@ -33,7 +35,9 @@ mod logger;
 pub mod metrics;
 pub mod observer;
 pub mod probe;
+pub mod process;
 pub mod store;
+pub mod stream;
 mod ticker;
 
 use std::ffi::c_void;
@@ -41,8 +45,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
 use abi::{Buffer, ConfigEnvoy, FilterEnvoy, Header};
-use chain::{ChainConfig, ChainStream, Outcome, Verdict};
+use chain::ChainConfig;
 use probe::{Probe, ProbeStream};
+use stream::{ChainStream, Outcome, Verdict};
 
 /// A filter configuration: which filter `filter_name` chose.
 enum FilterConfig {

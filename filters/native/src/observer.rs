@@ -21,7 +21,7 @@ use zerolayer_core::headers::HeaderBlock;
 use zerolayer_host::{Body, CalloutAnswer, Headers, Host, MetricKind, Platform, Status};
 use zerolayer_observer::{Observer, ObserverConfig};
 
-use crate::chain::Process;
+use crate::process::Process;
 use crate::store::JobQueue;
 
 /// The most bytes of a callout's answer kept (a JWKS document, an
