@@ -16,7 +16,7 @@ use zerolayer_core::auth::identity::Identity;
 use zerolayer_core::auth::introspection;
 use zerolayer_core::auth::jwt;
 use zerolayer_core::auth::policy::{Admission, Route, SyncCheck, SyncReason, Unknown};
-use zerolayer_core::auth::verdict::{self, Verdict};
+use zerolayer_core::auth::verdict::{self, Verdict, VerdictView};
 use zerolayer_core::event::{AuditRecord, Job, VerifyJob, VerifyOutcome};
 use zerolayer_core::internal;
 use zerolayer_core::metrics::Label;
@@ -144,7 +144,7 @@ impl Stream {
             Some(v) if v.valid => {
                 // The hot path: one header, one hash, one shared-data read,
                 // the verdict read in place.
-                self.allow_view(host, v.tenant, v.subject, Outcome::ValidCached, "cached");
+                self.allow(host, v, Outcome::ValidCached, "cached");
                 Action::Continue
             }
             Some(v) => {
@@ -501,31 +501,24 @@ impl Stream {
             plan.metrics.lost();
         }
         if verdict.valid {
-            self.allow(host, &verdict, Outcome::SyncValid, reason.label());
+            self.allow(host, verdict.view(), Outcome::SyncValid, reason.label());
             Action::Continue
         } else {
             self.refuse_invalid(host, Outcome::SyncInvalid, &verdict.reason)
         }
     }
 
-    fn allow(&mut self, host: &mut impl Host, verdict: &Verdict, outcome: Outcome, reason: &str) {
-        self.allow_view(
-            host,
-            verdict.tenant.as_deref(),
-            verdict.subject.as_deref(),
-            outcome,
-            reason,
-        );
-    }
-
-    fn allow_view(
+    /// Continues as a valid verdict's tenant and subject.
+    fn allow(
         &mut self,
         host: &mut impl Host,
-        tenant: Option<&str>,
-        subject: Option<&str>,
+        verdict: VerdictView,
         outcome: Outcome,
         reason: &str,
     ) {
+        let VerdictView {
+            tenant, subject, ..
+        } = verdict;
         host.publish(
             internal::AUTH_PROPERTY,
             &Identity::Verified { tenant, subject }.render(),
