@@ -15,6 +15,7 @@
 //! cache bypasses such a request; it is never keyed inexactly).
 
 use std::borrow::Cow;
+use std::cell::Cell;
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, MapAccess, SeqAccess, Visitor};
@@ -44,17 +45,15 @@ pub struct DuplicateMember(pub String);
 /// Longest member name echoed in [`DuplicateMember`].
 const MAX_ECHOED_NAME: usize = 64;
 
-/// Marker in serde_json's error text for errors raised by this module's
-/// visitors (serde_json errors carry text, not our values).
-const DUPLICATE: &str = "zerolayer-duplicate-member:";
-const OUT_OF_RANGE: &str = "zerolayer-number-out-of-range";
-
 /// Parses `body` into a value, refusing duplicate members and numbers
 /// beyond 64-bit integers. Nesting is limited by serde_json (128 levels).
 pub fn parse_request(body: &[u8]) -> Result<Value, BodyError> {
+    let refused = Refused::default();
     let mut de = serde_json::Deserializer::from_slice(body);
-    let value = StrictValue.deserialize(&mut de).map_err(classify)?;
-    de.end().map_err(classify)?;
+    let value = StrictValue { refused: &refused }
+        .deserialize(&mut de)
+        .map_err(|err| refused.classify(err))?;
+    de.end().map_err(|err| refused.classify(err))?;
     Ok(value)
 }
 
@@ -63,36 +62,48 @@ pub fn parse_request(body: &[u8]) -> Result<Value, BodyError> {
 /// from `body` unless escaped). Bodies that are not JSON are
 /// [`BodyError::NotJson`].
 pub fn check_unique_members(body: &[u8]) -> Result<(), BodyError> {
+    let refused = Refused::default();
     let mut de = serde_json::Deserializer::from_slice(body);
     let mut names = Vec::new();
-    UniqueMembers { names: &mut names }
-        .deserialize(&mut de)
-        .map_err(classify)?;
-    de.end().map_err(classify)
+    UniqueMembers {
+        names: &mut names,
+        refused: &refused,
+    }
+    .deserialize(&mut de)
+    .map_err(|err| refused.classify(err))?;
+    de.end().map_err(|err| refused.classify(err))
 }
 
-fn classify(err: serde_json::Error) -> BodyError {
-    let text = err.to_string();
-    if let Some(rest) = text.strip_prefix(DUPLICATE) {
-        // serde_json appends " at line L column C".
-        let name = rest.rsplit_once(" at line ").map_or(rest, |(name, _)| name);
-        return BodyError::Duplicate(DuplicateMember(name.to_string()));
-    }
-    if text.starts_with(OUT_OF_RANGE) {
-        return BodyError::NumberOutOfRange;
-    }
-    BodyError::NotJson(text)
-}
+/// What this module's visitors refused. A visitor can hand serde only an
+/// error built from text, which serde_json then decorates: the refusal is
+/// kept here, typed, and the error serde carries only stops the parse.
+#[derive(Default)]
+struct Refused(Cell<Option<BodyError>>);
 
-fn duplicate<E: de::Error>(name: &str) -> E {
-    let mut end = name.len().min(MAX_ECHOED_NAME);
-    while !name.is_char_boundary(end) {
-        end -= 1;
+impl Refused {
+    /// Keeps `why` and returns the error that stops the parse.
+    fn stop<E: de::Error>(&self, why: BodyError) -> E {
+        self.0.set(Some(why));
+        E::custom("refused by zerolayer's reader")
     }
-    E::custom(format_args!(
-        "{DUPLICATE}{}",
-        name.get(..end).unwrap_or_default()
-    ))
+
+    /// A member named twice (at most [`MAX_ECHOED_NAME`] bytes of it).
+    fn duplicate<E: de::Error>(&self, name: &str) -> E {
+        let mut end = name.len().min(MAX_ECHOED_NAME);
+        while !name.is_char_boundary(end) {
+            end -= 1;
+        }
+        let name = name.get(..end).unwrap_or_default().to_string();
+        self.stop(BodyError::Duplicate(DuplicateMember(name)))
+    }
+
+    /// Why the parse that ended with `err` failed: the visitor's refusal,
+    /// else serde_json's own reason.
+    fn classify(&self, err: serde_json::Error) -> BodyError {
+        self.0
+            .take()
+            .unwrap_or_else(|| BodyError::NotJson(err.to_string()))
+    }
 }
 
 /// 2^63: a float at or beyond it in magnitude may be an integer serde read
@@ -101,16 +112,19 @@ const BEYOND_I64: f64 = 9_223_372_036_854_775_808.0;
 
 /// Builds a [`Value`] like serde_json's own, but refuses duplicate members
 /// and numbers beyond 64-bit integers.
-struct StrictValue;
+#[derive(Clone, Copy)]
+struct StrictValue<'r> {
+    refused: &'r Refused,
+}
 
-impl<'de> DeserializeSeed<'de> for StrictValue {
+impl<'de> DeserializeSeed<'de> for StrictValue<'_> {
     type Value = Value;
     fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
         d.deserialize_any(self)
     }
 }
 
-impl<'de> Visitor<'de> for StrictValue {
+impl<'de> Visitor<'de> for StrictValue<'_> {
     type Value = Value;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -126,12 +140,13 @@ impl<'de> Visitor<'de> for StrictValue {
         Ok(Value::Number(v.into()))
     }
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+        let out_of_range = || self.refused.stop(BodyError::NumberOutOfRange);
         if v.abs() >= BEYOND_I64 {
-            return Err(E::custom(OUT_OF_RANGE));
+            return Err(out_of_range());
         }
         Number::from_f64(v)
             .map(Value::Number)
-            .ok_or_else(|| E::custom(OUT_OF_RANGE))
+            .ok_or_else(out_of_range)
     }
     fn visit_str<E>(self, v: &str) -> Result<Value, E> {
         Ok(Value::String(v.to_string()))
@@ -147,7 +162,7 @@ impl<'de> Visitor<'de> for StrictValue {
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
         let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
-        while let Some(item) = seq.next_element_seed(StrictValue)? {
+        while let Some(item) = seq.next_element_seed(self)? {
             items.push(item);
         }
         Ok(Value::Array(items))
@@ -156,9 +171,9 @@ impl<'de> Visitor<'de> for StrictValue {
         let mut members = Map::new();
         while let Some(name) = map.next_key::<String>()? {
             if members.contains_key(&name) {
-                return Err(duplicate(&name));
+                return Err(self.refused.duplicate(&name));
             }
-            let value = map.next_value_seed(StrictValue)?;
+            let value = map.next_value_seed(self)?;
             members.insert(name, value);
         }
         Ok(Value::Object(members))
@@ -169,6 +184,7 @@ impl<'de> Visitor<'de> for StrictValue {
 /// objects being read (each object's after the ones of those around it).
 struct UniqueMembers<'s, 'de> {
     names: &'s mut Vec<Cow<'de, str>>,
+    refused: &'s Refused,
 }
 
 /// Objects with more members than this are checked by sorting their names
@@ -213,6 +229,7 @@ impl<'de> Visitor<'de> for UniqueMembers<'_, 'de> {
         while seq
             .next_element_seed(UniqueMembers {
                 names: &mut *self.names,
+                refused: self.refused,
             })?
             .is_some()
         {}
@@ -223,11 +240,12 @@ impl<'de> Visitor<'de> for UniqueMembers<'_, 'de> {
         while let Some(name) = map.next_key_seed(MemberName)? {
             let ours = self.names.get(start..).unwrap_or_default();
             if ours.len() < LINEAR_CHECK && ours.contains(&name) {
-                return Err(duplicate(&name));
+                return Err(self.refused.duplicate(&name));
             }
             self.names.push(name);
             map.next_value_seed(UniqueMembers {
                 names: &mut *self.names,
+                refused: self.refused,
             })?;
             // The value's own objects put their names back before returning.
         }
@@ -236,7 +254,7 @@ impl<'de> Visitor<'de> for UniqueMembers<'_, 'de> {
         {
             ours.sort_unstable();
             if let Some(pair) = ours.windows(2).find(|pair| pair[0] == pair[1]) {
-                return Err(duplicate(&pair[0]));
+                return Err(self.refused.duplicate(&pair[0]));
             }
         }
         self.names.truncate(start);
@@ -350,6 +368,21 @@ mod tests {
         }
         for body in ["18446744073709551615", "-9223372036854775808", "9.2e18"] {
             assert!(parse_request(body.as_bytes()).is_ok(), "{body}");
+        }
+    }
+
+    #[test]
+    fn a_duplicate_name_is_echoed_as_written_whatever_it_says() {
+        // The name reaches the error as a value, never through serde_json's
+        // message text (which appends its own " at line L column C").
+        for name in [
+            "x at line 2 column 3",
+            "request body is not valid JSON",
+            " at line ",
+        ] {
+            let body = format!(r#"{{"{name}":1,"{name}":2}}"#);
+            assert_eq!(check_unique_members(body.as_bytes()), Err(dup(name)));
+            assert_eq!(parse_request(body.as_bytes()).map(|_| ()), Err(dup(name)));
         }
     }
 

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use proptest::prelude::*;
 use zerolayer_core::auth::credential::TokenHash;
 use zerolayer_core::auth::exposure::{self, Bump};
-use zerolayer_core::auth::policy::{Admission, Policy, UnknownPolicy, VerifierDown};
+use zerolayer_core::auth::policy::{Admission, Policy, SyncCheck, UnknownPolicy, VerifierDown};
 use zerolayer_core::auth::verdict::{self, Verdict};
 
 /// How long an invalid verdict is kept (`negative_ttl_secs`).
@@ -90,7 +90,7 @@ impl Gateway {
             }
             Bump::Full => u32::MAX,
         };
-        match self.policy.admit(count, 0, false, false, || true) {
+        match self.policy.admit(count, 0, SyncCheck::Verifier, || true) {
             Admission::Lazy => {
                 self.queue.push((*hash, forged));
                 Outcome::Lazy

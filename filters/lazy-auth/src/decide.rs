@@ -15,8 +15,8 @@ use zerolayer_core::auth::exposure::{
 use zerolayer_core::auth::identity::Identity;
 use zerolayer_core::auth::introspection;
 use zerolayer_core::auth::jwt;
-use zerolayer_core::auth::policy::{Admission, Route, SyncReason};
-use zerolayer_core::auth::verdict::{self, Lookup, Verdict};
+use zerolayer_core::auth::policy::{Admission, Route, SyncCheck, SyncReason, Unknown};
+use zerolayer_core::auth::verdict::{self, Verdict, VerdictView};
 use zerolayer_core::event::{AuditRecord, Job, VerifyJob, VerifyOutcome};
 use zerolayer_core::internal;
 use zerolayer_core::metrics::Label;
@@ -49,11 +49,23 @@ fn declares_body(host: &mut impl Host) -> bool {
         .is_some_and(|l| l.trim_ascii() != b"0")
 }
 
+/// A synchronous introspection in flight.
+#[derive(Clone, Copy)]
+struct Introspection {
+    /// Its callout.
+    callout: u32,
+    /// Why it is synchronous.
+    reason: SyncReason,
+    /// The credential it verifies.
+    hash: TokenHash,
+}
+
 /// One request's state.
 pub(crate) struct Stream {
     plan: Rc<Plan>,
     started_us: u64,
-    credential: Option<Credential>,
+    /// The hash of the credential read, for the audit record.
+    hash: Option<TokenHash>,
     claimed_tenant: Option<String>,
     /// Outcome and reason, for metrics and the audit record.
     outcome: Option<Outcome>,
@@ -63,13 +75,12 @@ pub(crate) struct Stream {
     tenant: Option<String>,
     verified: bool,
     decided_us: u64,
-    /// A synchronous introspection in flight: its callout and why it is synchronous.
-    introspection: Option<(u32, SyncReason)>,
+    introspection: Option<Introspection>,
     /// Deciding in the introspection's answer (the body may be unread).
     in_answer: bool,
-    /// ngx_wasm_module: a synchronous introspection waits for the body
-    /// step (see [`Stream::introspect`]).
-    deferred: Option<SyncReason>,
+    /// ngx_wasm_module: a synchronous introspection of this credential
+    /// waits for the body step (see [`Stream::introspect`]).
+    deferred: Option<(SyncReason, Credential)>,
 }
 
 impl Stream {
@@ -77,7 +88,7 @@ impl Stream {
         Stream {
             plan,
             started_us: 0,
-            credential: None,
+            hash: None,
             claimed_tenant: None,
             outcome: None,
             answered: false,
@@ -126,31 +137,23 @@ impl Stream {
                 return self.refuse(host, 431, Outcome::TooLong, "credential_too_long", &message);
             }
         };
+        self.hash = Some(credential.hash);
         let key = verdict::key(&credential.hash, plan.config.verdict_slots);
         let entry = host.shared_get(&key).0.unwrap_or_default();
-        let found = verdict::view(&entry, &credential.hash, now);
-        self.credential = Some(credential);
-        match found {
+        match verdict::view(&entry, &credential.hash, now) {
             Some(v) if v.valid => {
                 // The hot path: one header, one hash, one shared-data read,
                 // the verdict read in place.
-                self.allow_view(host, v.tenant, v.subject, Outcome::ValidCached, "cached");
-                return Action::Continue;
+                self.allow(host, v, Outcome::ValidCached, "cached");
+                Action::Continue
             }
             Some(v) => {
                 let reason = v.reason.to_string();
-                self.touch_exposure(host, now);
-                return self.refuse(
-                    host,
-                    401,
-                    Outcome::InvalidCached,
-                    &reason,
-                    "invalid credential",
-                );
+                self.touch_exposure(host, &credential.hash, now);
+                self.refuse_invalid(host, Outcome::InvalidCached, &reason)
             }
-            None => {}
+            None => self.unknown(host, credential, now),
         }
-        self.unknown(host, now)
     }
 
     fn read_credential(&self, host: &mut impl Host) -> Read {
@@ -184,51 +187,44 @@ impl Stream {
     }
 
     /// A credential nobody verified yet (or whose verdict expired).
-    fn unknown(&mut self, host: &mut impl Host, now: u64) -> Action {
+    fn unknown(&mut self, host: &mut impl Host, credential: Credential, now: u64) -> Action {
         let plan = self.plan.clone();
-        let (kind, hash) = match &self.credential {
-            Some(c) => (c.kind, c.hash),
-            None => {
-                return self.refuse(
-                    host,
-                    401,
-                    Outcome::Missing,
-                    "missing_credential",
-                    "missing credential",
-                );
-            }
-        };
+        let Credential { kind, hash, .. } = credential;
         if kind == CredentialKind::Jwt {
             // Unverified claims: only for escalation and attribution, never trusted.
-            self.claimed_tenant = self.credential.as_ref().and_then(|c| {
-                jwt::peek(&c.token).ok().and_then(|u| {
-                    u.claims()
-                        .get_str(&plan.config.jwt.tenant_claim)
-                        .map(str::to_string)
-                })
+            self.claimed_tenant = jwt::peek(&credential.token).ok().and_then(|u| {
+                u.claims()
+                    .get_str(&plan.config.jwt.tenant_claim)
+                    .map(str::to_string)
             });
         }
         // A claimed tenant, "no tenant" or the whole gateway may be escalated.
         let escalated = EscalatedTenants::decode(host.shared_get(ESCALATED_KEY).0.as_deref())
             .covers(self.claimed_tenant.as_deref());
-        let trusted = !plan.trusted.is_empty()
+        let trusted_client = !plan.trusted.is_empty()
             && host
                 .request_header("user-agent")
                 .is_some_and(|ua| plan.trusted.iter().any(|r| r.is_match(&ua)));
-        let inline_ok = kind == CredentialKind::Jwt && plan.keys.available(host);
-        let verifier_down = decode_count(host.shared_get(VERIFIER_DOWN_KEY).0.as_deref()) > now;
-        match plan.policy.route(
-            &Lookup::Unknown,
+        // A JWT whose key is at hand is checked inside the filter, whatever
+        // the verifier's health.
+        let check = if kind == CredentialKind::Jwt && plan.keys.available(host) {
+            SyncCheck::Inline
+        } else if decode_count(host.shared_get(VERIFIER_DOWN_KEY).0.as_deref()) > now {
+            SyncCheck::Unavailable
+        } else {
+            SyncCheck::Verifier
+        };
+        let route = plan.policy.route(Unknown {
             escalated,
-            trusted,
-            inline_ok,
-            verifier_down,
-        ) {
+            trusted_client,
+            check,
+        });
+        let admission = match route {
             Route::Sync(reason) => {
-                self.touch_exposure(host, now);
-                self.verify_now(host, reason, now)
+                self.touch_exposure(host, &hash, now);
+                Admission::Sync(reason)
             }
-            Route::Unavailable => self.unavailable(host),
+            Route::Unavailable => Admission::Unavailable,
             Route::TryLazy => {
                 let config = &plan.config;
                 let (ways, retention) = (config.verdict_ways, config.exposure_retention_secs());
@@ -247,27 +243,13 @@ impl Stream {
                     decode_count(host.shared_get(FINISHED_KEY).0.as_deref()),
                 );
                 let take_budget = || self.take_budget(host);
-                match plan
-                    .policy
-                    .admit(count, waiting, inline_ok, verifier_down, take_budget)
-                {
-                    Admission::Lazy => self.admit_lazily(host),
-                    Admission::Sync(reason) => self.verify_now(host, reason, now),
-                    Admission::Unavailable => self.unavailable(host),
-                }
+                plan.policy.admit(count, waiting, check, take_budget)
             }
-            // Cached verdicts were handled before.
-            Route::Allow(v) => {
-                self.allow(host, &v, Outcome::ValidCached, "cached");
-                Action::Continue
-            }
-            Route::Deny(v) => self.refuse(
-                host,
-                401,
-                Outcome::InvalidCached,
-                &v.reason,
-                "invalid credential",
-            ),
+        };
+        match admission {
+            Admission::Lazy => self.admit_lazily(host, credential),
+            Admission::Sync(reason) => self.verify_now(host, credential, reason, now),
+            Admission::Unavailable => self.unavailable(host),
         }
     }
 
@@ -276,14 +258,11 @@ impl Stream {
     /// credential that keeps coming never loses it to colliding newcomers.
     /// A read per such request, a write at most every
     /// `exposure_touch_secs`.
-    fn touch_exposure(&self, host: &mut impl Host, now: u64) {
-        let Some(hash) = self.credential.as_ref().map(|c| c.hash) else {
-            return;
-        };
+    fn touch_exposure(&self, host: &mut impl Host, hash: &TokenHash, now: u64) {
         let config = &self.plan.config;
         let every = config.exposure_touch_secs();
-        let _ = host.shared_update_if(&exposure::key(&hash, config.verdict_slots), |current| {
-            (exposure::touch(current, &hash, now, every), ())
+        let _ = host.shared_update_if(&exposure::key(hash, config.verdict_slots), |current| {
+            (exposure::touch(current, hash, now, every), ())
         });
     }
 
@@ -312,17 +291,8 @@ impl Stream {
     }
 
     /// Continue unverified; the observer verifies off the path.
-    fn admit_lazily(&mut self, host: &mut impl Host) -> Action {
+    fn admit_lazily(&mut self, host: &mut impl Host, c: Credential) -> Action {
         let plan = self.plan.clone();
-        let Some(c) = &self.credential else {
-            return self.refuse(
-                host,
-                401,
-                Outcome::Missing,
-                "missing_credential",
-                "missing credential",
-            );
-        };
         // Metering bills the request to the tenant verification finds.
         let pending = PendingCredential {
             hash: c.hash,
@@ -340,7 +310,7 @@ impl Stream {
             // verify it now instead of admitting it blind.
             plan.metrics.lost();
             let now = host.now_secs();
-            return self.verify_now(host, SyncReason::PendingBound, now);
+            return self.verify_now(host, c, SyncReason::PendingBound, now);
         }
         let _ = host.shared_update(ENQUEUED_KEY, |current| {
             (
@@ -367,18 +337,15 @@ impl Stream {
 
     /// Verifies on the request path: inline for JWTs, by introspection
     /// (request paused) for API keys.
-    fn verify_now(&mut self, host: &mut impl Host, reason: SyncReason, now: u64) -> Action {
+    fn verify_now(
+        &mut self,
+        host: &mut impl Host,
+        c: Credential,
+        reason: SyncReason,
+        now: u64,
+    ) -> Action {
         let plan = self.plan.clone();
         plan.metrics.sync(reason);
-        let Some(c) = &self.credential else {
-            return self.refuse(
-                host,
-                401,
-                Outcome::Missing,
-                "missing_credential",
-                "missing credential",
-            );
-        };
         match c.kind {
             CredentialKind::Jwt => {
                 if !plan.keys.available(host) {
@@ -390,11 +357,11 @@ impl Stream {
                 let verdict = verdict::of_jwt(&plan.config, &c.hash, now, result);
                 self.concluded(host, verdict, reason)
             }
-            CredentialKind::ApiKey => self.introspect(host, reason),
+            CredentialKind::ApiKey => self.introspect(host, c, reason),
         }
     }
 
-    fn introspect(&mut self, host: &mut impl Host, reason: SyncReason) -> Action {
+    fn introspect(&mut self, host: &mut impl Host, c: Credential, reason: SyncReason) -> Action {
         // ngx_wasm_module reads a request body only after the request
         // headers step, and a request paused there for a callout and then
         // continued once its body was read was now and then never
@@ -405,16 +372,16 @@ impl Stream {
         // filter keeps the body for the stages after this one, which run
         // from the callout's answer there.)
         if !host.can_hold_headers_for_body() && declares_body(host) {
-            self.deferred = Some(reason);
+            self.deferred = Some((reason, c));
             return Action::Continue;
         }
-        self.dispatch_introspection(host, reason)
+        self.dispatch_introspection(host, &c, reason)
     }
 
     /// The request body step: a deferred check is made now.
     pub(crate) fn on_request_body(&mut self, host: &mut impl Host) -> Action {
         match self.deferred.take() {
-            Some(reason) => self.dispatch_introspection(host, reason),
+            Some((reason, c)) => self.dispatch_introspection(host, &c, reason),
             None => Action::Continue,
         }
     }
@@ -424,7 +391,12 @@ impl Stream {
         self.deferred.is_some()
     }
 
-    fn dispatch_introspection(&mut self, host: &mut impl Host, reason: SyncReason) -> Action {
+    fn dispatch_introspection(
+        &mut self,
+        host: &mut impl Host,
+        c: &Credential,
+        reason: SyncReason,
+    ) -> Action {
         let plan = self.plan.clone();
         let Some(api) = &plan.config.api_keys else {
             return self.unavailable(host);
@@ -443,9 +415,6 @@ impl Stream {
                 (Outcome::OverBudget, "verify_budget"),
             );
         }
-        let Some(c) = &self.credential else {
-            return self.unavailable(host);
-        };
         let key = String::from_utf8_lossy(&c.token).into_owned();
         let headers = vec![
             (":method", "GET"),
@@ -460,7 +429,11 @@ impl Stream {
             Duration::from_millis(u64::from(api.endpoint.timeout_ms)),
         ) {
             Ok(token) => {
-                self.introspection = Some((token, reason));
+                self.introspection = Some(Introspection {
+                    callout: token,
+                    reason,
+                    hash: c.hash,
+                });
                 Action::Pause
             }
             Err(_) => self.unavailable(host),
@@ -474,15 +447,12 @@ impl Stream {
         token: u32,
         body_size: usize,
     ) {
-        let reason = match self.introspection {
-            Some((pending, reason)) if pending == token => reason,
+        let (reason, hash) = match self.introspection {
+            Some(i) if i.callout == token => (i.reason, i.hash),
             _ => return,
         };
         self.introspection = None;
         let plan = self.plan.clone();
-        let Some(hash) = self.credential.as_ref().map(|c| c.hash) else {
-            return;
-        };
         let now = host.now_secs();
         let answer = host.callout_answer(body_size);
         self.in_answer = true;
@@ -531,32 +501,24 @@ impl Stream {
             plan.metrics.lost();
         }
         if verdict.valid {
-            self.allow(host, &verdict, Outcome::SyncValid, reason.label());
+            self.allow(host, verdict.view(), Outcome::SyncValid, reason.label());
             Action::Continue
         } else {
-            let why = verdict.reason.clone();
-            self.refuse(host, 401, Outcome::SyncInvalid, &why, "invalid credential")
+            self.refuse_invalid(host, Outcome::SyncInvalid, &verdict.reason)
         }
     }
 
-    fn allow(&mut self, host: &mut impl Host, verdict: &Verdict, outcome: Outcome, reason: &str) {
-        self.allow_view(
-            host,
-            verdict.tenant.as_deref(),
-            verdict.subject.as_deref(),
-            outcome,
-            reason,
-        );
-    }
-
-    fn allow_view(
+    /// Continues as a valid verdict's tenant and subject.
+    fn allow(
         &mut self,
         host: &mut impl Host,
-        tenant: Option<&str>,
-        subject: Option<&str>,
+        verdict: VerdictView,
         outcome: Outcome,
         reason: &str,
     ) {
+        let VerdictView {
+            tenant, subject, ..
+        } = verdict;
         host.publish(
             internal::AUTH_PROPERTY,
             &Identity::Verified { tenant, subject }.render(),
@@ -578,6 +540,11 @@ impl Stream {
     ) -> Action {
         self.send_refusal(host, status, message);
         self.done(host, outcome, reason, Action::Pause)
+    }
+
+    /// 401 for a credential verified invalid (now or before).
+    fn refuse_invalid(&mut self, host: &mut impl Host, outcome: Outcome, reason: &str) -> Action {
+        self.refuse(host, 401, outcome, reason, "invalid credential")
     }
 
     /// Sends a refusal (from an answer: see `send_json_error_before_body`).
@@ -689,11 +656,7 @@ impl Stream {
         }
         let record = AuditRecord {
             at_ms: self.started_us / 1000,
-            hash_prefix: self
-                .credential
-                .as_ref()
-                .map(|c| c.hash.prefix())
-                .unwrap_or_default(),
+            hash_prefix: self.hash.map(|h| h.prefix()).unwrap_or_default(),
             tenant: self.tenant.clone(),
             verified: self.verified,
             decision: outcome.label().to_string(),
@@ -898,6 +861,36 @@ mod tests {
         assert_eq!(identity(&host), None);
         assert!(jobs(&host).is_empty());
         assert_eq!(counter(&mut root, &mut host, &outcome("invalid_cached")), 1);
+    }
+
+    #[test]
+    fn a_cached_verdict_decides_before_escalation_policy_and_verifier_health() {
+        let mut host = host_with_observer();
+        let config = api_keys(json!({"unknown": "sync", "on_verifier_down": "deny"}));
+        let mut root = configured(&mut host, &config);
+        let escalated = EscalatedTenants {
+            gateway: true,
+            ..EscalatedTenants::default()
+        };
+        assert!(host.shared_put(ESCALATED_KEY, &escalated.encode()));
+        verifier_down(&mut host);
+        let valid = TokenHash::credential(CredentialKind::ApiKey, b"sk-live-1");
+        store(
+            &mut host,
+            &Verdict::valid(&valid, NOW, None, 300, Some("acme".into()), None),
+        );
+        let revoked = TokenHash::credential(CredentialKind::ApiKey, b"sk-revoked");
+        store(&mut host, &Verdict::invalid(&revoked, NOW, 60, "revoked"));
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-live-1")]);
+        assert_eq!(action, Action::Continue);
+        assert!(host.sent.is_empty());
+        let (_, action) = request(&root, &mut host, &[("x-api-key", "sk-revoked")]);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.sent[0].status, 401, "not the verifier-down 503");
+        assert!(host.dispatched.is_empty());
+        assert_eq!(counter(&mut root, &mut host, &outcome("valid_cached")), 1);
+        assert_eq!(host.metric(&outcome("invalid_cached")), Some(1));
+        assert_eq!(host.metric(&outcome("unavailable")), Some(0));
     }
 
     #[test]

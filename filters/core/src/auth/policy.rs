@@ -5,8 +5,6 @@
 
 use serde::Deserialize;
 
-use super::verdict::{Lookup, Verdict};
-
 /// What to do with credentials nobody has verified yet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
@@ -65,13 +63,33 @@ crate::labels! {
     }
 }
 
-/// First step: what the verdict cache and the request's facts decide.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// How an unknown credential could be verified on the request path now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncCheck {
+    /// Inside the filter (a JWT whose key is at hand): the verifier's
+    /// health does not matter.
+    Inline,
+    /// By the verifier, which is up.
+    Verifier,
+    /// Only by the verifier, which is down.
+    Unavailable,
+}
+
+/// The facts that route a credential nothing is cached for (a cached
+/// verdict decides before any of them is read).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unknown {
+    /// Its claimed tenant, "no tenant" or the whole gateway is escalated.
+    pub escalated: bool,
+    /// The client is trusted (its user-agent matches a configured pattern).
+    pub trusted_client: bool,
+    /// How it could be verified now.
+    pub check: SyncCheck,
+}
+
+/// First step for an unknown credential.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route {
-    /// A valid verdict: continue as its tenant and subject.
-    Allow(Verdict),
-    /// An invalid verdict: 401 at once.
-    Deny(Verdict),
     /// Verify now, on the request path.
     Sync(SyncReason),
     /// Count the request against the credential's exposure, then [`Policy::admit`].
@@ -92,23 +110,17 @@ pub enum Admission {
 }
 
 impl Policy {
-    /// Routes a request from the verdict lookup and the request's facts.
-    /// `inline_ok`: this credential can be verified inside the filter (a
-    /// JWT whose key is at hand), so a down verifier does not matter.
-    pub fn route(
-        &self,
-        lookup: &Lookup,
-        escalated: bool,
-        trusted_client: bool,
-        inline_ok: bool,
-        verifier_down: bool,
-    ) -> Route {
-        match lookup {
-            Lookup::Valid(v) => return Route::Allow(v.clone()),
-            Lookup::Invalid(v) => return Route::Deny(v.clone()),
-            Lookup::Unknown => {}
-        }
-        if trusted_client && inline_ok {
+    /// Routes an unknown credential: a trusted client whose credential can
+    /// be checked inline, an escalation or `unknown: sync` verify it now
+    /// (503 if that needs the verifier and it is down); otherwise it may
+    /// be admitted lazily, unless the verifier is down and the policy denies.
+    pub fn route(&self, unknown: Unknown) -> Route {
+        let Unknown {
+            escalated,
+            trusted_client,
+            check,
+        } = unknown;
+        if trusted_client && check == SyncCheck::Inline {
             return Route::Sync(SyncReason::TrustedClient);
         }
         let forced = if escalated {
@@ -118,16 +130,14 @@ impl Policy {
         } else {
             None
         };
-        if let Some(reason) = forced {
-            if verifier_down && !inline_ok {
-                return Route::Unavailable;
+        match (forced, check) {
+            (Some(_), SyncCheck::Unavailable) => Route::Unavailable,
+            (Some(reason), _) => Route::Sync(reason),
+            (None, SyncCheck::Unavailable) if self.on_verifier_down == VerifierDown::Deny => {
+                Route::Unavailable
             }
-            return Route::Sync(reason);
+            (None, _) => Route::TryLazy,
         }
-        if verifier_down && !inline_ok && self.on_verifier_down == VerifierDown::Deny {
-            return Route::Unavailable;
-        }
-        Route::TryLazy
     }
 
     /// Admits an unknown credential lazily if this request (the
@@ -135,13 +145,14 @@ impl Policy {
     /// lazy-admission buckets stay within the bounds. `take_budget` takes
     /// one admission from the buckets (false: one is empty); it is called
     /// only when the other bounds hold, so a request verified synchronously
-    /// for another reason spends no one's budget.
+    /// for another reason spends no one's budget. Past a bound the
+    /// credential is verified now, or refused (503) if that needs the
+    /// verifier and it is down.
     pub fn admit(
         &self,
         unverified_count: u32,
         pending: u64,
-        inline_ok: bool,
-        verifier_down: bool,
+        check: SyncCheck,
         take_budget: impl FnOnce() -> bool,
     ) -> Admission {
         let over = if unverified_count > self.max_unverified_per_token {
@@ -155,7 +166,7 @@ impl Policy {
         };
         match over {
             None => Admission::Lazy,
-            Some(_) if verifier_down && !inline_ok => Admission::Unavailable,
+            Some(_) if check == SyncCheck::Unavailable => Admission::Unavailable,
             Some(reason) => Admission::Sync(reason),
         }
     }
@@ -174,124 +185,86 @@ mod tests {
         }
     }
 
-    fn verdict(valid: bool) -> Verdict {
-        Verdict {
-            hash: [0; 32],
-            valid,
-            expires_at: 10,
-            tenant: None,
-            subject: None,
-            reason: String::new(),
-            verified_at: 0,
-        }
-    }
-
-    #[test]
-    fn cached_verdicts_decide_first_whatever_else_holds() {
-        let p = Policy {
-            unknown: UnknownPolicy::Sync,
-            ..policy()
-        };
-        for (escalated, trusted, down) in [(true, true, true), (false, false, false)] {
-            assert!(matches!(
-                p.route(
-                    &Lookup::Valid(verdict(true)),
-                    escalated,
-                    trusted,
-                    false,
-                    down
-                ),
-                Route::Allow(_)
-            ));
-            assert!(matches!(
-                p.route(
-                    &Lookup::Invalid(verdict(false)),
-                    escalated,
-                    trusted,
-                    false,
-                    down
-                ),
-                Route::Deny(_)
-            ));
-        }
-    }
-
     #[test]
     fn routing_unknown_credentials() {
         let p = policy();
-        let u = &Lookup::Unknown;
-        // (escalated, trusted, inline_ok, verifier_down) → route
+        let unknown = |escalated, trusted_client, check| Unknown {
+            escalated,
+            trusted_client,
+            check,
+        };
+        use SyncCheck::{Inline, Unavailable, Verifier};
         let cases = [
-            ((false, false, false, false), Route::TryLazy),
+            (unknown(false, false, Verifier), Route::TryLazy),
             (
-                (false, true, true, false),
+                unknown(false, true, Inline),
                 Route::Sync(SyncReason::TrustedClient),
             ),
             // Trusted clients are verified inline only when a key is at hand.
-            ((false, true, false, false), Route::TryLazy),
+            (unknown(false, true, Verifier), Route::TryLazy),
             (
-                (true, false, false, false),
+                unknown(true, false, Verifier),
                 Route::Sync(SyncReason::Escalated),
             ),
-            ((true, false, false, true), Route::Unavailable),
+            (unknown(true, false, Unavailable), Route::Unavailable),
             (
-                (true, false, true, true),
+                unknown(true, false, Inline),
                 Route::Sync(SyncReason::Escalated),
             ),
-            ((false, false, false, true), Route::TryLazy),
+            (unknown(false, false, Unavailable), Route::TryLazy),
         ];
-        for ((e, t, i, d), want) in cases {
-            assert_eq!(
-                p.route(u, e, t, i, d),
-                want,
-                "escalated={e} trusted={t} inline={i} down={d}"
-            );
+        for (facts, want) in cases {
+            assert_eq!(p.route(facts), want, "{facts:?}");
         }
         let sync = Policy {
             unknown: UnknownPolicy::Sync,
             ..policy()
         };
         assert_eq!(
-            sync.route(u, false, false, false, false),
+            sync.route(unknown(false, false, Verifier)),
             Route::Sync(SyncReason::Policy)
         );
         let deny = Policy {
             on_verifier_down: VerifierDown::Deny,
             ..policy()
         };
-        assert_eq!(deny.route(u, false, false, false, true), Route::Unavailable);
-        assert_eq!(deny.route(u, false, false, true, true), Route::TryLazy);
+        assert_eq!(
+            deny.route(unknown(false, false, Unavailable)),
+            Route::Unavailable
+        );
+        assert_eq!(deny.route(unknown(false, false, Inline)), Route::TryLazy);
     }
 
     #[test]
     fn admission_respects_every_bound() {
+        use SyncCheck::{Inline, Unavailable, Verifier};
         let p = policy();
         let ok = || true;
-        assert_eq!(p.admit(1, 0, false, false, ok), Admission::Lazy);
+        assert_eq!(p.admit(1, 0, Verifier, ok), Admission::Lazy);
         assert_eq!(
-            p.admit(2, 0, false, false, ok),
+            p.admit(2, 0, Verifier, ok),
             Admission::Sync(SyncReason::ExposureBound)
         );
         assert_eq!(
-            p.admit(1, 100, false, false, ok),
+            p.admit(1, 100, Verifier, ok),
             Admission::Sync(SyncReason::PendingBound)
         );
-        assert_eq!(p.admit(1, 99, false, true, ok), Admission::Lazy);
-        assert_eq!(p.admit(2, 0, false, true, ok), Admission::Unavailable);
+        assert_eq!(p.admit(1, 99, Unavailable, ok), Admission::Lazy);
+        assert_eq!(p.admit(2, 0, Unavailable, ok), Admission::Unavailable);
         assert_eq!(
-            p.admit(2, 0, true, true, ok),
+            p.admit(2, 0, Inline, ok),
             Admission::Sync(SyncReason::ExposureBound)
         );
         // An empty bucket: verify now (or refuse while the verifier is down).
         assert_eq!(
-            p.admit(1, 0, false, false, || false),
+            p.admit(1, 0, Verifier, || false),
             Admission::Sync(SyncReason::Budget)
         );
-        assert_eq!(p.admit(1, 0, false, true, || false), Admission::Unavailable);
+        assert_eq!(p.admit(1, 0, Unavailable, || false), Admission::Unavailable);
         // The buckets are not touched when another bound already says no.
         let untouched = || panic!("budget taken although the request is over a bound");
         assert_eq!(
-            p.admit(2, 0, false, false, untouched),
+            p.admit(2, 0, Verifier, untouched),
             Admission::Sync(SyncReason::ExposureBound)
         );
         let never_lazy = Policy {
@@ -299,7 +272,7 @@ mod tests {
             ..policy()
         };
         assert_eq!(
-            never_lazy.admit(1, 0, false, false, ok),
+            never_lazy.admit(1, 0, Verifier, ok),
             Admission::Sync(SyncReason::ExposureBound)
         );
     }

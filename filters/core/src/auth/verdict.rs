@@ -34,9 +34,11 @@ pub const MAX_VERDICT_BYTES: usize =
 /// of verdicts, each postcard-encoded behind its 2-byte length.
 const VERSION: u8 = 2;
 
-/// A verification outcome for one credential.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Verdict {
+/// A verification outcome for one credential. `S` holds its strings:
+/// `String` where a verdict is made or kept, `&str` where the hot path
+/// reads one in place ([`VerdictView`]); both encode alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Verdict<S = String> {
     /// SHA-256 of the credential.
     pub hash: [u8; 32],
     /// Whether the credential is valid.
@@ -44,14 +46,17 @@ pub struct Verdict {
     /// Unix seconds after which the verdict no longer counts.
     pub expires_at: u64,
     /// Verified tenant (valid verdicts).
-    pub tenant: Option<String>,
+    pub tenant: Option<S>,
     /// Verified subject (valid verdicts).
-    pub subject: Option<String>,
+    pub subject: Option<S>,
     /// Short reason (`expired`, `bad_signature`, `revoked`, …) for invalid ones.
-    pub reason: String,
+    pub reason: S,
     /// Unix seconds when it was verified.
     pub verified_at: u64,
 }
+
+/// A verdict read in place from a set entry, without copying its strings.
+pub type VerdictView<'a> = Verdict<&'a str>;
 
 /// What a verdict lookup found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,6 +125,19 @@ impl Verdict {
         }
     }
 
+    /// This verdict read in place, as the hot path reads a stored one.
+    pub fn view(&self) -> VerdictView<'_> {
+        Verdict {
+            hash: self.hash,
+            valid: self.valid,
+            expires_at: self.expires_at,
+            tenant: self.tenant.as_deref(),
+            subject: self.subject.as_deref(),
+            reason: &self.reason,
+            verified_at: self.verified_at,
+        }
+    }
+
     /// An invalid verdict, kept for `negative_ttl` seconds.
     pub fn invalid(hash: &TokenHash, now: u64, negative_ttl: u64, reason: &str) -> Verdict {
         Verdict {
@@ -160,29 +178,6 @@ pub fn of_jwt(
         ),
         Err(err) => Verdict::invalid(hash, now, config.negative_ttl_secs, err.reason()),
     }
-}
-
-/// A verdict read in place, without copying its strings: what the hot path
-/// needs from a valid verdict (same encoding as [`Verdict`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-pub struct VerdictView<'a> {
-    /// SHA-256 of the credential.
-    pub hash: [u8; 32],
-    /// Whether the credential is valid.
-    pub valid: bool,
-    /// Unix seconds after which the verdict no longer counts.
-    pub expires_at: u64,
-    /// Verified tenant.
-    #[serde(borrow)]
-    pub tenant: Option<&'a str>,
-    /// Verified subject.
-    #[serde(borrow)]
-    pub subject: Option<&'a str>,
-    /// Reason (invalid verdicts).
-    #[serde(borrow)]
-    pub reason: &'a str,
-    /// Unix seconds when it was verified.
-    pub verified_at: u64,
 }
 
 /// Serializes a set of verdicts for shared data: each verdict behind its
@@ -349,6 +344,10 @@ mod tests {
             view(&invalid, &h, 150).map(|v| (v.valid, v.reason)),
             Some((false, "bad_signature"))
         );
+        // The stored verdict read in place is the verdict itself, viewed.
+        for v in [verdict(&h, true, 200), verdict(&h, false, 200)] {
+            assert_eq!(view(&v.encode(), &h, 150), Some(v.view()));
+        }
     }
 
     #[test]

@@ -46,7 +46,8 @@ use std::fmt;
 
 use hmac::{Hmac, Mac};
 use serde_json::{Map, Number, Value};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
+use subtle::ConstantTimeEq;
 
 use crate::auth::credential::hex;
 use crate::json::{BodyError, DuplicateMember, parse_request};
@@ -55,9 +56,6 @@ use crate::json::{BodyError, DuplicateMember, parse_request};
 /// (v2: floats no longer equal integers)
 /// so that old entries can never be read as new ones.
 const DOMAIN: &[u8] = b"zerolayer-cache-v2\0";
-
-/// Block size of SHA-256, the size of an HMAC-SHA256 key after RFC 2104 §2.
-const HMAC_BLOCK: usize = 64;
 
 /// The LLM API a request is addressed to, which decides its canonical form.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -119,6 +117,11 @@ pub enum KeyError {
     /// A number beyond 64-bit integers, which cannot be keyed exactly.
     #[error("request body has a number beyond 64-bit integers")]
     NumberOutOfRange,
+    /// The secret cannot key HMAC-SHA256. HMAC takes a key of any length
+    /// (RFC 2104 §2), so this never happens; the request is then not keyed
+    /// rather than the filter panicking.
+    #[error("the cache secret cannot key HMAC-SHA256")]
+    Secret,
     /// A top-level field has a type the API does not accept.
     #[error("request body field `{field}` is not {expected}")]
     WrongType {
@@ -155,16 +158,8 @@ impl CacheKey {
     /// stored entry's digest cannot be learnt byte by byte from timings.
     /// A `stored` of the wrong length never matches.
     pub fn matches(&self, stored: &[u8]) -> bool {
-        if stored.len() != self.0.len() {
-            return false;
-        }
-        let diff = self
-            .0
-            .iter()
-            .zip(stored)
-            .fold(0u8, |diff, (a, b)| diff | (a ^ b));
-        // Keeps the optimiser from turning the fold into an early exit.
-        std::hint::black_box(diff) == 0
+        // `subtle` compares the lengths (public) first, then every byte.
+        self.0.as_slice().ct_eq(stored).into()
     }
 }
 
@@ -196,7 +191,7 @@ impl CanonicalRequest {
         secret: &[u8],
     ) -> Result<CanonicalRequest, KeyError> {
         let canonical = canonicalise(provider, body)?;
-        let mut mac = hmac_sha256(secret);
+        let mut mac = Hmac::<Sha256>::new_from_slice(secret).map_err(|_| KeyError::Secret)?;
         mac.update(DOMAIN);
         update_prefixed(&mut mac, provider.name().as_bytes());
         match namespace {
@@ -285,25 +280,6 @@ fn canonicalise(provider: Provider, body: &[u8]) -> Result<Canonical, KeyError> 
 
 fn wrong_type(field: &'static str, expected: &'static str) -> KeyError {
     KeyError::WrongType { field, expected }
-}
-
-/// HMAC-SHA256 keyed with `secret`. The key is prepared as RFC 2104 §2 does it
-/// (hashed when longer than a block, then zero-padded to one) so that
-/// construction cannot fail: `Mac::new_from_slice` returns a `Result` whose
-/// error HMAC never produces, and which this code would have no use for.
-fn hmac_sha256(secret: &[u8]) -> Hmac<Sha256> {
-    let mut block = [0u8; HMAC_BLOCK];
-    let hashed;
-    let key = if secret.len() > HMAC_BLOCK {
-        hashed = Sha256::digest(secret);
-        hashed.as_slice()
-    } else {
-        secret
-    };
-    for (slot, byte) in block.iter_mut().zip(key) {
-        *slot = *byte;
-    }
-    <Hmac<Sha256> as Mac>::new(&block.into())
 }
 
 /// Feeds `bytes` to `mac` after their length (u64, big endian): a u64 holds
@@ -478,19 +454,59 @@ fn write_str(out: &mut Vec<u8>, s: &str) {
 mod tests {
     use super::*;
 
+    /// Digests pinned from RFC 2104 HMAC-SHA256 computed outside this code,
+    /// for secrets shorter than a block, a block long and longer (hashed
+    /// first): the keys stay those of the hand-written key preparation the
+    /// hmac crate's replaced.
     #[test]
-    fn hmac_key_preparation_matches_the_hmac_crate() {
-        for len in [0, 1, 31, 32, 63, 64, 65, 128, 200] {
-            let secret: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
-            let mut ours = hmac_sha256(&secret);
-            let mut theirs = Hmac::<Sha256>::new_from_slice(&secret).unwrap();
-            ours.update(b"message");
-            theirs.update(b"message");
-            assert_eq!(
-                ours.finalize().into_bytes(),
-                theirs.finalize().into_bytes(),
-                "secret of {len} bytes"
-            );
+    fn secrets_of_every_length_key_as_rfc_2104_does() {
+        let body = br#"{"model":"m","messages":[]}"#;
+        assert_eq!(
+            canonical_json(Provider::Anthropic, body).unwrap(),
+            br#"{"messages":[],"model":"m"}"#
+        );
+        let pinned = [
+            (
+                0,
+                "18475c844cb159bdc9b9cfd5f2198412da1cf8f91a892bd8929308224ce1571e",
+            ),
+            (
+                1,
+                "93f5ded781b8f3dd1c9c568bb3e4e8c77d9dd48f79cfe29270af391a6e14dfbd",
+            ),
+            (
+                31,
+                "2ac15086cf519d3b04c90f0f970e811f9c143365c9aebc059637cfff1ff2763c",
+            ),
+            (
+                32,
+                "ca2518dc68ce686a8fcd08899886eda98295e9dd80c323a329dcfcd1f07cf195",
+            ),
+            (
+                63,
+                "e4932ac2e9bb28863a74afedaaf7fa82d9775675c39557d6c9840028119bb22d",
+            ),
+            (
+                64,
+                "3c354b8b25892323a071a7b0248484401ac8abc6b78210bc99e11d63693e565b",
+            ),
+            (
+                65,
+                "141eb86c06b5c10eacb6213c6d3e732e722645310aeb399bc329695f346a43ef",
+            ),
+            (
+                128,
+                "2b10f6d4d6fdd7e71a0158d1fdf18eb920611dbf29a9ffc7877ac0624495c930",
+            ),
+            (
+                200,
+                "66bbdf0f71baaf4e38cc771cc6e289daff0a8016dbdabf2345cbe6af516fc5a1",
+            ),
+        ];
+        for (len, digest) in pinned {
+            let secret: Vec<u8> = (0..len).map(|i: usize| (i * 7 + 3) as u8).collect();
+            let request = CanonicalRequest::of(Provider::Anthropic, body, None, &secret).unwrap();
+            assert_eq!(request.key.hex(), digest, "secret of {len} bytes");
         }
     }
 
