@@ -27,7 +27,8 @@
 //! and `ZEROLAYER_LOAD_SECS` shorten a development run, `ZEROLAYER_LOAD_ONLY`
 //! (comma-separated keys) narrows it, and `ZEROLAYER_LOAD_BASELINE_WASM=<dir>`
 //! adds each configuration again (`<key>-base`) with the filter modules of
-//! another build — before and after a change in one run (none of these
+//! another build (its `.wasm` files, and its `libzerolayer_native.so` for
+//! the native rows) — before and after a change in one run (none of these
 //! runs is copied).
 #![allow(missing_docs)]
 
@@ -106,6 +107,8 @@ struct Variant {
     /// The native chain's sections, when filter `zerolayer` is the native
     /// module (its observer's upstreams are filled in at start).
     native: Option<Json>,
+    /// Where Envoy finds the native module, if not this build's.
+    native_modules: Option<PathBuf>,
     request: Request,
     expect: Expect,
 }
@@ -120,6 +123,7 @@ impl Variant {
             filters,
             observer: None,
             native: None,
+            native_modules: None,
             request: Request::Plain,
             expect: Expect::Backend,
         }
@@ -147,8 +151,9 @@ impl Variant {
     }
 
     /// The same configuration with the HTTP filters' modules taken from
-    /// `dir` (another build's `target/wasm32-wasip1/wasm`), keyed
-    /// `<key>-base`; `None` when none of its modules is there.
+    /// `dir` (another build's `target/wasm32-wasip1/wasm`, and its
+    /// `libzerolayer_native.so` for the native chain), keyed `<key>-base`;
+    /// `None` when none of its modules is there.
     fn with_modules_from(&self, dir: &Path) -> Option<Variant> {
         fn swap(value: &mut Yaml, dir: &Path, swapped: &mut bool) {
             match value {
@@ -169,6 +174,10 @@ impl Variant {
         let mut swapped = false;
         for filter in &mut variant.filters {
             swap(filter, dir, &mut swapped);
+        }
+        if variant.native.is_some() && dir.join("libzerolayer_native.so").is_file() {
+            variant.native_modules = Some(dir.to_path_buf());
+            swapped = true;
         }
         // Keys and labels are 'static for the table and chart; a run makes
         // a handful of these.
@@ -441,6 +450,12 @@ fn main() -> Result<()> {
             let mut sections = sections.clone();
             sections["native"] = json!({"upstreams": services.upstreams()});
             config.set_native_filter_config("zerolayer", &sections.to_string())?;
+        }
+        if let Some(dir) = &v.native_modules {
+            config = config.env(
+                "ENVOY_DYNAMIC_MODULES_SEARCH_PATH",
+                &dir.display().to_string(),
+            );
         }
         let envoy = Envoy::start(&config).with_context(|| format!("starting {}", v.label))?;
         let pid = envoy.pid();

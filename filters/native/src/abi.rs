@@ -67,7 +67,7 @@ pub struct Header {
 
 /// `envoy_dynamic_module_type_http_header_type`.
 #[repr(u32)]
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HeaderMap {
     /// Request headers.
     Request = 0,
@@ -77,7 +77,7 @@ pub enum HeaderMap {
 
 /// `envoy_dynamic_module_type_http_body_type`.
 #[repr(u32)]
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BodyKind {
     /// The request chunk just received.
     ReceivedRequest = 0,

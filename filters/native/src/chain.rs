@@ -24,8 +24,9 @@ use zerolayer_core::footprint;
 use zerolayer_fused::{Pipeline, Stage, StageRoots};
 use zerolayer_host::{MetricKind, StreamMap, Wake};
 
-use crate::abi::{ConfigEnvoy, FilterEnvoy};
+use crate::abi::ConfigEnvoy;
 use crate::config::{NativeSection, key_spaces, observer_config, upstreams};
+use crate::envoy::EnvoyStream;
 use crate::host::{EnvoyProxy, NativeHost};
 use crate::metrics::Metrics;
 use crate::observer::ObserverThread;
@@ -184,7 +185,7 @@ impl ChainConfig {
     }
 
     /// A new stream on this worker.
-    pub fn stream(self: &Arc<ChainConfig>, filter: FilterEnvoy) -> ChainStream {
+    pub fn stream(self: &Arc<ChainConfig>, envoy: Box<dyn EnvoyStream>) -> ChainStream {
         let worker = self.worker();
         let mut w = worker.borrow_mut();
         w.next_id = w.next_id.wrapping_add(1).max(1);
@@ -198,12 +199,11 @@ impl ChainConfig {
         drop(w);
         ChainStream {
             id,
-            filter,
             worker,
             slot,
             pipeline: Pipeline::new(
                 stages,
-                NativeHost::stream(EnvoyProxy::stream(self.process.clone(), filter)),
+                NativeHost::stream(EnvoyProxy::stream(self.process.clone(), envoy)),
             ),
             tick: self.tick,
         }

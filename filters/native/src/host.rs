@@ -28,7 +28,8 @@ use zerolayer_host::{
     Status,
 };
 
-use crate::abi::{self, BodyKind, FilterEnvoy, HeaderMap};
+use crate::abi::{BodyKind, HeaderMap};
+use crate::envoy::EnvoyStream;
 use crate::process::Process;
 
 /// The native module's host: a stream's, or a worker's roots'.
@@ -38,8 +39,8 @@ pub type NativeHost = PipelineHost<EnvoyProxy>;
 /// worker's roots: their stream calls do nothing).
 pub struct EnvoyProxy {
     process: Arc<Process>,
-    /// The stream's Envoy handle (null for the roots).
-    filter: FilterEnvoy,
+    /// The stream's Envoy (none for the roots).
+    envoy: Option<Box<dyn EnvoyStream>>,
     /// Whether the filter had Envoy buffer the request / response body
     /// (then the body is the buffered chunks and the one received).
     pub buffering_request: bool,
@@ -56,10 +57,10 @@ pub struct EnvoyProxy {
 }
 
 impl EnvoyProxy {
-    /// Envoy through stream handle `filter`.
-    pub fn stream(process: Arc<Process>, filter: FilterEnvoy) -> EnvoyProxy {
+    /// Envoy through one stream's `envoy`.
+    pub fn stream(process: Arc<Process>, envoy: Box<dyn EnvoyStream>) -> EnvoyProxy {
         EnvoyProxy {
-            filter,
+            envoy: Some(envoy),
             ..EnvoyProxy::roots(process)
         }
     }
@@ -68,7 +69,7 @@ impl EnvoyProxy {
     pub fn roots(process: Arc<Process>) -> EnvoyProxy {
         EnvoyProxy {
             process,
-            filter: std::ptr::null_mut(),
+            envoy: None,
             buffering_request: false,
             buffering_response: false,
             pending_response: None,
@@ -85,13 +86,12 @@ impl EnvoyProxy {
     /// Stream: the size of `body` as the current callback has it (the
     /// chunks Envoy buffered for this filter, and the one received).
     pub fn body_size(&mut self, body: Body) -> usize {
-        if self.filter.is_null() {
+        let Some(envoy) = &self.envoy else {
             return 0;
-        }
+        };
         self.body_kinds(body)
             .iter()
-            // SAFETY: the handle of the hook being run.
-            .map(|kind| unsafe { abi::body_size(self.filter, *kind) })
+            .map(|kind| envoy.body_size(*kind))
             .sum()
     }
 
@@ -114,9 +114,9 @@ impl EnvoyProxy {
         self.answer = answer;
     }
 
-    /// Whether calls on the stream's handle may be made now.
-    fn live(&self) -> bool {
-        !self.filter.is_null()
+    /// The stream's Envoy (none for the roots).
+    pub fn envoy(&self) -> Option<&dyn EnvoyStream> {
+        self.envoy.as_deref()
     }
 }
 
@@ -129,20 +129,15 @@ fn header_map(map: Headers) -> HeaderMap {
 
 impl Proxy for EnvoyProxy {
     fn read_headers(&mut self, map: Headers) -> Option<HeaderBlock> {
-        if !self.live() {
-            // The roots see no stream's headers.
-            return None;
-        }
-        // SAFETY: the handle of the hook being run.
-        Some(unsafe { abi::header_block(self.filter, header_map(map)) })
+        // The roots see no stream's headers.
+        Some(self.envoy()?.header_block(header_map(map)))
     }
 
     fn read_body(&mut self, body: Body, size: usize) -> Vec<u8> {
         let mut bytes = Vec::with_capacity(size);
-        if self.live() {
+        if let Some(envoy) = self.envoy() {
             for kind in self.body_kinds(body) {
-                // SAFETY: the handle of the hook being run.
-                unsafe { abi::append_body(self.filter, *kind, &mut bytes) };
+                envoy.append_body(*kind, &mut bytes);
             }
         }
         bytes
@@ -180,27 +175,20 @@ impl Host for EnvoyProxy {
     }
 
     fn set_header(&mut self, map: Headers, name: &str, value: &[u8]) {
-        if !self.live() {
-            return;
+        if let Some(envoy) = self.envoy() {
+            envoy.set_header(header_map(map), name.as_bytes(), Some(value));
         }
-        // SAFETY: the handle of the hook being run.
-        unsafe { abi::set_header(self.filter, header_map(map), name.as_bytes(), Some(value)) };
     }
 
     fn add_header(&mut self, map: Headers, name: &str, value: &[u8]) {
-        if !self.live() {
-            return;
+        if let Some(envoy) = self.envoy() {
+            envoy.add_header(header_map(map), name.as_bytes(), value);
         }
-        // SAFETY: the handle of the hook being run.
-        unsafe { abi::add_header(self.filter, header_map(map), name.as_bytes(), value) };
     }
 
     fn remove_header(&mut self, map: Headers, name: &str) -> bool {
-        if !self.live() {
-            return false;
-        }
-        // SAFETY: the handle of the hook being run.
-        unsafe { abi::set_header(self.filter, header_map(map), name.as_bytes(), None) }
+        self.envoy()
+            .is_some_and(|envoy| envoy.set_header(header_map(map), name.as_bytes(), None))
     }
 
     fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
@@ -209,15 +197,12 @@ impl Host for EnvoyProxy {
     }
 
     fn set_body(&mut self, body: Body, _size: usize, bytes: &[u8]) -> Result<(), Status> {
-        if !self.live() {
-            return Err(Status::BadArgument);
-        }
         let kinds = self.body_kinds(body);
+        let envoy = self.envoy().ok_or(Status::BadArgument)?;
         // The new body goes where the last of it is; the rest is emptied.
         for (i, kind) in kinds.iter().enumerate() {
             let replacement = if i + 1 == kinds.len() { bytes } else { &[] };
-            // SAFETY: the handle of the hook being run.
-            if !unsafe { abi::replace_body(self.filter, *kind, replacement) } {
+            if !envoy.replace_body(*kind, replacement) {
                 return Err(Status::InternalFailure);
             }
         }
@@ -225,12 +210,8 @@ impl Host for EnvoyProxy {
     }
 
     fn property(&mut self, path: &str) -> Option<Vec<u8>> {
-        if !self.live() {
-            return None;
-        }
         match path {
-            // SAFETY: the handle of the hook being run.
-            "source.address" => unsafe { abi::source_address(self.filter) },
+            "source.address" => self.envoy()?.source_address(),
             _ => None,
         }
     }
@@ -238,10 +219,11 @@ impl Host for EnvoyProxy {
     fn publish(&mut self, path: &str, value: &[u8]) {
         // The access log reads hand-offs as the Wasm forms publish them:
         // `%FILTER_STATE(wasm.wasmx.zerolayer_auth:PLAIN)%`.
-        if self.live() && path.starts_with(internal::HANDOFF_PREFIX) {
+        if let Some(envoy) = self.envoy()
+            && path.starts_with(internal::HANDOFF_PREFIX)
+        {
             let key = format!("wasm.{path}");
-            // SAFETY: the handle of the hook being run.
-            unsafe { abi::set_filter_state(self.filter, key.as_bytes(), value) };
+            envoy.set_filter_state(key.as_bytes(), value);
         }
     }
 
@@ -285,21 +267,15 @@ impl Host for EnvoyProxy {
         body: Option<&[u8]>,
         timeout: Duration,
     ) -> Result<u32, Status> {
-        if !self.live() {
-            // The roots have no callouts natively: their work is the
-            // observer thread's.
-            return Err(Status::BadArgument);
-        }
-        // SAFETY: the handle of the hook being run.
-        unsafe {
-            abi::callout(
-                self.filter,
-                cluster.as_bytes(),
-                headers,
-                body.unwrap_or_default(),
-                timeout.as_millis() as u64,
-            )
-        }
+        // The roots have no callouts natively: their work is the
+        // observer thread's.
+        let envoy = self.envoy().ok_or(Status::BadArgument)?;
+        envoy.callout(
+            cluster.as_bytes(),
+            headers,
+            body.unwrap_or_default(),
+            timeout.as_millis() as u64,
+        )
     }
 
     fn callout_status(&mut self) -> Option<u16> {
@@ -327,7 +303,7 @@ impl Host for EnvoyProxy {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<(), Status> {
-        if !self.live() {
+        if self.envoy.is_none() {
             return Err(Status::NotFound);
         }
         // Sent by the hook once the stages returned (Envoy runs the

@@ -28,6 +28,7 @@
 pub mod abi;
 pub mod chain;
 mod config;
+pub mod envoy;
 #[cfg(test)]
 mod fake_envoy;
 pub mod host;
@@ -46,6 +47,7 @@ use std::sync::Arc;
 
 use abi::{Buffer, ConfigEnvoy, FilterEnvoy, Header};
 use chain::ChainConfig;
+use envoy::StreamHandle;
 use probe::{Probe, ProbeStream};
 use stream::{ChainStream, Outcome, Verdict};
 
@@ -138,8 +140,9 @@ unsafe fn chain_step(
         Some(Filter::Chain(chain)) => step(chain),
         _ => return None,
     };
-    // SAFETY: the caller's contract; no reference to the stream is alive.
-    Some(unsafe { outcome.finish(filter_envoy) })
+    // SAFETY: the caller's contract; no reference to the stream is alive
+    // any more, so Envoy may re-enter its hooks.
+    Some(outcome.finish(&unsafe { StreamHandle::new(filter_envoy) }))
 }
 
 /// Envoy asks which ABI the module speaks.
@@ -248,7 +251,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         };
         let filter = match config {
             FilterConfig::Probe(probe) => Filter::Probe(ProbeStream::new(*probe)),
-            FilterConfig::Chain(chain) => Filter::Chain(Box::new(chain.stream(filter_envoy))),
+            FilterConfig::Chain(chain) => {
+                // SAFETY: Envoy's handle of this new stream; the chain calls
+                // it only inside the stream's hooks.
+                let envoy = unsafe { StreamHandle::new(filter_envoy) };
+                Filter::Chain(Box::new(chain.stream(Box::new(envoy))))
+            }
         };
         Box::into_raw(Box::new(filter)) as *mut c_void
     })

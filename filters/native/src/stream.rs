@@ -9,15 +9,13 @@ use std::time::Duration;
 use zerolayer_fused::Pipeline;
 use zerolayer_host::{Action, Body, CalloutAnswer, Headers, Host, LocalResponse, StageHost, Wake};
 
-use crate::abi::{self, FilterEnvoy};
 use crate::chain::{Slot, Worker};
+use crate::envoy::EnvoyStream;
 use crate::host::NativeHost;
-use crate::ticker;
 
 /// One request through the native chain.
 pub struct ChainStream {
     pub(crate) id: u32,
-    pub(crate) filter: FilterEnvoy,
     pub(crate) worker: Rc<RefCell<Worker>>,
     pub(crate) slot: Rc<Slot>,
     pub(crate) pipeline: Pipeline<NativeHost>,
@@ -74,20 +72,15 @@ impl Outcome {
         }
     }
 
-    /// Sends the local response or continues the request, as the stages
-    /// asked; returns the hook's verdict.
-    ///
-    /// # Safety
-    /// `filter` must be the handle of the hook being run, and no reference
-    /// to the stream may be alive.
-    pub unsafe fn finish(self, filter: FilterEnvoy) -> Verdict {
+    /// Sends the local response or continues the request through `envoy`,
+    /// as the stages asked; returns the hook's verdict. Called once no
+    /// reference to the stream is alive (Envoy may re-enter its hooks).
+    pub fn finish(self, envoy: &dyn EnvoyStream) -> Verdict {
         if let Some(response) = &self.send {
             let headers = response.header_pairs();
-            // SAFETY: the caller's contract.
-            unsafe { abi::send_response(filter, response.status, &headers, &response.body) };
+            envoy.send_response(response.status, &headers, &response.body);
         } else if self.resume {
-            // SAFETY: the caller's contract.
-            unsafe { abi::continue_request(filter) };
+            envoy.continue_request();
         }
         self.verdict
     }
@@ -160,8 +153,8 @@ impl ChainStream {
     fn wait(&mut self) {
         let mut ticking = self.slot.ticking.borrow_mut();
         if ticking.is_none() {
-            // SAFETY: this stream's handle, inside its hook.
-            *ticking = unsafe { ticker::start(self.filter, self.tick) };
+            let envoy = self.pipeline.host.proxy_ref().envoy();
+            *ticking = envoy.and_then(|envoy| envoy.start_ticking(self.tick));
         }
     }
 
@@ -270,5 +263,117 @@ impl Drop for ChainStream {
         if let Ok(mut worker) = self.worker.try_borrow_mut() {
             worker.streams.remove(&self.id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::chain::ChainConfig;
+    use crate::envoy::recording::RecordingEnvoy;
+
+    fn chain(config: Value) -> Arc<ChainConfig> {
+        // SAFETY: a null handle: nothing reaches Envoy's configuration.
+        let chain =
+            unsafe { ChainConfig::new(std::ptr::null_mut(), config.to_string().as_bytes()) };
+        chain.unwrap_or_else(|why| panic!("{why}"))
+    }
+
+    fn request() -> RecordingEnvoy {
+        RecordingEnvoy::with_request(&[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            (":authority", "gateway"),
+            ("x-request-id", "req-1"),
+        ])
+    }
+
+    #[test]
+    fn a_local_response_is_sent_only_once_the_stages_returned() {
+        let chain = chain(json!({
+            "lazy_auth": {
+                "credentials": [{"header": "authorization", "scheme": "Bearer", "kind": "jwt"}],
+                "jwt": {
+                    "issuers": ["https://idp.test"],
+                    "jwks": {"cluster": "idp", "path": "/jwks", "timeout_ms": 500},
+                },
+                "observer": {"vm_id": "zerolayer", "queue": "zerolayer.jobs", "mode": "singleton"},
+            },
+            "activation": {"defaults": ["audit"]},
+            "native": {"upstreams": {"idp": "127.0.0.1:9"}},
+        }));
+        let envoy = request();
+        let mut stream = chain.stream(Box::new(envoy.clone()));
+        let outcome = stream.request_headers(false);
+        assert!(
+            envoy.0.borrow().sent.is_empty(),
+            "nothing reaches Envoy while the stages hold the stream"
+        );
+        assert_eq!(outcome.verdict, Verdict::Answered);
+        assert_eq!(outcome.finish(&envoy), Verdict::Answered);
+        {
+            let recorded = envoy.0.borrow();
+            assert_eq!(recorded.sent.len(), 1);
+            let sent = &recorded.sent[0];
+            assert_eq!(sent.status, 401);
+            assert!(
+                String::from_utf8_lossy(&sent.body).contains("authentication_error"),
+                "{:?}",
+                String::from_utf8_lossy(&sent.body)
+            );
+            assert!(
+                sent.headers
+                    .iter()
+                    .any(|(n, v)| n == "x-request-id" && v == "req-1")
+            );
+            assert_eq!(recorded.continued, 0);
+            assert!(
+                !recorded
+                    .filter_state
+                    .iter()
+                    .any(|(k, _)| k.starts_with(b"wasm.wasmx.zerolayer_observers")),
+                "activation, after lazy-auth, never saw the refused request"
+            );
+        }
+        // The body that follows a local response is not held.
+        assert_eq!(stream.request_body(true).finish(&envoy), Verdict::Continue);
+        stream.complete();
+        assert_eq!(envoy.0.borrow().sent.len(), 1);
+    }
+
+    #[test]
+    fn headers_are_read_once_and_hand_offs_become_filter_state() {
+        let chain = chain(json!({"activation": {"defaults": ["audit"]}}));
+        let envoy = request();
+        let mut stream = chain.stream(Box::new(envoy.clone()));
+        assert_eq!(
+            stream.request_headers(true).finish(&envoy),
+            Verdict::Continue
+        );
+        {
+            let recorded = envoy.0.borrow();
+            assert_eq!(recorded.map_reads, 1, "one read for every stage");
+            let observers = recorded
+                .filter_state
+                .iter()
+                .find(|(k, _)| k == b"wasm.wasmx.zerolayer_observers")
+                .map(|(_, v)| String::from_utf8_lossy(v).into_owned());
+            assert!(
+                observers.as_deref().is_some_and(|v| v.contains("audit")),
+                "{observers:?}"
+            );
+            assert!(recorded.sent.is_empty());
+        }
+        envoy.0.borrow_mut().response_headers = vec![(":status".into(), b"200".to_vec())];
+        assert_eq!(
+            stream.response_headers(true).finish(&envoy),
+            Verdict::Continue
+        );
+        assert_eq!(envoy.0.borrow().map_reads, 2);
+        stream.complete();
     }
 }
