@@ -315,7 +315,11 @@ impl Host for FusedHost {
         self.done.insert(callback);
     }
 
-    fn define_metric(&mut self, kind: MetricKind, name: &str) -> Result<u32, Status> {
+    fn define_metric(
+        &mut self,
+        kind: MetricKind,
+        name: zerolayer_core::metrics::MetricName<'_>,
+    ) -> Result<crate::MetricId, Status> {
         self.wasm.define_metric(kind, name)
     }
 

@@ -35,13 +35,14 @@ pub use fused::FusedHost;
 pub use host::{
     Action, Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status,
 };
-pub use metrics::{Counter, Counters, Family, Metric};
+pub use metrics::{Counter, Counters, Family, Metric, MetricId};
 pub use queue::{ObserverQueue, release_backlog};
 #[cfg(feature = "wasm")]
 pub use stage::standalone;
 pub use stage::{DoneWith, RootStage, StageHost, StreamStage, Wake};
 #[cfg(feature = "wasm")]
 pub use wasm::WasmHost;
+pub use zerolayer_core::metrics::{MetricName, SharedCounter};
 
 use zerolayer_core::ConfigError;
 
