@@ -8,7 +8,6 @@
 //! - `zerolayer_activation_observer_on{observer=…}`: requests each observer ran for.
 
 use zerolayer_core::activation::{Decision, RuleSet};
-use zerolayer_core::metrics::labelled;
 use zerolayer_host::{Counter, Host};
 
 /// The activation counters.
@@ -25,21 +24,24 @@ impl Counters {
     /// Defines one host counter per name.
     pub(crate) fn define(host: &mut impl Host, rules: &RuleSet) -> Self {
         const WHO: &str = "activation";
-        let rule_matches: Vec<String> = rules
-            .rule_names()
-            .iter()
-            .map(|r| labelled("zerolayer_activation_rule_matches", "rule", r))
-            .collect();
-        let observer_on: Vec<String> = rules
-            .observers()
-            .all()
-            .map(|(_, o)| labelled("zerolayer_activation_observer_on", "observer", o))
-            .collect();
+        let observers: Vec<&str> = rules.observers().all().map(|(_, o)| o).collect();
         Counters {
             requests: Counter::define(host, WHO, "zerolayer_activation_requests"),
             forged_headers: Counter::define(host, WHO, "zerolayer_activation_forged_headers"),
-            rule_matches: zerolayer_host::Counters::define(host, WHO, &rule_matches),
-            observer_on: zerolayer_host::Counters::define(host, WHO, &observer_on),
+            rule_matches: zerolayer_host::Counters::labelled(
+                host,
+                WHO,
+                "zerolayer_activation_rule_matches",
+                "rule",
+                rules.rule_names(),
+            ),
+            observer_on: zerolayer_host::Counters::labelled(
+                host,
+                WHO,
+                "zerolayer_activation_observer_on",
+                "observer",
+                &observers,
+            ),
         }
     }
 

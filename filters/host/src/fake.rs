@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use zerolayer_core::headers::HeaderBlock;
+use zerolayer_core::metrics::{MetricName, SharedCounter};
 
 use crate::host::{Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status};
 use crate::pipeline::Proxy;
@@ -69,8 +70,12 @@ impl Sent {
 /// A defined metric and its value (counters: the sum of increments).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FakeMetric {
-    /// Its name.
+    /// Its name as a Proxy-Wasm host sees it (`<metric>_<key>=<value>…`).
     pub name: String,
+    /// The metric the stage named, without labels.
+    pub metric: String,
+    /// The labels the stage gave, in order.
+    pub labels: Vec<(String, String)>,
     /// Its kind.
     pub kind: MetricKind,
     /// Counter: sum of increments; gauge: last value; histogram: last sample.
@@ -128,6 +133,12 @@ pub struct FakeHost {
     pub map_reads: usize,
     /// Body reads (`with_body`, [`Proxy::read_body`]).
     pub body_reads: usize,
+    /// Whether counters are handed out as [`SharedCounter`]s, as the
+    /// native module does: the stage adds to them directly and
+    /// [`FakeHost::report_shared`] takes them into `metrics`.
+    pub shared_counters: bool,
+    /// The counters handed out as cells, by metric id.
+    cells: Vec<(u32, SharedCounter)>,
     /// `done_with` calls not yet taken by a pipeline ([`StageHost`]).
     done_pending: DoneWith,
     /// Resumes a pipeline already took ([`StageHost`]).
@@ -161,6 +172,8 @@ impl Default for FakeHost {
             metrics: Vec::new(),
             map_reads: 0,
             body_reads: 0,
+            shared_counters: false,
+            cells: Vec::new(),
             done_pending: DoneWith::default(),
             resumes_taken: 0,
             next_token: 1,
@@ -210,6 +223,33 @@ impl FakeHost {
             .iter()
             .find(|m| m.name == name)
             .map(|m| m.value)
+    }
+
+    /// A counter's value by metric and labels, as the stage defined it
+    /// (`None` if never defined with exactly these labels, in this order).
+    pub fn labelled(&self, metric: &str, labels: &[(&str, &str)]) -> Option<i64> {
+        self.metrics
+            .iter()
+            .find(|m| {
+                m.metric == metric
+                    && m.labels.len() == labels.len()
+                    && m.labels
+                        .iter()
+                        .zip(labels)
+                        .all(|((k, v), (key, value))| k == key && v == value)
+            })
+            .map(|m| m.value)
+    }
+
+    /// Takes what the stages added to their shared counters into
+    /// `metrics`, as the native module's report does.
+    pub fn report_shared(&mut self) {
+        for (id, cell) in &self.cells {
+            if let Some(m) = self.metrics.get_mut(*id as usize) {
+                let delta = i64::try_from(cell.take()).unwrap_or(i64::MAX);
+                m.value = m.value.saturating_add(delta);
+            }
+        }
     }
 
     /// Shared data `key`'s value.
@@ -464,17 +504,41 @@ impl Host for FakeHost {
         }
     }
 
-    fn define_metric(&mut self, kind: MetricKind, name: &str) -> Result<u32, Status> {
-        if let Some(i) = self.metrics.iter().position(|m| m.name == name) {
-            return Ok(i as u32);
-        }
-        self.metrics.push(FakeMetric {
-            name: name.to_string(),
-            kind,
-            value: 0,
-            samples: Vec::new(),
+    fn define_metric(
+        &mut self,
+        kind: MetricKind,
+        name: MetricName<'_>,
+    ) -> Result<crate::MetricId, Status> {
+        let flat = name.to_string();
+        let id = match self.metrics.iter().position(|m| m.name == flat) {
+            Some(i) => i as u32,
+            None => {
+                self.metrics.push(FakeMetric {
+                    name: flat,
+                    metric: name.metric.to_string(),
+                    labels: name
+                        .labels
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .collect(),
+                    kind,
+                    value: 0,
+                    samples: Vec::new(),
+                });
+                self.metrics.len() as u32 - 1
+            }
+        };
+        let shared = (self.shared_counters && kind == MetricKind::Counter).then(|| {
+            match self.cells.iter().find(|(i, _)| *i == id) {
+                Some((_, cell)) => cell.clone(),
+                None => {
+                    let cell = SharedCounter::default();
+                    self.cells.push((id, cell.clone()));
+                    cell
+                }
+            }
         });
-        Ok(self.metrics.len() as u32 - 1)
+        Ok(crate::MetricId { id, shared })
     }
 
     fn increment_metric(&mut self, id: u32, delta: i64) {

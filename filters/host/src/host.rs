@@ -229,8 +229,13 @@ pub trait Host {
 
     // --- metrics ---------------------------------------------------------------------
 
-    /// Defines a metric; returns its id.
-    fn define_metric(&mut self, kind: MetricKind, name: &str) -> Result<u32, Status>;
+    /// Defines a metric: its id and, for a counter the host batches
+    /// itself, where increments go without a host call.
+    fn define_metric(
+        &mut self,
+        kind: MetricKind,
+        name: zerolayer_core::metrics::MetricName<'_>,
+    ) -> Result<crate::MetricId, Status>;
 
     /// Adds `delta` to counter `id`.
     fn increment_metric(&mut self, id: u32, delta: i64);

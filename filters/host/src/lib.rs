@@ -37,7 +37,7 @@ pub use fused::FusedHost;
 pub use host::{
     Action, Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status,
 };
-pub use metrics::{Counter, Counters, Family, Metric};
+pub use metrics::{Counter, Counters, Family, Metric, MetricId};
 pub use pipeline::{LocalResponse, PipelineHost, Proxy, Wake};
 pub use queue::{ObserverQueue, release_backlog};
 #[cfg(feature = "wasm")]
@@ -45,6 +45,7 @@ pub use stage::standalone;
 pub use stage::{DoneWith, RootStage, StageHost, StreamStage};
 #[cfg(feature = "wasm")]
 pub use wasm::WasmHost;
+pub use zerolayer_core::metrics::{MetricName, SharedCounter};
 
 use zerolayer_core::ConfigError;
 

@@ -462,7 +462,11 @@ impl<P: Proxy> Host for PipelineHost<P> {
         }
     }
 
-    fn define_metric(&mut self, kind: MetricKind, name: &str) -> Result<u32, Status> {
+    fn define_metric(
+        &mut self,
+        kind: MetricKind,
+        name: zerolayer_core::metrics::MetricName<'_>,
+    ) -> Result<crate::MetricId, Status> {
         self.proxy.define_metric(kind, name)
     }
 

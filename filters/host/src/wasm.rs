@@ -285,13 +285,20 @@ impl Host for WasmHost {
         hostcalls::set_effective_context(context_id)
     }
 
-    fn define_metric(&mut self, kind: MetricKind, name: &str) -> Result<u32, Status> {
+    /// Proxy-Wasm names only: the labels go into the name (flattened as
+    /// the shipped configs' `stats_tags` expect); counters are batched by
+    /// the stage and reported by id.
+    fn define_metric(
+        &mut self,
+        kind: MetricKind,
+        name: zerolayer_core::metrics::MetricName<'_>,
+    ) -> Result<crate::MetricId, Status> {
         let kind = match kind {
             MetricKind::Counter => MetricType::Counter,
             MetricKind::Gauge => MetricType::Gauge,
             MetricKind::Histogram => MetricType::Histogram,
         };
-        hostcalls::define_metric(kind, name)
+        hostcalls::define_metric(kind, &name.to_string()).map(crate::MetricId::reported)
     }
 
     fn increment_metric(&mut self, id: u32, delta: i64) {

@@ -6,13 +6,15 @@
 //! queue refused it), `zerolayer_metering_include_usage_injected`,
 //! `zerolayer_metering_encoded_responses{result=decoded|unreadable}` (a
 //! backend compressed although asked for `identity`).
-//! Everything is added in Wasm memory and reported from the root's tick.
+//! Every count is batched once: in Wasm memory, reported from the root's
+//! tick, or natively in the module's own batch (see `zerolayer_host::Counters`).
 
 use std::cell::RefCell;
 
 use zerolayer_core::metering::{LabelLimits, SeriesTable, UsageRecord};
+use zerolayer_core::metrics::MetricName;
 use zerolayer_core::usage::SkipReason;
-use zerolayer_host::{Counter, Family, Host, MetricKind};
+use zerolayer_host::{Counter, Counters, Family, Host};
 
 /// Token kinds, in series order (after the request count).
 const KINDS: [&str; 4] = ["input", "output", "cache_read", "cache_creation"];
@@ -49,13 +51,6 @@ zerolayer_core::labels! {
     }
 }
 
-/// One series' metric ids (`None` where the host refused one) and the
-/// increments not yet reported.
-struct SeriesMetrics {
-    ids: [Option<u32>; PER_SERIES],
-    pending: [u64; PER_SERIES],
-}
-
 pub(crate) struct Meters {
     usage: Family<UsageResult>,
     records: Family<RecordOutcome>,
@@ -63,7 +58,8 @@ pub(crate) struct Meters {
     skipped: Family<SkipReason>,
     encoded: Family<Decoding>,
     table: RefCell<SeriesTable>,
-    series: RefCell<Vec<SeriesMetrics>>,
+    /// By series index: requests, then one counter per token kind.
+    series: RefCell<Vec<Counters>>,
 }
 
 impl Meters {
@@ -101,12 +97,9 @@ impl Meters {
         let found = table.series(&record.tenant, &record.model);
         if found.new {
             let (tenant, model) = table.labels(found.index).unwrap_or(("other", "other"));
-            series.push(SeriesMetrics {
-                ids: define_series(host, tenant, model),
-                pending: [0; PER_SERIES],
-            });
+            series.push(define_series(host, tenant, model));
         }
-        if let Some(s) = series.get_mut(found.index) {
+        if let Some(s) = series.get(found.index) {
             let values = [
                 1,
                 record.input_tokens,
@@ -114,8 +107,8 @@ impl Meters {
                 record.cache_read_tokens,
                 record.cache_creation_tokens,
             ];
-            for (pending, value) in s.pending.iter_mut().zip(values) {
-                *pending = pending.saturating_add(value);
+            for (index, value) in values.into_iter().enumerate() {
+                s.add(index, value);
             }
         }
     }
@@ -156,45 +149,32 @@ impl Meters {
         self.injected.flush(host);
         self.skipped.flush(host);
         self.encoded.flush(host);
-        let Ok(mut series) = self.series.try_borrow_mut() else {
+        let Ok(series) = self.series.try_borrow() else {
             return;
         };
-        for s in series.iter_mut() {
-            for (id, pending) in s.ids.iter().zip(s.pending.iter_mut()) {
-                if *pending == 0 {
-                    continue;
-                }
-                if let Some(id) = id {
-                    let delta = i64::try_from(*pending).unwrap_or(i64::MAX);
-                    host.increment_metric(*id, delta);
-                }
-                *pending = 0;
-            }
+        for s in series.iter() {
+            s.flush(host);
         }
     }
 }
 
-/// Defines a new series' counters. Label order puts `kind` last: its values
-/// contain `_`, which Envoy's tag regexes for the other labels stop at.
-fn define_series(host: &mut impl Host, tenant: &str, model: &str) -> [Option<u32>; PER_SERIES] {
-    let labels = format!("_tenant={tenant}_model={model}");
-    let mut names = vec![format!("zerolayer_metering_requests{labels}")];
+/// Defines a new series' counters, in [`Meters::count`]'s order. Label
+/// order puts `kind` last: its values contain `_`, which Envoy's tag
+/// regexes for the other labels stop at.
+fn define_series(host: &mut impl Host, tenant: &str, model: &str) -> Counters {
+    let requests = [("tenant", tenant), ("model", model)];
+    let tokens: Vec<[(&str, &str); 3]> = KINDS
+        .iter()
+        .map(|&kind| [("tenant", tenant), ("model", model), ("kind", kind)])
+        .collect();
+    let mut names = Vec::with_capacity(PER_SERIES);
+    names.push(MetricName::new("zerolayer_metering_requests", &requests));
     names.extend(
-        KINDS
+        tokens
             .iter()
-            .map(|kind| format!("zerolayer_metering_tokens{labels}_kind={kind}")),
+            .map(|labels| MetricName::new("zerolayer_metering_tokens", labels)),
     );
-    let mut ids = [None; PER_SERIES];
-    for (id, name) in ids.iter_mut().zip(&names) {
-        *id = match host.define_metric(MetricKind::Counter, name) {
-            Ok(id) => Some(id),
-            Err(status) => {
-                log::warn!("metering: metric {name} unavailable: {status:?}");
-                None
-            }
-        };
-    }
-    ids
+    Counters::define(host, "metering", &names)
 }
 
 #[cfg(test)]

@@ -1,21 +1,25 @@
 //! Metrics as Envoy's dynamic-module ABI takes them: defined only while
 //! Envoy loads the configuration, with label names; counted by id with
-//! label values. The stages name a labelled counter as the Wasm forms do,
-//! `<metric>_<key>=<value>…` (which the Wasm configs' `stats_tags` turn
-//! into labels); here the name is split into its metric and labels once,
-//! so `/stats/prometheus` shows the same `metric{key="value"}` (with the
-//! runtime flag that strips the module's stat namespace, see the README).
+//! label values. The stages name a series by its metric and labels
+//! ([`MetricName`]), which map to Envoy's family and label values as they
+//! are, so `/stats/prometheus` shows the same `metric{key="value"}` as the
+//! Wasm forms' flattened names with their `stats_tags` (with the runtime
+//! flag that strips the module's stat namespace, see the README).
 //!
 //! Updates are kept in memory and reported on Envoy's main thread (the
 //! configuration's scheduled event), at most every [`REPORT_EVERY`]: Envoy's
 //! metric callbacks may not be called from the observer's thread, and a
-//! worker reports nothing on the request path.
+//! worker reports nothing on the request path. This is the counters' only
+//! batch: each counter's pending count is a [`SharedCounter`] the stages
+//! add to directly (`zerolayer_host::Counters`), from any worker or the
+//! observer's thread.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 
-use zerolayer_host::{MetricKind, Status};
+use zerolayer_core::metrics::{MetricName, SharedCounter};
+use zerolayer_host::{MetricId, MetricKind, Status};
 
 use crate::abi::{self, Buffer, ConfigEnvoy, Scheduler};
 
@@ -26,60 +30,6 @@ pub const REPORT_EVERY: std::time::Duration = std::time::Duration::from_millis(1
 /// counted in the log line of the report).
 const MAX_SAMPLES: usize = 4096;
 
-/// A metric and its labels, split from the stages' name for it.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct MetricName {
-    /// The metric (`zerolayer_auth_decisions`).
-    pub metric: String,
-    /// Label names, in order (`outcome`).
-    pub keys: Vec<String>,
-    /// Label values, in order (`valid`).
-    pub values: Vec<String>,
-}
-
-impl MetricName {
-    /// Splits `name` at each `_<key>=` (a key is lower-case letters): the
-    /// part before the first is the metric; each value runs to the next.
-    pub fn parse(name: &str) -> MetricName {
-        let bytes = name.as_bytes();
-        let mut starts = Vec::new();
-        for (i, &b) in bytes.iter().enumerate() {
-            if b != b'_' {
-                continue;
-            }
-            let key_end = bytes[i + 1..]
-                .iter()
-                .position(|c| !c.is_ascii_lowercase())
-                .map(|p| i + 1 + p);
-            if let Some(end) = key_end
-                && end > i + 1
-                && bytes[end] == b'='
-            {
-                starts.push((i, end));
-            }
-        }
-        let Some(&(first, _)) = starts.first() else {
-            return MetricName {
-                metric: name.to_string(),
-                keys: Vec::new(),
-                values: Vec::new(),
-            };
-        };
-        let mut keys = Vec::new();
-        let mut values = Vec::new();
-        for (n, &(start, eq)) in starts.iter().enumerate() {
-            let end = starts.get(n + 1).map_or(name.len(), |next| next.0);
-            keys.push(name[start + 1..eq].to_string());
-            values.push(name[eq + 1..end].to_string());
-        }
-        MetricName {
-            metric: name[..first].to_string(),
-            keys,
-            values,
-        }
-    }
-}
-
 /// A metric family Envoy knows: its id and kind.
 #[derive(Debug, Clone, Copy)]
 struct Family {
@@ -88,11 +38,19 @@ struct Family {
     labelled: bool,
 }
 
-/// A name the stages defined: its family and label values.
+/// A series the stages defined: its family, label values and what is
+/// not reported yet.
 struct Series {
     family: Family,
     values: Vec<String>,
+    /// Counter increments not reported yet.
+    pending: SharedCounter,
+    /// The gauge value not reported yet (`u64::MAX`: none).
+    gauge: AtomicU64,
 }
+
+/// A series as the stages name it: kind, metric, labels.
+type SeriesKey = (u8, String, Vec<(String, String)>);
 
 /// The metrics of one chain configuration.
 pub struct Metrics {
@@ -100,11 +58,7 @@ pub struct Metrics {
     families: RwLock<HashMap<(String, Vec<String>), Family>>,
     /// By the id the stages hold (index).
     series: RwLock<Vec<Series>>,
-    by_name: RwLock<HashMap<(u8, String), u32>>,
-    /// Counter deltas not reported yet, by series.
-    pending: RwLock<Vec<AtomicI64>>,
-    /// Gauge values not reported yet (`u64::MAX`: none), by series.
-    gauges: RwLock<Vec<AtomicU64>>,
+    by_name: RwLock<HashMap<SeriesKey, u32>>,
     samples: Mutex<Vec<(u32, u64)>>,
     dropped_samples: AtomicU64,
     frozen: AtomicBool,
@@ -166,8 +120,6 @@ impl Metrics {
             families: RwLock::default(),
             series: RwLock::default(),
             by_name: RwLock::default(),
-            pending: RwLock::default(),
-            gauges: RwLock::default(),
             samples: Mutex::default(),
             dropped_samples: AtomicU64::new(0),
             frozen: AtomicBool::new(false),
@@ -179,8 +131,7 @@ impl Metrics {
     /// Declares the families defined at run time (before [`Metrics::freeze`]).
     pub fn define_dynamic_families(&self) {
         for (metric, keys) in RUNTIME_FAMILIES {
-            let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-            let _ = self.family(MetricKind::Counter, metric, &keys);
+            let _ = self.family(MetricKind::Counter, metric, keys);
         }
     }
 
@@ -191,8 +142,11 @@ impl Metrics {
     }
 
     /// The family of `metric` with `keys`, defined with Envoy if new.
-    fn family(&self, kind: MetricKind, metric: &str, keys: &[String]) -> Result<Family, Status> {
-        let key = (metric.to_string(), keys.to_vec());
+    fn family(&self, kind: MetricKind, metric: &str, keys: &[&str]) -> Result<Family, Status> {
+        let key = (
+            metric.to_string(),
+            keys.iter().map(|k| k.to_string()).collect::<Vec<_>>(),
+        );
         if let Some(family) = read(&self.families).get(&key) {
             return Ok(*family);
         }
@@ -242,44 +196,75 @@ impl Metrics {
         Ok(family)
     }
 
-    /// The id the stages hold for `name` (`<metric>_<key>=<value>…`).
-    pub fn id(&self, kind: MetricKind, name: &str) -> Result<u32, Status> {
-        let key = (kind_code(kind), name.to_string());
-        if let Some(id) = read(&self.by_name).get(&key) {
-            return Ok(*id);
-        }
-        let parsed = MetricName::parse(name);
-        let family = self.family(kind, &parsed.metric, &parsed.keys)?;
-        let mut series = write(&self.series);
-        let id = series.len() as u32;
-        series.push(Series {
-            family,
-            values: parsed.values,
-        });
-        write(&self.pending).push(AtomicI64::new(0));
-        write(&self.gauges).push(AtomicU64::new(u64::MAX));
-        write(&self.by_name).insert(key, id);
-        Ok(id)
+    /// The id of series `name` (defined with Envoy if its family is new).
+    pub fn id<'a>(&self, kind: MetricKind, name: impl Into<MetricName<'a>>) -> Result<u32, Status> {
+        self.define(kind, name.into()).map(|m| m.id)
     }
 
-    /// Adds `delta` to counter `id`, reported on the main thread.
+    /// Series `name` as a host gives it to the stages: its id and, for a
+    /// counter, its pending count, which the stages add to directly.
+    pub fn define(&self, kind: MetricKind, name: MetricName<'_>) -> Result<MetricId, Status> {
+        let key: SeriesKey = (
+            kind_code(kind),
+            name.metric.to_string(),
+            name.labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
+        let known = read(&self.by_name).get(&key).copied();
+        let id = match known {
+            Some(id) => id,
+            None => {
+                let keys: Vec<&str> = name.labels.iter().map(|(k, _)| *k).collect();
+                let family = self.family(kind, name.metric, &keys)?;
+                let mut series = write(&self.series);
+                let mut by_name = write(&self.by_name);
+                // Another thread may have defined it meanwhile.
+                match by_name.get(&key) {
+                    Some(id) => *id,
+                    None => {
+                        let id = series.len() as u32;
+                        series.push(Series {
+                            family,
+                            values: key.2.iter().map(|(_, v)| v.clone()).collect(),
+                            pending: SharedCounter::default(),
+                            gauge: AtomicU64::new(u64::MAX),
+                        });
+                        by_name.insert(key, id);
+                        id
+                    }
+                }
+            }
+        };
+        let shared = match kind {
+            MetricKind::Counter => read(&self.series)
+                .get(id as usize)
+                .map(|s| s.pending.clone()),
+            MetricKind::Gauge | MetricKind::Histogram => None,
+        };
+        Ok(MetricId { id, shared })
+    }
+
+    /// Adds `delta` to counter `id`, reported on the main thread (a
+    /// counter only grows: a negative delta is ignored).
     pub fn add(&self, id: u32, delta: i64) {
-        if let Some(pending) = read(&self.pending).get(id as usize) {
-            pending.fetch_add(delta, Ordering::Relaxed);
-            self.ask_report();
+        if let (Some(series), Ok(delta)) =
+            (read(&self.series).get(id as usize), u64::try_from(delta))
+        {
+            series.pending.add(delta);
         }
     }
 
     /// Sets gauge `id` / records a histogram sample, reported on the main thread.
     pub fn record(&self, id: u32, value: u64) {
-        let kind = read(&self.series).get(id as usize).map(|s| s.family.kind);
-        match kind {
-            Some(MetricKind::Gauge) => {
-                if let Some(gauge) = read(&self.gauges).get(id as usize) {
-                    gauge.store(value.min(u64::MAX - 1), Ordering::Relaxed);
-                }
-            }
-            Some(MetricKind::Histogram) => {
+        let series = read(&self.series);
+        let Some(s) = series.get(id as usize) else {
+            return;
+        };
+        match s.family.kind {
+            MetricKind::Gauge => s.gauge.store(value.min(u64::MAX - 1), Ordering::Relaxed),
+            MetricKind::Histogram => {
                 let mut samples = self.samples.lock().unwrap_or_else(|e| e.into_inner());
                 if samples.len() < MAX_SAMPLES {
                     samples.push((id, value));
@@ -287,7 +272,7 @@ impl Metrics {
                     self.dropped_samples.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            _ => return,
+            MetricKind::Counter => return,
         }
         self.ask_report();
     }
@@ -298,9 +283,11 @@ impl Metrics {
     }
 
     /// Asks Envoy's main thread for a report if anything changed since the
-    /// last (the configuration's reporter thread, every [`REPORT_EVERY`]).
+    /// last (the configuration's reporter thread, every [`REPORT_EVERY`]):
+    /// a gauge or sample recorded, or a counter with increments pending
+    /// (read here, so an increment costs the stages one add and no flag).
     pub fn commit_if_changed(&self) {
-        if !self.dirty.swap(false, Ordering::AcqRel) {
+        if !self.changed() {
             return;
         }
         let scheduler = self.scheduler.lock().unwrap_or_else(|e| e.into_inner());
@@ -317,26 +304,35 @@ impl Metrics {
         }
     }
 
+    /// Whether a report has work (and the recorded flag is cleared).
+    fn changed(&self) -> bool {
+        let recorded = self.dirty.swap(false, Ordering::AcqRel);
+        recorded || read(&self.series).iter().any(|s| s.pending.pending())
+    }
+
     /// Reports what is pending to Envoy: on the main thread, in the
     /// configuration's scheduled event.
     pub fn report(&self) {
+        self.drain(|series, update| self.update(series, update));
+    }
+
+    /// Takes every pending update, handing each to `emit`.
+    fn drain(&self, mut emit: impl FnMut(&Series, Update)) {
         let series = read(&self.series);
-        let pending = read(&self.pending);
-        let gauges = read(&self.gauges);
-        for (id, s) in series.iter().enumerate() {
-            let delta = pending[id].swap(0, Ordering::Relaxed);
+        for s in series.iter() {
+            let delta = s.pending.take();
             if delta > 0 {
-                self.update(s, Update::Add(delta as u64));
+                emit(s, Update::Add(delta));
             }
-            let value = gauges[id].swap(u64::MAX, Ordering::Relaxed);
+            let value = s.gauge.swap(u64::MAX, Ordering::Relaxed);
             if value != u64::MAX {
-                self.update(s, Update::Set(value));
+                emit(s, Update::Set(value));
             }
         }
         let samples = std::mem::take(&mut *self.samples.lock().unwrap_or_else(|e| e.into_inner()));
         for (id, value) in samples {
             if let Some(s) = series.get(id as usize) {
-                self.update(s, Update::Record(value));
+                emit(s, Update::Record(value));
             }
         }
         let dropped = self.dropped_samples.swap(0, Ordering::Relaxed);
@@ -404,6 +400,7 @@ impl Metrics {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Update {
     Add(u64),
     Set(u64),
@@ -422,43 +419,91 @@ fn write<T>(lock: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
 mod tests {
     use super::*;
 
+    fn metrics() -> Metrics {
+        // SAFETY: a null handle: nothing reaches Envoy.
+        #[allow(unsafe_code)]
+        unsafe {
+            Metrics::new(std::ptr::null_mut())
+        }
+    }
+
+    /// Every pending update as (family id, label values, update).
+    fn drained(metrics: &Metrics) -> Vec<(usize, Vec<String>, Update)> {
+        let mut seen = Vec::new();
+        metrics.drain(|s, update| seen.push((s.family.id, s.values.clone(), update)));
+        seen
+    }
+
     #[test]
-    fn a_labelled_name_splits_into_its_metric_and_labels() {
-        let name = MetricName::parse("zerolayer_auth_decisions_outcome=valid");
-        assert_eq!(name.metric, "zerolayer_auth_decisions");
-        assert_eq!(name.keys, ["outcome"]);
-        assert_eq!(name.values, ["valid"]);
-        let name = MetricName::parse(
-            "zerolayer_metering_tokens_tenant=acme-1_model=claude_3_kind=cache_read",
+    fn a_name_maps_to_its_family_and_label_values_as_given() {
+        let metrics = metrics();
+        let labels = [
+            ("tenant", "acme-1"),
+            ("model", "claude_3"),
+            ("kind", "cache_read"),
+        ];
+        let tokens = metrics
+            .id(
+                MetricKind::Counter,
+                MetricName::new("zerolayer_metering_tokens", &labels),
+            )
+            .unwrap();
+        let plain = metrics
+            .id(MetricKind::Counter, "zerolayer_cache_stored")
+            .unwrap();
+        metrics.add(tokens, 2);
+        metrics.add(plain, 1);
+        let families = read(&metrics.families);
+        let family = families[&(
+            "zerolayer_metering_tokens".to_string(),
+            vec!["tenant".into(), "model".into(), "kind".into()],
+        )];
+        assert!(family.labelled);
+        assert!(!families[&("zerolayer_cache_stored".to_string(), vec![])].labelled);
+        drop(families);
+        let seen = drained(&metrics);
+        assert_eq!(
+            seen[0],
+            (
+                family.id,
+                vec!["acme-1".into(), "claude_3".into(), "cache_read".into()],
+                Update::Add(2)
+            )
         );
-        assert_eq!(name.metric, "zerolayer_metering_tokens");
-        assert_eq!(name.keys, ["tenant", "model", "kind"]);
-        assert_eq!(name.values, ["acme-1", "claude_3", "cache_read"]);
-        let plain = MetricName::parse("zerolayer_cache_stored");
-        assert_eq!(plain.metric, "zerolayer_cache_stored");
-        assert!(plain.keys.is_empty());
+        assert_eq!(seen[1].1, Vec::<String>::new());
+        assert_eq!(seen[1].2, Update::Add(1));
     }
 
     #[test]
     fn names_of_one_family_share_it_and_a_frozen_registry_takes_only_known_families() {
-        // SAFETY: a null handle: nothing reaches Envoy.
-        #[allow(unsafe_code)]
-        let metrics = unsafe { Metrics::new(std::ptr::null_mut()) };
-        let valid = metrics.id(MetricKind::Counter, "m_outcome=valid").unwrap();
-        let lazy = metrics.id(MetricKind::Counter, "m_outcome=lazy").unwrap();
+        let metrics = metrics();
+        let outcome = |value| MetricName::new("m", std::slice::from_ref(value));
+        let valid = metrics
+            .id(MetricKind::Counter, outcome(&("outcome", "valid")))
+            .unwrap();
+        let lazy = metrics
+            .id(MetricKind::Counter, outcome(&("outcome", "lazy")))
+            .unwrap();
         assert_ne!(valid, lazy);
         assert_eq!(
-            metrics.id(MetricKind::Counter, "m_outcome=valid"),
+            metrics.id(MetricKind::Counter, outcome(&("outcome", "valid"))),
             Ok(valid)
         );
         metrics.define_dynamic_families();
         metrics.freeze();
-        assert!(metrics.id(MetricKind::Counter, "m_outcome=invalid").is_ok());
+        assert!(
+            metrics
+                .id(MetricKind::Counter, outcome(&("outcome", "invalid")))
+                .is_ok()
+        );
         assert!(
             metrics
                 .id(
                     MetricKind::Counter,
-                    "zerolayer_metering_requests_tenant=t_model=m"
+                    MetricName::new(
+                        "zerolayer_metering_requests",
+                        &[("tenant", "t"), ("model", "m")]
+                    )
                 )
                 .is_ok()
         );
@@ -466,5 +511,57 @@ mod tests {
             metrics.id(MetricKind::Counter, "other_total"),
             Err(Status::NotFound)
         );
+    }
+
+    #[test]
+    fn a_counter_is_batched_once_here_and_every_increment_reported_once() {
+        let metrics = std::sync::Arc::new(metrics());
+        let name = MetricName::new("m", &[("outcome", "valid")]);
+        let counter = metrics.define(MetricKind::Counter, name).unwrap();
+        let shared = counter.shared.clone().expect("a counter's cell");
+        let gauge = metrics
+            .define(MetricKind::Gauge, MetricName::plain("g"))
+            .unwrap();
+        assert!(gauge.shared.is_none(), "a gauge is set, not batched");
+        assert!(!metrics.changed(), "nothing to report yet");
+        // Workers and the observer add to the cell directly, while the
+        // main thread reports.
+        let adders: Vec<_> = (0..4)
+            .map(|_| {
+                let shared = shared.clone();
+                std::thread::spawn(move || (0..1000).for_each(|_| shared.add(1)))
+            })
+            .collect();
+        metrics.add(counter.id, 5);
+        metrics.add(counter.id, -3);
+        let mut reported = 0;
+        let mut take = || {
+            for (_, values, update) in drained(&metrics) {
+                assert_eq!(values, ["valid"]);
+                match update {
+                    Update::Add(n) => reported += n,
+                    other => panic!("a counter reported {other:?}"),
+                }
+            }
+        };
+        while adders.iter().any(|a| !a.is_finished()) {
+            take();
+        }
+        for adder in adders {
+            adder.join().unwrap();
+        }
+        assert!(metrics.changed(), "increments pending ask for a report");
+        take();
+        assert_eq!(
+            reported, 4005,
+            "each increment once; a negative delta ignored"
+        );
+        assert!(!metrics.changed());
+        assert!(drained(&metrics).is_empty());
+        metrics.record(gauge.id, 7);
+        assert!(metrics.changed(), "a gauge set asks for a report");
+        let seen = drained(&metrics);
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].2, Update::Set(7));
     }
 }

@@ -383,8 +383,12 @@ impl Host for ObserverHost {
         Err(Status::NotFound)
     }
 
-    fn define_metric(&mut self, kind: MetricKind, name: &str) -> Result<u32, Status> {
-        self.process.metrics.id(kind, name)
+    fn define_metric(
+        &mut self,
+        kind: MetricKind,
+        name: zerolayer_core::metrics::MetricName<'_>,
+    ) -> Result<zerolayer_host::MetricId, Status> {
+        self.process.metrics.define(kind, name)
     }
 
     fn increment_metric(&mut self, id: u32, delta: i64) {

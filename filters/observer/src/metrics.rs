@@ -1,6 +1,6 @@
-//! The observer's metrics: counters batched in memory (flushed on tick),
-//! gauges and a histogram recorded as they change (all off the request
-//! path). Names, with the `stats_tags` of the shipped Envoy configs:
+//! The observer's metrics: counters batched once (in memory and flushed
+//! on tick, or natively straight into the module's batch), gauges and a
+//! histogram recorded as they change (all off the request path). Names, with the `stats_tags` of the shipped Envoy configs:
 //! `zerolayer_observer_jobs{kind}`, `zerolayer_auth_verdicts{outcome}`,
 //! `zerolayer_auth_verifications_deferred`, `…_dropped`,
 //! `zerolayer_auth_escalations{flip}`, `zerolayer_auth_verifier_breaker{flip}`,
