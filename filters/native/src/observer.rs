@@ -4,7 +4,7 @@
 //! buffers, fleet cache writes), driven by a tokio runtime instead of a
 //! Proxy-Wasm root. The request path posts jobs on a bounded queue and never
 //! waits; the thread wakes on a job, a callout's answer or its tick. Its
-//! callouts go out over pooled keep-alive connections ([`upstream`]) to
+//! callouts go out over pooled keep-alive connections (`upstream.rs`) to
 //! the addresses the configuration's `native.upstreams` gives each cluster
 //! (Envoy's cluster manager is not reachable from a thread of the module's
 //! own: see the crate's README, "Why `native.upstreams`").
