@@ -4,9 +4,10 @@
 //! buffers, fleet cache writes), driven by a tokio runtime instead of a
 //! Proxy-Wasm root. The request path posts jobs on a bounded queue and never
 //! waits; the thread wakes on a job, a callout's answer or its tick. Its
-//! callouts go out with hyper to the addresses the configuration's
-//! `native.upstreams` gives each cluster (Envoy's cluster manager is not
-//! reachable from a thread of the module's own).
+//! callouts go out over pooled keep-alive connections (`upstream.rs`) to
+//! the addresses the configuration's `native.upstreams` gives each cluster
+//! (Envoy's cluster manager is not reachable from a thread of the module's
+//! own: see the crate's README, "Why `native.upstreams`").
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -14,8 +15,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
 use tokio::sync::{mpsc, watch};
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_host::{Body, CalloutAnswer, Headers, Host, MetricKind, Platform, Status};
@@ -24,9 +23,9 @@ use zerolayer_observer::{Observer, ObserverConfig};
 use crate::process::Process;
 use crate::store::JobQueue;
 
-/// The most bytes of a callout's answer kept (a JWKS document, an
-/// introspection answer, a sink's reply): more is a failed call.
-const MAX_ANSWER_BYTES: usize = 1 << 20;
+mod upstream;
+
+use upstream::Upstreams;
 
 /// A callout's answer, back on the observer's thread.
 struct Answer {
@@ -56,6 +55,7 @@ impl ObserverThread {
             queue,
             jobs,
             upstreams,
+            pool: Upstreams::new(),
             answers: answers_tx,
             next_token: 1,
             answer: None,
@@ -165,69 +165,20 @@ enum Step {
 }
 
 /// The host the observer sees on its thread: process shared data, the job
-/// queue, callouts with hyper, metrics handed to the workers to report.
+/// queue, callouts on pooled connections, metrics handed to the workers to
+/// report.
 struct ObserverHost {
     process: Arc<Process>,
     queue: JobQueue,
     jobs: mpsc::Receiver<Vec<u8>>,
     upstreams: BTreeMap<String, SocketAddr>,
+    /// The connections to those upstreams, kept alive between callouts.
+    pool: Upstreams,
     answers: mpsc::UnboundedSender<Answer>,
     next_token: u32,
     /// The answer being handled.
     answer: Option<CalloutAnswer>,
     tick: Option<Duration>,
-}
-
-/// One callout: `headers` (pseudo-headers included) and `body` to `addr`.
-async fn call(
-    addr: SocketAddr,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-    timeout: Duration,
-) -> Result<(u16, Vec<u8>, Option<u64>), String> {
-    let exchange = async {
-        let stream = tokio::net::TcpStream::connect(addr)
-            .await
-            .map_err(|e| format!("connect {addr}: {e}"))?;
-        let _ = stream.set_nodelay(true);
-        let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-                .await
-                .map_err(|e| format!("handshake: {e}"))?;
-        tokio::spawn(connection);
-        let mut request = hyper::Request::builder();
-        for (name, value) in &headers {
-            request = match name.as_str() {
-                ":method" => request.method(value.as_str()),
-                ":path" => request.uri(value.as_str()),
-                ":authority" => request.header(hyper::header::HOST, value.as_str()),
-                other => request.header(other, value.as_str()),
-            };
-        }
-        let request = request
-            .body(Full::new(Bytes::from(body)))
-            .map_err(|e| format!("request: {e}"))?;
-        let response = sender
-            .send_request(request)
-            .await
-            .map_err(|e| format!("send: {e}"))?;
-        let status = response.status().as_u16();
-        let retry_after = response
-            .headers()
-            .get(hyper::header::RETRY_AFTER)
-            .and_then(|v| zerolayer_core::reply::retry_after_secs(v.as_bytes()));
-        let limited = http_body_util::Limited::new(response.into_body(), MAX_ANSWER_BYTES);
-        let body = limited
-            .collect()
-            .await
-            .map_err(|e| format!("body: {e}"))?
-            .to_bytes();
-        Ok((status, body.to_vec(), retry_after))
-    };
-    match tokio::time::timeout(timeout, exchange).await {
-        Ok(result) => result,
-        Err(_) => Err(format!("timed out after {} ms", timeout.as_millis())),
-    }
 }
 
 impl Host for ObserverHost {
@@ -336,13 +287,10 @@ impl Host for ObserverHost {
             .collect();
         let body = body.map(<[u8]>::to_vec).unwrap_or_default();
         let answers = self.answers.clone();
+        let pool = self.pool.clone();
         tokio::spawn(async move {
-            let answer = match call(addr, headers, body, timeout).await {
-                Ok((status, body, retry_after_secs)) => CalloutAnswer {
-                    status: Some(status),
-                    body,
-                    retry_after_secs,
-                },
+            let answer = match pool.call(addr, &headers, body, timeout).await {
+                Ok(answer) => answer,
                 Err(why) => {
                     log::debug!("zerolayer-native: callout {token} failed: {why}");
                     CalloutAnswer::default()
