@@ -2,8 +2,8 @@
 //! `envoy/zerolayer.yaml` (lazy-auth → activation → post-cache → metering,
 //! the observer singleton), with every service it calls on loopback: the GPU
 //! backend stub, the identity provider, the API key introspection endpoint,
-//! the audit sink, ClickHouse for usage records and, optionally, Redis +
-//! webdis for the fleet cache tier. Reliability tests and the soak start it;
+//! the audit sink, a usage sink (ClickHouse when the test reads the usage
+//! records) and, optionally, Redis + webdis for the fleet cache tier. Reliability tests and the soak start it;
 //! each service can be broken and mended while Envoy runs.
 
 use std::collections::HashMap;
@@ -58,6 +58,11 @@ pub struct ChainOptions {
     pub stub: StubConfig,
     /// Whether the fleet tier (Redis + webdis) is on.
     pub fleet: bool,
+    /// Whether metering's records go to a real ClickHouse, for the tests
+    /// that read them ([`Chain::clickhouse`]). Off, the `clickhouse` cluster
+    /// is a loopback sink answering every insert 200: nothing to retry and
+    /// no backoff, without a server's start-up per chain.
+    pub clickhouse: bool,
     /// Metering's sample rate, percent.
     pub sample_percent: f64,
     /// The route's upstream timeout (the shipped 300 s when `None`).
@@ -82,6 +87,7 @@ impl Default for ChainOptions {
         ChainOptions {
             stub: StubConfig::default(),
             fleet: false,
+            clickhouse: false,
             sample_percent: 100.0,
             route_timeout: None,
             observer: true,
@@ -101,12 +107,40 @@ pub struct Chain {
     pub stub: Stub,
     /// The JWKS endpoint, the introspection endpoint, the audit sink.
     pub services: AuthServices,
-    /// The usage sink.
-    pub clickhouse: ClickHouse,
+    /// The usage sink (see [`ChainOptions::clickhouse`]).
+    usage: UsageSink,
     /// The fleet cache tier, when on.
     pub fleet: Option<RedisFleet>,
     /// A client for the listener.
     pub client: Client,
+}
+
+/// Where metering's records go.
+enum UsageSink {
+    /// A real server, for the tests that read the records.
+    ClickHouse(ClickHouse),
+    /// Takes every insert (200) and is never read.
+    Accepting(MockServer),
+}
+
+impl UsageSink {
+    fn start(clickhouse: bool) -> Result<UsageSink> {
+        if !clickhouse {
+            return Ok(UsageSink::Accepting(MockServer::start(|_| {
+                (200, String::new())
+            })?));
+        }
+        let server = ClickHouse::start()?;
+        server.create_tables()?;
+        Ok(UsageSink::ClickHouse(server))
+    }
+
+    fn addr(&self) -> std::net::SocketAddr {
+        match self {
+            UsageSink::ClickHouse(server) => server.addr(),
+            UsageSink::Accepting(mock) => mock.addr(),
+        }
+    }
 }
 
 /// The services lazy-auth and its observer call, as loopback stand-ins: the
@@ -169,8 +203,7 @@ impl Chain {
         crate::paths::wasm("post_cache")?;
         let stub = Stub::start(options.stub.clone()).context("starting the backend stub")?;
         let services = AuthServices::start(introspect)?;
-        let clickhouse = ClickHouse::start()?;
-        clickhouse.create_tables()?;
+        let usage = UsageSink::start(options.clickhouse)?;
         let fleet = options.fleet.then(RedisFleet::start).transpose()?;
 
         // The stages' configurations come from the separate filters' file;
@@ -190,7 +223,7 @@ impl Chain {
             .point(EnvoyConfig::shipped(file)?.for_run(stub.addr())?)?
             .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET)
             .workers(options.workers)
-            .point_cluster("clickhouse", clickhouse.addr())?;
+            .point_cluster("clickhouse", usage.addr())?;
         if let Some(fleet) = &fleet {
             config = config.add_cluster("webdis", fleet.webdis())?;
         }
@@ -228,7 +261,7 @@ impl Chain {
                 "idp": services.idp.addr().to_string(),
                 "api_keys": services.api_keys.addr().to_string(),
                 "audit": services.audit.addr().to_string(),
-                "clickhouse": clickhouse.addr().to_string(),
+                "clickhouse": usage.addr().to_string(),
             });
             if let Some(fleet) = &fleet {
                 upstreams["webdis"] = json!(fleet.webdis().to_string());
@@ -272,10 +305,21 @@ impl Chain {
             envoy,
             stub,
             services,
-            clickhouse,
+            usage,
             fleet,
             client: Client::new(),
         })
+    }
+
+    /// The ClickHouse metering ships to; an error unless the chain was
+    /// started with [`ChainOptions::clickhouse`].
+    pub fn clickhouse(&self) -> Result<&ClickHouse> {
+        match &self.usage {
+            UsageSink::ClickHouse(server) => Ok(server),
+            UsageSink::Accepting(_) => anyhow::bail!(
+                "this chain has no ClickHouse: start it with `ChainOptions {{ clickhouse: true, .. }}`"
+            ),
+        }
     }
 
     /// `Bearer <ES256 JWT>` for `subject` of `tenant`, valid for an hour.

@@ -29,7 +29,7 @@ const READY_TIMEOUT: Duration = Duration::from_secs(120);
 /// The virtualenv LiteLLM is installed in: its own, beside the project's
 /// `.venv`, so its hundred-odd dependencies never meet the pinned tools.
 pub fn venv() -> PathBuf {
-    paths::root().join(".venv-peers")
+    zerolayer_layout::peers_venv()
 }
 
 /// The LiteLLM version `tools/requirements-peers.txt` pins.

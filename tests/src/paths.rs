@@ -6,11 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 
-/// The workspace root.
-pub fn root() -> PathBuf {
-    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    here.parent().map(PathBuf::from).unwrap_or(here)
-}
+pub use zerolayer_layout::root;
 
 /// The built `.wasm` of filter `name` (`activation` → `zerolayer_activation.wasm`).
 pub fn wasm(name: &str) -> Result<PathBuf> {

@@ -11,8 +11,7 @@ use serde_json::{Value, json};
 
 use crate::paths;
 
-/// Environment variable choosing the profile: `envoy` (default) or `kong`.
-pub const PROFILE_ENV: &str = "ZEROLAYER_HOST_PROFILE";
+pub use zerolayer_layout::PROFILE_ENV;
 
 /// The queues the filters' embedded observers register in tick mode, as
 /// `kong/kong.conf` declares them.

@@ -21,6 +21,7 @@ use zerolayer_e2e::{in_every_form, wait};
 fn rotated_credentials_are_billed_to_their_verified_tenant(form: Form) -> Result<()> {
     let chain = Chain::start(ChainOptions {
         form,
+        clickhouse: true,
         ..ChainOptions::default()
     })?;
     let now = tokens::now();
@@ -68,7 +69,7 @@ fn rotated_credentials_are_billed_to_their_verified_tenant(form: Form) -> Result
     let ids: Vec<&str> = sent.iter().map(|(id, _)| id.as_str()).collect();
     let log = chain.wait_access_log_for(&ids)?;
     let mut truth = reconcile::read_access_log(chain.envoy.access_log().as_bytes())?;
-    let url = chain.clickhouse.url();
+    let url = chain.clickhouse()?.url();
     // The observer ships an attribution row for each valid credential whose
     // request was billed `unverified` at its end (and may for the others).
     let pending: Vec<String> = truth

@@ -60,6 +60,7 @@ fn soak(form: Form) -> Result<()> {
             .itl(Duration::ZERO),
         sample_percent: SAMPLE_PERCENT,
         form,
+        clickhouse: true,
         ..ChainOptions::default()
     })?;
     let credentials: Vec<(&str, String)> = vec![
@@ -207,7 +208,7 @@ fn soak(form: Form) -> Result<()> {
         })
         .count();
     let rows = chain
-        .clickhouse
+        .clickhouse()?
         .wait_rows(expected, Duration::from_secs(30))
         .with_context(|| chain.envoy.prometheus().unwrap_or_default())?;
     assert_eq!(
@@ -220,7 +221,7 @@ fn soak(form: Form) -> Result<()> {
         .metric(r#"zerolayer_metering_records{outcome="dropped"}"#)?
         .unwrap_or(0.0);
     assert_eq!(dropped, 0.0, "usage records dropped");
-    let sample = reconcile::fetch_sample(&chain.clickhouse.url(), "zerolayer_usage")?;
+    let sample = reconcile::fetch_sample(&chain.clickhouse()?.url(), "zerolayer_usage")?;
     let report = reconcile::reconcile(&log.rows, &sample, 0.0);
     for tenant in ["acme", "initech", "globex"] {
         for measure in [Measure::InputTokens, Measure::OutputTokens] {

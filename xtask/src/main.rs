@@ -2,15 +2,15 @@
 //! does its own set-up, so a fresh machine with rustup's toolchain and
 //! Python 3 needs nothing else.
 
-mod demo;
-mod demo_kong;
 mod fuzz;
 mod paths;
 mod setup;
 
-use std::process::{Command, ExitCode};
+use std::process::{Command, ExitCode, ExitStatus};
 
 use anyhow::{Context, Result, bail};
+pub use zerolayer_layout::step;
+use zerolayer_layout::{DEMO_BIN, DemoForm, DemoOptions, PROFILE_ENV};
 
 const USAGE: &str = "\
 usage: cargo xtask <command>
@@ -60,7 +60,7 @@ pub const MODULES: &[&str] = &[
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
-        Some("demo") => demo::run(&args[1..]),
+        Some("demo") => demo(&args[1..]),
         Some("test") => match &args[1..] {
             [] => test(),
             [quick] if quick == "--quick" => test_quick(),
@@ -98,24 +98,53 @@ pub fn cargo(args: &[&str]) -> Result<()> {
 
 /// `cargo <args>` with extra environment variables.
 pub fn cargo_with_env(args: &[&str], env: &[(&str, &str)]) -> Result<()> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let shown: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
-    step(&format!("{}cargo {}", shown.concat(), args.join(" ")));
-    let status = Command::new(&cargo)
-        .args(args)
-        .envs(env.iter().copied())
-        .current_dir(paths::root())
-        .status()
-        .with_context(|| format!("running {cargo}"))?;
+    let status = cargo_status(args, env)?;
     if !status.success() {
         bail!("`cargo {}` failed ({status})", args.join(" "));
     }
     Ok(())
 }
 
-/// Prints a progress line.
-pub fn step(what: &str) {
-    eprintln!("\x1b[1m==> {what}\x1b[0m");
+/// Runs `cargo <args>` (progress line first) and returns how it exited.
+fn cargo_status(args: &[&str], env: &[(&str, &str)]) -> Result<ExitStatus> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let shown: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v} ")).collect();
+    step(&format!("{}cargo {}", shown.concat(), args.join(" ")));
+    Command::new(&cargo)
+        .args(args)
+        .envs(env.iter().copied())
+        .current_dir(paths::root())
+        .status()
+        .with_context(|| format!("running {cargo}"))
+}
+
+/// `cargo xtask demo`: the options checked before any set-up, the set-up
+/// and builds, then the demo itself, `zerolayer-e2e`'s [`DEMO_BIN`], run by
+/// cargo (its build progress visible) with the same options.
+fn demo(args: &[String]) -> Result<()> {
+    let options = DemoOptions::parse(args)?;
+    setup::all()?;
+    build_wasm()?;
+    if options.form == DemoForm::Native {
+        build_native()?;
+    }
+    let mut run = vec![
+        "run",
+        "--locked",
+        "--package",
+        "zerolayer-e2e",
+        "--bin",
+        DEMO_BIN,
+        "--",
+    ];
+    run.extend(args.iter().map(String::as_str));
+    let status = cargo_status(&run, &[])?;
+    if !status.success() {
+        // The demo printed its error (`xtask: ...`) itself: its exit code,
+        // nothing added.
+        std::process::exit(status.code().unwrap_or(1));
+    }
+    Ok(())
 }
 
 fn build_wasm() -> Result<()> {
@@ -277,7 +306,7 @@ fn host_sim_suites(profile: &str, filter: &[&str]) -> Result<()> {
         args.push("--");
         args.extend(filter);
     }
-    cargo_with_env(&args, &[(zerolayer_e2e::sim::PROFILE_ENV, profile)])
+    cargo_with_env(&args, &[(PROFILE_ENV, profile)])
 }
 
 /// The soak test (`tests/tests/soak_envoy.rs`) for longer than CI's minute.

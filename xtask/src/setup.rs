@@ -375,7 +375,7 @@ pub fn peers() -> Result<()> {
         pin_checks(&root.join("tools/requirements-peers.txt"))?
     );
     pinned(
-        &zerolayer_e2e::litellm::venv(),
+        &zerolayer_layout::peers_venv(),
         "tools/requirements-peers.txt",
         &probe,
         "~170 MB",

@@ -1,9 +1,10 @@
 //! `cargo xtask demo`: every landed filter at work inside real Envoy.
 //!
-//! Builds the filters and starts Envoy from the shipped `envoy/zerolayer.yaml`
-//! (lazy-auth, activation, post-cache, and the observer as a singleton
-//! service; free loopback ports; activation's debug response header on so
-//! its decision is visible) in front of the GPU backend stub, or the real llama.cpp model
+//! With the filters built (xtask builds them, then runs this), starts Envoy
+//! from the shipped `envoy/zerolayer.yaml` (lazy-auth, activation,
+//! post-cache, and the observer as a singleton service; free loopback
+//! ports; activation's debug response header on so its decision is
+//! visible) in front of the GPU backend stub, or the real llama.cpp model
 //! server with `--real-model`, or any `--upstream URL`. A local identity
 //! provider (JWKS), API key introspection endpoint and audit sink stand in
 //! for the real ones. Sends a handful of LLM requests and prints, per
@@ -13,16 +14,16 @@
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use zerolayer_core::sampling::Rate;
 use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::clickhouse::ClickHouse;
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer, wait};
+pub(crate) use zerolayer_layout::DemoForm as Form;
+use zerolayer_layout::{DemoHost, DemoOptions, step};
 use zerolayer_stub::{Stub, StubConfig};
-
-use crate::{setup, step};
 
 /// The demo's cache secret (a deployment sets its own, ≥ 32 bytes).
 pub(crate) const DEMO_CACHE_SECRET: &str = "zerolayer-demo-cache-secret-not-for-production";
@@ -215,68 +216,16 @@ impl Backend {
     }
 }
 
-/// Which Envoy configuration the demo runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Form {
-    /// `envoy/zerolayer.yaml`: four filters.
-    Separate,
-    /// `envoy/zerolayer-fused.yaml`: one filter instance.
-    Fused,
-    /// `envoy/zerolayer-native.yaml`: the stages as an Envoy dynamic
-    /// module, the observer on a thread of its own (Envoy only).
-    Native,
-}
-
-impl Form {
-    fn file(self) -> &'static str {
-        match self {
-            Form::Separate => "zerolayer.yaml",
-            Form::Fused => "zerolayer-fused.yaml",
-            Form::Native => "zerolayer-native.yaml",
-        }
-    }
-}
-
-/// Runs the demo.
+/// Runs the demo (the filters, and for `--native` the native module,
+/// already built).
 pub fn run(args: &[String]) -> Result<()> {
-    let mut upstream_url = None;
-    let mut real_model = false;
-    let mut keep_running = false;
-    let mut form = Form::Separate;
-    let mut host = DemoHost::Envoy;
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        match arg.as_str() {
-            "--upstream" => {
-                upstream_url = Some(iter.next().context("--upstream needs a URL")?.clone())
-            }
-            "--real-model" => real_model = true,
-            "--keep-running" => keep_running = true,
-            "--fused" => form = Form::Fused,
-            "--native" => form = Form::Native,
-            "--host" => {
-                host = match iter.next().map(String::as_str) {
-                    Some("envoy") => DemoHost::Envoy,
-                    Some("ngx-wasm") => DemoHost::NgxWasm,
-                    other => bail!("--host: envoy or ngx-wasm, not {other:?}"),
-                }
-            }
-            other => bail!(
-                "unknown demo option {other:?} (try --real-model, --upstream URL, --fused, --native, --host envoy|ngx-wasm, --keep-running)"
-            ),
-        }
-    }
-    if form == Form::Native && host == DemoHost::NgxWasm {
-        bail!(
-            "--native is Envoy's dynamic module: it does not run in ngx_wasm_module (use --fused)"
-        );
-    }
-
-    setup::all()?;
-    crate::build_wasm()?;
-    if form == Form::Native {
-        crate::build_native()?;
-    }
+    let DemoOptions {
+        upstream_url,
+        real_model,
+        keep_running,
+        form,
+        host,
+    } = DemoOptions::parse(args)?;
 
     let backend = match (&upstream_url, real_model) {
         (Some(url), _) => Backend::External(resolve(url)?, url.clone()),
@@ -317,15 +266,6 @@ pub fn run(args: &[String]) -> Result<()> {
         seen.len() - admitted
     );
     Ok(())
-}
-
-/// Which Proxy-Wasm host the demo runs the chain in.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum DemoHost {
-    /// Real Envoy (`envoy/`), the default.
-    Envoy,
-    /// Kong's host, ngx_wasm_module (`kong/`).
-    NgxWasm,
 }
 
 /// What one demo request came back with, as printed.

@@ -21,7 +21,7 @@ use crate::demo::{
     Backend, CASES, DEMO_CACHE_SECRET, Form, Seen, credential_header, error_message, introspect,
     or_dash, print_header, print_row, request_body, request_id, summarize,
 };
-use crate::step;
+use zerolayer_layout::step;
 
 /// Runs the demo's requests through ngx_wasm_module in front of `backend`.
 pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen>> {
