@@ -104,8 +104,6 @@ enum Stop {
 /// The request's progress through the stages.
 pub struct Pipeline<H> {
     stages: Vec<StageStream<H>>,
-    /// The host as the stages see it: what they share for this stream.
-    pub host: H,
     /// How many stages got the request headers (and so the response).
     decoded: usize,
     stopped: Option<Stop>,
@@ -116,11 +114,11 @@ pub struct Pipeline<H> {
 }
 
 impl<H: StageHost> Pipeline<H> {
-    /// A request about to enter `stages`, which share `host`.
-    pub fn new(stages: Vec<StageStream<H>>, host: H) -> Pipeline<H> {
+    /// A request about to enter `stages`; every call takes the host they
+    /// share for this stream, as a stage's callbacks do.
+    pub fn new(stages: Vec<StageStream<H>>) -> Pipeline<H> {
         Pipeline {
             stages,
-            host,
             decoded: 0,
             stopped: None,
             headers_end: false,
@@ -129,14 +127,14 @@ impl<H: StageHost> Pipeline<H> {
     }
 
     /// Request headers: every stage in turn until one pauses.
-    pub fn request_headers(&mut self, end_of_stream: bool) -> Action {
+    pub fn request_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         self.headers_end = end_of_stream;
-        self.run(0)
+        self.run(host, 0)
     }
 
     /// Request body: the stages that may see it, then onwards.
-    pub fn request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        if self.host.answered() {
+    pub fn request_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
+        if host.answered() {
             // A stage answered already (ngx_wasm_module still hands over
             // the body): holding it would hang the answer.
             return Action::Continue;
@@ -148,12 +146,12 @@ impl<H: StageHost> Pipeline<H> {
             // Envoy buffers the body until that stage resumes.
             return Action::Pause;
         }
-        self.run(0)
+        self.run(host, 0)
     }
 
     /// A stage resumed the request: the stages after it run, and whether
     /// the request may now continue to the upstream is returned.
-    pub fn resume(&mut self) -> bool {
+    pub fn resume(&mut self, host: &mut H) -> bool {
         let Some(stop) = self.stopped.take() else {
             return false;
         };
@@ -162,7 +160,7 @@ impl<H: StageHost> Pipeline<H> {
                 // Withheld until now: the body reaches the resumed stage.
                 if self.stages[i].headers_pause_withholds_body
                     && let Some((size, eos)) = self.body
-                    && self.stages[i].request_body(&mut self.host, size, eos) == Action::Pause
+                    && self.stages[i].request_body(host, size, eos) == Action::Pause
                 {
                     self.stopped = Some(Stop::Body(i));
                     return false;
@@ -171,17 +169,17 @@ impl<H: StageHost> Pipeline<H> {
             }
             Stop::Body(i) => i + 1,
         };
-        self.run(next) == Action::Continue
+        self.run(host, next) == Action::Continue
     }
 
     /// Runs the request callbacks from stage `start` on.
-    fn run(&mut self, start: usize) -> Action {
+    fn run(&mut self, host: &mut H, start: usize) -> Action {
         for i in start..self.stages.len() {
             let stage = &mut self.stages[i];
             if self.decoded <= i {
                 self.decoded = i + 1;
                 let eos = self.headers_end;
-                if stage.call(&mut self.host, Column::RequestHeaders, |s, h| {
+                if stage.call(host, Column::RequestHeaders, |s, h| {
                     s.request_headers(h, eos)
                 }) == Action::Pause
                 {
@@ -194,11 +192,11 @@ impl<H: StageHost> Pipeline<H> {
                 }
             }
             if let Some((size, eos)) = self.body
-                && stage.request_body(&mut self.host, size, eos) == Action::Pause
+                && stage.request_body(host, size, eos) == Action::Pause
             {
                 self.stopped = Some(Stop::Body(i));
                 if i + 1 < self.stages.len() {
-                    self.host.hold_request_body(size);
+                    host.hold_request_body(size);
                 }
                 return Action::Pause;
             }
@@ -208,10 +206,10 @@ impl<H: StageHost> Pipeline<H> {
     }
 
     /// Response headers: back through the stages that saw the request.
-    pub fn response_headers(&mut self, end_of_stream: bool) -> Action {
+    pub fn response_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         for i in (0..self.decoded).rev() {
             let stage = &mut self.stages[i];
-            if stage.call(&mut self.host, Column::ResponseHeaders, |s, h| {
+            if stage.call(host, Column::ResponseHeaders, |s, h| {
                 s.response_headers(h, end_of_stream)
             }) == Action::Pause
             {
@@ -222,11 +220,9 @@ impl<H: StageHost> Pipeline<H> {
     }
 
     /// Response body: back through the stages that saw the request.
-    pub fn response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    pub fn response_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
         for i in (0..self.decoded).rev() {
-            if self.stages[i].response_body(&mut self.host, body_size, end_of_stream)
-                == Action::Pause
-            {
+            if self.stages[i].response_body(host, body_size, end_of_stream) == Action::Pause {
                 return Action::Pause;
             }
         }
@@ -234,18 +230,18 @@ impl<H: StageHost> Pipeline<H> {
     }
 
     /// A callout's answer: each stage checks whether the token is its own.
-    pub fn call_answered(&mut self, token: u32, body_size: usize) {
+    pub fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
         for stage in &mut self.stages {
-            stage.call(&mut self.host, Column::CallResponse, |s, h| {
+            stage.call(host, Column::CallResponse, |s, h| {
                 s.call_answered(h, token, body_size)
             });
         }
     }
 
     /// The access log: every stage, as Envoy logs every filter.
-    pub fn log(&mut self) {
+    pub fn log(&mut self, host: &mut H) {
         for stage in &mut self.stages {
-            stage.call(&mut self.host, Column::Log, |s, h| s.log(h));
+            stage.call(host, Column::Log, |s, h| s.log(h));
         }
     }
 }
@@ -326,7 +322,7 @@ mod tests {
     fn pipeline(
         withholds: [bool; 3],
         set_up: impl Fn(usize, &mut Scripted),
-    ) -> (Pipeline<FakeHost>, Log) {
+    ) -> (Pipeline<FakeHost>, FakeHost, Log) {
         let log = Log::default();
         let stages = ["a", "b", "c"]
             .iter()
@@ -341,7 +337,7 @@ mod tests {
                 StageStream::new(Box::new(stage), withholds[i], LABELS)
             })
             .collect();
-        (Pipeline::new(stages, FakeHost::default()), log)
+        (Pipeline::new(stages), FakeHost::default(), log)
     }
 
     fn taken(log: &Log) -> Vec<String> {
@@ -350,12 +346,12 @@ mod tests {
 
     #[test]
     fn requests_go_through_the_stages_in_order_and_responses_in_reverse() {
-        let (mut p, log) = pipeline([false; 3], |_, _| {});
-        assert_eq!(p.request_headers(false), Action::Continue);
-        assert_eq!(p.request_body(10, true), Action::Continue);
-        assert_eq!(p.response_headers(false), Action::Continue);
-        assert_eq!(p.response_body(5, true), Action::Continue);
-        p.log();
+        let (mut p, mut h, log) = pipeline([false; 3], |_, _| {});
+        assert_eq!(p.request_headers(&mut h, false), Action::Continue);
+        assert_eq!(p.request_body(&mut h, 10, true), Action::Continue);
+        assert_eq!(p.response_headers(&mut h, false), Action::Continue);
+        assert_eq!(p.response_body(&mut h, 5, true), Action::Continue);
+        p.log(&mut h);
         assert_eq!(
             taken(&log),
             [
@@ -380,26 +376,26 @@ mod tests {
 
     #[test]
     fn a_pause_on_headers_holds_the_stages_after_it_and_the_body_until_resumed() {
-        let (mut p, log) = pipeline([true; 3], |i, s| s.pause_headers = i == 1);
-        assert_eq!(p.request_headers(false), Action::Pause);
+        let (mut p, mut h, log) = pipeline([true; 3], |i, s| s.pause_headers = i == 1);
+        assert_eq!(p.request_headers(&mut h, false), Action::Pause);
         assert_eq!(taken(&log), ["a.request_headers", "b.request_headers"]);
         // Withheld, as Envoy withholds it from a paused Wasm filter.
-        assert_eq!(p.request_body(10, true), Action::Pause);
+        assert_eq!(p.request_body(&mut h, 10, true), Action::Pause);
         assert!(taken(&log).is_empty());
-        assert!(p.resume(), "the request may go on");
+        assert!(p.resume(&mut h), "the request may go on");
         assert_eq!(
             taken(&log),
             ["b.request_body", "c.request_headers", "c.request_body"]
         );
-        assert!(!p.resume(), "nothing left to resume");
+        assert!(!p.resume(&mut h), "nothing left to resume");
     }
 
     #[test]
     fn a_stage_allowed_the_body_while_paused_gets_it() {
-        let (mut p, log) = pipeline([false; 3], |i, s| s.pause_headers = i == 1);
-        assert_eq!(p.request_headers(false), Action::Pause);
+        let (mut p, mut h, log) = pipeline([false; 3], |i, s| s.pause_headers = i == 1);
+        assert_eq!(p.request_headers(&mut h, false), Action::Pause);
         assert_eq!(taken(&log), ["a.request_headers", "b.request_headers"]);
-        assert_eq!(p.request_body(10, true), Action::Continue);
+        assert_eq!(p.request_body(&mut h, 10, true), Action::Continue);
         assert_eq!(
             taken(&log),
             [
@@ -413,44 +409,44 @@ mod tests {
 
     #[test]
     fn a_pause_on_the_body_holds_the_stages_after_it_until_resumed() {
-        let (mut p, log) = pipeline([false; 3], |i, s| s.pause_body = i == 1);
-        assert_eq!(p.request_headers(false), Action::Continue);
-        assert_eq!(p.request_body(10, true), Action::Pause);
+        let (mut p, mut h, log) = pipeline([false; 3], |i, s| s.pause_body = i == 1);
+        assert_eq!(p.request_headers(&mut h, false), Action::Continue);
+        assert_eq!(p.request_body(&mut h, 10, true), Action::Pause);
         assert_eq!(
             taken(&log)[3..],
             ["a.request_body", "b.request_body"],
             "c waits for b"
         );
-        assert!(p.resume());
+        assert!(p.resume(&mut h));
         assert_eq!(taken(&log), ["c.request_body"]);
     }
 
     #[test]
     fn an_answered_request_gets_no_body_callbacks() {
-        let (mut p, log) = pipeline([true; 3], |i, s| s.answer = i == 0);
-        assert_eq!(p.request_headers(false), Action::Pause);
-        assert_eq!(p.host.sent.len(), 1);
+        let (mut p, mut h, log) = pipeline([true; 3], |i, s| s.answer = i == 0);
+        assert_eq!(p.request_headers(&mut h, false), Action::Pause);
+        assert_eq!(h.sent.len(), 1);
         // ngx_wasm_module still hands over the body: it must not hang the answer.
-        assert_eq!(p.request_body(10, true), Action::Continue);
+        assert_eq!(p.request_body(&mut h, 10, true), Action::Continue);
         assert_eq!(taken(&log), ["a.request_headers"]);
     }
 
     #[test]
     fn the_response_goes_back_only_through_the_stages_that_saw_the_request() {
-        let (mut p, log) = pipeline([true; 3], |i, s| s.pause_headers = i == 1);
-        assert_eq!(p.request_headers(true), Action::Pause);
+        let (mut p, mut h, log) = pipeline([true; 3], |i, s| s.pause_headers = i == 1);
+        assert_eq!(p.request_headers(&mut h, true), Action::Pause);
         taken(&log);
-        assert_eq!(p.response_headers(false), Action::Continue);
+        assert_eq!(p.response_headers(&mut h, false), Action::Continue);
         assert_eq!(taken(&log), ["b.response_headers", "a.response_headers"]);
     }
 
     #[test]
     fn a_stage_done_with_response_bodies_is_not_called_for_them() {
-        let (mut p, log) = pipeline([false; 3], |i, s| s.done_with_response_body = i == 1);
-        assert_eq!(p.request_headers(true), Action::Continue);
+        let (mut p, mut h, log) = pipeline([false; 3], |i, s| s.done_with_response_body = i == 1);
+        assert_eq!(p.request_headers(&mut h, true), Action::Continue);
         taken(&log);
         for _ in 0..3 {
-            assert_eq!(p.response_body(5, false), Action::Continue);
+            assert_eq!(p.response_body(&mut h, 5, false), Action::Continue);
         }
         assert_eq!(
             taken(&log),

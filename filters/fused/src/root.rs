@@ -14,7 +14,13 @@ use crate::{Pipeline, StageRoots, sections};
 
 /// Streams by context id, so that a stage resuming one from its root (a
 /// post-cache follower) reaches the stages after it.
-type Streams = Rc<RefCell<StreamMap<Weak<RefCell<Pipeline<FusedHost>>>>>>;
+type Streams = Rc<RefCell<StreamMap<Weak<RefCell<StreamChain>>>>>;
+
+/// One request's progress through the stages and the host they share.
+struct StreamChain {
+    pipeline: Pipeline<FusedHost>,
+    host: FusedHost,
+}
 
 /// The fused filter's root context: the stages' roots.
 pub struct FusedRoot {
@@ -65,8 +71,12 @@ impl FusedRoot {
 
 /// A stage resumed the current stream: the stages after it run, then the
 /// stream continues if none of them paused it again.
-fn resume(pipeline: &RefCell<Pipeline<FusedHost>>) {
-    let go = pipeline.borrow_mut().resume();
+fn resume(chain: &RefCell<StreamChain>) {
+    let go = {
+        let mut chain = chain.borrow_mut();
+        let chain = &mut *chain;
+        chain.pipeline.resume(&mut chain.host)
+    };
     if go {
         WasmHost.continue_request();
     }
@@ -131,10 +141,10 @@ impl RootContext for FusedRoot {
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let span = Span::start();
         let stages = self.roots.streams(context_id);
-        let pipeline = Rc::new(RefCell::new(Pipeline::new(
-            stages,
-            FusedHost::stream(WasmHost),
-        )));
+        let pipeline = Rc::new(RefCell::new(StreamChain {
+            pipeline: Pipeline::new(stages),
+            host: FusedHost::stream(WasmHost),
+        }));
         self.streams
             .borrow_mut()
             .insert(context_id, Rc::downgrade(&pipeline));
@@ -150,7 +160,7 @@ impl RootContext for FusedRoot {
 /// One request through the stages.
 struct FusedStream {
     id: u32,
-    pipeline: Rc<RefCell<Pipeline<FusedHost>>>,
+    pipeline: Rc<RefCell<StreamChain>>,
     streams: Streams,
 }
 
@@ -160,15 +170,16 @@ impl FusedStream {
     fn step<T>(
         &mut self,
         label: &'static str,
-        step: impl FnOnce(&mut Pipeline<FusedHost>) -> T,
+        step: impl FnOnce(&mut Pipeline<FusedHost>, &mut FusedHost) -> T,
     ) -> T {
         let span = Span::start();
-        let mut pipeline = self.pipeline.borrow_mut();
+        let mut chain = self.pipeline.borrow_mut();
+        let parts = &mut *chain;
         // Bodies are read per callback: the next one may carry a new chunk.
-        pipeline.host.begin_callback();
-        let result = step(&mut pipeline);
-        let resumed = pipeline.host.take_resumed();
-        drop(pipeline);
+        parts.host.begin_callback();
+        let result = step(&mut parts.pipeline, &mut parts.host);
+        let resumed = parts.host.take_resumed();
+        drop(chain);
         if resumed {
             resume(&self.pipeline);
         }
@@ -188,43 +199,45 @@ impl Drop for FusedStream {
 
 impl Context for FusedStream {
     fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
-        self.step("fused.call_response", |p| p.call_answered(token, body_size));
+        self.step("fused.call_response", |p, h| {
+            p.call_answered(h, token, body_size)
+        });
     }
 }
 
 impl HttpContext for FusedStream {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        self.step("fused.request_headers", |p| {
+        self.step("fused.request_headers", |p, h| {
             // One read of the headers for every stage (they ask for ~a dozen).
             let span = Span::start();
-            p.host.read_headers(Headers::Request);
+            h.read_headers(Headers::Request);
             span.end("fused.read_request_headers");
-            p.request_headers(end_of_stream)
+            p.request_headers(h, end_of_stream)
         })
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.step("fused.request_body", |p| {
-            p.request_body(body_size, end_of_stream)
+        self.step("fused.request_body", |p, h| {
+            p.request_body(h, body_size, end_of_stream)
         })
     }
 
     fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
-        self.step("fused.response_headers", |p| {
+        self.step("fused.response_headers", |p, h| {
             let span = Span::start();
-            p.host.read_headers(Headers::Response);
+            h.read_headers(Headers::Response);
             span.end("fused.read_response_headers");
-            p.response_headers(end_of_stream)
+            p.response_headers(h, end_of_stream)
         })
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        self.step("fused.response_body", |p| {
-            p.response_body(body_size, end_of_stream)
+        self.step("fused.response_body", |p, h| {
+            p.response_body(h, body_size, end_of_stream)
         })
     }
 
     fn on_log(&mut self) {
-        self.step("fused.log", Pipeline::log);
+        self.step("fused.log", |p, h| p.log(h));
     }
 }

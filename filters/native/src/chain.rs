@@ -201,10 +201,8 @@ impl ChainConfig {
             id,
             worker,
             slot,
-            pipeline: Pipeline::new(
-                stages,
-                NativeHost::stream(EnvoyProxy::stream(self.process.clone(), envoy)),
-            ),
+            pipeline: Pipeline::new(stages),
+            host: NativeHost::stream(EnvoyProxy::stream(self.process.clone(), envoy)),
             tick: self.tick,
         }
     }

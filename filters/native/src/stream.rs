@@ -19,6 +19,8 @@ pub struct ChainStream {
     pub(crate) worker: Rc<RefCell<Worker>>,
     pub(crate) slot: Rc<Slot>,
     pub(crate) pipeline: Pipeline<NativeHost>,
+    /// The host the stages share for this stream.
+    pub(crate) host: NativeHost,
     pub(crate) tick: Duration,
 }
 
@@ -117,24 +119,27 @@ impl ChainStream {
 
     /// Runs `step` on the pipeline, then says what the stages asked for
     /// meanwhile: a local response, a resume.
-    fn step(&mut self, step: impl FnOnce(&mut Pipeline<NativeHost>) -> Action) -> Outcome {
+    fn step(
+        &mut self,
+        step: impl FnOnce(&mut Pipeline<NativeHost>, &mut NativeHost) -> Action,
+    ) -> Outcome {
         self.tick(false);
-        self.pipeline.host.begin_callback();
-        let action = step(&mut self.pipeline);
+        self.host.begin_callback();
+        let action = step(&mut self.pipeline, &mut self.host);
         self.after_stages(action)
     }
 
     fn after_stages(&mut self, action: Action) -> Outcome {
-        if let Some(response) = self.pipeline.host.proxy().take_response() {
+        if let Some(response) = self.host.proxy().take_response() {
             self.stop_waiting();
             return Outcome::answer(response);
         }
-        if self.pipeline.host.take_resumed() {
-            if self.pipeline.resume() {
+        if self.host.take_resumed() {
+            if self.pipeline.resume(&mut self.host) {
                 self.stop_waiting();
                 return Outcome::resume();
             }
-            if let Some(response) = self.pipeline.host.proxy().take_response() {
+            if let Some(response) = self.host.proxy().take_response() {
                 self.stop_waiting();
                 return Outcome::answer(response);
             }
@@ -153,7 +158,7 @@ impl ChainStream {
     fn wait(&mut self) {
         let mut ticking = self.slot.ticking.borrow_mut();
         if ticking.is_none() {
-            let envoy = self.pipeline.host.proxy_ref().envoy();
+            let envoy = self.host.proxy_ref().envoy();
             *ticking = envoy.and_then(|envoy| envoy.start_ticking(self.tick));
         }
     }
@@ -166,41 +171,41 @@ impl ChainStream {
 
     /// The request headers.
     pub fn request_headers(&mut self, end_of_stream: bool) -> Outcome {
-        self.step(|p| {
-            p.host.read_headers(Headers::Request);
-            p.request_headers(end_of_stream)
+        self.step(|p, h| {
+            h.read_headers(Headers::Request);
+            p.request_headers(h, end_of_stream)
         })
     }
 
     /// A request body chunk.
     pub fn request_body(&mut self, end_of_stream: bool) -> Outcome {
-        let outcome = self.step(|p| {
-            let size = p.host.proxy().body_size(Body::Request);
-            p.request_body(size, end_of_stream)
+        let outcome = self.step(|p, h| {
+            let size = h.proxy().body_size(Body::Request);
+            p.request_body(h, size, end_of_stream)
         });
         if outcome.verdict == Verdict::Pause {
             // Envoy keeps this chunk and the next in its buffer for us.
-            self.pipeline.host.proxy().buffering_request = true;
+            self.host.proxy().buffering_request = true;
         }
         outcome
     }
 
     /// The response headers.
     pub fn response_headers(&mut self, end_of_stream: bool) -> Outcome {
-        self.step(|p| {
-            p.host.read_headers(Headers::Response);
-            p.response_headers(end_of_stream)
+        self.step(|p, h| {
+            h.read_headers(Headers::Response);
+            p.response_headers(h, end_of_stream)
         })
     }
 
     /// A response body chunk.
     pub fn response_body(&mut self, end_of_stream: bool) -> Outcome {
-        let outcome = self.step(|p| {
-            let size = p.host.proxy().body_size(Body::Response);
-            p.response_body(size, end_of_stream)
+        let outcome = self.step(|p, h| {
+            let size = h.proxy().body_size(Body::Response);
+            p.response_body(h, size, end_of_stream)
         });
         if outcome.verdict == Verdict::Pause {
-            self.pipeline.host.proxy().buffering_response = true;
+            self.host.proxy().buffering_response = true;
         }
         outcome
     }
@@ -208,12 +213,12 @@ impl ChainStream {
     /// A callout this stream made has its answer (`status` `None`: it failed).
     pub fn callout_done(&mut self, token: u32, answer: CalloutAnswer) -> Outcome {
         let size = answer.body.len();
-        self.pipeline.host.proxy().set_answer(Some(answer));
-        let outcome = self.step(|p| {
-            p.call_answered(token, size);
+        self.host.proxy().set_answer(Some(answer));
+        let outcome = self.step(|p, h| {
+            p.call_answered(h, token, size);
             Action::Continue
         });
-        self.pipeline.host.proxy().set_answer(None);
+        self.host.proxy().set_answer(None);
         Outcome {
             // Nothing to return from this hook; a pause stays a pause.
             verdict: Verdict::Continue,
@@ -228,17 +233,17 @@ impl ChainStream {
         for woken in woken {
             match woken {
                 Wake::Answer(response) => {
-                    self.pipeline.host.mark_answered();
+                    self.host.mark_answered();
                     self.stop_waiting();
                     return Outcome::answer(response);
                 }
                 Wake::Resume => {
-                    self.pipeline.host.begin_callback();
-                    if self.pipeline.resume() {
+                    self.host.begin_callback();
+                    if self.pipeline.resume(&mut self.host) {
                         self.stop_waiting();
                         return Outcome::resume();
                     }
-                    if let Some(response) = self.pipeline.host.proxy().take_response() {
+                    if let Some(response) = self.host.proxy().take_response() {
                         self.stop_waiting();
                         return Outcome::answer(response);
                     }
@@ -251,8 +256,8 @@ impl ChainStream {
     /// The request is over: the stages' log step, then the roots hand over
     /// what they keep to report.
     pub fn complete(&mut self) {
-        self.pipeline.host.begin_callback();
-        self.pipeline.log();
+        self.host.begin_callback();
+        self.pipeline.log(&mut self.host);
         self.tick(true);
     }
 }
