@@ -179,15 +179,7 @@ impl ChainStream {
 
     /// A request body chunk.
     pub fn request_body(&mut self, end_of_stream: bool) -> Outcome {
-        let outcome = self.step(|p, h| {
-            let size = h.proxy().body_size(Body::Request);
-            p.request_body(h, size, end_of_stream)
-        });
-        if outcome.verdict == Verdict::Pause {
-            // Envoy keeps this chunk and the next in its buffer for us.
-            self.host.proxy().buffering_request = true;
-        }
-        outcome
+        self.body(Body::Request, end_of_stream)
     }
 
     /// The response headers.
@@ -200,12 +192,26 @@ impl ChainStream {
 
     /// A response body chunk.
     pub fn response_body(&mut self, end_of_stream: bool) -> Outcome {
+        self.body(Body::Response, end_of_stream)
+    }
+
+    /// A chunk of `body`: the stages see what Envoy buffered for them and
+    /// the chunk; once they pause, Envoy keeps this chunk and the next in
+    /// its buffer for them.
+    fn body(&mut self, body: Body, end_of_stream: bool) -> Outcome {
         let outcome = self.step(|p, h| {
-            let size = h.proxy().body_size(Body::Response);
-            p.response_body(h, size, end_of_stream)
+            let size = h.proxy().body_size(body);
+            match body {
+                Body::Request => p.request_body(h, size, end_of_stream),
+                Body::Response => p.response_body(h, size, end_of_stream),
+            }
         });
         if outcome.verdict == Verdict::Pause {
-            self.host.proxy().buffering_response = true;
+            let proxy = self.host.proxy();
+            match body {
+                Body::Request => proxy.buffering_request = true,
+                Body::Response => proxy.buffering_response = true,
+            }
         }
         outcome
     }
