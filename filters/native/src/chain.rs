@@ -26,7 +26,7 @@ use zerolayer_host::{MetricKind, StreamMap, Wake};
 
 use crate::abi::ConfigEnvoy;
 use crate::config::{NativeSection, key_spaces, observer_config, upstreams};
-use crate::envoy::EnvoyStream;
+use crate::envoy::StreamEnvoy;
 use crate::host::{EnvoyProxy, NativeHost};
 use crate::metrics::Metrics;
 use crate::observer::ObserverThread;
@@ -185,7 +185,7 @@ impl ChainConfig {
     }
 
     /// A new stream on this worker.
-    pub fn stream(self: &Arc<ChainConfig>, envoy: Box<dyn EnvoyStream>) -> ChainStream {
+    pub fn stream(self: &Arc<ChainConfig>, envoy: StreamEnvoy) -> ChainStream {
         let worker = self.worker();
         let mut w = worker.borrow_mut();
         w.next_id = w.next_id.wrapping_add(1).max(1);

@@ -29,7 +29,7 @@ use zerolayer_host::{
 };
 
 use crate::abi::{BodyKind, HeaderMap};
-use crate::envoy::EnvoyStream;
+use crate::envoy::{EnvoyStream, StreamEnvoy};
 use crate::process::Process;
 
 /// The native module's host: a stream's, or a worker's roots'.
@@ -40,7 +40,7 @@ pub type NativeHost = PipelineHost<EnvoyProxy>;
 pub struct EnvoyProxy {
     process: Arc<Process>,
     /// The stream's Envoy (none for the roots).
-    envoy: Option<Box<dyn EnvoyStream>>,
+    envoy: Option<StreamEnvoy>,
     /// Whether the filter had Envoy buffer the request / response body
     /// (then the body is the buffered chunks and the one received).
     pub buffering_request: bool,
@@ -58,7 +58,7 @@ pub struct EnvoyProxy {
 
 impl EnvoyProxy {
     /// Envoy through one stream's `envoy`.
-    pub fn stream(process: Arc<Process>, envoy: Box<dyn EnvoyStream>) -> EnvoyProxy {
+    pub fn stream(process: Arc<Process>, envoy: StreamEnvoy) -> EnvoyProxy {
         EnvoyProxy {
             envoy: Some(envoy),
             ..EnvoyProxy::roots(process)
@@ -115,8 +115,8 @@ impl EnvoyProxy {
     }
 
     /// The stream's Envoy (none for the roots).
-    pub fn envoy(&self) -> Option<&dyn EnvoyStream> {
-        self.envoy.as_deref()
+    pub fn envoy(&self) -> Option<&StreamEnvoy> {
+        self.envoy.as_ref()
     }
 }
 

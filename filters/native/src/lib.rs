@@ -47,7 +47,7 @@ use std::sync::Arc;
 
 use abi::{Buffer, ConfigEnvoy, FilterEnvoy, Header};
 use chain::ChainConfig;
-use envoy::StreamHandle;
+use envoy::{StreamEnvoy, StreamHandle};
 use probe::{Probe, ProbeStream};
 use stream::{ChainStream, Outcome, Verdict};
 
@@ -255,7 +255,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
                 // SAFETY: Envoy's handle of this new stream; the chain calls
                 // it only inside the stream's hooks.
                 let envoy = unsafe { StreamHandle::new(filter_envoy) };
-                Filter::Chain(Box::new(chain.stream(Box::new(envoy))))
+                Filter::Chain(Box::new(chain.stream(StreamEnvoy::Abi(envoy))))
             }
         };
         Box::into_raw(Box::new(filter)) as *mut c_void

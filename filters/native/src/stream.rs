@@ -77,7 +77,7 @@ impl Outcome {
     /// Sends the local response or continues the request through `envoy`,
     /// as the stages asked; returns the hook's verdict. Called once no
     /// reference to the stream is alive (Envoy may re-enter its hooks).
-    pub fn finish(self, envoy: &dyn EnvoyStream) -> Verdict {
+    pub fn finish(self, envoy: &impl EnvoyStream) -> Verdict {
         if let Some(response) = &self.send {
             let headers = response.header_pairs();
             envoy.send_response(response.status, &headers, &response.body);
@@ -285,6 +285,7 @@ mod tests {
 
     use super::*;
     use crate::chain::ChainConfig;
+    use crate::envoy::StreamEnvoy;
     use crate::envoy::recording::RecordingEnvoy;
 
     fn chain(config: Value) -> Arc<ChainConfig> {
@@ -318,7 +319,7 @@ mod tests {
             "native": {"upstreams": {"idp": "127.0.0.1:9"}},
         }));
         let envoy = request();
-        let mut stream = chain.stream(Box::new(envoy.clone()));
+        let mut stream = chain.stream(StreamEnvoy::Recording(envoy.clone()));
         let outcome = stream.request_headers(false);
         assert!(
             envoy.0.borrow().sent.is_empty(),
@@ -360,7 +361,7 @@ mod tests {
     fn headers_are_read_once_and_hand_offs_become_filter_state() {
         let chain = chain(json!({"activation": {"defaults": ["audit"]}}));
         let envoy = request();
-        let mut stream = chain.stream(Box::new(envoy.clone()));
+        let mut stream = chain.stream(StreamEnvoy::Recording(envoy.clone()));
         assert_eq!(
             stream.request_headers(true).finish(&envoy),
             Verdict::Continue
