@@ -138,7 +138,7 @@ impl EnvoyStream for StreamHandle {
 
 /// The Envoy a native stream holds: the ABI in the module, the recording
 /// fake in tests. An enum rather than a boxed trait object: no allocation
-/// per stream and, in the module, direct calls.
+/// per stream.
 pub enum StreamEnvoy {
     /// Envoy itself.
     Abi(StreamHandle),
@@ -147,70 +147,14 @@ pub enum StreamEnvoy {
     Recording(recording::RecordingEnvoy),
 }
 
-/// `$call` on the Envoy behind a [`StreamEnvoy`], bound as `$envoy`.
-macro_rules! on_envoy {
-    ($self:ident, $envoy:ident => $call:expr) => {
-        match $self {
-            StreamEnvoy::Abi($envoy) => $call,
+impl StreamEnvoy {
+    /// The Envoy behind it.
+    pub fn get(&self) -> &dyn EnvoyStream {
+        match self {
+            StreamEnvoy::Abi(envoy) => envoy,
             #[cfg(test)]
-            StreamEnvoy::Recording($envoy) => $call,
+            StreamEnvoy::Recording(envoy) => envoy,
         }
-    };
-}
-
-impl EnvoyStream for StreamEnvoy {
-    fn header_block(&self, map: HeaderMap) -> HeaderBlock {
-        on_envoy!(self, e => e.header_block(map))
-    }
-
-    fn set_header(&self, map: HeaderMap, name: &[u8], value: Option<&[u8]>) -> bool {
-        on_envoy!(self, e => e.set_header(map, name, value))
-    }
-
-    fn add_header(&self, map: HeaderMap, name: &[u8], value: &[u8]) -> bool {
-        on_envoy!(self, e => e.add_header(map, name, value))
-    }
-
-    fn body_size(&self, kind: BodyKind) -> usize {
-        on_envoy!(self, e => e.body_size(kind))
-    }
-
-    fn append_body(&self, kind: BodyKind, out: &mut Vec<u8>) {
-        on_envoy!(self, e => e.append_body(kind, out))
-    }
-
-    fn replace_body(&self, kind: BodyKind, bytes: &[u8]) -> bool {
-        on_envoy!(self, e => e.replace_body(kind, bytes))
-    }
-
-    fn source_address(&self) -> Option<Vec<u8>> {
-        on_envoy!(self, e => e.source_address())
-    }
-
-    fn set_filter_state(&self, key: &[u8], value: &[u8]) -> bool {
-        on_envoy!(self, e => e.set_filter_state(key, value))
-    }
-
-    fn callout(
-        &self,
-        cluster: &[u8],
-        headers: &[(&str, &str)],
-        body: &[u8],
-        timeout_ms: u64,
-    ) -> Result<u32, Status> {
-        on_envoy!(self, e => e.callout(cluster, headers, body, timeout_ms))
-    }
-
-    fn send_response(&self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
-        on_envoy!(self, e => e.send_response(status, headers, body))
-    }
-
-    fn continue_request(&self) {
-        on_envoy!(self, e => e.continue_request())
-    }
-
-    fn start_ticking(&self, period: Duration) -> Option<Ticking> {
-        on_envoy!(self, e => e.start_ticking(period))
     }
 }
 

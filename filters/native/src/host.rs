@@ -86,7 +86,7 @@ impl EnvoyProxy {
     /// Stream: the size of `body` as the current callback has it (the
     /// chunks Envoy buffered for this filter, and the one received).
     pub fn body_size(&mut self, body: Body) -> usize {
-        let Some(envoy) = &self.envoy else {
+        let Some(envoy) = self.envoy() else {
             return 0;
         };
         self.body_kinds(body)
@@ -115,8 +115,8 @@ impl EnvoyProxy {
     }
 
     /// The stream's Envoy (none for the roots).
-    pub fn envoy(&self) -> Option<&StreamEnvoy> {
-        self.envoy.as_ref()
+    pub fn envoy(&self) -> Option<&dyn EnvoyStream> {
+        self.envoy.as_ref().map(StreamEnvoy::get)
     }
 }
 
