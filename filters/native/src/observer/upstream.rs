@@ -278,23 +278,24 @@ mod tests {
 
     const TIMEOUT: Duration = Duration::from_secs(5);
 
+    /// Posts `i` to the test server at `addr`, which echoes it.
+    async fn post(upstreams: &Upstreams, addr: SocketAddr, i: usize) -> CalloutAnswer {
+        let answer = upstreams
+            .call(addr, &headers(addr), format!("{i}").into(), TIMEOUT)
+            .await
+            .unwrap();
+        assert_eq!(answer.status, Some(200));
+        assert_eq!(answer.body, format!("ok:{i}").into_bytes());
+        answer
+    }
+
     #[test]
     fn sequential_calls_share_one_connection() {
         let server = Server::start(AfterAnswer::KeepAlive, Duration::ZERO);
         let upstreams = Upstreams::new();
         runtime().block_on(async {
             for i in 0..10 {
-                let answer = upstreams
-                    .call(
-                        server.addr,
-                        &headers(server.addr),
-                        format!("{i}").into(),
-                        TIMEOUT,
-                    )
-                    .await
-                    .unwrap();
-                assert_eq!(answer.status, Some(200));
-                assert_eq!(answer.body, format!("ok:{i}").into_bytes());
+                post(&upstreams, server.addr, i).await;
             }
         });
         assert_eq!(server.accepted(), 1, "10 calls, one connection");
@@ -306,16 +307,7 @@ mod tests {
         let upstreams = Upstreams::new();
         runtime().block_on(async {
             for i in 0..3 {
-                let answer = upstreams
-                    .call(
-                        server.addr,
-                        &headers(server.addr),
-                        format!("{i}").into(),
-                        TIMEOUT,
-                    )
-                    .await
-                    .unwrap();
-                assert_eq!(answer.body, format!("ok:{i}").into_bytes());
+                post(&upstreams, server.addr, i).await;
                 // Between calls: the server has closed this call's
                 // connection, and the client's side has had time to see it.
                 while server.closed.load(Ordering::SeqCst) <= i {
