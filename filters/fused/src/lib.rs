@@ -7,7 +7,7 @@
 //! `fused_host_sim.rs` compare them). What the stages would each ask the
 //! host again (request and response headers, hand-off values, the current
 //! callback's body) they share through their host, `zerolayer_host::PipelineHost`,
-//! and a stage done with a body callback (`Host::done_with`) is no longer
+//! and a stage done with a body callback (`StreamHost::done_with`) is no longer
 //! called for it. The module crate beside it (`module/`) registers
 //! [`FusedRoot`] as `zerolayer_fused.wasm`.
 //!
@@ -27,7 +27,7 @@ mod pipeline;
 mod root;
 mod roots;
 
-use zerolayer_host::{Host, RootStage};
+use zerolayer_host::{Hosts, RootStage};
 
 pub use pipeline::{Column, Pipeline, StageStream};
 #[cfg(feature = "wasm")]
@@ -88,9 +88,9 @@ impl Stage {
         }
     }
 
-    /// A new root of the stage, on host `H` (a `PipelineHost`: the fused
+    /// A new root of the stage, on hosts `H` (a `Chain`: the fused
     /// filter's, the native module's).
-    pub fn root<H: Host + 'static>(self) -> Box<dyn RootStage<H>> {
+    pub fn root<H: Hosts>(self) -> Box<dyn RootStage<H>> {
         match self {
             Stage::Activation => Box::new(zerolayer_activation::ActivationRoot::default()),
             Stage::LazyAuth => Box::new(zerolayer_lazy_auth::AuthRoot::default()),

@@ -27,7 +27,7 @@ use zerolayer_host::{MetricKind, StreamMap, Wake};
 use crate::abi::ConfigEnvoy;
 use crate::config::{NativeSection, key_spaces, observer_config, upstreams};
 use crate::envoy::StreamEnvoy;
-use crate::host::{EnvoyProxy, NativeHost};
+use crate::host::{EnvoyProcess, EnvoyProxy, NativeHost, NativeRoots};
 use crate::metrics::Metrics;
 use crate::observer::ObserverThread;
 use crate::process::{Process, Reporter};
@@ -56,8 +56,8 @@ pub(crate) struct Slot {
 /// One worker's part of a chain configuration: the stage roots.
 pub(crate) struct Worker {
     config: std::sync::Weak<ChainConfig>,
-    pub(crate) roots: StageRoots<EnvoyProxy>,
-    pub(crate) host: NativeHost,
+    pub(crate) roots: StageRoots<EnvoyProcess, EnvoyProxy>,
+    pub(crate) host: NativeRoots,
     pub(crate) streams: StreamMap<Weak<Slot>>,
     next_id: u32,
 }
@@ -125,8 +125,8 @@ impl ChainConfig {
         });
         // Configured once here for the errors and the metrics (Envoy takes
         // metric definitions only now); each worker configures its own.
-        let mut host = NativeHost::roots(EnvoyProxy::roots(process.clone()));
-        let mut roots = StageRoots::default();
+        let mut host = NativeRoots::new(EnvoyProcess::new(process.clone()));
+        let mut roots = StageRoots::<EnvoyProcess, EnvoyProxy>::default();
         for (stage, section) in &sections {
             if !roots.add(*stage, section, &mut host) {
                 return Err(format!("{}: refused (see the line above)", stage.section()));
@@ -220,8 +220,8 @@ impl ChainConfig {
             {
                 return worker.clone();
             }
-            let mut host = NativeHost::roots(EnvoyProxy::roots(self.process.clone()));
-            let mut roots = StageRoots::default();
+            let mut host = NativeRoots::new(EnvoyProcess::new(self.process.clone()));
+            let mut roots = StageRoots::<EnvoyProcess, EnvoyProxy>::default();
             for (stage, section) in &self.sections {
                 // Checked on the main thread already: the same bytes.
                 if !roots.add(*stage, section, &mut host) {
