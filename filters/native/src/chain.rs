@@ -20,11 +20,12 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use zerolayer_core::footprint;
+use zerolayer_core::native::NativeSection;
 use zerolayer_fused::{Document, Pipeline, Stage, StageRoots};
 use zerolayer_host::{MetricKind, StreamMap, Wake};
 
 use crate::abi::ConfigEnvoy;
-use crate::config::{NativeSection, ObserverSections, upstreams};
+use crate::config::{ObserverSections, upstreams};
 use crate::envoy::StreamEnvoy;
 use crate::host::{EnvoyProxy, NativeHost};
 use crate::metrics::Metrics;

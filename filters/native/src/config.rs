@@ -5,55 +5,14 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
-use serde::Deserialize;
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::config::{Endpoint, ObserverMode, ROOT};
 use zerolayer_core::footprint::KeySpace;
 use zerolayer_core::metering::MeteringConfig;
+use zerolayer_core::native::NativeSection;
 use zerolayer_fused::Stage;
 use zerolayer_observer::ObserverConfig;
-
-/// The `native` section: what only the native form needs.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NativeSection {
-    /// Where the observer's thread reaches each cluster the configuration
-    /// names for off-path work (JWKS, introspection, sinks, the fleet
-    /// tier): `"cluster": "host:port"`. Envoy's cluster manager serves
-    /// only its own threads; callouts a stream makes still use Envoy's
-    /// clusters.
-    #[serde(default)]
-    pub upstreams: BTreeMap<String, String>,
-    /// Shared data's keys at most, if the operator caps them: refused at
-    /// load when the stages' configurations may need more (by default the
-    /// store holds exactly what they declare, each purpose its own quota).
-    #[serde(default)]
-    pub shared_max_entries: Option<u64>,
-    /// Shared data's bytes of keys and values at most, if the operator caps
-    /// them (as `shared_max_entries`).
-    #[serde(default)]
-    pub shared_max_bytes: Option<u64>,
-    /// Jobs waiting for the observer at most (a full queue refuses jobs,
-    /// counted by the stage that posts).
-    #[serde(default = "default_queue")]
-    pub queue_capacity: usize,
-}
-
-fn default_queue() -> usize {
-    65_536
-}
-
-impl Default for NativeSection {
-    fn default() -> Self {
-        NativeSection {
-            upstreams: BTreeMap::new(),
-            shared_max_entries: None,
-            shared_max_bytes: None,
-            queue_capacity: default_queue(),
-        }
-    }
-}
 
 /// The sections the module reads itself besides their stages — lazy-auth,
 /// post-cache and metering, for the observer's configuration and shared
