@@ -109,7 +109,7 @@ impl RootContext for FusedRoot {
         let mut roots = StageRoots::default();
         for (stage, section) in sections {
             // The stage logs its own error, naming the field.
-            if !roots.add(stage, &section, &mut self.host) {
+            if !roots.add(stage, section, &mut self.host) {
                 log::error!(
                     "zerolayer: invalid configuration: {}: refused (see the line above)",
                     stage.section()

@@ -51,6 +51,11 @@ pub use zerolayer_core::metrics::{MetricName, SharedCounter};
 
 use zerolayer_core::ConfigError;
 
+// The README's examples compile and run as doc tests (`cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
+
 /// Parses `configuration` with `parse`; on error logs one line naming the
 /// field (`<filter>: invalid configuration: <path>: <problem>`) and
 /// returns `None`, so `configure` can refuse.
