@@ -23,6 +23,7 @@ pub mod metrics;
 pub mod observers;
 pub mod path;
 pub mod queue;
+pub mod quota;
 pub mod reply;
 pub mod sampling;
 pub mod sink;
