@@ -17,6 +17,12 @@ const DAY: i64 = 86_400;
 /// real zones go).
 pub const MAX_UTC_OFFSET_MINUTES: i32 = 14 * 60;
 
+/// The earliest time windows are computed for (0001-01-01T00:00:00Z);
+/// earlier clocks read as it.
+pub const MIN_UNIX: i64 = -62_135_596_800;
+/// The latest (9999-12-31T23:59:59Z); later clocks read as it.
+pub const MAX_UNIX: i64 = 253_402_300_799;
+
 /// A budget's calendar window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
@@ -50,8 +56,10 @@ impl Window {
         let offset =
             i64::from(utc_offset_minutes.clamp(-MAX_UTC_OFFSET_MINUTES, MAX_UTC_OFFSET_MINUTES))
                 * 60;
-        // Local "wall" seconds: the calendar is computed there, then shifted back.
-        let local = unix_secs.saturating_add(offset);
+        // Local "wall" seconds: the calendar is computed there, then shifted
+        // back. Years 1 to 9999 only, so no arithmetic below can overflow
+        // whatever clock value arrives.
+        let local = unix_secs.clamp(MIN_UNIX, MAX_UNIX) + offset;
         let days = local.div_euclid(DAY);
         let (year, month, day) = civil_from_days(days);
         let (start_local, end_local, label) = match self {
