@@ -40,15 +40,25 @@ fn reserve_settle_and_refund() {
     assert_eq!(lease.available(), 100);
     let (r, short) = lease.reserve(30, 1, &p, false, false);
     assert_eq!(short, None);
-    assert_eq!((r.amount, lease.reserved(), lease.available()), (30, 30, 70));
+    assert_eq!(
+        (r.amount, lease.reserved(), lease.available()),
+        (30, 30, 70)
+    );
     lease.settle(r, 12);
-    assert_eq!((lease.reserved(), lease.spent(), lease.available()), (0, 12, 88));
+    assert_eq!(
+        (lease.reserved(), lease.spent(), lease.available()),
+        (0, 12, 88)
+    );
     // A second settle of the same reservation would be the caller's bug; an
     // earlier epoch's is ignored (see roll below).
     let (a, _) = lease.reserve(80, 2, &p, false, false);
     let (b, short) = lease.reserve(9, 2, &p, false, false);
     assert_eq!(b.amount, 0, "not covered: nothing reserved");
-    assert_eq!(short, Some(Shortfall::Refilling), "the fleet had 9,900 left");
+    assert_eq!(
+        short,
+        Some(Shortfall::Refilling),
+        "the fleet had 9,900 left"
+    );
     lease.settle(a, 80);
     assert_eq!(lease.available(), 8);
 }
@@ -58,9 +68,18 @@ fn an_empty_fleet_is_exhausted_not_refilling() {
     let p = params();
     let mut lease = granted(10, 5, 0, &p);
     let (_, short) = lease.reserve(15, 0, &p, false, false);
-    assert_eq!(short, Some(Shortfall::Refilling), "10 held + 5 in the fleet cover it");
+    assert_eq!(
+        short,
+        Some(Shortfall::Refilling),
+        "10 held + 5 in the fleet cover it"
+    );
     let (_, short) = lease.reserve(16, 0, &p, false, false);
-    assert_eq!(short, Some(Shortfall::Exhausted { retry_after_secs: None }));
+    assert_eq!(
+        short,
+        Some(Shortfall::Exhausted {
+            retry_after_secs: None
+        })
+    );
     let fresh = &mut Lease::new(0, 0);
     assert_eq!(
         fresh.reserve(1, 0, &p, false, false).1,
@@ -115,9 +134,21 @@ fn a_rate_refusal_says_when_enough_has_refilled() {
     p.rate_period_ms = Some(60_000);
     let mut lease = granted(0, 20, 0, &p);
     let (_, short) = lease.reserve(50, 0, &p, false, false);
-    assert_eq!(short, Some(Shortfall::Exhausted { retry_after_secs: Some(3) }), "30 missing at 10/s");
+    assert_eq!(
+        short,
+        Some(Shortfall::Exhausted {
+            retry_after_secs: Some(3)
+        }),
+        "30 missing at 10/s"
+    );
     let (_, short) = lease.reserve(50, 2000, &p, false, false);
-    assert_eq!(short, Some(Shortfall::Exhausted { retry_after_secs: Some(1) }), "2 s later");
+    assert_eq!(
+        short,
+        Some(Shortfall::Exhausted {
+            retry_after_secs: Some(1)
+        }),
+        "2 s later"
+    );
 }
 
 #[test]
@@ -150,7 +181,11 @@ fn leases_shrink_as_the_fleet_nears_its_limit() {
     assert_eq!(at(80), 10);
     assert_eq!(at(3), 1);
     assert_eq!(at(0), 1, "still asks, to learn of a top-up");
-    assert_eq!(Lease::new(0, 0).size(&p), 500, "before any answer: from the limit");
+    assert_eq!(
+        Lease::new(0, 0).size(&p),
+        500,
+        "before any answer: from the limit"
+    );
 }
 
 #[test]
@@ -164,9 +199,18 @@ fn refills_come_at_the_low_watermark_and_surplus_goes_back() {
     let (r, _) = lease.reserve(6, 1, &p, false, false);
     assert!(lease.needs_refill(1, &p), "124 left: below 125");
     let op = lease.next_op(1, 2, &p).unwrap();
-    assert_eq!(op.op, LeaseOp::Grant { force: 0, asked: 500 });
+    assert_eq!(
+        op.op,
+        LeaseOp::Grant {
+            force: 0,
+            asked: 500
+        }
+    );
     assert!(lease.next_op(1, 3, &p).is_none(), "one operation at a time");
-    assert!(!lease.answered(99, 500, 0, 2), "an answer to another seq changes nothing");
+    assert!(
+        !lease.answered(99, 500, 0, 2),
+        "an answer to another seq changes nothing"
+    );
     assert!(lease.answered(2, 500, 9_000, 2));
     lease.settle(r, 0);
     assert_eq!(lease.available(), 630);
@@ -202,19 +246,39 @@ fn past_expiry_without_the_store_the_fallback_applies() {
     let p = params();
     // local_share: the last known remainder (2,000) over 4 holders.
     let mut lease = granted(100, 2_000, 0, &p);
-    assert_eq!(lease.reserve(100, 1000, &p, true, false).1, None, "held leases are spent until they expire");
+    assert_eq!(
+        lease.reserve(100, 1000, &p, true, false).1,
+        None,
+        "held leases are spent until they expire"
+    );
     assert!(!lease.degraded());
-    assert_eq!(lease.reserve(500, 5001, &p, true, false).1, None, "expired: + 2000/4");
+    assert_eq!(
+        lease.reserve(500, 5001, &p, true, false).1,
+        None,
+        "expired: + 2000/4"
+    );
     assert!(lease.degraded());
-    assert_eq!(lease.reserve(1, 5001, &p, true, false).1, Some(Shortfall::Exhausted { retry_after_secs: None }));
-    assert_eq!(lease.debt(), 500, "spent without a grant: debt, charged when the store is back");
+    assert_eq!(
+        lease.reserve(1, 5001, &p, true, false).1,
+        Some(Shortfall::Exhausted {
+            retry_after_secs: None
+        })
+    );
+    assert_eq!(
+        lease.debt(),
+        500,
+        "spent without a grant: debt, charged when the store is back"
+    );
     let op = lease.next_op(6000, 2, &p).unwrap();
     assert!(matches!(op.op, LeaseOp::Grant { force: 500, .. }));
     lease.answered(2, 100, 1_400, 6000);
     assert!(!lease.degraded() && lease.debt() == 0);
 
     for (fallback, admitted) in [(Fallback::FailOpen, true), (Fallback::FailClosed, false)] {
-        let p = LeaseParams { fallback, ..params() };
+        let p = LeaseParams {
+            fallback,
+            ..params()
+        };
         let mut lease = granted(10, 2_000, 0, &p);
         let short = lease.reserve(1000, 6000, &p, true, false).1;
         assert_eq!(short.is_none(), admitted, "{fallback:?}");
@@ -233,7 +297,9 @@ fn past_expiry_without_the_store_the_fallback_applies() {
     assert_eq!(rate.reserve(10, 0, &rp, true, false).1, None);
     assert_eq!(
         rate.reserve(1, 0, &rp, true, false).1,
-        Some(Shortfall::Exhausted { retry_after_secs: Some(1) })
+        Some(Shortfall::Exhausted {
+            retry_after_secs: Some(1)
+        })
     );
     assert_eq!(rate.reserve(5, 500, &rp, true, false).1, None);
 }
@@ -246,10 +312,21 @@ fn a_new_window_starts_empty_and_hands_back_the_old_debt() {
     assert_eq!(lease.roll(0, 1), 0, "same window: nothing");
     lease.settle(r, 130); // 30 over
     let (late, _) = lease.reserve(0, 1, &p, false, false);
-    assert_eq!(lease.roll(20_261_204, 2), 30, "the old window's debt, for its counter");
-    assert_eq!((lease.granted(), lease.available(), lease.window()), (0, 0, 20_261_204));
+    assert_eq!(
+        lease.roll(20_261_204, 2),
+        30,
+        "the old window's debt, for its counter"
+    );
+    assert_eq!(
+        (lease.granted(), lease.available(), lease.window()),
+        (0, 0, 20_261_204)
+    );
     lease.settle(late, 999);
-    assert_eq!(lease.spent(), 0, "an old window's reservation settles nothing in the new one");
+    assert_eq!(
+        lease.spent(),
+        0,
+        "an old window's reservation settles nothing in the new one"
+    );
 }
 
 #[test]
@@ -304,44 +381,100 @@ fn the_output_bound_is_the_clients_cap_or_the_default() {
         RequestBound::new(body.len() as u64, s.max_output_tokens())
     };
     assert_eq!(scan(br#"{"max_tokens":100}"#).output_tokens(4096), 100);
-    assert_eq!(scan(br#"{"messages":[]}"#).output_tokens(4096), 4096, "no cap: the default");
-    assert_eq!(scan(br#"{"max_tokens":100000}"#).output_tokens(4096), 100_000, "larger: its own value");
+    assert_eq!(
+        scan(br#"{"messages":[]}"#).output_tokens(4096),
+        4096,
+        "no cap: the default"
+    );
+    assert_eq!(
+        scan(br#"{"max_tokens":100000}"#).output_tokens(4096),
+        100_000,
+        "larger: its own value"
+    );
     assert_eq!(scan(br#"{"max_tokens":"lots"}"#).output_tokens(512), 512);
 }
 
 #[test]
 fn units_convert_with_integers_rounding_up() {
-    let counts = TokenCounts { input: 1000, output: 333, cache_read: 500, cache_write: 10 };
+    let counts = TokenCounts {
+        input: 1000,
+        output: 333,
+        cache_read: 500,
+        cache_write: 10,
+    };
     assert_eq!(CostModel::new(&Unit::Requests).cost(None, &counts, true), 1);
-    assert_eq!(CostModel::new(&Unit::Requests).bound(None, 10_000, 10_000), 1);
-    assert_eq!(CostModel::new(&Unit::Tokens).cost(None, &counts, true), 1843);
+    assert_eq!(
+        CostModel::new(&Unit::Requests).bound(None, 10_000, 10_000),
+        1
+    );
+    assert_eq!(
+        CostModel::new(&Unit::Tokens).cost(None, &counts, true),
+        1843
+    );
     assert_eq!(CostModel::new(&Unit::Tokens).bound(None, 1000, 200), 1200);
-    let big = Rates { input: 3000, output: 15000, cache_read: 300, cache_write: Some(3750) };
+    let big = Rates {
+        input: 3000,
+        output: 15000,
+        cache_read: 300,
+        cache_write: Some(3750),
+    };
     let weighted = CostModel::new(&Unit::WeightedTokens(WeightTable {
         models: [("big".to_string(), big)].into_iter().collect(),
-        default: Rates { input: 1000, output: 1000, cache_read: 1000, cache_write: None },
+        default: Rates {
+            input: 1000,
+            output: 1000,
+            cache_read: 1000,
+            cache_write: None,
+        },
     }));
     // 1000×3 + 333×15 + 500×0.3 + 10×3.75 = 3000 + 4995 + 150 + 37.5 → 8183 (rounded up once).
     assert_eq!(weighted.cost(Some("big"), &counts, true), 8183);
-    assert_eq!(weighted.cost(Some("other"), &counts, true), 1843, "unknown model: the default");
+    assert_eq!(
+        weighted.cost(Some("other"), &counts, true),
+        1843,
+        "unknown model: the default"
+    );
     // The bound charges every input token at the dearest input rate (3.75).
     assert_eq!(weighted.bound(Some("big"), 100, 10), 525);
     // Currency: micro-units per million tokens.
     let prices = zerolayer_core::quota::config::PriceTable {
         models: Default::default(),
-        default: Rates { input: 2_500_000, output: 10_000_000, cache_read: 1_250_000, cache_write: None },
+        default: Rates {
+            input: 2_500_000,
+            output: 10_000_000,
+            cache_read: 1_250_000,
+            cache_write: None,
+        },
     };
     let money = CostModel::new(&Unit::Currency(prices));
     // 1000 × 2.5 + 333 × 10 + 500 × 1.25 + 10 × 2.5 = 2500 + 3330 + 625 + 25 = 6480 µ.
     assert_eq!(money.cost(Some("x"), &counts, true), 6480);
-    assert_eq!(money.cost(None, &TokenCounts::output(1), true), 10, "one token is 10 µ");
     assert_eq!(
-        money.cost(None, &TokenCounts { input: 1, ..Default::default() }, true),
+        money.cost(None, &TokenCounts::output(1), true),
+        10,
+        "one token is 10 µ"
+    );
+    assert_eq!(
+        money.cost(
+            None,
+            &TokenCounts {
+                input: 1,
+                ..Default::default()
+            },
+            true
+        ),
         3,
         "2.5 µ rounds up: the ledger never undercounts"
     );
     assert_eq!(
-        money.cost(None, &TokenCounts { output: u64::MAX, ..Default::default() }, true),
+        money.cost(
+            None,
+            &TokenCounts {
+                output: u64::MAX,
+                ..Default::default()
+            },
+            true
+        ),
         u64::MAX,
         "saturates, never wraps"
     );
@@ -349,9 +482,18 @@ fn units_convert_with_integers_rounding_up() {
 
 #[test]
 fn usage_counts_mean_the_same_for_both_providers() {
-    let usage = Usage { input_tokens: 1200, output_tokens: 50, cache_read_tokens: 1000, cache_creation_tokens: 0 };
+    let usage = Usage {
+        input_tokens: 1200,
+        output_tokens: 50,
+        cache_read_tokens: 1000,
+        cache_creation_tokens: 0,
+    };
     let openai = TokenCounts::from_usage(&usage, true);
-    assert_eq!((openai.input, openai.cache_read), (200, 1000), "OpenAI's prompt_tokens include the cached");
+    assert_eq!(
+        (openai.input, openai.cache_read),
+        (200, 1000),
+        "OpenAI's prompt_tokens include the cached"
+    );
     let anthropic = TokenCounts::from_usage(&usage, false);
     assert_eq!((anthropic.input, anthropic.cache_read), (1200, 1000));
 }
@@ -371,11 +513,19 @@ fn scope_keys_are_exact() {
     let a = key(&[Some(b"ab"), Some(b"c")]);
     let b = key(&[Some(b"a"), Some(b"bc")]);
     assert_ne!(a.as_bytes(), b.as_bytes());
-    assert_ne!(key(&[None]).as_bytes(), key(&[Some(b"")]).as_bytes(), "absent is not empty");
+    assert_ne!(
+        key(&[None]).as_bytes(),
+        key(&[Some(b"")]).as_bytes(),
+        "absent is not empty"
+    );
     let long1 = vec![b'x'; MAX_SCOPE_PART + 1];
     let mut long2 = long1.clone();
     long2[MAX_SCOPE_PART] = b'y';
-    assert_ne!(key(&[Some(&long1)]).as_bytes(), key(&[Some(&long2)]).as_bytes(), "long parts by SHA-256");
+    assert_ne!(
+        key(&[Some(&long1)]).as_bytes(),
+        key(&[Some(&long2)]).as_bytes(),
+        "long parts by SHA-256"
+    );
     assert_eq!(key(&[Some(&long1)]).as_bytes().len(), 34);
 }
 
@@ -385,7 +535,9 @@ fn the_table_never_holds_more_than_its_bound() {
     assert_eq!(table.capacity(), 4096);
     // A spray of 100,000 fresh keys, each used once and settled.
     for i in 0..100_000u32 {
-        let slot = table.find_or_insert(0, "p", &i.to_le_bytes(), u64::from(i), 0).unwrap();
+        let slot = table
+            .find_or_insert(0, "p", &i.to_le_bytes(), u64::from(i), 0)
+            .unwrap();
         assert!(table.get(slot).is_some());
     }
     assert_eq!(table.len(), 4096);
@@ -420,7 +572,9 @@ fn eviction_is_deterministic_and_least_recently_used() {
         let mut table = LeaseTable::new(16, 99);
         let mut slots = Vec::new();
         for i in 0..64u32 {
-            let slot = table.find_or_insert(0, "p", &i.to_le_bytes(), u64::from(i % 7), 0).unwrap();
+            let slot = table
+                .find_or_insert(0, "p", &i.to_le_bytes(), u64::from(i % 7), 0)
+                .unwrap();
             slots.push((slot.index, slot.generation));
         }
         slots
