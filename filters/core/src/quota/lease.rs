@@ -274,6 +274,9 @@ impl Lease {
         let debt = self.debt();
         *self = Lease {
             epoch: self.epoch.wrapping_add(1),
+            // Still as recently used: an active scope is refilled at once in
+            // its new window, an idle one is not.
+            last_used_ms: self.last_used_ms,
             ..Lease::new(now_ms, window)
         };
         debt
@@ -492,8 +495,10 @@ impl Lease {
         let short = self.wanted > 0 && i128::from(self.wanted) > self.available();
         let op = if self.needs_refill(now_ms, p) {
             // Past expiry with enough left, the grant only confirms the
-            // lease and learns the fleet's remainder (it asks nothing).
-            let asked = if low || short {
+            // lease and learns the fleet's remainder; an idle lease only
+            // charges its debt. Neither asks for more.
+            let idle = now_ms.saturating_sub(self.last_used_ms) > p.idle_ms;
+            let asked = if (low || short) && !idle {
                 size.max(self.wanted)
             } else {
                 0

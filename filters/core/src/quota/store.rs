@@ -735,22 +735,40 @@ impl DeltaBuffer {
     }
 }
 
+impl Default for ModelStore {
+    fn default() -> Self {
+        ModelStore::new()
+    }
+}
+
 /// The scripts' semantics in Rust, on an in-memory map: what Redis does
 /// with each call (time passed in, since Redis's `TIME` is the model's
 /// `now_ms`). Tests replay, duplicate and reorder operations against it;
 /// a fake store can answer with it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelStore {
     budgets: HashMap<String, i64>,
     rates: HashMap<String, RateBucket>,
     /// Per record key: (last seq, last remaining, last grant).
     records: HashMap<String, (u64, i64, u64)>,
+    /// Whether `EVALSHA` finds the scripts.
+    loaded: bool,
 }
+
+/// The SHA the model answers `SCRIPT LOAD` of the grant script with.
+pub const MODEL_GRANT_SHA: &str = "0000000000000000000000000000000000000001";
+/// The SHA the model answers `SCRIPT LOAD` of the delta script with.
+pub const MODEL_DELTA_SHA: &str = "0000000000000000000000000000000000000002";
 
 impl ModelStore {
     /// An empty store.
     pub fn new() -> ModelStore {
-        ModelStore::default()
+        ModelStore {
+            budgets: HashMap::new(),
+            rates: HashMap::new(),
+            records: HashMap::new(),
+            loaded: true,
+        }
     }
 
     /// The grant script.
@@ -850,6 +868,84 @@ impl ModelStore {
             remaining,
             status: Applied::Now,
         }
+    }
+
+    /// Answers `command` as Redis would with the scripts (time `now_ms`):
+    /// `SCRIPT LOAD` (with a SHA of the model's own: it does not hash),
+    /// `EVAL` and `EVALSHA` of the two scripts; anything else is an error
+    /// reply, as are malformed arguments.
+    pub fn execute(&mut self, command: &Command, now_ms: u64) -> Reply {
+        let text = |i: usize| {
+            command
+                .args
+                .get(i)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .unwrap_or_default()
+        };
+        let verb = text(0).to_ascii_uppercase();
+        if verb == "SCRIPT" && text(1).eq_ignore_ascii_case("LOAD") {
+            self.loaded = true;
+            return match text(2) {
+                s if s == GRANT_SCRIPT => Reply::Bulk(Some(MODEL_GRANT_SHA.as_bytes().to_vec())),
+                s if s == DELTA_SCRIPT => Reply::Bulk(Some(MODEL_DELTA_SHA.as_bytes().to_vec())),
+                _ => Reply::Error("ERR the model knows only the quota scripts".into()),
+            };
+        }
+        let script = match (verb.as_str(), text(1)) {
+            ("EVAL", s) if s == GRANT_SCRIPT => Script::Grant,
+            ("EVAL", s) if s == DELTA_SCRIPT => Script::Delta,
+            ("EVALSHA", s) if s == MODEL_GRANT_SHA && self.loaded => Script::Grant,
+            ("EVALSHA", s) if s == MODEL_DELTA_SHA && self.loaded => Script::Delta,
+            ("EVALSHA", _) => {
+                return Reply::Error("NOSCRIPT No matching script. Please use EVAL.".into());
+            }
+            _ => return Reply::Error(format!("ERR unknown command {verb:?}")),
+        };
+        let num = |i: usize| text(i).parse::<i64>().ok();
+        let keys = CounterKeys {
+            counter: text(3),
+            record: text(4),
+        };
+        let (Some(limit), Some(third), Some(seq), Some(a)) = (num(6), num(7), num(8), num(9))
+        else {
+            return Reply::Error("ERR malformed arguments".into());
+        };
+        let limit = limit.max(0) as u64;
+        let kind = if text(5) == "r" {
+            CounterKind::Rate {
+                limit,
+                period_ms: third.max(1) as u64,
+            }
+        } else {
+            CounterKind::Budget {
+                limit,
+                expire_at: third,
+            }
+        };
+        let seq = seq.max(0) as u64;
+        let ints = |v: &[i64]| Reply::Array(Some(v.iter().map(|n| Reply::Integer(*n)).collect()));
+        let code = |a: Applied| match a {
+            Applied::Now => 0,
+            Applied::Replay => 1,
+            Applied::Stale => 2,
+        };
+        match script {
+            Script::Grant => {
+                let asked = num(10).unwrap_or(0).max(0) as u64;
+                let g = self.grant(&keys, kind, seq, a.max(0) as u64, asked, now_ms);
+                ints(&[g.remaining, g.granted as i64, code(g.status)])
+            }
+            Script::Delta => {
+                let d = self.delta(&keys, kind, seq, a, now_ms);
+                ints(&[d.remaining, code(d.status)])
+            }
+        }
+    }
+
+    /// Forgets the loaded scripts, as a restarted Redis does (`EVALSHA`
+    /// then answers `NOSCRIPT`); the model starts with them loaded.
+    pub fn flush_scripts(&mut self) {
+        self.loaded = false;
     }
 
     /// A budget counter's value (0 when absent).
