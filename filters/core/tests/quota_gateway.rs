@@ -267,14 +267,14 @@ fn the_store_going_away_falls_back_then_catches_up() {
         fail(&mut q, now);
         now += 100;
     }
-    assert!(q.store_down());
+    assert!(q.store_down(now));
     // The held lease (500) and then the local share of the last known
     // remainder (9,500 / 2) were spent, no more.
     assert!(spent > 500 && spent <= 500 + 4_750, "{spent}");
     // The store is back: the debt is charged, the counter is what was spent
     // once idle leases are returned.
     sync(&mut q, &mut store, now);
-    assert!(!q.store_down());
+    assert!(!q.store_down(now));
     sync(&mut q, &mut store, now + 61_000);
     assert_eq!(
         counter(&store, "daily", &q, b"\x01\x01a", 20_261_203),
@@ -459,7 +459,11 @@ fn webdis_answers_drive_the_same_protocol() {
         .find(|c| matches!(c.target, CallTarget::Lease { .. }))
         .unwrap();
     q.on_webdis_response(call, Some(502), b"", T0 + 10_000);
-    assert!(q.store_down());
+    assert!(
+        !q.store_down(T0 + 10_999),
+        "failing, not yet for two sync intervals"
+    );
+    assert!(q.store_down(T0 + 11_000));
     q.on_webdis_response(call, Some(200), b"{\"EVALSHA\":", T0 + 10_001);
     assert_eq!(q.store_errors(), 1);
 }

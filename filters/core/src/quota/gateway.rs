@@ -456,9 +456,13 @@ impl GatewayQuota {
         &self.table
     }
 
-    /// Whether the store is considered unreachable (its last call failed).
-    pub fn store_down(&self) -> bool {
-        self.failing_since.is_some()
+    /// Whether the store is considered unreachable at `now_ms`: every call
+    /// for two sync intervals has failed (one lost answer is not an outage).
+    /// Only then do leases past their expiry, and new leases, follow the
+    /// fallback.
+    pub fn store_down(&self, now_ms: u64) -> bool {
+        self.failing_since
+            .is_some_and(|since| now_ms.saturating_sub(since) >= 2 * self.sync_interval_ms)
     }
 
     fn applies(policy: &PolicySpec, who: &Identity<'_>) -> bool {
@@ -566,7 +570,7 @@ impl GatewayQuota {
         now_ms: u64,
     ) -> Result<Ticket, Refusal> {
         let mut ticket = Ticket::new(bound.input_tokens(), stream);
-        let store_down = self.store_down();
+        let store_down = self.store_down(now_ms);
         for index in 0..self.policies.len() {
             let Some(policy) = self.policies.get(index) else {
                 continue;

@@ -244,6 +244,11 @@ impl LeaseTable {
     }
 
     /// Every entry in use, in index order.
+    pub fn iter(&self) -> impl Iterator<Item = &Entry> {
+        self.entries.iter().flatten()
+    }
+
+    /// Every entry in use, in index order, with its place.
     pub fn iter_mut(&mut self) -> impl Iterator<Item = (SlotRef, &mut Entry)> {
         self.entries.iter_mut().enumerate().filter_map(|(i, e)| {
             let e = e.as_mut()?;
