@@ -319,7 +319,7 @@ fn post_paid_overshoot_grows_with_concurrency_and_leases_do_not() {
         while !fleet.running.is_empty() {
             let k = fleet.running.len();
             fleet.advance(k - 1);
-            if fleet.running.len() % 7 == 0 {
+            if fleet.running.len().is_multiple_of(7) {
                 for i in 0..3 {
                     fleet.sync(i, 0xff);
                 }
