@@ -343,3 +343,103 @@ fn post_paid_overshoot_grows_with_concurrency_and_leases_do_not() {
         );
     }
 }
+
+/// An outage: every call fails for 30 s while each gateway spends all it
+/// may. `local_share` adds each gateway's share of the remainder it last
+/// knew (R_g / expected_gateways) to what it held; `fail_closed` adds
+/// nothing; `fail_open` is bounded only by demand.
+#[test]
+fn an_outage_adds_at_most_each_gateways_share_of_the_remainder() {
+    for fallback in ["local_share", "fail_closed", "fail_open"] {
+        let n = 3;
+        let config = json!({
+            "store": {"cluster": "webdis", "path": "/", "expected_gateways": n},
+            "fallback": fallback,
+            "policies": [{"name": "d", "scope": ["tenant"], "unit": "tokens",
+                          "limit": {"budget": {"amount": 9_000, "window": "day"}}}]
+        });
+        let config = QuotaConfig::from_json(config.to_string().as_bytes()).unwrap();
+        let mut fleet = Fleet::new(n, 9_000, 0, false, 5, 1);
+        fleet.gateways = (0..n)
+            .map(|i| GatewayQuota::new(&config, 200 + i as u64, 9).unwrap())
+            .collect();
+        let small = |gateway| Request {
+            gateway,
+            body: 10,
+            max_output: 10,
+            input: 10,
+            output: 10,
+            stream: false,
+        };
+        // Warm up: grants, some spending.
+        for round in 0..20 {
+            for gw in 0..n {
+                fleet.start(small(gw));
+                fleet.sync(gw, 0xff);
+            }
+            while !fleet.running.is_empty() {
+                fleet.advance(0);
+            }
+            fleet.now += 10 * round;
+        }
+        let held: u64 = fleet
+            .gateways
+            .iter()
+            .flat_map(|g| g.table().iter())
+            .map(|e| e.lease.granted())
+            .sum();
+        let known: Vec<i64> = fleet
+            .gateways
+            .iter()
+            .flat_map(|g| g.table().iter())
+            .map(|e| e.lease.fleet_remaining().unwrap())
+            .collect();
+        let c0 = fleet.counter() as u64;
+        assert_eq!(held, c0);
+        // The outage: 30 s of failures, demand far above the limit.
+        let start = fleet.now;
+        while fleet.now < start + 30_000 {
+            for gw in 0..n {
+                fleet.start(small(gw));
+                fleet.sync(gw, 0); // every call lost
+            }
+            while !fleet.running.is_empty() {
+                fleet.advance(0);
+            }
+            fleet.now += 20;
+        }
+        let shares: u64 = known
+            .iter()
+            .map(|r| r.max(&0).unsigned_abs() / n as u64)
+            .sum();
+        match fallback {
+            "local_share" => {
+                assert!(
+                    fleet.settled <= c0 + shares,
+                    "{} > {c0} + {shares}",
+                    fleet.settled
+                );
+                assert!(fleet.settled > c0, "the shares were spent: no extra errors");
+            }
+            "fail_closed" => assert!(fleet.settled <= c0, "{} > {c0}", fleet.settled),
+            _ => assert!(fleet.settled > 9_000, "fail_open: past the limit"),
+        }
+        // Back: every gateway's spending reaches the counter.
+        for _ in 0..3 {
+            for gw in 0..n {
+                fleet.sync(gw, 0xff);
+            }
+        }
+        fleet.now += 61_000;
+        for _ in 0..3 {
+            for gw in 0..n {
+                fleet.sync(gw, 0xff);
+            }
+        }
+        assert_eq!(
+            fleet.counter(),
+            fleet.settled as i64,
+            "{fallback}: no drift"
+        );
+    }
+}
