@@ -587,3 +587,13 @@ fn eviction_is_deterministic_and_least_recently_used() {
     let b = table.find_or_insert(1, "q", b"k", 5, 0).unwrap();
     assert_ne!(a, b);
 }
+
+#[test]
+fn the_tables_memory_is_bounded_by_its_entries() {
+    // Each entry: the lease and its key (boxed, at most MAX_SCOPE_KEY bytes).
+    let entry = std::mem::size_of::<Option<zerolayer_core::quota::table::Entry>>();
+    eprintln!("entry {entry} bytes");
+    assert!(entry <= 256, "{entry}");
+    let worst = 4096 * (entry + zerolayer_core::quota::table::MAX_SCOPE_KEY);
+    assert!(worst <= 3 << 20, "{worst}");
+}

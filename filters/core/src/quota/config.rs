@@ -126,7 +126,8 @@ pub struct Policy {
     pub stream: Option<StreamMode>,
 }
 
-/// One part of a scope key.
+/// One part of a scope key: `"tenant"`, `"subject"`, `"credential"`,
+/// `"model"`, `"route"`, or `{"header": name}`.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(rename_all = "snake_case")]
@@ -159,8 +160,9 @@ impl ScopeField {
     }
 }
 
-/// What a policy counts. Amounts are integers in the unit's ledger: no
-/// float is ever added to a counter.
+/// What a policy counts: `"requests"`, `"tokens"`, or one of the members
+/// below. Amounts are integers in the unit's ledger: no float is ever
+/// added to a counter.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema, serde::Serialize))]
 #[serde(rename_all = "snake_case")]
