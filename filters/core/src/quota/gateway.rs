@@ -471,7 +471,7 @@ impl GatewayQuota {
         policy.unverified != who.verified
     }
 
-    fn scope_key(&self, policy: &PolicySpec, who: &Identity<'_>) -> ScopeKey {
+    fn scope_key(policy: &PolicySpec, who: &Identity<'_>) -> ScopeKey {
         let mut key = ScopeKey::new();
         for part in &policy.scope {
             let (tag, value) = match *part {
@@ -502,13 +502,14 @@ impl GatewayQuota {
         let Some(policy) = self.policies.get(index) else {
             return Err(TableFull);
         };
-        let key = self.scope_key(policy, who);
+        let key = Self::scope_key(policy, who);
         let span = policy.window(now_ms);
         let label = span.map_or(0, |s| s.label);
-        let name = policy.name.clone();
-        let slot = self
-            .table
-            .find_or_insert(index as u8, &name, key.as_bytes(), now_ms, label)?;
+        // Disjoint fields: the name is borrowed, not copied (this runs on
+        // every request).
+        let slot =
+            self.table
+                .find_or_insert(index as u8, &policy.name, key.as_bytes(), now_ms, label)?;
         self.roll(index, slot, label, now_ms);
         Ok(slot)
     }
@@ -641,6 +642,7 @@ impl GatewayQuota {
                 };
                 if !shadow {
                     self.refused(&mut ticket, index, false);
+                    self.want_rest(index + 1, who, bound, stream, now_ms);
                     return Err(refuse(kind));
                 }
                 ticket.shadow_refused |= 1 << index;
@@ -663,6 +665,33 @@ impl GatewayQuota {
             }
         }
         Ok(ticket)
+    }
+
+    /// After a refusal by an earlier policy: the leases of the policies from
+    /// `from` on that scope the request learn what it needed, so one sync
+    /// refills them all.
+    fn want_rest(
+        &mut self,
+        from: usize,
+        who: &Identity<'_>,
+        bound: &RequestBound,
+        stream: bool,
+        now_ms: u64,
+    ) {
+        for index in from..self.policies.len() {
+            let Some(policy) = self.policies.get(index) else {
+                continue;
+            };
+            if !Self::applies(policy, who) {
+                continue;
+            }
+            let amount = policy.reservation(who.model, bound, stream);
+            if let Ok(slot) = self.lease_slot(index, who, now_ms)
+                && let Some(entry) = self.table.get_mut(slot)
+            {
+                entry.lease.want(amount, now_ms);
+            }
+        }
     }
 
     /// Counts a refusal by policy `index`: a shadow one is recorded on the

@@ -419,6 +419,17 @@ impl Lease {
         Shortfall::Exhausted { retry_after_secs }
     }
 
+    /// Notes that a request needing `amount` passed by at `now_ms` without
+    /// reserving (another policy refused it): the next refill covers it, so
+    /// a request scoped by several new leases waits for one sync, not one
+    /// per lease.
+    pub fn want(&mut self, amount: u64, now_ms: u64) {
+        self.last_used_ms = now_ms;
+        if i128::from(amount) > self.available() {
+            self.wanted = self.wanted.max(amount);
+        }
+    }
+
     /// Settles `reservation` at its exact cost `actual`: the unused part
     /// returns to the lease; an `actual` above it is debt (past β, the next
     /// reservations wait for a grant). A reservation from an earlier epoch

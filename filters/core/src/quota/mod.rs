@@ -33,9 +33,10 @@
 //! post-paid baseline, whose overshoot grows with `Q` times the largest
 //! request). With the defaults (β = 0, `stream: soft`, so no stream draws
 //! past its reservation: `g` = 0) the bound is `L` exactly. While the store
-//! is unreachable past a lease's expiry, `local_share` adds up to the last
-//! known remainder `R` in total if at most `expected_gateways` holders share
-//! it (`≤ R·N_actual / expected_gateways` otherwise); `fail_open` is
+//! has been unreachable for two sync intervals and a lease is past its
+//! expiry, `local_share` adds each holder's share `R_g / expected_gateways`
+//! of the remainder `R_g` it last knew (at most `R` in total when no more
+//! than `expected_gateways` holders share the counter); `fail_open` is
 //! unbounded until the store is back; `fail_closed` adds nothing.
 
 pub mod config;
