@@ -3,6 +3,7 @@
 //! bound; the lease table's bound and eviction.
 
 use proptest::prelude::*;
+use zerolayer_core::cache::key::Provider;
 use zerolayer_core::quota::config::{Fallback, Rates, Unit, WeightTable};
 use zerolayer_core::quota::lease::{Draw, Lease, LeaseOp, LeaseParams, Shortfall};
 use zerolayer_core::quota::reserve::{CostModel, RequestBound, TokenCounts};
@@ -488,13 +489,13 @@ fn usage_counts_mean_the_same_for_both_providers() {
         cache_read_tokens: 1000,
         cache_creation_tokens: 0,
     };
-    let openai = TokenCounts::from_usage(&usage, true);
+    let openai = TokenCounts::from_usage(&usage, Provider::OpenAi);
     assert_eq!(
         (openai.input, openai.cache_read),
         (200, 1000),
         "OpenAI's prompt_tokens include the cached"
     );
-    let anthropic = TokenCounts::from_usage(&usage, false);
+    let anthropic = TokenCounts::from_usage(&usage, Provider::Anthropic);
     assert_eq!((anthropic.input, anthropic.cache_read), (1200, 1000));
 }
 

@@ -176,8 +176,9 @@ struct Held {
 }
 
 /// A request's reservations, one per policy that scopes it; kept inline
-/// (no allocation) until [`GatewayQuota::settle`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// (no allocation) until [`GatewayQuota::settle`] consumes it (not `Clone`:
+/// a reservation is settled once).
+#[derive(Debug, PartialEq, Eq)]
 pub struct Ticket {
     held: [Option<Held>; MAX_POLICIES],
     len: usize,

@@ -296,9 +296,11 @@ impl Lease {
         now_ms.saturating_sub(self.confirmed_ms) > p.ttl_ms
     }
 
-    /// Reserves `amount` at `now_ms`; `store_down`: whether the store has
-    /// been unreachable past a lease's expiry (the table's view). `force`:
-    /// reserve even when not covered (shadow mode), recording the shortfall.
+    /// Reserves `amount` at `now_ms`; `store_down`: whether the holder
+    /// counts the store as unreachable (every call failing for two sync
+    /// intervals): then a lease past its expiry, or never confirmed,
+    /// follows the fallback. `force`: reserve even when not covered (shadow
+    /// mode), recording the shortfall.
     pub fn reserve(
         &mut self,
         amount: u64,

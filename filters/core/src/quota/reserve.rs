@@ -21,6 +21,7 @@
 use std::collections::HashMap;
 
 use super::config::{Rates, Unit};
+use crate::cache::key::Provider;
 use crate::usage::Usage;
 
 /// What the request itself says about its size: read once per request and
@@ -68,14 +69,13 @@ pub struct TokenCounts {
 }
 
 impl TokenCounts {
-    /// The counts of metering's [`Usage`]: OpenAI's `prompt_tokens`
-    /// include the cached ones (`openai_input_includes_cache`), Anthropic's
+    /// The counts of metering's [`Usage`] from `provider`'s response:
+    /// OpenAI's `prompt_tokens` include the cached ones, Anthropic's
     /// `input_tokens` do not.
-    pub fn from_usage(usage: &Usage, openai_input_includes_cache: bool) -> TokenCounts {
-        let input = if openai_input_includes_cache {
-            usage.input_tokens.saturating_sub(usage.cache_read_tokens)
-        } else {
-            usage.input_tokens
+    pub fn from_usage(usage: &Usage, provider: Provider) -> TokenCounts {
+        let input = match provider {
+            Provider::OpenAi => usage.input_tokens.saturating_sub(usage.cache_read_tokens),
+            Provider::Anthropic => usage.input_tokens,
         };
         TokenCounts {
             input,
