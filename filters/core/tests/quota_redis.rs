@@ -12,6 +12,10 @@ use zerolayer_core::quota::store::{
     ScriptShas, StoreError, delta_command, grant_command, parse_resp, sha_from_reply,
 };
 
+/// The tests share one Redis (one of them flushes its script cache): one
+/// at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 struct Redis(TcpStream);
 
 impl Redis {
@@ -45,6 +49,7 @@ fn the_scripts_do_on_redis_what_the_model_does() {
         eprintln!("ZEROLAYER_TEST_REDIS not set: skipped");
         return;
     };
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let stream = TcpStream::connect(&address).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
@@ -168,6 +173,7 @@ fn the_scripts_work_through_webdis() {
         eprintln!("ZEROLAYER_TEST_WEBDIS not set: skipped");
         return;
     };
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let post = |command: &Command| -> Reply {
         let body = command.webdis_body();
         let mut s = TcpStream::connect(&address).unwrap();
@@ -178,9 +184,28 @@ fn the_scripts_work_through_webdis() {
         );
         s.write_all(head.as_bytes()).unwrap();
         s.write_all(&body).unwrap();
+        // Read the head, then `content-length` bytes (not until close).
         let mut response = Vec::new();
-        s.read_to_end(&mut response).unwrap();
-        let at = response.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+        let mut chunk = [0u8; 4096];
+        let at = loop {
+            let n = s.read(&mut chunk).unwrap();
+            assert!(n > 0, "webdis closed the connection");
+            response.extend_from_slice(&chunk[..n]);
+            if let Some(i) = response.windows(4).position(|w| w == b"\r\n\r\n") {
+                break i + 4;
+            }
+        };
+        let head = String::from_utf8_lossy(&response[..at]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap();
+        while response.len() < at + length {
+            let n = s.read(&mut chunk).unwrap();
+            assert!(n > 0, "webdis closed the connection early");
+            response.extend_from_slice(&chunk[..n]);
+        }
         assert!(
             response.starts_with(b"HTTP/1.1 200"),
             "{}",
