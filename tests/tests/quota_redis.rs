@@ -1,7 +1,8 @@
-//! The Lua scripts on a real Redis, against the Rust model they follow:
-//! runs only when `ZEROLAYER_TEST_REDIS` names one (`127.0.0.1:6379`; the
-//! test flushes nothing but writes keys under `zl:test:<random>:`), since
-//! the crate's tests need no services. Speaks RESP over a plain socket.
+//! The quota stage's Lua scripts on a real Redis 7 (RESP over a plain
+//! socket) and through webdis, against the Rust model they follow
+//! (`zerolayer_core::quota::store::ModelStore`). Each test starts its own
+//! Redis and webdis on free ports (`RedisFleet`; installed by `cargo xtask
+//! setup`) and fails, never skips, when they cannot start.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -12,9 +13,7 @@ use zerolayer_core::quota::store::{
     ScriptShas, StoreError, delta_command, grant_command, parse_resp, sha_from_reply,
 };
 
-/// The tests share one Redis (one of them flushes its script cache): one
-/// at a time.
-static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+use zerolayer_e2e::fleet::RedisFleet;
 
 struct Redis(TcpStream);
 
@@ -45,12 +44,8 @@ impl Redis {
 
 #[test]
 fn the_scripts_do_on_redis_what_the_model_does() {
-    let Ok(address) = std::env::var("ZEROLAYER_TEST_REDIS") else {
-        eprintln!("ZEROLAYER_TEST_REDIS not set: skipped");
-        return;
-    };
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let stream = TcpStream::connect(&address).unwrap();
+    let fleet = RedisFleet::start_for_quota().expect("Redis and webdis");
+    let stream = TcpStream::connect(fleet.redis()).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
@@ -165,18 +160,15 @@ fn the_scripts_do_on_redis_what_the_model_does() {
     assert_eq!(GrantReply::from_reply(&reply), Err(StoreError::NoScript));
 }
 
-/// The same calls through webdis (`ZEROLAYER_TEST_WEBDIS`, `host:port`):
-/// the percent-encoded body and the JSON answer.
+/// The same calls through webdis: the percent-encoded body and the JSON
+/// answer.
 #[test]
 fn the_scripts_work_through_webdis() {
-    let Ok(address) = std::env::var("ZEROLAYER_TEST_WEBDIS") else {
-        eprintln!("ZEROLAYER_TEST_WEBDIS not set: skipped");
-        return;
-    };
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let fleet = RedisFleet::start_for_quota().expect("Redis and webdis");
+    let address = fleet.webdis();
     let post = |command: &Command| -> Reply {
         let body = command.webdis_body();
-        let mut s = TcpStream::connect(&address).unwrap();
+        let mut s = TcpStream::connect(address).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let head = format!(
             "POST / HTTP/1.1\r\nHost: webdis\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
