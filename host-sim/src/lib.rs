@@ -18,6 +18,12 @@
 //! # anyhow::Ok(())
 //! ```
 
+// The README's example compiles as a doc test (`cargo test --doc`; not run:
+// it needs the built `.wasm`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
+
 pub mod abi;
 pub mod callout;
 mod host;

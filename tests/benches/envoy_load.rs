@@ -140,6 +140,13 @@ impl Variant {
         self
     }
 
+    /// Envoy finds the native module in `dir` (the probes' build for the
+    /// native probes: the shipped module has none).
+    fn native_modules(mut self, dir: PathBuf) -> Self {
+        self.native_modules = Some(dir);
+        self
+    }
+
     fn request(mut self, request: Request) -> Self {
         self.request = request;
         self
@@ -1167,7 +1174,8 @@ impl Shipped {
                 "1 trivial native filter (dynamic module)",
                 Baseline,
                 vec![probes::native("probe_trivial")?],
-            ),
+            )
+            .native_modules(paths::native_probe_modules()?),
             Variant::new(
                 "p",
                 "chain-like probe, Wasm (the chain's host calls, no logic)",
@@ -1179,7 +1187,8 @@ impl Shipped {
                 "chain-like probe, native (dynamic module)",
                 Baseline,
                 vec![probes::native("probe_chain")?],
-            ),
+            )
+            .native_modules(paths::native_probe_modules()?),
             Variant::new(
                 "f",
                 "4 trivial Wasm filters (4 VMs)",

@@ -174,8 +174,9 @@ fn main() -> Result<()> {
     }
     // Every queued record shipped: the observers have caught up.
     for envoy in [&sampled, &every] {
-        let queued = envoy.wait_metric(r#"zerolayer_metering_records{outcome="queued"}"#, 1.0)?;
-        envoy.wait_metric(r#"zerolayer_metering_records{outcome="shipped"}"#, queued)?;
+        // This bootstrap has no `stats_tags`: the label stays in the name.
+        let queued = envoy.wait_metric("zerolayer_metering_records_outcome_queued", 1.0)?;
+        envoy.wait_metric("zerolayer_metering_records_outcome_shipped", queued)?;
     }
     println!(
         "(ClickHouse holds {} sampled records; backend: the GPU stub answering at once)",

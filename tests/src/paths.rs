@@ -41,6 +41,20 @@ pub fn native_module() -> Result<PathBuf> {
     Ok(path)
 }
 
+/// Where `cargo xtask build-native --probes` puts the native module built
+/// with its floor probes (feature `probes`; the shipped module has none):
+/// the `ENVOY_DYNAMIC_MODULES_SEARCH_PATH` of an Envoy that runs them.
+pub fn native_probe_modules() -> Result<PathBuf> {
+    let dir = root().join("target/probes/release");
+    if !dir.join("libzerolayer_native.so").is_file() {
+        bail!(
+            "{} is missing: build it with `cargo xtask build-native --probes` (the test and bench commands do)",
+            dir.join("libzerolayer_native.so").display()
+        );
+    }
+    Ok(dir)
+}
+
 /// The project-local Envoy (installed by `cargo xtask setup` into `.venv`),
 /// or `$ZEROLAYER_ENVOY`.
 pub fn envoy_binary() -> Result<PathBuf> {

@@ -1,6 +1,6 @@
 //! The floor probes as Envoy HTTP filters: the Wasm probe (`host-sim/probe`)
-//! in one of its roles, and zerolayer-native's probes (`filters/native`),
-//! which do the same work in an Envoy dynamic module.
+//! in one of its roles, and zerolayer-native's probes (`filters/native`,
+//! feature `probes`), which do the same work in an Envoy dynamic module.
 
 use anyhow::Result;
 use serde_json::json;
@@ -32,9 +32,11 @@ pub fn wasm(name: &str, role: &str) -> Result<Value> {
 }
 
 /// zerolayer-native's filter `filter_name` (`probe_trivial`, `probe_chain`),
-/// loaded from `libzerolayer_native.so` (see [`paths::native_modules`]).
+/// which only the probes' build of `libzerolayer_native.so` has: the
+/// Envoy that runs it needs `ENVOY_DYNAMIC_MODULES_SEARCH_PATH` set to
+/// [`paths::native_probe_modules`] (the shipped module refuses the name).
 pub fn native(filter_name: &str) -> Result<Value> {
-    paths::native_module()?;
+    paths::native_probe_modules()?;
     let filter = json!({
         "name": format!("native.{filter_name}"),
         "typed_config": {

@@ -1,7 +1,8 @@
 //! zerolayer's native form, the Envoy dynamic module (`filters/native`), in
 //! the pinned Envoy: it loads and serves, refuses a
-//! filter it does not know, and its floor probes do in Envoy what the Wasm
-//! probe's `trivial` and `chain` roles do, request for request (the
+//! filter it does not know (the shipped module the floor probes too), and
+//! the probes' build's floor probes (feature `probes`) do in Envoy what the
+//! Wasm probe's `trivial` and `chain` roles do, request for request (the
 //! `envoy_load` bench measures both forms against each other).
 
 use anyhow::{Result, ensure};
@@ -26,11 +27,16 @@ impl Form {
 }
 
 /// Envoy with the probe in `role` alone, in `form`, in front of an echo
-/// upstream.
+/// upstream (the native probes from the probes' build).
 fn gateway(form: Form, role: &str) -> Result<(EchoUpstream, Envoy)> {
-    paths::native_module()?;
+    let probes = paths::native_probe_modules()?;
     let upstream = EchoUpstream::start()?;
-    let mut config = EnvoyConfig::shipped("activation.yaml")?.for_run(upstream.addr())?;
+    let mut config = EnvoyConfig::shipped("activation.yaml")?
+        .for_run(upstream.addr())?
+        .env(
+            "ENVOY_DYNAMIC_MODULES_SEARCH_PATH",
+            &probes.display().to_string(),
+        );
     config.replace_http_filters(&[form.filter(role)?])?;
     let envoy = Envoy::start(&config)?;
     Ok((upstream, envoy))
@@ -62,6 +68,28 @@ fn a_filter_the_module_does_not_know_is_refused_at_load() -> Result<()> {
         Envoy::start(&config).is_err(),
         "Envoy started with a filter_name the module refuses"
     );
+    Ok(())
+}
+
+#[test]
+fn the_shipped_module_refuses_the_floor_probes_naming_the_field() -> Result<()> {
+    // The default search path: the shipped build (`cargo xtask build-native`).
+    paths::native_module()?;
+    for name in ["probe_trivial", "probe_chain"] {
+        let mut config = EnvoyConfig::shipped("activation.yaml")?
+            .for_run(std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?;
+        config.replace_http_filters(&[probes::native(name)?])?;
+        let validation = Envoy::validate(&config)?;
+        ensure!(!validation.ok, "{name}: Envoy accepted it");
+        let want = format!(
+            "zerolayer-native: invalid configuration: filter_name: unknown filter \"{name}\" (expected zerolayer; probe_trivial and probe_chain exist only in a build with feature `probes`"
+        );
+        ensure!(
+            validation.output.contains(&want),
+            "{name}: {}",
+            validation.output
+        );
+    }
     Ok(())
 }
 

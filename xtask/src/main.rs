@@ -31,7 +31,10 @@ usage: cargo xtask <command>
   setup-peers            install LiteLLM's proxy (pinned, tools/requirements-peers.txt)
                          into .venv-peers, for the peers bench only (bench does it)
   build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
-  build-native           build the native Envoy module (target/release/libzerolayer_native.so)
+  build-native [--probes]
+                         build the native Envoy module (target/release/libzerolayer_native.so;
+                         --probes: the bench's build with the floor probes, feature
+                         `probes`, in target/probes/release/)
   build-playground       build the rule playground page (target/playground/; serve it
                          with `cargo run -p host-sim-tools -- playground`)
   bench                  run the benchmarks: core logic, the filters in host-sim,
@@ -71,7 +74,13 @@ fn main() -> ExitCode {
         Some("setup") => setup::everything(),
         Some("setup-peers") => setup::peers(),
         Some("build-wasm") => build_wasm(),
-        Some("build-native") => build_native(),
+        Some("build-native") => match &args[1..] {
+            [] => build_native(),
+            [probes] if probes == "--probes" => build_native_probes(),
+            other => Err(anyhow::anyhow!(
+                "unknown build-native option {other:?} (try `cargo xtask build-native` or `cargo xtask build-native --probes`)"
+            )),
+        },
         Some("build-playground") => build_playground(),
         Some("bench") => bench(),
         Some("fuzz") => fuzz::run(&args[1..]),
@@ -176,6 +185,33 @@ pub(crate) fn build_native() -> Result<()> {
     ])
 }
 
+/// The native module with its floor probes (feature `probes`), for the
+/// `envoy_load` bench and the probes' tests, copied to
+/// `target/probes/release/` (where Envoy finds it through
+/// `ENVOY_DYNAMIC_MODULES_SEARCH_PATH`). Built in the shared target
+/// directory, so only the module itself compiles twice (cargo keeps both
+/// builds); the shipped module is then built again over the copy cargo
+/// made of this one in `target/release/`.
+pub(crate) fn build_native_probes() -> Result<()> {
+    cargo(&[
+        "build",
+        "--locked",
+        "--release",
+        "--package",
+        "zerolayer-native",
+        "--features",
+        "probes",
+    ])?;
+    let root = paths::root();
+    let dir = root.join("target/probes/release");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let built = root.join("target/release/libzerolayer_native.so");
+    let copy = dir.join("libzerolayer_native.so");
+    std::fs::copy(&built, &copy)
+        .with_context(|| format!("copying {} to {}", built.display(), copy.display()))?;
+    build_native()
+}
+
 /// The rule playground (`tools/playground`): the crate for
 /// `wasm32-unknown-unknown`, wasm-bindgen's JS glue (`--target web`) and the
 /// static page, together in `target/playground/`.
@@ -237,7 +273,9 @@ fn build_playground() -> Result<()> {
 fn test() -> Result<()> {
     setup::all()?;
     build_wasm()?;
-    build_native()?;
+    // The shipped module, and the probes' build its tests
+    // (tests/tests/native_envoy.rs) load.
+    build_native_probes()?;
     // The page the browser test loads (tests/tests/playground_browser.rs).
     build_playground()?;
     lint()?;
@@ -367,7 +405,8 @@ fn bench() -> Result<()> {
     setup::all()?;
     setup::peers()?;
     build_wasm()?;
-    build_native()?;
+    // The shipped module, and envoy_load's e-native and p-native rows' build.
+    build_native_probes()?;
     // Criterion kept short (1 s warm-up, 3 s per measurement); `--bench *`
     // leaves out the libraries' test harnesses, which take no such flags.
     let criterion = ["--", "--warm-up-time", "1", "--measurement-time", "3"];

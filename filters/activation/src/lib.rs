@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use zerolayer_core::activation::{Decision, RuleSet};
 use zerolayer_core::internal;
-use zerolayer_host::{Action, Callback, Headers, Host, RootStage, StreamStage};
+use zerolayer_host::{Action, Callback, Headers, Host, Hosts, RootStage, StreamHost, StreamStage};
 
 use counters::Counters;
 use request::HostRequest;
@@ -46,8 +46,8 @@ pub struct ActivationRoot {
     plan: Option<Rc<Plan>>,
 }
 
-impl<H: Host> RootStage<H> for ActivationRoot {
-    fn configure(&mut self, host: &mut H, configuration: &[u8]) -> bool {
+impl<H: Hosts> RootStage<H> for ActivationRoot {
+    fn configure(&mut self, host: &mut H::Root, configuration: &[u8]) -> bool {
         let rules = match RuleSet::from_json(configuration) {
             Ok(rules) => rules,
             Err(err) => {
@@ -76,24 +76,24 @@ impl<H: Host> RootStage<H> for ActivationRoot {
         true
     }
 
-    fn tick(&mut self, host: &mut H) {
-        self.flush(host);
+    fn tick(&mut self, host: &mut H::Root) {
+        RootStage::<H>::flush(self, host);
     }
 
-    fn flush(&mut self, host: &mut H) {
+    fn flush(&mut self, host: &mut H::Root) {
         if let Some(plan) = &self.plan {
             plan.counters.flush(host);
         }
     }
 
-    fn done(&mut self, host: &mut H) {
+    fn done(&mut self, host: &mut H::Root) {
         // Report what the last tick did not, before the VM goes away.
         if let Some(plan) = &self.plan {
             plan.counters.flush(host);
         }
     }
 
-    fn stream(&self, _context_id: u32) -> Box<dyn StreamStage<H>> {
+    fn stream(&self, _context_id: u32) -> Box<dyn StreamStage<H::Stream>> {
         // Without a plan (the host ran us despite a refused configuration)
         // the stream passes through and later filters see no decision,
         // i.e. their defaults.
@@ -110,7 +110,7 @@ struct ActivationStream {
     decision: Option<Decision>,
 }
 
-impl<H: Host> StreamStage<H> for ActivationStream {
+impl<H: StreamHost> StreamStage<H> for ActivationStream {
     fn request_headers(&mut self, host: &mut H, _end_of_stream: bool) -> Action {
         // Activation reads headers only: no body callback of its is needed.
         host.done_with(Callback::RequestBody);

@@ -21,6 +21,7 @@ pub mod internal;
 pub mod json;
 pub mod metering;
 pub mod metrics;
+pub mod native;
 pub mod observers;
 pub mod path;
 pub mod queue;

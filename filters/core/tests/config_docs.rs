@@ -1,5 +1,5 @@
-//! The configuration reference in each filter's README, generated from the
-//! config structs: their JSON Schema (`schemars`, feature `schema`, which
+//! The configuration reference in each filter's README (and the native
+//! module's `native` section in its own), generated from the config structs: their JSON Schema (`schemars`, feature `schema`, which
 //! honours the serde attributes: defaults, renames, unknown fields refused)
 //! rendered as Markdown tables — field, type, required, default and the
 //! field's doc comment — with a sub-table per nested object. The tables sit
@@ -22,6 +22,7 @@ use zerolayer_core::activation::ActivationConfig;
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::metering::config::MeteringConfig;
+use zerolayer_core::native::NativeSection;
 use zerolayer_core::quota::config::QuotaConfig;
 
 const BEGIN: &str = "<!-- config:begin -->";
@@ -49,6 +50,8 @@ fn references() -> Vec<Reference> {
         of::<PostCacheConfig>("post-cache"),
         of::<MeteringConfig>("metering"),
         of::<QuotaConfig>("quota"),
+        // The native module's own section (`native`), beside the stages'.
+        of::<NativeSection>("native"),
     ]
 }
 

@@ -251,7 +251,7 @@ mod tests {
     use std::cell::RefCell;
     use std::rc::Rc;
 
-    use zerolayer_host::{FakeHost, Host};
+    use zerolayer_host::{FakeHost, Respond, StreamHost};
 
     use super::*;
 

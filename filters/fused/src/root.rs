@@ -8,7 +8,9 @@ use std::rc::{Rc, Weak};
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, ContextType};
 use zerolayer_host::timing::{self, Span};
-use zerolayer_host::{FusedHost, Headers, Host, StageHost, StreamMap, Wake, WasmHost};
+use zerolayer_host::{
+    FusedHost, FusedRoots, Headers, Host, Respond, RootHost, StageHost, StreamMap, Wake, WasmHost,
+};
 
 use crate::{Pipeline, StageRoots, sections};
 
@@ -24,10 +26,10 @@ struct StreamChain {
 
 /// The fused filter's root context: the stages' roots.
 pub struct FusedRoot {
-    roots: StageRoots<WasmHost>,
+    roots: StageRoots<WasmHost, WasmHost>,
     streams: Streams,
     /// The host the stages' roots see.
-    host: FusedHost,
+    host: FusedRoots,
 }
 
 impl Default for FusedRoot {
@@ -35,7 +37,7 @@ impl Default for FusedRoot {
         FusedRoot {
             roots: StageRoots::default(),
             streams: Streams::default(),
-            host: FusedHost::roots(WasmHost),
+            host: FusedRoots::new(WasmHost),
         }
     }
 }
@@ -107,7 +109,7 @@ impl RootContext for FusedRoot {
         let mut roots = StageRoots::default();
         for (stage, section) in sections {
             // The stage logs its own error, naming the field.
-            if !roots.add(stage, &section, &mut self.host) {
+            if !roots.add(stage, section, &mut self.host) {
                 log::error!(
                     "zerolayer: invalid configuration: {}: refused (see the line above)",
                     stage.section()

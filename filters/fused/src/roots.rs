@@ -4,34 +4,35 @@
 
 use std::time::Duration;
 
-use zerolayer_host::{PipelineHost, Proxy, RootStage};
+use zerolayer_host::{Chain, Host, PipelineHost, PipelineRoots, Proxy, RootStage};
 
 use crate::{Stage, StageStream};
 
 /// A configured stage's root and its tick.
-struct StageRoot<P> {
+struct StageRoot<R, S> {
     stage: Stage,
-    root: Box<dyn RootStage<PipelineHost<P>>>,
+    root: Box<dyn RootStage<Chain<R, S>>>,
     tick: Option<Duration>,
     next_tick_ms: u64,
 }
 
-/// The stages' roots, in chain order.
-pub struct StageRoots<P> {
-    roots: Vec<StageRoot<P>>,
+/// The stages' roots, in chain order: on roots over `R`, making streams
+/// over `S`.
+pub struct StageRoots<R, S> {
+    roots: Vec<StageRoot<R, S>>,
 }
 
-impl<P> Default for StageRoots<P> {
+impl<R, S> Default for StageRoots<R, S> {
     fn default() -> Self {
         StageRoots { roots: Vec::new() }
     }
 }
 
-impl<P: Proxy + 'static> StageRoots<P> {
+impl<R: Host + 'static, S: Proxy + 'static> StageRoots<R, S> {
     /// Configures a root of `stage` from its `section` on `host` and adds it
     /// (also when it refuses: a refused stage still refuses its requests);
     /// returns whether it took the configuration (it logged why not).
-    pub fn add(&mut self, stage: Stage, section: &[u8], host: &mut PipelineHost<P>) -> bool {
+    pub fn add(&mut self, stage: Stage, section: &[u8], host: &mut PipelineRoots<R>) -> bool {
         let mut root = stage.root();
         let ok = root.configure(host, section);
         self.roots.push(StageRoot {
@@ -62,7 +63,7 @@ impl<P: Proxy + 'static> StageRoots<P> {
 
     /// Ticks the roots whose tick is due at `now_ms`; `flush`: every other
     /// root hands over what it keeps to report ([`RootStage::flush`]).
-    pub fn tick(&mut self, host: &mut PipelineHost<P>, now_ms: u64, flush: bool) {
+    pub fn tick(&mut self, host: &mut PipelineRoots<R>, now_ms: u64, flush: bool) {
         for r in &mut self.roots {
             match r.tick {
                 Some(tick) if now_ms >= r.next_tick_ms => {
@@ -77,21 +78,21 @@ impl<P: Proxy + 'static> StageRoots<P> {
 
     /// A callout a root made has an answer: each root knows its own
     /// callouts and ignores the others.
-    pub fn call_answered(&mut self, host: &mut PipelineHost<P>, token: u32, body_size: usize) {
+    pub fn call_answered(&mut self, host: &mut PipelineRoots<R>, token: u32, body_size: usize) {
         for r in &mut self.roots {
             r.root.call_answered(host, token, body_size);
         }
     }
 
     /// The filter is going away: every root reports what is pending.
-    pub fn done(&mut self, host: &mut PipelineHost<P>) {
+    pub fn done(&mut self, host: &mut PipelineRoots<R>) {
         for r in &mut self.roots {
             r.root.done(host);
         }
     }
 
     /// The stages' parts of a new request (`context_id` is the stream's).
-    pub fn streams(&self, context_id: u32) -> Vec<StageStream<PipelineHost<P>>> {
+    pub fn streams(&self, context_id: u32) -> Vec<StageStream<PipelineHost<S>>> {
         self.roots
             .iter()
             .map(|r| {
@@ -109,14 +110,14 @@ impl<P: Proxy + 'static> StageRoots<P> {
 mod tests {
     use std::time::Duration;
 
-    use zerolayer_host::{FakeHost, PipelineHost};
+    use zerolayer_host::{FakeHost, PipelineRoots};
 
     use super::*;
 
     #[test]
     fn each_root_ticks_at_its_own_period_and_a_refused_stage_stays_in_the_chain() {
-        let mut host = PipelineHost::roots(FakeHost::default());
-        let mut roots = StageRoots::default();
+        let mut host = PipelineRoots::new(FakeHost::default());
+        let mut roots = StageRoots::<FakeHost, FakeHost>::default();
         assert!(!roots.add(Stage::LazyAuth, b"not json", &mut host));
         assert!(roots.add(Stage::Activation, br#"{"rules":[]}"#, &mut host));
         assert_eq!(roots.names(), ["lazy_auth", "activation"]);
@@ -135,7 +136,7 @@ mod tests {
 
     #[test]
     fn a_chain_without_ticks_is_never_due() {
-        let roots = StageRoots::<FakeHost>::default();
+        let roots = StageRoots::<FakeHost, FakeHost>::default();
         assert_eq!(roots.shortest_tick(), None);
         assert!(!roots.due(u64::MAX));
     }

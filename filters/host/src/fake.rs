@@ -10,9 +10,12 @@ use std::time::Duration;
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::metrics::{MetricName, SharedCounter};
 
-use crate::host::{Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status};
+use crate::host::{
+    Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Respond, RootHost, Status,
+    StreamHost,
+};
 use crate::pipeline::Proxy;
-use crate::stage::{DoneWith, StageHost};
+use crate::stage::{DoneWith, Hosts, StageHost};
 
 /// A callout a stage dispatched.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -328,62 +331,6 @@ impl Host for FakeHost {
         Ok(())
     }
 
-    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
-        find(self.map(map), name).map(<[u8]>::to_vec)
-    }
-
-    fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
-        let pairs = self
-            .map(map)
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_slice()));
-        let block = HeaderBlock::parse(HeaderBlock::serialize(pairs)).unwrap_or_default();
-        f(&block)
-    }
-
-    fn set_header(&mut self, map: Headers, name: &str, value: &[u8]) {
-        let headers = self.map(map);
-        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
-        headers.push((name.to_string(), value.to_vec()));
-    }
-
-    fn add_header(&mut self, map: Headers, name: &str, value: &[u8]) {
-        self.map(map).push((name.to_string(), value.to_vec()));
-    }
-
-    fn remove_header(&mut self, map: Headers, name: &str) -> bool {
-        let headers = self.map(map);
-        let before = headers.len();
-        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
-        headers.len() != before
-    }
-
-    fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
-        self.body_reads += 1;
-        let bytes = self.body(body);
-        f(bytes.get(..size).unwrap_or(bytes))
-    }
-
-    fn set_body(&mut self, body: Body, size: usize, bytes: &[u8]) -> Result<(), Status> {
-        let current = self.body(body);
-        let size = size.min(current.len());
-        current.splice(..size, bytes.iter().copied());
-        Ok(())
-    }
-
-    fn property(&mut self, path: &str) -> Option<Vec<u8>> {
-        self.properties.get(path).cloned()
-    }
-
-    fn publish(&mut self, path: &str, value: &[u8]) {
-        self.properties.insert(path.to_string(), value.to_vec());
-    }
-
-    fn set_property(&mut self, path: &str, value: &[u8]) -> Result<(), Status> {
-        self.properties.insert(path.to_string(), value.to_vec());
-        Ok(())
-    }
-
     fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
         match self.shared.get(key) {
             Some((value, cas)) => (Some(value.clone()), Some(*cas)),
@@ -473,37 +420,6 @@ impl Host for FakeHost {
         body.get(..size).unwrap_or(body).to_vec()
     }
 
-    fn resume(&mut self) {
-        self.resumes.push(self.effective);
-    }
-
-    fn send_local_response(
-        &mut self,
-        status: u32,
-        headers: &[(&str, &str)],
-        body: &[u8],
-    ) -> Result<(), Status> {
-        self.sent.push(Sent {
-            status,
-            headers: owned(headers),
-            body: body.to_vec(),
-            effective: self.effective,
-        });
-        Ok(())
-    }
-
-    fn set_effective_context(&mut self, context_id: u32) -> Result<(), Status> {
-        self.effective = Some(context_id);
-        Ok(())
-    }
-
-    fn done_with(&mut self, callback: Callback) {
-        self.done_pending.insert(callback);
-        if !self.done_with.contains(&callback) {
-            self.done_with.push(callback);
-        }
-    }
-
     fn define_metric(
         &mut self,
         kind: MetricKind,
@@ -551,6 +467,106 @@ impl Host for FakeHost {
         if let Some(m) = self.metrics.get_mut(id as usize) {
             m.value = i64::try_from(value).unwrap_or(i64::MAX);
             m.samples.push(value);
+        }
+    }
+}
+
+/// A stage as its own filter (or in a test) has one host for its root and
+/// its streams.
+impl Hosts for FakeHost {
+    type Root = FakeHost;
+    type Stream = FakeHost;
+}
+
+impl Respond for FakeHost {
+    fn resume(&mut self) {
+        self.resumes.push(self.effective);
+    }
+
+    fn send_local_response(
+        &mut self,
+        status: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), Status> {
+        self.sent.push(Sent {
+            status,
+            headers: owned(headers),
+            body: body.to_vec(),
+            effective: self.effective,
+        });
+        Ok(())
+    }
+}
+
+impl RootHost for FakeHost {
+    fn set_effective_context(&mut self, context_id: u32) -> Result<(), Status> {
+        self.effective = Some(context_id);
+        Ok(())
+    }
+}
+
+impl StreamHost for FakeHost {
+    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
+        find(self.map(map), name).map(<[u8]>::to_vec)
+    }
+
+    fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
+        let pairs = self
+            .map(map)
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_slice()));
+        let block = HeaderBlock::parse(HeaderBlock::serialize(pairs)).unwrap_or_default();
+        f(&block)
+    }
+
+    fn set_header(&mut self, map: Headers, name: &str, value: &[u8]) {
+        let headers = self.map(map);
+        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        headers.push((name.to_string(), value.to_vec()));
+    }
+
+    fn add_header(&mut self, map: Headers, name: &str, value: &[u8]) {
+        self.map(map).push((name.to_string(), value.to_vec()));
+    }
+
+    fn remove_header(&mut self, map: Headers, name: &str) -> bool {
+        let headers = self.map(map);
+        let before = headers.len();
+        headers.retain(|(n, _)| !n.eq_ignore_ascii_case(name));
+        headers.len() != before
+    }
+
+    fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+        self.body_reads += 1;
+        let bytes = self.body(body);
+        f(bytes.get(..size).unwrap_or(bytes))
+    }
+
+    fn set_body(&mut self, body: Body, size: usize, bytes: &[u8]) -> Result<(), Status> {
+        let current = self.body(body);
+        let size = size.min(current.len());
+        current.splice(..size, bytes.iter().copied());
+        Ok(())
+    }
+
+    fn property(&mut self, path: &str) -> Option<Vec<u8>> {
+        self.properties.get(path).cloned()
+    }
+
+    fn publish(&mut self, path: &str, value: &[u8]) {
+        self.properties.insert(path.to_string(), value.to_vec());
+    }
+
+    fn set_property(&mut self, path: &str, value: &[u8]) -> Result<(), Status> {
+        self.properties.insert(path.to_string(), value.to_vec());
+        Ok(())
+    }
+
+    fn done_with(&mut self, callback: Callback) {
+        self.done_pending.insert(callback);
+        if !self.done_with.contains(&callback) {
+            self.done_with.push(callback);
         }
     }
 }

@@ -103,9 +103,10 @@ pub struct CalloutAnswer {
     pub retry_after_secs: Option<u64>,
 }
 
-/// What a stage asks of the proxy. Stage code takes `&mut impl Host` and
-/// never calls `proxy_wasm::hostcalls` itself (clippy's
-/// `disallowed-methods` keeps it so).
+/// What every context of a stage has of the proxy: the clock, shared data,
+/// queues, callouts and metrics. Stage code takes `&mut impl Host` (or a
+/// wider [`Respond`], [`RootHost`], [`StreamHost`]) and never calls
+/// `proxy_wasm::hostcalls` itself (clippy's `disallowed-methods` keeps it so).
 pub trait Host {
     // --- clock, platform ---------------------------------------------------
 
@@ -122,46 +123,6 @@ pub trait Host {
 
     /// Asks for the root's tick every `period`.
     fn set_tick_period(&mut self, period: Duration) -> Result<(), Status>;
-
-    // --- headers -------------------------------------------------------------
-
-    /// Header `name` of `map`.
-    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>>;
-
-    /// Runs `f` on the whole of `map` (an empty map if the host has none
-    /// to give). `f` cannot reach the host: change headers after it returns.
-    fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T;
-
-    /// Sets (replacing) header `name` of `map`.
-    fn set_header(&mut self, map: Headers, name: &str, value: &[u8]);
-
-    /// Adds a value for header `name` of `map` (keeping any other).
-    fn add_header(&mut self, map: Headers, name: &str, value: &[u8]);
-
-    /// Removes header `name` of `map`; returns whether the host removed one.
-    fn remove_header(&mut self, map: Headers, name: &str) -> bool;
-
-    // --- bodies --------------------------------------------------------------
-
-    /// Runs `f` on the first `size` bytes of `body`, as the current
-    /// callback has it.
-    fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T;
-
-    /// Replaces the first `size` bytes of `body` (all of it, as the callback
-    /// has it) with `bytes`.
-    fn set_body(&mut self, body: Body, size: usize, bytes: &[u8]) -> Result<(), Status>;
-
-    // --- properties and hand-offs ---------------------------------------------
-
-    /// Reads a property (filter state, a hand-off, an Envoy attribute).
-    fn property(&mut self, path: &str) -> Option<Vec<u8>>;
-
-    /// Publishes `value` to later filters of the same request under
-    /// hand-off `path` (see `zerolayer_core::internal`).
-    fn publish(&mut self, path: &str, value: &[u8]);
-
-    /// Sets property `path` as it is named; the host's refusal is a status.
-    fn set_property(&mut self, path: &str, value: &[u8]) -> Result<(), Status>;
 
     // --- shared data -----------------------------------------------------------
 
@@ -204,29 +165,6 @@ pub trait Host {
 
     /// Seconds the `retry-after` of the callout being answered asks for.
     fn callout_retry_after(&mut self) -> Option<u64>;
-
-    // --- stream control ------------------------------------------------------------
-
-    /// Lets the current stream continue after a pause (in the fused
-    /// filter: through the stages after this one first).
-    fn resume(&mut self);
-
-    /// Answers the current stream from the gateway with exactly this
-    /// status, headers and body.
-    fn send_local_response(
-        &mut self,
-        status: u32,
-        headers: &[(&str, &str)],
-        body: &[u8],
-    ) -> Result<(), Status>;
-
-    /// Makes stream `context_id` the one later calls act on (from a root).
-    fn set_effective_context(&mut self, context_id: u32) -> Result<(), Status>;
-
-    /// The current stream's stage will do nothing in `callback` from now
-    /// on: in the fused filter it is no longer called for it.
-    fn done_with(&mut self, _callback: Callback) {}
-
     // --- metrics ---------------------------------------------------------------------
 
     /// Defines a metric: its id and, for a counter the host batches
@@ -243,7 +181,7 @@ pub trait Host {
     /// Sets gauge `id` / records a histogram sample.
     fn record_metric(&mut self, id: u32, value: u64);
 
-    // === provided: composed the same way for every host =================================
+    // === provided ===================================================================
 
     /// Host time, Unix seconds.
     fn now_secs(&mut self) -> u64 {
@@ -259,57 +197,6 @@ pub trait Host {
     fn now_us(&mut self) -> u64 {
         self.now().as_micros() as u64
     }
-
-    /// A request header's value.
-    fn request_header(&mut self, name: &str) -> Option<Vec<u8>> {
-        self.header(Headers::Request, name)
-    }
-
-    /// A response header's value, as text (`None` if absent or not UTF-8).
-    fn response_header(&mut self, name: &str) -> Option<String> {
-        self.header(Headers::Response, name)
-            .and_then(|v| String::from_utf8(v).ok())
-    }
-
-    /// Sets (replacing) a request header.
-    fn set_request_header(&mut self, name: &str, value: &[u8]) {
-        self.set_header(Headers::Request, name, value);
-    }
-
-    /// Sets (replacing) a response header.
-    fn set_response_header(&mut self, name: &str, value: &str) {
-        self.set_header(Headers::Response, name, value.as_bytes());
-    }
-
-    /// Removes every response header whose name `reserved` accepts (names
-    /// the upstream must not set: the client would read them as the
-    /// gateway's); returns how many were removed. Nothing is copied unless
-    /// a name matches.
-    fn remove_reserved_response_headers(&mut self, reserved: impl Fn(&str) -> bool) -> usize {
-        let names: Vec<String> = self.with_headers(Headers::Response, |headers| {
-            headers
-                .iter()
-                .filter_map(|(name, _)| std::str::from_utf8(name).ok())
-                .filter(|name| reserved(name))
-                .map(str::to_string)
-                .collect()
-        });
-        for name in &names {
-            self.remove_header(Headers::Response, name);
-        }
-        names.len()
-    }
-
-    /// Asks the backend for an uncompressed response (`accept-encoding:
-    /// identity`) unless the request already does: a stage that reads the
-    /// response body (usage, the cache entry) needs the bytes as sent.
-    fn ask_identity_encoding(&mut self) {
-        let accept = self.request_header("accept-encoding");
-        if !zerolayer_core::encoding::asks_identity(accept.as_deref()) {
-            self.set_request_header("accept-encoding", zerolayer_core::encoding::IDENTITY);
-        }
-    }
-
     /// Whether a stage may return `Pause` from the request headers to wait
     /// for the body. Envoy resumes it when the body arrives;
     /// ngx_wasm_module never does (it reads the body only after every
@@ -339,89 +226,6 @@ pub trait Host {
     fn responses_in_chain_order(&mut self) -> bool {
         !self.fused() && self.platform() == Platform::NgxWasm
     }
-
-    /// Sets nginx variable `path` (`ngx.<name>`) where the host is
-    /// ngx_wasm_module and the operator declared it; elsewhere nothing.
-    fn set_ngx_variable(&mut self, path: &str, value: &[u8]) {
-        if self.platform() == Platform::NgxWasm {
-            // An undeclared variable is refused: the operator chose not to log it.
-            let _ = self.set_property(path, value);
-        }
-    }
-
-    /// Answers the request with exactly `body`. ngx_wasm_module appends a
-    /// line feed to every local response body; a body that ends in one is
-    /// sent there without it, so the client still gets these bytes.
-    fn send_response(
-        &mut self,
-        status: u32,
-        headers: &[(&str, &str)],
-        body: &[u8],
-    ) -> Result<(), Status> {
-        let body = match body.strip_suffix(b"\n") {
-            Some(trimmed) if self.platform() == Platform::NgxWasm => trimmed,
-            _ => body,
-        };
-        self.send_local_response(status, headers, body)
-    }
-
-    /// This request's id (`x-request-id`). Envoy sets one on every request;
-    /// ngx_wasm_module does not, so there the first stage to ask sets the
-    /// request header from nginx's `$request_id` (random, 32 hex digits):
-    /// sampling, records and the backend then all see one id.
-    fn request_id(&mut self) -> Option<Vec<u8>> {
-        if let Some(id) = self.request_header("x-request-id") {
-            return Some(id);
-        }
-        if self.platform() != Platform::NgxWasm {
-            return None;
-        }
-        let id = self.property("ngx.request_id")?;
-        self.set_request_header("x-request-id", &id);
-        Some(id)
-    }
-
-    /// The API of this request's path (`None`: not an LLM API the stages know).
-    fn provider(&mut self) -> Option<Provider> {
-        let path = self.request_header(":path")?;
-        Provider::for_path(std::str::from_utf8(&path).ok()?)
-    }
-
-    /// Answers the request with an error in the format of its API
-    /// (`zerolayer_core::reply`), with the retry hints its status calls for
-    /// and the request id its client reads.
-    fn send_json_error(&mut self, status: u32, kind: &str, message: &str) {
-        let retry = RetryHint::for_status(u16::try_from(status).unwrap_or(500));
-        json_error(self, status, kind, message, retry, false);
-    }
-
-    /// A 429 or 503 whose wait is known (`retry-after: secs`, at least 1),
-    /// sent as [`Host::send_json_error`] or, `from_answer`, as
-    /// [`Host::send_json_error_before_body`].
-    fn send_retry_later(
-        &mut self,
-        status: u32,
-        kind: &str,
-        message: &str,
-        secs: u64,
-        from_answer: bool,
-    ) {
-        let retry = RetryHint::After(u32::try_from(secs.max(1)).unwrap_or(u32::MAX));
-        let close = from_answer && self.platform() == Platform::NgxWasm;
-        json_error(self, status, kind, message, retry, close);
-    }
-
-    /// [`Host::send_json_error`] from a callout's answer, before the host
-    /// read the request body. ngx_wasm_module reads the body only after the
-    /// request headers went on, and a body left unread there was now and
-    /// then parsed as the next request on the keep-alive connection: there
-    /// the response closes the connection.
-    fn send_json_error_before_body(&mut self, status: u32, kind: &str, message: &str) {
-        let close = self.platform() == Platform::NgxWasm;
-        let retry = RetryHint::for_status(u16::try_from(status).unwrap_or(500));
-        json_error(self, status, kind, message, retry, close);
-    }
-
     /// The answer of the callout being answered: its status and body.
     fn callout_answer(&mut self, body_size: usize) -> CalloutAnswer {
         CalloutAnswer {
@@ -489,6 +293,209 @@ pub trait Host {
     }
 }
 
+/// A context that can act on a stream: a stream's own, or a root's once it
+/// made one effective ([`RootHost::set_effective_context`]).
+pub trait Respond: Host {
+    /// Lets the current stream continue after a pause (in the fused
+    /// filter: through the stages after this one first).
+    fn resume(&mut self);
+
+    /// Answers the current stream from the gateway with exactly this
+    /// status, headers and body.
+    fn send_local_response(
+        &mut self,
+        status: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), Status>;
+
+    // === provided ===================================================================
+
+    /// Answers the request with exactly `body`. ngx_wasm_module appends a
+    /// line feed to every local response body; a body that ends in one is
+    /// sent there without it, so the client still gets these bytes.
+    fn send_response(
+        &mut self,
+        status: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), Status> {
+        let body = match body.strip_suffix(b"\n") {
+            Some(trimmed) if self.platform() == Platform::NgxWasm => trimmed,
+            _ => body,
+        };
+        self.send_local_response(status, headers, body)
+    }
+}
+
+/// A root context: it acts on a stream (resumes or answers a request it
+/// held) after making that stream the effective one.
+pub trait RootHost: Respond {
+    /// Makes stream `context_id` the one later calls act on (from a root).
+    fn set_effective_context(&mut self, context_id: u32) -> Result<(), Status>;
+}
+
+/// A stream's own context: its headers, bodies and properties.
+pub trait StreamHost: Respond {
+    // --- headers -------------------------------------------------------------
+
+    /// Header `name` of `map`.
+    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>>;
+
+    /// Runs `f` on the whole of `map` (an empty map if the host has none
+    /// to give). `f` cannot reach the host: change headers after it returns.
+    fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T;
+
+    /// Sets (replacing) header `name` of `map`.
+    fn set_header(&mut self, map: Headers, name: &str, value: &[u8]);
+
+    /// Adds a value for header `name` of `map` (keeping any other).
+    fn add_header(&mut self, map: Headers, name: &str, value: &[u8]);
+
+    /// Removes header `name` of `map`; returns whether the host removed one.
+    fn remove_header(&mut self, map: Headers, name: &str) -> bool;
+
+    // --- bodies --------------------------------------------------------------
+
+    /// Runs `f` on the first `size` bytes of `body`, as the current
+    /// callback has it.
+    fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T;
+
+    /// Replaces the first `size` bytes of `body` (all of it, as the callback
+    /// has it) with `bytes`.
+    fn set_body(&mut self, body: Body, size: usize, bytes: &[u8]) -> Result<(), Status>;
+
+    // --- properties and hand-offs ---------------------------------------------
+
+    /// Reads a property (filter state, a hand-off, an Envoy attribute).
+    fn property(&mut self, path: &str) -> Option<Vec<u8>>;
+
+    /// Publishes `value` to later filters of the same request under
+    /// hand-off `path` (see `zerolayer_core::internal`).
+    fn publish(&mut self, path: &str, value: &[u8]);
+
+    /// Sets property `path` as it is named; the host's refusal is a status.
+    fn set_property(&mut self, path: &str, value: &[u8]) -> Result<(), Status>;
+    /// The current stream's stage will do nothing in `callback` from now
+    /// on: in the fused filter it is no longer called for it.
+    fn done_with(&mut self, _callback: Callback) {}
+    // === provided ===================================================================
+
+    /// A request header's value.
+    fn request_header(&mut self, name: &str) -> Option<Vec<u8>> {
+        self.header(Headers::Request, name)
+    }
+
+    /// A response header's value, as text (`None` if absent or not UTF-8).
+    fn response_header(&mut self, name: &str) -> Option<String> {
+        self.header(Headers::Response, name)
+            .and_then(|v| String::from_utf8(v).ok())
+    }
+
+    /// Sets (replacing) a request header.
+    fn set_request_header(&mut self, name: &str, value: &[u8]) {
+        self.set_header(Headers::Request, name, value);
+    }
+
+    /// Sets (replacing) a response header.
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        self.set_header(Headers::Response, name, value.as_bytes());
+    }
+
+    /// Removes every response header whose name `reserved` accepts (names
+    /// the upstream must not set: the client would read them as the
+    /// gateway's); returns how many were removed. Nothing is copied unless
+    /// a name matches.
+    fn remove_reserved_response_headers(&mut self, reserved: impl Fn(&str) -> bool) -> usize {
+        let names: Vec<String> = self.with_headers(Headers::Response, |headers| {
+            headers
+                .iter()
+                .filter_map(|(name, _)| std::str::from_utf8(name).ok())
+                .filter(|name| reserved(name))
+                .map(str::to_string)
+                .collect()
+        });
+        for name in &names {
+            self.remove_header(Headers::Response, name);
+        }
+        names.len()
+    }
+
+    /// Asks the backend for an uncompressed response (`accept-encoding:
+    /// identity`) unless the request already does: a stage that reads the
+    /// response body (usage, the cache entry) needs the bytes as sent.
+    fn ask_identity_encoding(&mut self) {
+        let accept = self.request_header("accept-encoding");
+        if !zerolayer_core::encoding::asks_identity(accept.as_deref()) {
+            self.set_request_header("accept-encoding", zerolayer_core::encoding::IDENTITY);
+        }
+    }
+    /// Sets nginx variable `path` (`ngx.<name>`) where the host is
+    /// ngx_wasm_module and the operator declared it; elsewhere nothing.
+    fn set_ngx_variable(&mut self, path: &str, value: &[u8]) {
+        if self.platform() == Platform::NgxWasm {
+            // An undeclared variable is refused: the operator chose not to log it.
+            let _ = self.set_property(path, value);
+        }
+    }
+    /// This request's id (`x-request-id`). Envoy sets one on every request;
+    /// ngx_wasm_module does not, so there the first stage to ask sets the
+    /// request header from nginx's `$request_id` (random, 32 hex digits):
+    /// sampling, records and the backend then all see one id.
+    fn request_id(&mut self) -> Option<Vec<u8>> {
+        if let Some(id) = self.request_header("x-request-id") {
+            return Some(id);
+        }
+        if self.platform() != Platform::NgxWasm {
+            return None;
+        }
+        let id = self.property("ngx.request_id")?;
+        self.set_request_header("x-request-id", &id);
+        Some(id)
+    }
+
+    /// The API of this request's path (`None`: not an LLM API the stages know).
+    fn provider(&mut self) -> Option<Provider> {
+        let path = self.request_header(":path")?;
+        Provider::for_path(std::str::from_utf8(&path).ok()?)
+    }
+
+    /// Answers the request with an error in the format of its API
+    /// (`zerolayer_core::reply`), with the retry hints its status calls for
+    /// and the request id its client reads.
+    fn send_json_error(&mut self, status: u32, kind: &str, message: &str) {
+        let retry = RetryHint::for_status(u16::try_from(status).unwrap_or(500));
+        json_error(self, status, kind, message, retry, false);
+    }
+
+    /// A 429 or 503 whose wait is known (`retry-after: secs`, at least 1),
+    /// sent as [`Host::send_json_error`] or, `from_answer`, as
+    /// [`Host::send_json_error_before_body`].
+    fn send_retry_later(
+        &mut self,
+        status: u32,
+        kind: &str,
+        message: &str,
+        secs: u64,
+        from_answer: bool,
+    ) {
+        let retry = RetryHint::After(u32::try_from(secs.max(1)).unwrap_or(u32::MAX));
+        let close = from_answer && self.platform() == Platform::NgxWasm;
+        json_error(self, status, kind, message, retry, close);
+    }
+
+    /// [`Host::send_json_error`] from a callout's answer, before the host
+    /// read the request body. ngx_wasm_module reads the body only after the
+    /// request headers went on, and a body left unread there was now and
+    /// then parsed as the next request on the keep-alive connection: there
+    /// the response closes the connection.
+    fn send_json_error_before_body(&mut self, status: u32, kind: &str, message: &str) {
+        let close = self.platform() == Platform::NgxWasm;
+        let retry = RetryHint::for_status(u16::try_from(status).unwrap_or(500));
+        json_error(self, status, kind, message, retry, close);
+    }
+}
+
 /// A failed shared-data write, logged at most once a minute per process
 /// (or VM) with the number of failures since the last line: a churn
 /// refused thousands of times a second must not flood the log.
@@ -513,7 +520,7 @@ fn warn_shared_failure<H: Host + ?Sized>(host: &mut H, key: &str, status: Status
     );
 }
 
-fn json_error<H: Host + ?Sized>(
+fn json_error<H: StreamHost + ?Sized>(
     host: &mut H,
     status: u32,
     kind: &str,

@@ -1,9 +1,10 @@
 //! The one surface between zerolayer's stages and the proxy. A stage gets
-//! its host explicitly, as a [`Host`] (`&mut impl Host`) in every callback
-//! of its [`RootStage`] and [`StreamStage`]; which host that is decides
+//! its host explicitly in every callback: its [`RootStage`] a [`RootHost`],
+//! each [`StreamStage`] a [`StreamHost`] (both a [`Host`]); which host that is decides
 //! whether it runs as its own filter ([`WasmHost`], registered by a module
-//! crate with [`standalone`]), inside a chain in one filter ([`PipelineHost`]:
-//! [`FusedHost`] in the fused filter, the native module's over Envoy's ABI), or
+//! crate with [`standalone`]), inside a chain in one filter ([`PipelineHost`]
+//! and [`PipelineRoots`]: the fused filter's, the native module's over
+//! Envoy's ABI), or
 //! in a native test ([`FakeHost`], feature `fake`).
 //!
 //! Logic stays in `zerolayer-core`; what this crate adds is composed the
@@ -33,21 +34,27 @@ mod wasm;
 #[cfg(feature = "fake")]
 pub use fake::{Dispatched, FakeHost, FakeMetric, Sent};
 #[cfg(feature = "wasm")]
-pub use fused::FusedHost;
+pub use fused::{Fused, FusedHost, FusedRoots};
 pub use host::{
-    Action, Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Status,
+    Action, Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Respond, RootHost,
+    Status, StreamHost,
 };
 pub use metrics::{Counter, Counters, Family, Metric, MetricId};
-pub use pipeline::{LocalResponse, PipelineHost, Proxy, Wake};
+pub use pipeline::{Chain, LocalResponse, PipelineHost, PipelineRoots, Proxy, Wake};
 pub use queue::{ObserverQueue, release_backlog};
 #[cfg(feature = "wasm")]
 pub use stage::standalone;
-pub use stage::{DoneWith, RootStage, StageHost, StreamStage};
+pub use stage::{DoneWith, Hosts, RootStage, StageHost, StreamStage};
 #[cfg(feature = "wasm")]
 pub use wasm::WasmHost;
 pub use zerolayer_core::metrics::{MetricName, SharedCounter};
 
 use zerolayer_core::ConfigError;
+
+// The README's examples compile and run as doc tests (`cargo test --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
 
 /// Parses `configuration` with `parse`; on error logs one line naming the
 /// field (`<filter>: invalid configuration: <path>: <problem>`) and

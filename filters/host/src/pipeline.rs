@@ -1,7 +1,8 @@
-//! [`PipelineHost`]: the host as the stages of a chain that runs in one
-//! filter see it (the fused Wasm filter, the native module), over the proxy
-//! beneath it ([`Proxy`]: the plain Proxy-Wasm host, Envoy's dynamic-module
-//! ABI, the recording fake in tests).
+//! [`PipelineHost`] and [`PipelineRoots`]: the hosts as the stages of a
+//! chain that runs in one filter see them (the fused Wasm filter, the
+//! native module): a stream's over the proxy beneath it ([`Proxy`]: the
+//! plain Proxy-Wasm host, Envoy's dynamic-module ABI, the recording fake in
+//! tests), and the stages' roots' over what the proxy gives a root ([`Host`]).
 //!
 //! One filter instance runs every stage, so a stage must not continue the
 //! stream itself (later stages would never see the request), and a stage's
@@ -9,22 +10,25 @@
 //! would each ask the proxy for again is kept here: the request and response
 //! headers (read once per stream), the hand-off values one stage publishes
 //! for the next, and the body of the current callback (read by the first
-//! stage that asks). A host serves one of two roles: a stream's stages
-//! ([`PipelineHost::stream`]) or the stages' roots ([`PipelineHost::roots`]),
-//! which record what they did to streams ([`Wake`]) for the chain's root to
-//! carry on through the stages after them.
+//! stage that asks). The roots record what they did to streams ([`Wake`])
+//! for the chain's root to carry on through the stages after them.
 
 use std::time::Duration;
 
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal;
 
-use crate::host::{Body, Callback, Headers, Host, MetricKind, Platform, Status};
+use std::marker::PhantomData;
+
+use crate::host::{
+    Body, Callback, Headers, Host, MetricKind, Platform, Respond, RootHost, Status, StreamHost,
+};
 use crate::stage::DoneWith;
+use crate::stage::Hosts;
 use crate::stage::StageHost;
 
-/// What a [`PipelineHost`] needs of the proxy beneath it besides [`Host`].
-pub trait Proxy: Host {
+/// What a [`PipelineHost`] needs of the proxy beneath it besides [`StreamHost`].
+pub trait Proxy: StreamHost {
     /// The whole of `map` (`None`: unreadable; the stages then ask header
     /// by header).
     fn read_headers(&mut self, map: Headers) -> Option<HeaderBlock>;
@@ -52,7 +56,7 @@ pub struct LocalResponse {
 }
 
 impl LocalResponse {
-    /// The response as [`Host::send_local_response`] was given it.
+    /// The response as [`Respond::send_local_response`] was given it.
     pub fn new(status: u32, headers: &[(&str, &str)], body: &[u8]) -> LocalResponse {
         LocalResponse {
             status,
@@ -64,7 +68,7 @@ impl LocalResponse {
         }
     }
 
-    /// The headers as [`Host::send_local_response`] takes them.
+    /// The headers as [`Respond::send_local_response`] takes them.
     pub fn header_pairs(&self) -> Vec<(&str, &str)> {
         self.headers
             .iter()
@@ -83,9 +87,10 @@ pub enum Wake {
     Answer(LocalResponse),
 }
 
-/// What one stream's stages share through their host.
-#[derive(Debug, Default)]
-struct StreamState {
+/// The host of one stream's stages in a chain that runs in one filter:
+/// what they would each ask the proxy again is kept here once.
+pub struct PipelineHost<P> {
+    proxy: P,
     /// The request headers, once read.
     request_headers: Option<HeaderBlock>,
     /// The response headers, once read.
@@ -105,55 +110,19 @@ struct StreamState {
     done: DoneWith,
 }
 
-impl StreamState {
-    fn headers(&mut self, map: Headers) -> &mut Option<HeaderBlock> {
-        match map {
-            Headers::Request => &mut self.request_headers,
-            Headers::Response => &mut self.response_headers,
-        }
-    }
-}
-
-/// What the stages' roots did, for the chain's root.
-#[derive(Debug, Default)]
-struct RootState {
-    /// The stream calls act on, once a stage made one effective.
-    effective: Option<u32>,
-    /// What the stages did to streams, in order.
-    woken: Vec<(u32, Wake)>,
-    /// The tick period the stage being configured asked for.
-    tick: Option<Duration>,
-}
-
-/// Which part of the chain a [`PipelineHost`] serves.
-#[derive(Debug)]
-enum Role {
-    /// One stream's stages.
-    Stream(StreamState),
-    /// The stages' roots.
-    Roots(RootState),
-}
-
-/// The host of a chain of stages in one filter: a stream's, or the roots'.
-pub struct PipelineHost<P> {
-    proxy: P,
-    role: Role,
-}
-
 impl<P: Proxy> PipelineHost<P> {
     /// The host for one stream's stages, over `proxy`.
     pub fn stream(proxy: P) -> PipelineHost<P> {
         PipelineHost {
             proxy,
-            role: Role::Stream(StreamState::default()),
-        }
-    }
-
-    /// The host for the stages' roots, over `proxy`.
-    pub fn roots(proxy: P) -> PipelineHost<P> {
-        PipelineHost {
-            proxy,
-            role: Role::Roots(RootState::default()),
+            request_headers: None,
+            response_headers: None,
+            handoffs: Vec::new(),
+            body: None,
+            held_request: None,
+            answered: false,
+            resumed: false,
+            done: DoneWith::default(),
         }
     }
 
@@ -167,127 +136,225 @@ impl<P: Proxy> PipelineHost<P> {
         &self.proxy
     }
 
-    /// Stream: reads `map` once, for every stage's header reads (unreadable:
-    /// the stages ask the proxy header by header instead).
+    /// Reads `map` once, for every stage's header reads (unreadable: the
+    /// stages ask the proxy header by header instead).
     pub fn read_headers(&mut self, map: Headers) {
-        if let Role::Stream(state) = &mut self.role {
-            *state.headers(map) = self.proxy.read_headers(map);
-        }
+        *self.headers(map) = self.proxy.read_headers(map);
     }
 
-    /// Stream: a stage's root answered the request from a tick.
+    /// A stage's root answered the request from a tick.
     pub fn mark_answered(&mut self) {
-        if let Role::Stream(state) = &mut self.role {
-            state.answered = true;
+        self.answered = true;
+    }
+
+    fn headers(&mut self, map: Headers) -> &mut Option<HeaderBlock> {
+        match map {
+            Headers::Request => &mut self.request_headers,
+            Headers::Response => &mut self.response_headers,
+        }
+    }
+}
+
+/// The host of the stages' roots in a chain that runs in one filter, over
+/// what the proxy gives a root: what they do to streams is recorded for the
+/// chain's root ([`PipelineRoots::take_woken`]), the tick periods they ask
+/// for for its scheduler.
+pub struct PipelineRoots<P> {
+    proxy: P,
+    /// The stream calls act on, once a stage made one effective.
+    effective: Option<u32>,
+    /// What the stages did to streams, in order.
+    woken: Vec<(u32, Wake)>,
+    /// The tick period the stage being configured asked for.
+    tick: Option<Duration>,
+}
+
+impl<P: Host> PipelineRoots<P> {
+    /// The host for the stages' roots, over `proxy`.
+    pub fn new(proxy: P) -> PipelineRoots<P> {
+        PipelineRoots {
+            proxy,
+            effective: None,
+            woken: Vec::new(),
+            tick: None,
         }
     }
 
-    /// Roots: what the stages did to streams since the last call.
+    /// The proxy beneath (the chain's own calls).
+    pub fn proxy(&mut self) -> &mut P {
+        &mut self.proxy
+    }
+
+    /// What the stages did to streams since the last call.
     pub fn take_woken(&mut self) -> Vec<(u32, Wake)> {
-        match &mut self.role {
-            Role::Roots(state) => std::mem::take(&mut state.woken),
-            Role::Stream(_) => Vec::new(),
-        }
+        std::mem::take(&mut self.woken)
     }
 
-    /// Roots: the tick period the stage just configured asked for.
+    /// The tick period the stage just configured asked for.
     pub fn take_tick(&mut self) -> Option<Duration> {
-        match &mut self.role {
-            Role::Roots(state) => state.tick.take(),
-            Role::Stream(_) => None,
-        }
+        self.tick.take()
     }
 
-    /// Roots: calls act on no stream until a stage makes one effective.
+    /// Calls act on no stream until a stage makes one effective.
     pub fn leave_stream(&mut self) {
-        if let Role::Roots(state) = &mut self.role {
-            state.effective = None;
-        }
+        self.effective = None;
     }
+}
 
-    /// The stream's cached copy of `map`, if it has one.
-    fn cached(&mut self, map: Headers) -> Option<&mut HeaderBlock> {
-        match &mut self.role {
-            Role::Stream(state) => state.headers(map).as_mut(),
-            Role::Roots(_) => None,
-        }
-    }
+/// A chain in one filter as its stages see it: roots over `R`, each
+/// stream over `S` (the fused filter: both the Proxy-Wasm host; the native
+/// module: a worker's roots and a stream's Envoy).
+pub struct Chain<R, S>(PhantomData<(R, S)>);
+
+impl<R: Host + 'static, S: Proxy + 'static> Hosts for Chain<R, S> {
+    type Root = PipelineRoots<R>;
+    type Stream = PipelineHost<S>;
 }
 
 impl<P: Proxy> StageHost for PipelineHost<P> {
     fn begin_callback(&mut self) {
         // The body read in the last callback may have changed (a new
         // chunk, more buffered).
-        if let Role::Stream(state) = &mut self.role {
-            state.body = None;
-        }
+        self.body = None;
         self.proxy.begin_callback();
     }
 
     fn answered(&self) -> bool {
-        matches!(&self.role, Role::Stream(state) if state.answered)
+        self.answered
     }
 
     fn take_done(&mut self) -> DoneWith {
-        match &mut self.role {
-            Role::Stream(state) => std::mem::take(&mut state.done),
-            Role::Roots(_) => DoneWith::default(),
-        }
+        std::mem::take(&mut self.done)
     }
 
     fn take_resumed(&mut self) -> bool {
-        match &mut self.role {
-            Role::Stream(state) => std::mem::take(&mut state.resumed),
-            Role::Roots(_) => false,
-        }
+        std::mem::take(&mut self.resumed)
     }
 
     fn hold_request_body(&mut self, size: usize) {
         // ngx_wasm_module hands a request body over only in the body step
         // and `on_log` (from a callout's answer the call traps); Envoy
         // anywhere in the stream.
-        let Role::Stream(state) = &mut self.role else {
-            return;
-        };
-        if state.held_request.is_none() && self.proxy.platform() == Platform::NgxWasm {
-            state.held_request = Some(self.proxy.read_body(Body::Request, size));
+        if self.held_request.is_none() && self.proxy.platform() == Platform::NgxWasm {
+            self.held_request = Some(self.proxy.read_body(Body::Request, size));
         }
     }
 }
 
-impl<P: Proxy> Host for PipelineHost<P> {
-    fn now(&mut self) -> Duration {
-        self.proxy.now()
-    }
-
-    fn platform(&mut self) -> Platform {
-        self.proxy.platform()
-    }
-
-    fn fused(&self) -> bool {
-        true
-    }
-
-    fn set_tick_period(&mut self, period: Duration) -> Result<(), Status> {
-        match &mut self.role {
-            // The chain's root ticks the stage this often.
-            Role::Roots(state) => {
-                state.tick = Some(period);
-                Ok(())
-            }
-            Role::Stream(_) => Err(Status::BadArgument),
+/// The [`Host`] methods both pipeline hosts pass to their proxy as they are.
+macro_rules! forward_host {
+    () => {
+        fn now(&mut self) -> Duration {
+            self.proxy.now()
         }
+
+        fn platform(&mut self) -> Platform {
+            self.proxy.platform()
+        }
+
+        fn fused(&self) -> bool {
+            true
+        }
+
+        fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+            self.proxy.shared_get(key)
+        }
+
+        fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
+            self.proxy.shared_set(key, value, cas)
+        }
+
+        fn register_queue(&mut self, name: &str) -> Result<u32, Status> {
+            self.proxy.register_queue(name)
+        }
+
+        fn resolve_queue(&mut self, vm_id: &str, name: &str) -> Option<u32> {
+            self.proxy.resolve_queue(vm_id, name)
+        }
+
+        fn enqueue(&mut self, queue: u32, bytes: &[u8]) -> Result<(), Status> {
+            self.proxy.enqueue(queue, bytes)
+        }
+
+        fn dequeue(&mut self, queue: u32) -> Result<Option<Vec<u8>>, Status> {
+            self.proxy.dequeue(queue)
+        }
+
+        fn dispatch(
+            &mut self,
+            cluster: &str,
+            headers: &[(&str, &str)],
+            body: Option<&[u8]>,
+            timeout: Duration,
+        ) -> Result<u32, Status> {
+            self.proxy.dispatch(cluster, headers, body, timeout)
+        }
+
+        fn callout_status(&mut self) -> Option<u16> {
+            self.proxy.callout_status()
+        }
+
+        fn callout_body(&mut self, size: usize) -> Vec<u8> {
+            self.proxy.callout_body(size)
+        }
+
+        fn callout_retry_after(&mut self) -> Option<u64> {
+            self.proxy.callout_retry_after()
+        }
+
+        fn define_metric(
+            &mut self,
+            kind: MetricKind,
+            name: zerolayer_core::metrics::MetricName<'_>,
+        ) -> Result<crate::MetricId, Status> {
+            self.proxy.define_metric(kind, name)
+        }
+
+        fn increment_metric(&mut self, id: u32, delta: i64) {
+            self.proxy.increment_metric(id, delta);
+        }
+
+        fn record_metric(&mut self, id: u32, value: u64) {
+            self.proxy.record_metric(id, value);
+        }
+    };
+}
+
+impl<P: Proxy> Host for PipelineHost<P> {
+    forward_host!();
+
+    fn set_tick_period(&mut self, _period: Duration) -> Result<(), Status> {
+        // Ticks are the roots'.
+        Err(Status::BadArgument)
+    }
+}
+
+impl<P: Proxy> Respond for PipelineHost<P> {
+    fn resume(&mut self) {
+        self.resumed = true;
     }
 
+    fn send_local_response(
+        &mut self,
+        status: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), Status> {
+        self.answered = true;
+        self.proxy.send_local_response(status, headers, body)
+    }
+}
+
+impl<P: Proxy> StreamHost for PipelineHost<P> {
     fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
-        match self.cached(map) {
+        match self.headers(map) {
             Some(headers) => headers.get(name).map(<[u8]>::to_vec),
             None => self.proxy.header(map, name),
         }
     }
 
     fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
-        match self.cached(map) {
+        match self.headers(map) {
             Some(headers) => f(headers),
             None => self.proxy.with_headers(map, f),
         }
@@ -295,7 +362,7 @@ impl<P: Proxy> Host for PipelineHost<P> {
 
     fn set_header(&mut self, map: Headers, name: &str, value: &[u8]) {
         self.proxy.set_header(map, name, value);
-        if let Some(headers) = self.cached(map) {
+        if let Some(headers) = self.headers(map) {
             headers.set(name, value);
         }
     }
@@ -307,7 +374,7 @@ impl<P: Proxy> Host for PipelineHost<P> {
     }
 
     fn remove_header(&mut self, map: Headers, name: &str) -> bool {
-        if let Some(headers) = self.cached(map) {
+        if let Some(headers) = self.headers(map) {
             if headers.get(name).is_none() {
                 return false;
             }
@@ -317,48 +384,39 @@ impl<P: Proxy> Host for PipelineHost<P> {
     }
 
     fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
-        let Role::Stream(state) = &mut self.role else {
-            return self.proxy.with_body(body, size, f);
-        };
-        if let (Body::Request, Some(held)) = (body, &state.held_request) {
+        if let (Body::Request, Some(held)) = (body, &self.held_request) {
             return f(held.get(..size).unwrap_or(held));
         }
-        if !matches!(&state.body, Some((kept, _)) if *kept == body) {
+        if !matches!(&self.body, Some((kept, _)) if *kept == body) {
             let bytes = self.proxy.read_body(body, size);
-            state.body = Some((body, bytes));
+            self.body = Some((body, bytes));
         }
-        let bytes = state.body.as_ref().map_or(&[][..], |(_, b)| b.as_slice());
+        let bytes = self.body.as_ref().map_or(&[][..], |(_, b)| b.as_slice());
         f(bytes.get(..size).unwrap_or(bytes))
     }
 
     fn set_body(&mut self, body: Body, size: usize, bytes: &[u8]) -> Result<(), Status> {
-        if let Role::Stream(state) = &mut self.role {
-            if body == Body::Request && state.held_request.is_some() {
-                // From a callout's answer the host takes no body back.
-                return Err(Status::BadArgument);
-            }
-            // The stages after this one read the proxy's new body.
-            state.body = None;
+        if body == Body::Request && self.held_request.is_some() {
+            // From a callout's answer the host takes no body back.
+            return Err(Status::BadArgument);
         }
+        // The stages after this one read the proxy's new body.
+        self.body = None;
         self.proxy.set_body(body, size, bytes)
     }
 
     fn property(&mut self, path: &str) -> Option<Vec<u8>> {
-        if let Role::Stream(state) = &self.role
-            && let Some((_, value)) = state.handoffs.iter().find(|(p, _)| p == path)
-        {
+        if let Some((_, value)) = self.handoffs.iter().find(|(p, _)| p == path) {
             return Some(value.clone());
         }
         self.proxy.property(path)
     }
 
     fn publish(&mut self, path: &str, value: &[u8]) {
-        if let Role::Stream(state) = &mut self.role
-            && path.starts_with(internal::HANDOFF_PREFIX)
-        {
-            match state.handoffs.iter_mut().find(|(p, _)| p == path) {
+        if path.starts_with(internal::HANDOFF_PREFIX) {
+            match self.handoffs.iter_mut().find(|(p, _)| p == path) {
                 Some(entry) => entry.1 = value.to_vec(),
-                None => state.handoffs.push((path.to_string(), value.to_vec())),
+                None => self.handoffs.push((path.to_string(), value.to_vec())),
             }
         }
         self.proxy.publish(path, value);
@@ -368,60 +426,25 @@ impl<P: Proxy> Host for PipelineHost<P> {
         self.proxy.set_property(path, value)
     }
 
-    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        self.proxy.shared_get(key)
+    fn done_with(&mut self, callback: Callback) {
+        self.done.insert(callback);
     }
+}
 
-    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
-        self.proxy.shared_set(key, value, cas)
+impl<P: Host> Host for PipelineRoots<P> {
+    forward_host!();
+
+    fn set_tick_period(&mut self, period: Duration) -> Result<(), Status> {
+        // The chain's root ticks the stage this often.
+        self.tick = Some(period);
+        Ok(())
     }
+}
 
-    fn register_queue(&mut self, name: &str) -> Result<u32, Status> {
-        self.proxy.register_queue(name)
-    }
-
-    fn resolve_queue(&mut self, vm_id: &str, name: &str) -> Option<u32> {
-        self.proxy.resolve_queue(vm_id, name)
-    }
-
-    fn enqueue(&mut self, queue: u32, bytes: &[u8]) -> Result<(), Status> {
-        self.proxy.enqueue(queue, bytes)
-    }
-
-    fn dequeue(&mut self, queue: u32) -> Result<Option<Vec<u8>>, Status> {
-        self.proxy.dequeue(queue)
-    }
-
-    fn dispatch(
-        &mut self,
-        cluster: &str,
-        headers: &[(&str, &str)],
-        body: Option<&[u8]>,
-        timeout: Duration,
-    ) -> Result<u32, Status> {
-        self.proxy.dispatch(cluster, headers, body, timeout)
-    }
-
-    fn callout_status(&mut self) -> Option<u16> {
-        self.proxy.callout_status()
-    }
-
-    fn callout_body(&mut self, size: usize) -> Vec<u8> {
-        self.proxy.callout_body(size)
-    }
-
-    fn callout_retry_after(&mut self) -> Option<u64> {
-        self.proxy.callout_retry_after()
-    }
-
+impl<P: Host> Respond for PipelineRoots<P> {
     fn resume(&mut self) {
-        match &mut self.role {
-            Role::Stream(state) => state.resumed = true,
-            Role::Roots(state) => {
-                if let Some(id) = state.effective {
-                    state.woken.push((id, Wake::Resume));
-                }
-            }
+        if let Some(id) = self.effective {
+            self.woken.push((id, Wake::Resume));
         }
     }
 
@@ -431,50 +454,20 @@ impl<P: Proxy> Host for PipelineHost<P> {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<(), Status> {
-        match &mut self.role {
-            Role::Stream(state) => {
-                state.answered = true;
-                self.proxy.send_local_response(status, headers, body)
-            }
-            // A root answers a stream through the chain's root, on that
-            // stream (natively: inside its own hook, on its worker).
-            Role::Roots(state) => match state.effective {
-                Some(id) => {
-                    let response = LocalResponse::new(status, headers, body);
-                    state.woken.push((id, Wake::Answer(response)));
-                    Ok(())
-                }
-                None => Err(Status::NotFound),
-            },
-        }
+        // A root answers a stream through the chain's root, on that stream
+        // (natively: inside its own hook, on its worker).
+        let id = self.effective.ok_or(Status::NotFound)?;
+        let response = LocalResponse::new(status, headers, body);
+        self.woken.push((id, Wake::Answer(response)));
+        Ok(())
     }
+}
 
+impl<P: Host> RootHost for PipelineRoots<P> {
     fn set_effective_context(&mut self, context_id: u32) -> Result<(), Status> {
-        if let Role::Roots(state) = &mut self.role {
-            state.effective = Some(context_id);
-        }
-        self.proxy.set_effective_context(context_id)
-    }
-
-    fn done_with(&mut self, callback: Callback) {
-        if let Role::Stream(state) = &mut self.role {
-            state.done.insert(callback);
-        }
-    }
-
-    fn define_metric(
-        &mut self,
-        kind: MetricKind,
-        name: zerolayer_core::metrics::MetricName<'_>,
-    ) -> Result<crate::MetricId, Status> {
-        self.proxy.define_metric(kind, name)
-    }
-
-    fn increment_metric(&mut self, id: u32, delta: i64) {
-        self.proxy.increment_metric(id, delta);
-    }
-
-    fn record_metric(&mut self, id: u32, value: u64) {
-        self.proxy.record_metric(id, value);
+        // The chain's root makes it effective on the proxy when it carries
+        // out what the stages did ([`PipelineRoots::take_woken`]).
+        self.effective = Some(context_id);
+        Ok(())
     }
 }

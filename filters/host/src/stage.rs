@@ -1,5 +1,7 @@
 //! A stage of the chain as zerolayer writes it: a root ([`RootStage`]) and
-//! a stream per request ([`StreamStage`]), each callback handed its host.
+//! a stream per request ([`StreamStage`]), each callback handed its host:
+//! the root a [`RootHost`], each stream a [`StreamHost`] ([`Hosts`] names
+//! the pair).
 //! The same stage runs as its own filter ([`standalone`]: a module crate
 //! registers it), inside a chain in one filter (on [`crate::PipelineHost`]: the
 //! fused filter, the native module), and in native tests (on [`crate::FakeHost`]).
@@ -9,39 +11,48 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 #[cfg(feature = "wasm")]
 use proxy_wasm::types::ContextType;
 
-use crate::host::{Action, Callback, Host};
+use crate::host::{Action, Callback, RootHost, StreamHost};
 #[cfg(feature = "wasm")]
 use crate::wasm::WasmHost;
 
+/// The hosts a stage runs on: its root's and its streams' (one type for
+/// both in a filter of its own and in tests; two in a chain in one filter).
+pub trait Hosts: 'static {
+    /// The root's host.
+    type Root: RootHost;
+    /// Each stream's host.
+    type Stream: StreamHost;
+}
+
 /// A stage's root: configuration, tick, its own callouts' answers.
-pub trait RootStage<H: Host> {
+pub trait RootStage<H: Hosts> {
     /// Configures the stage from `configuration` (its plugin configuration,
     /// or its section of the fused filter's); `false` refuses it, after one
     /// log line naming the field.
-    fn configure(&mut self, host: &mut H, configuration: &[u8]) -> bool;
+    fn configure(&mut self, host: &mut H::Root, configuration: &[u8]) -> bool;
 
     /// The tick the stage asked for with `Host::set_tick_period`.
-    fn tick(&mut self, _host: &mut H) {}
+    fn tick(&mut self, _host: &mut H::Root) {}
 
     /// Hands over now what it keeps in memory to report (counters, batched
     /// audit records), and nothing else of its tick: for a host whose roots
     /// tick only inside requests (the native module, at each stream's end,
     /// so nothing waits for the next request to be reported).
-    fn flush(&mut self, _host: &mut H) {}
+    fn flush(&mut self, _host: &mut H::Root) {}
 
     /// A callout the root made has an answer (the token may be another's:
     /// the fused root asks every stage).
-    fn call_answered(&mut self, _host: &mut H, _token: u32, _body_size: usize) {}
+    fn call_answered(&mut self, _host: &mut H::Root, _token: u32, _body_size: usize) {}
 
     /// The VM is going away: report what is pending.
-    fn done(&mut self, _host: &mut H) {}
+    fn done(&mut self, _host: &mut H::Root) {}
 
     /// The stage's part of a new request (`context_id` is the stream's).
-    fn stream(&self, context_id: u32) -> Box<dyn StreamStage<H>>;
+    fn stream(&self, context_id: u32) -> Box<dyn StreamStage<H::Stream>>;
 }
 
 /// A stage's part of one request, callback by callback.
-pub trait StreamStage<H: Host> {
+pub trait StreamStage<H: StreamHost> {
     /// The request headers.
     fn request_headers(&mut self, _host: &mut H, _end_of_stream: bool) -> Action {
         Action::Continue
@@ -97,11 +108,11 @@ impl DoneWith {
     }
 }
 
-/// What a pipeline of stages sharing one host needs of it besides [`Host`]:
+/// What a pipeline of stages sharing one host needs of it besides [`StreamHost`]:
 /// the state of the callback being run through them: [`crate::PipelineHost`]
 /// in the fused filter and the native module, [`crate::FakeHost`] in the
 /// pipeline's own tests.
-pub trait StageHost: Host {
+pub trait StageHost: StreamHost {
     /// A new host callback begins (what was read in the last one is stale).
     fn begin_callback(&mut self);
     /// Whether a stage answered the request (a local response).

@@ -12,8 +12,9 @@ use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal;
 
-use crate::host::{Body, Headers, Host, MetricKind, Platform};
+use crate::host::{Body, Headers, Host, MetricKind, Platform, Respond, RootHost, StreamHost};
 use crate::raw;
+use crate::stage::Hosts;
 
 /// The Proxy-Wasm host a filter runs in, as its own filter.
 #[derive(Debug, Default, Clone, Copy)]
@@ -155,6 +156,115 @@ impl Host for WasmHost {
         hostcalls::set_tick_period(period)
     }
 
+    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        hostcalls::get_shared_data(key).unwrap_or((None, None))
+    }
+
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
+        hostcalls::set_shared_data(key, Some(value), cas)
+    }
+
+    fn register_queue(&mut self, name: &str) -> Result<u32, Status> {
+        hostcalls::register_shared_queue(name)
+    }
+
+    fn resolve_queue(&mut self, vm_id: &str, name: &str) -> Option<u32> {
+        hostcalls::resolve_shared_queue(vm_id, name).ok().flatten()
+    }
+
+    fn enqueue(&mut self, queue: u32, bytes: &[u8]) -> Result<(), Status> {
+        hostcalls::enqueue_shared_queue(queue, Some(bytes))
+    }
+
+    fn dequeue(&mut self, queue: u32) -> Result<Option<Vec<u8>>, Status> {
+        hostcalls::dequeue_shared_queue(queue)
+    }
+
+    fn dispatch(
+        &mut self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> Result<u32, Status> {
+        hostcalls::dispatch_http_call(cluster, headers.to_vec(), body, vec![], timeout)
+    }
+
+    fn callout_status(&mut self) -> Option<u16> {
+        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
+            .ok()
+            .flatten()
+            .and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok())
+    }
+
+    fn callout_retry_after(&mut self) -> Option<u64> {
+        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, "retry-after")
+            .ok()
+            .flatten()
+            .and_then(|v| zerolayer_core::reply::retry_after_secs(&v))
+    }
+
+    fn callout_body(&mut self, size: usize) -> Vec<u8> {
+        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
+    /// Proxy-Wasm names only: the labels go into the name (flattened as
+    /// the shipped configs' `stats_tags` expect); counters are batched by
+    /// the stage and reported by id.
+    fn define_metric(
+        &mut self,
+        kind: MetricKind,
+        name: zerolayer_core::metrics::MetricName<'_>,
+    ) -> Result<crate::MetricId, Status> {
+        let kind = match kind {
+            MetricKind::Counter => MetricType::Counter,
+            MetricKind::Gauge => MetricType::Gauge,
+            MetricKind::Histogram => MetricType::Histogram,
+        };
+        hostcalls::define_metric(kind, &name.to_string()).map(crate::MetricId::reported)
+    }
+
+    fn increment_metric(&mut self, id: u32, delta: i64) {
+        let _ = hostcalls::increment_metric(id, delta);
+    }
+
+    fn record_metric(&mut self, id: u32, value: u64) {
+        let _ = hostcalls::record_metric(id, value);
+    }
+}
+
+/// A stage as its own filter (or in a test) has one host for its root and
+/// its streams.
+impl Hosts for WasmHost {
+    type Root = WasmHost;
+    type Stream = WasmHost;
+}
+
+impl Respond for WasmHost {
+    fn resume(&mut self) {
+        self.continue_request();
+    }
+
+    fn send_local_response(
+        &mut self,
+        status: u32,
+        headers: &[(&str, &str)],
+        body: &[u8],
+    ) -> Result<(), Status> {
+        hostcalls::send_http_response(status, headers.to_vec(), Some(body))
+    }
+}
+
+impl RootHost for WasmHost {
+    fn set_effective_context(&mut self, context_id: u32) -> Result<(), Status> {
+        hostcalls::set_effective_context(context_id)
+    }
+}
+
+impl StreamHost for WasmHost {
     fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
         hostcalls::get_map_value_bytes(map_type(map), name)
             .ok()
@@ -211,102 +321,6 @@ impl Host for WasmHost {
 
     fn set_property(&mut self, path: &str, value: &[u8]) -> Result<(), Status> {
         raw::set_property(path, value)
-    }
-
-    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        hostcalls::get_shared_data(key).unwrap_or((None, None))
-    }
-
-    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
-        hostcalls::set_shared_data(key, Some(value), cas)
-    }
-
-    fn register_queue(&mut self, name: &str) -> Result<u32, Status> {
-        hostcalls::register_shared_queue(name)
-    }
-
-    fn resolve_queue(&mut self, vm_id: &str, name: &str) -> Option<u32> {
-        hostcalls::resolve_shared_queue(vm_id, name).ok().flatten()
-    }
-
-    fn enqueue(&mut self, queue: u32, bytes: &[u8]) -> Result<(), Status> {
-        hostcalls::enqueue_shared_queue(queue, Some(bytes))
-    }
-
-    fn dequeue(&mut self, queue: u32) -> Result<Option<Vec<u8>>, Status> {
-        hostcalls::dequeue_shared_queue(queue)
-    }
-
-    fn dispatch(
-        &mut self,
-        cluster: &str,
-        headers: &[(&str, &str)],
-        body: Option<&[u8]>,
-        timeout: Duration,
-    ) -> Result<u32, Status> {
-        hostcalls::dispatch_http_call(cluster, headers.to_vec(), body, vec![], timeout)
-    }
-
-    fn callout_status(&mut self) -> Option<u16> {
-        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status")
-            .ok()
-            .flatten()
-            .and_then(|s| std::str::from_utf8(&s).ok()?.parse().ok())
-    }
-
-    fn callout_retry_after(&mut self) -> Option<u64> {
-        hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, "retry-after")
-            .ok()
-            .flatten()
-            .and_then(|v| zerolayer_core::reply::retry_after_secs(&v))
-    }
-
-    fn callout_body(&mut self, size: usize) -> Vec<u8> {
-        hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, size)
-            .ok()
-            .flatten()
-            .unwrap_or_default()
-    }
-
-    fn resume(&mut self) {
-        self.continue_request();
-    }
-
-    fn send_local_response(
-        &mut self,
-        status: u32,
-        headers: &[(&str, &str)],
-        body: &[u8],
-    ) -> Result<(), Status> {
-        hostcalls::send_http_response(status, headers.to_vec(), Some(body))
-    }
-
-    fn set_effective_context(&mut self, context_id: u32) -> Result<(), Status> {
-        hostcalls::set_effective_context(context_id)
-    }
-
-    /// Proxy-Wasm names only: the labels go into the name (flattened as
-    /// the shipped configs' `stats_tags` expect); counters are batched by
-    /// the stage and reported by id.
-    fn define_metric(
-        &mut self,
-        kind: MetricKind,
-        name: zerolayer_core::metrics::MetricName<'_>,
-    ) -> Result<crate::MetricId, Status> {
-        let kind = match kind {
-            MetricKind::Counter => MetricType::Counter,
-            MetricKind::Gauge => MetricType::Gauge,
-            MetricKind::Histogram => MetricType::Histogram,
-        };
-        hostcalls::define_metric(kind, &name.to_string()).map(crate::MetricId::reported)
-    }
-
-    fn increment_metric(&mut self, id: u32, delta: i64) {
-        let _ = hostcalls::increment_metric(id, delta);
-    }
-
-    fn record_metric(&mut self, id: u32, value: u64) {
-        let _ = hostcalls::record_metric(id, value);
     }
 }
 

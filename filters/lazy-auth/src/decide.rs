@@ -20,7 +20,7 @@ use zerolayer_core::auth::verdict::{self, Verdict, VerdictView};
 use zerolayer_core::event::{AuditRecord, Job, VerifyJob, VerifyOutcome};
 use zerolayer_core::internal;
 use zerolayer_core::metrics::Label;
-use zerolayer_host::{Action, Host};
+use zerolayer_host::{Action, StreamHost};
 use zerolayer_observer::auth::{VERIFIER_DOWN_KEY, throttle, throttled};
 
 use crate::Plan;
@@ -44,7 +44,7 @@ struct Credential {
 /// Whether the request declares a body that is not empty (a length, or
 /// chunks): nginx then reads it, and runs the body step, before it
 /// contacts the upstream.
-fn declares_body(host: &mut impl Host) -> bool {
+fn declares_body(host: &mut impl StreamHost) -> bool {
     host.request_header("content-length")
         .is_some_and(|l| l.trim_ascii() != b"0")
 }
@@ -102,7 +102,7 @@ impl Stream {
         }
     }
 
-    pub(crate) fn on_request_headers(&mut self, host: &mut impl Host) -> Action {
+    pub(crate) fn on_request_headers(&mut self, host: &mut impl StreamHost) -> Action {
         // Every host call counts on this path (~0.3 µs each in V8): one
         // clock read serves the whole decision, and the path is read only
         // when public paths are configured.
@@ -156,7 +156,7 @@ impl Stream {
         }
     }
 
-    fn read_credential(&self, host: &mut impl Host) -> Read {
+    fn read_credential(&self, host: &mut impl StreamHost) -> Read {
         let max = self.plan.config.max_credential_bytes as usize;
         for source in &self.plan.config.credentials {
             let Some(value) = host.request_header(&source.header) else {
@@ -187,7 +187,7 @@ impl Stream {
     }
 
     /// A credential nobody verified yet (or whose verdict expired).
-    fn unknown(&mut self, host: &mut impl Host, credential: Credential, now: u64) -> Action {
+    fn unknown(&mut self, host: &mut impl StreamHost, credential: Credential, now: u64) -> Action {
         let plan = self.plan.clone();
         let Credential { kind, hash, .. } = credential;
         if kind == CredentialKind::Jwt {
@@ -258,7 +258,7 @@ impl Stream {
     /// credential that keeps coming never loses it to colliding newcomers.
     /// A read per such request, a write at most every
     /// `exposure_touch_secs`.
-    fn touch_exposure(&self, host: &mut impl Host, hash: &TokenHash, now: u64) {
+    fn touch_exposure(&self, host: &mut impl StreamHost, hash: &TokenHash, now: u64) {
         let config = &self.plan.config;
         let every = config.exposure_touch_secs();
         let _ = host.shared_update_if(&exposure::key(hash, config.verdict_slots), |current| {
@@ -269,7 +269,7 @@ impl Stream {
     /// One lazy admission from the client's, the claimed tenant's and the
     /// gateway's buckets, narrowest first (false: one is empty; what the
     /// narrower ones gave is not returned, which only errs towards strict).
-    fn take_budget(&self, host: &mut impl Host) -> bool {
+    fn take_budget(&self, host: &mut impl StreamHost) -> bool {
         let budget = &self.plan.config.lazy_budget;
         let now_ms = self.started_us / 1000;
         let seed = self.plan.bucket_seed(host);
@@ -291,7 +291,7 @@ impl Stream {
     }
 
     /// Continue unverified; the observer verifies off the path.
-    fn admit_lazily(&mut self, host: &mut impl Host, c: Credential) -> Action {
+    fn admit_lazily(&mut self, host: &mut impl StreamHost, c: Credential) -> Action {
         let plan = self.plan.clone();
         // Metering bills the request to the tenant verification finds.
         let pending = PendingCredential {
@@ -339,7 +339,7 @@ impl Stream {
     /// (request paused) for API keys.
     fn verify_now(
         &mut self,
-        host: &mut impl Host,
+        host: &mut impl StreamHost,
         c: Credential,
         reason: SyncReason,
         now: u64,
@@ -361,7 +361,12 @@ impl Stream {
         }
     }
 
-    fn introspect(&mut self, host: &mut impl Host, c: Credential, reason: SyncReason) -> Action {
+    fn introspect(
+        &mut self,
+        host: &mut impl StreamHost,
+        c: Credential,
+        reason: SyncReason,
+    ) -> Action {
         // ngx_wasm_module reads a request body only after the request
         // headers step, and a request paused there for a callout and then
         // continued once its body was read was now and then never
@@ -379,7 +384,7 @@ impl Stream {
     }
 
     /// The request body step: a deferred check is made now.
-    pub(crate) fn on_request_body(&mut self, host: &mut impl Host) -> Action {
+    pub(crate) fn on_request_body(&mut self, host: &mut impl StreamHost) -> Action {
         match self.deferred.take() {
             Some((reason, c)) => self.dispatch_introspection(host, &c, reason),
             None => Action::Continue,
@@ -393,7 +398,7 @@ impl Stream {
 
     fn dispatch_introspection(
         &mut self,
-        host: &mut impl Host,
+        host: &mut impl StreamHost,
         c: &Credential,
         reason: SyncReason,
     ) -> Action {
@@ -443,7 +448,7 @@ impl Stream {
     /// The introspection endpoint answered a synchronous check.
     pub(crate) fn introspection_answered(
         &mut self,
-        host: &mut impl Host,
+        host: &mut impl StreamHost,
         token: u32,
         body_size: usize,
     ) {
@@ -476,7 +481,12 @@ impl Stream {
 
     /// A synchronous verdict: store it (so the next request is a cache
     /// hit), report the outcome for escalation, and act on it.
-    fn concluded(&mut self, host: &mut impl Host, verdict: Verdict, reason: SyncReason) -> Action {
+    fn concluded(
+        &mut self,
+        host: &mut impl StreamHost,
+        verdict: Verdict,
+        reason: SyncReason,
+    ) -> Action {
         let plan = self.plan.clone();
         let hash = TokenHash(verdict.hash);
         let ways = plan.config.verdict_ways;
@@ -511,7 +521,7 @@ impl Stream {
     /// Continues as a valid verdict's tenant and subject.
     fn allow(
         &mut self,
-        host: &mut impl Host,
+        host: &mut impl StreamHost,
         verdict: VerdictView,
         outcome: Outcome,
         reason: &str,
@@ -532,7 +542,7 @@ impl Stream {
 
     fn refuse(
         &mut self,
-        host: &mut impl Host,
+        host: &mut impl StreamHost,
         status: u32,
         outcome: Outcome,
         reason: &str,
@@ -543,12 +553,17 @@ impl Stream {
     }
 
     /// 401 for a credential verified invalid (now or before).
-    fn refuse_invalid(&mut self, host: &mut impl Host, outcome: Outcome, reason: &str) -> Action {
+    fn refuse_invalid(
+        &mut self,
+        host: &mut impl StreamHost,
+        outcome: Outcome,
+        reason: &str,
+    ) -> Action {
         self.refuse(host, 401, outcome, reason, "invalid credential")
     }
 
     /// Sends a refusal (from an answer: see `send_json_error_before_body`).
-    fn send_refusal(&mut self, host: &mut impl Host, status: u32, message: &str) {
+    fn send_refusal(&mut self, host: &mut impl StreamHost, status: u32, message: &str) {
         self.answered = true;
         if self.in_answer {
             host.send_json_error_before_body(status, "authentication_error", message);
@@ -560,7 +575,7 @@ impl Stream {
     /// One synchronous introspection from the client's bucket, then the
     /// gateway's (whose `reserve` only a client with a full bucket may
     /// take); `Err`: the wait, ms, before a call could be made.
-    fn take_verify_budget(&self, host: &mut impl Host, now_ms: u64) -> Result<(), u64> {
+    fn take_verify_budget(&self, host: &mut impl StreamHost, now_ms: u64) -> Result<(), u64> {
         let budget = self.plan.config.verify_budget;
         let seed = self.plan.bucket_seed(host);
         let address = host.property("source.address").unwrap_or_default();
@@ -580,7 +595,7 @@ impl Stream {
     }
 
     /// 503 while the verifier pushes back, with what is left of its wait.
-    fn throttled(&mut self, host: &mut impl Host, wait_ms: u64) -> Action {
+    fn throttled(&mut self, host: &mut impl StreamHost, wait_ms: u64) -> Action {
         self.retry_later(
             host,
             (503, "authentication_error"),
@@ -591,7 +606,7 @@ impl Stream {
     }
 
     /// 503: the credential cannot be verified now (retry in a second).
-    fn unavailable(&mut self, host: &mut impl Host) -> Action {
+    fn unavailable(&mut self, host: &mut impl StreamHost) -> Action {
         self.retry_later(
             host,
             (503, "authentication_error"),
@@ -606,7 +621,7 @@ impl Stream {
     /// reason.
     fn retry_later(
         &mut self,
-        host: &mut impl Host,
+        host: &mut impl StreamHost,
         (status, kind): (u32, &str),
         message: &str,
         wait_ms: u64,
@@ -620,7 +635,7 @@ impl Stream {
 
     fn done(
         &mut self,
-        host: &mut impl Host,
+        host: &mut impl StreamHost,
         outcome: Outcome,
         reason: &str,
         action: Action,
@@ -636,7 +651,7 @@ impl Stream {
     }
 
     /// After the response: an audit record when activation asked for one.
-    pub(crate) fn on_log(&self, host: &mut impl Host) {
+    pub(crate) fn on_log(&self, host: &mut impl StreamHost) {
         let plan = &self.plan;
         let Some(outcome) = self.outcome else {
             return;
@@ -685,7 +700,7 @@ const CANNOT_VERIFY_NOW: &str = "the credential cannot be verified right now; re
 /// or `None`: empty); false when empty, or when every CAS race was lost
 /// (as if empty: never open).
 fn take_from(
-    host: &mut impl Host,
+    host: &mut impl StreamHost,
     key: &str,
     mut take: impl FnMut(Option<&[u8]>) -> Option<Vec<u8>>,
 ) -> bool {

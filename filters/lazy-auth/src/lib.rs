@@ -26,7 +26,9 @@ use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::auth::credential::RecentCredentials;
 use zerolayer_core::auth::jwt::Validation;
 use zerolayer_core::auth::policy::Policy;
-use zerolayer_host::{Action, Callback, Host, ObserverQueue, RootStage, StreamStage};
+use zerolayer_host::{
+    Action, Callback, Host, Hosts, ObserverQueue, RootStage, StreamHost, StreamStage,
+};
 use zerolayer_observer::{EmbeddedObserver, ObserverConfig};
 
 use decide::Stream;
@@ -112,8 +114,8 @@ pub struct AuthRoot {
     observer: EmbeddedObserver,
 }
 
-impl<H: Host> RootStage<H> for AuthRoot {
-    fn configure(&mut self, host: &mut H, configuration: &[u8]) -> bool {
+impl<H: Hosts> RootStage<H> for AuthRoot {
+    fn configure(&mut self, host: &mut H::Root, configuration: &[u8]) -> bool {
         let Some(config) =
             zerolayer_host::load_config("lazy-auth", configuration, LazyAuthConfig::from_json)
         else {
@@ -171,23 +173,23 @@ impl<H: Host> RootStage<H> for AuthRoot {
         true
     }
 
-    fn tick(&mut self, host: &mut H) {
-        self.flush(host);
+    fn tick(&mut self, host: &mut H::Root) {
+        RootStage::<H>::flush(self, host);
         self.observer.tick(host);
     }
 
-    fn flush(&mut self, host: &mut H) {
+    fn flush(&mut self, host: &mut H::Root) {
         if let Some(plan) = &self.plan {
             plan.flush_audit(host);
             plan.metrics.flush(host);
         }
     }
 
-    fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
+    fn call_answered(&mut self, host: &mut H::Root, token: u32, body_size: usize) {
         self.observer.call_answered(host, token, body_size);
     }
 
-    fn done(&mut self, host: &mut H) {
+    fn done(&mut self, host: &mut H::Root) {
         if let Some(plan) = &self.plan {
             plan.flush_audit(host);
             plan.metrics.flush(host);
@@ -195,7 +197,7 @@ impl<H: Host> RootStage<H> for AuthRoot {
         self.observer.done(host);
     }
 
-    fn stream(&self, _context_id: u32) -> Box<dyn StreamStage<H>> {
+    fn stream(&self, _context_id: u32) -> Box<dyn StreamStage<H::Stream>> {
         Box::new(AuthStream {
             stream: self.plan.clone().map(Stream::new),
         })
@@ -209,7 +211,7 @@ struct AuthStream {
     stream: Option<Stream>,
 }
 
-impl<H: Host> StreamStage<H> for AuthStream {
+impl<H: StreamHost> StreamStage<H> for AuthStream {
     fn request_headers(&mut self, host: &mut H, _end_of_stream: bool) -> Action {
         host.done_with(Callback::ResponseBody);
         let action = match &mut self.stream {

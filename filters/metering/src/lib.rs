@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_core::metering::config::SamplingPlan;
-use zerolayer_host::{Host, ObserverQueue, RootStage, StreamStage};
+use zerolayer_host::{Host, Hosts, ObserverQueue, RootStage, StreamStage};
 use zerolayer_observer::{EmbeddedObserver, ObserverConfig};
 
 use meters::Meters;
@@ -47,8 +47,8 @@ pub struct MeteringRoot {
     observer: EmbeddedObserver,
 }
 
-impl<H: Host> RootStage<H> for MeteringRoot {
-    fn configure(&mut self, host: &mut H, configuration: &[u8]) -> bool {
+impl<H: Hosts> RootStage<H> for MeteringRoot {
+    fn configure(&mut self, host: &mut H::Root, configuration: &[u8]) -> bool {
         let Some(config) =
             zerolayer_host::load_config("metering", configuration, MeteringConfig::from_json)
         else {
@@ -93,29 +93,29 @@ impl<H: Host> RootStage<H> for MeteringRoot {
         true
     }
 
-    fn tick(&mut self, host: &mut H) {
-        self.flush(host);
+    fn tick(&mut self, host: &mut H::Root) {
+        RootStage::<H>::flush(self, host);
         self.observer.tick(host);
     }
 
-    fn flush(&mut self, host: &mut H) {
+    fn flush(&mut self, host: &mut H::Root) {
         if let Some(plan) = &self.plan {
             plan.meters.flush(host);
         }
     }
 
-    fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
+    fn call_answered(&mut self, host: &mut H::Root, token: u32, body_size: usize) {
         self.observer.call_answered(host, token, body_size);
     }
 
-    fn done(&mut self, host: &mut H) {
+    fn done(&mut self, host: &mut H::Root) {
         if let Some(plan) = &self.plan {
             plan.meters.flush(host);
         }
         self.observer.done(host);
     }
 
-    fn stream(&self, _context_id: u32) -> Box<dyn StreamStage<H>> {
+    fn stream(&self, _context_id: u32) -> Box<dyn StreamStage<H::Stream>> {
         Box::new(MeteredStream::new(self.plan.clone()))
     }
 }

@@ -17,7 +17,7 @@ use zerolayer_core::usage::{
     INCLUDE_USAGE_MEMBER, Injection, RequestScan, ResponseFormat, SkipReason, StreamedInjection,
     UsageChunkStripper, UsageExtractor, inject_include_usage,
 };
-use zerolayer_host::{Action, Body, Callback, Headers, Host, StreamStage};
+use zerolayer_host::{Action, Body, Callback, Headers, StreamHost, StreamStage};
 
 use crate::Plan;
 
@@ -92,7 +92,7 @@ impl MeteredStream {
 
     /// Makes the request's record: metrics for every request, the access
     /// log's ground truth, and a full record for the sample.
-    fn record(&mut self, host: &mut impl Host) {
+    fn record(&mut self, host: &mut impl StreamHost) {
         let (Some(plan), Some(_)) = (self.plan.clone(), self.provider) else {
             return;
         };
@@ -159,7 +159,7 @@ impl MeteredStream {
     /// turned out to have, read from the verdict now; while that is still
     /// pending it is `unverified` with the credential's attribution id
     /// (`auth::attribution`).
-    fn tenant(&mut self, host: &mut impl Host) -> (String, Option<String>) {
+    fn tenant(&mut self, host: &mut impl StreamHost) -> (String, Option<String>) {
         let default = self
             .plan
             .as_ref()
@@ -199,7 +199,7 @@ impl MeteredStream {
 
     /// The request headers: is it an LLM call, and may its body need
     /// `include_usage`.
-    fn on_request_headers(&mut self, host: &mut impl Host, end_of_stream: bool) -> Action {
+    fn on_request_headers(&mut self, host: &mut impl StreamHost, end_of_stream: bool) -> Action {
         let Some(plan) = &self.plan else {
             return Action::Continue;
         };
@@ -272,7 +272,7 @@ impl MeteredStream {
     /// once it is complete (held) or where its object closes (streamed).
     fn on_request_body(
         &mut self,
-        host: &mut impl Host,
+        host: &mut impl StreamHost,
         body_size: usize,
         end_of_stream: bool,
     ) -> Action {
@@ -316,7 +316,12 @@ impl MeteredStream {
     }
 
     /// The whole body is held: make it ask for usage in place.
-    fn rewrite_held(&mut self, host: &mut impl Host, plan: &Plan, body_size: usize) -> Action {
+    fn rewrite_held(
+        &mut self,
+        host: &mut impl StreamHost,
+        plan: &Plan,
+        body_size: usize,
+    ) -> Action {
         let Some(provider) = self.provider else {
             self.rewrite = Rewrite::None;
             return Action::Continue;
@@ -373,7 +378,13 @@ impl MeteredStream {
 
     /// A streamed body's object closes at `at` in the current chunk: append
     /// `include_usage` there if the request streams without asking for it.
-    fn append_include_usage(&mut self, host: &mut impl Host, plan: &Plan, size: usize, at: usize) {
+    fn append_include_usage(
+        &mut self,
+        host: &mut impl StreamHost,
+        plan: &Plan,
+        size: usize,
+        at: usize,
+    ) {
         let Some(scan) = &self.scan else {
             return;
         };
@@ -417,7 +428,7 @@ impl MeteredStream {
     /// The request now asks for usage on the client's behalf: the usage
     /// chunk is ours to remove from the response (and post-cache's, where
     /// it sees the response first).
-    fn asked_for_usage(&mut self, host: &mut impl Host, plan: &Plan) {
+    fn asked_for_usage(&mut self, host: &mut impl StreamHost, plan: &Plan) {
         self.stripper = Some(UsageChunkStripper::new());
         plan.meters.injected();
         if host.responses_in_chain_order() {
@@ -455,7 +466,7 @@ impl MeteredStream {
     }
 
     /// Decodes a compressed chunk into the usage extractor.
-    fn decode_chunk(&mut self, host: &mut impl Host, body_size: usize, end_of_stream: bool) {
+    fn decode_chunk(&mut self, host: &mut impl StreamHost, body_size: usize, end_of_stream: bool) {
         if let (Some(decoder), Some(extractor)) = (&mut self.decoder, &mut self.extractor) {
             let decoded = host.with_body(Body::Response, body_size, |chunk| {
                 decoder.push(chunk, |bytes| extractor.push(bytes))
@@ -483,7 +494,7 @@ impl MeteredStream {
     }
 }
 
-impl<H: Host> StreamStage<H> for MeteredStream {
+impl<H: StreamHost> StreamStage<H> for MeteredStream {
     fn request_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         let action = self.on_request_headers(host, end_of_stream);
         if self.scan.is_none() && !self.body_pending {

@@ -19,15 +19,15 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
-use serde_json::Value;
 use zerolayer_core::footprint;
-use zerolayer_fused::{Pipeline, Stage, StageRoots};
+use zerolayer_core::native::NativeSection;
+use zerolayer_fused::{Document, Pipeline, Stage, StageRoots};
 use zerolayer_host::{MetricKind, StreamMap, Wake};
 
 use crate::abi::ConfigEnvoy;
-use crate::config::{NativeSection, key_spaces, observer_config, upstreams};
+use crate::config::{ObserverSections, upstreams};
 use crate::envoy::StreamEnvoy;
-use crate::host::{EnvoyProxy, NativeHost};
+use crate::host::{EnvoyProcess, EnvoyProxy, NativeHost, NativeRoots};
 use crate::metrics::Metrics;
 use crate::observer::ObserverThread;
 use crate::process::{Process, Reporter};
@@ -56,8 +56,8 @@ pub(crate) struct Slot {
 /// One worker's part of a chain configuration: the stage roots.
 pub(crate) struct Worker {
     config: std::sync::Weak<ChainConfig>,
-    pub(crate) roots: StageRoots<EnvoyProxy>,
-    pub(crate) host: NativeHost,
+    pub(crate) roots: StageRoots<EnvoyProcess, EnvoyProxy>,
+    pub(crate) host: NativeRoots,
     pub(crate) streams: StreamMap<Weak<Slot>>,
     next_id: u32,
 }
@@ -79,15 +79,20 @@ impl ChainConfig {
         config_envoy: ConfigEnvoy,
         config: &[u8],
     ) -> Result<Arc<ChainConfig>, String> {
-        let mut value: Value =
-            serde_json::from_slice(config).map_err(|e| format!("not JSON: {e}"))?;
-        let native = match value.as_object_mut().and_then(|o| o.remove("native")) {
-            Some(native) => serde_json::from_value::<NativeSection>(native)
+        // Each byte is read once here to find the sections, and each section
+        // parsed once more by whoever needs it: its stage, and (lazy-auth,
+        // post-cache, metering) the observer's configuration with shared
+        // data's footprint, parsed together ([`ObserverSections`]).
+        let mut document = Document::parse(config)?;
+        let native = match document.take("native") {
+            Some(native) => serde_json::from_str::<NativeSection>(native.get())
                 .map_err(|e| format!("native: {e}"))?,
             None => NativeSection::default(),
         };
-        let sections = zerolayer_fused::sections(value.to_string().as_bytes())?;
-        let observer_config = observer_config(&value)?;
+        let sections = document.sections()?;
+        let parsed = ObserverSections::parse(&sections)?;
+        let spaces = parsed.key_spaces();
+        let observer_config = parsed.into_observer_config()?;
         let upstreams = upstreams(&native, observer_config.as_ref())?;
         // SAFETY: the caller's contract.
         let metrics = unsafe { Metrics::new(config_envoy) };
@@ -101,7 +106,6 @@ impl ChainConfig {
         let refused = metrics
             .id(MetricKind::Counter, "zerolayer_native_shared_refused")
             .ok();
-        let spaces = key_spaces(&sections);
         let (keys, bytes) = footprint::total(&spaces);
         if let Some(max) = native.shared_max_entries.filter(|&max| max < keys) {
             return Err(format!(
@@ -125,10 +129,10 @@ impl ChainConfig {
         });
         // Configured once here for the errors and the metrics (Envoy takes
         // metric definitions only now); each worker configures its own.
-        let mut host = NativeHost::roots(EnvoyProxy::roots(process.clone()));
-        let mut roots = StageRoots::default();
-        for (stage, section) in &sections {
-            if !roots.add(*stage, section, &mut host) {
+        let mut host = NativeRoots::new(EnvoyProcess::new(process.clone()));
+        let mut roots = StageRoots::<EnvoyProcess, EnvoyProxy>::default();
+        for &(stage, section) in &sections {
+            if !roots.add(stage, section, &mut host) {
                 return Err(format!("{}: refused (see the line above)", stage.section()));
             }
         }
@@ -158,7 +162,11 @@ impl ChainConfig {
         );
         let reporter = Reporter::start(&process);
         Ok(Arc::new(ChainConfig {
-            sections,
+            // Each worker configures its roots from the same bytes.
+            sections: sections
+                .into_iter()
+                .map(|(stage, section)| (stage, section.to_vec()))
+                .collect(),
             process,
             observer,
             reporter,
@@ -220,8 +228,8 @@ impl ChainConfig {
             {
                 return worker.clone();
             }
-            let mut host = NativeHost::roots(EnvoyProxy::roots(self.process.clone()));
-            let mut roots = StageRoots::default();
+            let mut host = NativeRoots::new(EnvoyProcess::new(self.process.clone()));
+            let mut roots = StageRoots::<EnvoyProcess, EnvoyProxy>::default();
             for (stage, section) in &self.sections {
                 // Checked on the main thread already: the same bytes.
                 if !roots.add(*stage, section, &mut host) {
@@ -252,7 +260,7 @@ impl Drop for ChainConfig {
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     use super::*;
 
@@ -290,6 +298,29 @@ mod tests {
             "native": {"upstreams": {"idp": "127.0.0.1:9"}},
         }));
         assert!(why.starts_with("lazy_auth.observer.mode:"), "{why}");
+    }
+
+    #[test]
+    fn a_section_the_observer_reads_is_refused_naming_its_full_path() {
+        let mut section = lazy_auth("singleton");
+        section["unknown"] = json!("maybe");
+        let why = refused(json!({
+            "lazy_auth": section,
+            "native": {"upstreams": {"idp": "127.0.0.1:9"}},
+        }));
+        assert!(
+            why.starts_with(
+                "lazy_auth.unknown: unknown variant `maybe`, expected `lazy` or `sync`"
+            ),
+            "{why}"
+        );
+        let why = refused(json!({"metering": {"sampling": {"percent": "all"}}}));
+        assert!(
+            why.starts_with("metering.sampling.percent: invalid type"),
+            "{why}"
+        );
+        let why = refused(json!({"metering": 5}));
+        assert_eq!(why, "metering: expected a JSON object");
     }
 
     #[test]

@@ -5,107 +5,98 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
-use serde::Deserialize;
-use serde_json::Value;
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::cache::config::PostCacheConfig;
-use zerolayer_core::config::{Endpoint, ObserverMode};
+use zerolayer_core::config::{Endpoint, ObserverMode, ROOT};
 use zerolayer_core::footprint::KeySpace;
 use zerolayer_core::metering::MeteringConfig;
+use zerolayer_core::native::NativeSection;
 use zerolayer_fused::Stage;
 use zerolayer_observer::ObserverConfig;
 
-/// The `native` section: what only the native form needs.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NativeSection {
-    /// Where the observer's thread reaches each cluster the configuration
-    /// names for off-path work (JWKS, introspection, sinks, the fleet
-    /// tier): `"cluster": "host:port"`. Envoy's cluster manager serves
-    /// only its own threads; callouts a stream makes still use Envoy's
-    /// clusters.
-    #[serde(default)]
-    pub upstreams: BTreeMap<String, String>,
-    /// Shared data's keys at most, if the operator caps them: refused at
-    /// load when the stages' configurations may need more (by default the
-    /// store holds exactly what they declare, each purpose its own quota).
-    #[serde(default)]
-    pub shared_max_entries: Option<u64>,
-    /// Shared data's bytes of keys and values at most, if the operator caps
-    /// them (as `shared_max_entries`).
-    #[serde(default)]
-    pub shared_max_bytes: Option<u64>,
-    /// Jobs waiting for the observer at most (a full queue refuses jobs,
-    /// counted by the stage that posts).
-    #[serde(default = "default_queue")]
-    pub queue_capacity: usize,
+/// The sections the module reads itself besides their stages — lazy-auth,
+/// post-cache and metering, for the observer's configuration and shared
+/// data's footprint — each parsed once, here.
+#[derive(Default)]
+pub(crate) struct ObserverSections {
+    lazy_auth: Option<LazyAuthConfig>,
+    post_cache: Option<PostCacheConfig>,
+    metering: Option<MeteringConfig>,
 }
 
-fn default_queue() -> usize {
-    65_536
-}
-
-impl Default for NativeSection {
-    fn default() -> Self {
-        NativeSection {
-            upstreams: BTreeMap::new(),
-            shared_max_entries: None,
-            shared_max_bytes: None,
-            queue_capacity: default_queue(),
+impl ObserverSections {
+    /// Parses the sections the observer works for; `Err` names the field
+    /// (`lazy_auth.jwt.issuers: …`), as the observer's own configuration
+    /// does.
+    pub(crate) fn parse(sections: &[(Stage, &[u8])]) -> Result<ObserverSections, String> {
+        fn section<T: serde::de::DeserializeOwned>(
+            name: &str,
+            bytes: &[u8],
+        ) -> Result<Option<T>, String> {
+            zerolayer_core::config::from_json(bytes)
+                .map(Some)
+                .map_err(|e| match e.path() {
+                    ROOT => format!("{name}: {}", e.message()),
+                    path => format!("{name}.{path}: {}", e.message()),
+                })
         }
-    }
-}
-
-/// What the configured stages may hold in shared data, by purpose (a
-/// section that does not parse declares nothing: its stage refuses it).
-pub(crate) fn key_spaces(sections: &[(Stage, Vec<u8>)]) -> Vec<KeySpace> {
-    sections
-        .iter()
-        .flat_map(|(stage, section)| match stage {
-            Stage::LazyAuth => LazyAuthConfig::from_json(section)
-                .map(|c| c.key_spaces())
-                .unwrap_or_default(),
-            Stage::PostCache => PostCacheConfig::from_json(section)
-                .map(|c| c.key_spaces())
-                .unwrap_or_default(),
-            Stage::Activation | Stage::Metering => Vec::new(),
-        })
-        .collect()
-}
-
-/// The observer's configuration from the stage sections it works for
-/// (none when none of them is there). Natively it always runs on its own
-/// thread: a section asking for the tick mode is refused, naming it.
-pub(crate) fn observer_config(value: &Value) -> Result<Option<ObserverConfig>, String> {
-    let mut sections = serde_json::Map::new();
-    for name in ["lazy_auth", "post_cache", "metering"] {
-        if let Some(section) = value.get(name) {
-            sections.insert(name.into(), section.clone());
+        let mut parsed = ObserverSections::default();
+        // In the order the sections' names sort, as the observer reads them.
+        for stage in [Stage::LazyAuth, Stage::Metering, Stage::PostCache] {
+            let Some(&(_, bytes)) = sections.iter().find(|(s, _)| *s == stage) else {
+                continue;
+            };
+            match stage {
+                Stage::LazyAuth => parsed.lazy_auth = section(stage.section(), bytes)?,
+                Stage::PostCache => parsed.post_cache = section(stage.section(), bytes)?,
+                Stage::Metering => parsed.metering = section(stage.section(), bytes)?,
+                Stage::Activation => {}
+            }
         }
+        Ok(parsed)
     }
-    if sections.is_empty() {
-        return Ok(None);
-    }
-    let bytes = Value::Object(sections).to_string();
-    let config = ObserverConfig::from_json(bytes.as_bytes()).map_err(|e| e.to_string())?;
-    let links = [
-        ("lazy_auth", config.lazy_auth.as_ref().map(|c| &c.observer)),
-        (
-            "post_cache",
-            config.post_cache.as_ref().map(|c| &c.observer),
-        ),
-        ("metering", config.metering.as_ref().map(|c| &c.observer)),
-    ];
-    for (name, link) in links {
-        if let Some(link) = link
-            && link.mode != ObserverMode::Singleton
-        {
-            return Err(format!(
-                "{name}.observer.mode: the native module runs its observer on a thread of its own: use \"singleton\""
-            ));
+
+    /// What the configured stages may hold in shared data, by purpose.
+    pub(crate) fn key_spaces(&self) -> Vec<KeySpace> {
+        let mut spaces = Vec::new();
+        if let Some(lazy) = &self.lazy_auth {
+            spaces.extend(lazy.key_spaces());
         }
+        if let Some(cache) = &self.post_cache {
+            spaces.extend(cache.key_spaces());
+        }
+        spaces
     }
-    Ok(Some(config))
+
+    /// The observer's configuration from the sections it works for (none
+    /// when none of them is there), checked as the observer checks its own.
+    /// Natively it always runs on its own thread: a section asking for the
+    /// tick mode is refused, naming it.
+    pub(crate) fn into_observer_config(self) -> Result<Option<ObserverConfig>, String> {
+        if self.lazy_auth.is_none() && self.post_cache.is_none() && self.metering.is_none() {
+            return Ok(None);
+        }
+        let config = ObserverConfig::from_sections(self.lazy_auth, self.post_cache, self.metering)
+            .map_err(|e| e.to_string())?;
+        let links = [
+            ("lazy_auth", config.lazy_auth.as_ref().map(|c| &c.observer)),
+            (
+                "post_cache",
+                config.post_cache.as_ref().map(|c| &c.observer),
+            ),
+            ("metering", config.metering.as_ref().map(|c| &c.observer)),
+        ];
+        for (name, link) in links {
+            if let Some(link) = link
+                && link.mode != ObserverMode::Singleton
+            {
+                return Err(format!(
+                    "{name}.observer.mode: the native module runs its observer on a thread of its own: use \"singleton\""
+                ));
+            }
+        }
+        Ok(Some(config))
+    }
 }
 
 /// The addresses of the clusters the observer calls, every one of them

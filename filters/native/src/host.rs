@@ -1,10 +1,11 @@
-//! [`NativeHost`]: the `Host` the stages see inside the native module, a
-//! [`PipelineHost`] over Envoy's dynamic-module ABI ([`EnvoyProxy`],
-//! [`crate::abi`]). One serves each stream's pipeline, another a worker's
-//! stage roots (with no stream handle: their work on streams reaches each
-//! stream through its own scheduled event, on its worker, inside its own
-//! hook). Shared data and the observer's queue are the process's
-//! ([`crate::store`]).
+//! [`NativeHost`] and [`NativeRoots`]: the hosts the stages see inside the
+//! native module. A stream's pipeline runs on a [`PipelineHost`] over
+//! Envoy's dynamic-module ABI through its stream ([`EnvoyProxy`],
+//! [`crate::envoy`]); a worker's stage roots on a [`PipelineRoots`] over the
+//! process ([`EnvoyRoots`]: no stream, so no stream methods; their work on
+//! streams reaches each stream through its own scheduled event, on its
+//! worker, inside its own hook). Shared data and the observer's queue are
+//! the process's ([`crate::store`]).
 //!
 //! Nothing here calls into Envoy in a way that re-enters the module while a
 //! pipeline is borrowed: a local response is recorded and sent by the hook
@@ -24,23 +25,29 @@ pub(crate) fn unix_now() -> Duration {
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal;
 use zerolayer_host::{
-    Body, CalloutAnswer, Headers, Host, LocalResponse, MetricKind, PipelineHost, Platform, Proxy,
-    Status,
+    Body, CalloutAnswer, Chain, Headers, Host, LocalResponse, MetricKind, PipelineHost,
+    PipelineRoots, Platform, Proxy, Respond, Status, StreamHost,
 };
 
 use crate::abi::{BodyKind, HeaderMap};
 use crate::envoy::{EnvoyStream, StreamEnvoy};
 use crate::process::Process;
 
-/// The native module's host: a stream's, or a worker's roots'.
+/// The native module's host of a stream's stages.
 pub type NativeHost = PipelineHost<EnvoyProxy>;
 
-/// Envoy beneath the stages, through one stream's handle (none for a
-/// worker's roots: their stream calls do nothing).
+/// The native module's host of a worker's stage roots.
+pub type NativeRoots = PipelineRoots<EnvoyProcess>;
+
+/// The native module's hosts, as its stages see them.
+pub type Native = Chain<EnvoyProcess, EnvoyProxy>;
+
+/// Envoy beneath a stream's stages, through the stream's handle.
 pub struct EnvoyProxy {
-    process: Arc<Process>,
-    /// The stream's Envoy (none for the roots).
-    envoy: Option<StreamEnvoy>,
+    /// The process beneath the stream (clock, shared data, queue, metrics).
+    process: EnvoyProcess,
+    /// The stream's Envoy.
+    envoy: StreamEnvoy,
     /// Whether the filter had Envoy buffer the request / response body
     /// (then the body is the buffered chunks and the one received).
     pub buffering_request: bool,
@@ -50,45 +57,30 @@ pub struct EnvoyProxy {
     pending_response: Option<LocalResponse>,
     /// The answer of the callout being delivered.
     answer: Option<CalloutAnswer>,
-    /// The clock, read once per callback: the stages ask it a dozen times
-    /// a request, and one instant serves a callback as Envoy's own
-    /// dispatcher time does.
-    clock: Option<Duration>,
 }
 
 impl EnvoyProxy {
     /// Envoy through one stream's `envoy`.
     pub fn stream(process: Arc<Process>, envoy: StreamEnvoy) -> EnvoyProxy {
         EnvoyProxy {
-            envoy: Some(envoy),
-            ..EnvoyProxy::roots(process)
-        }
-    }
-
-    /// Envoy as a worker's roots reach it: no stream handle.
-    pub fn roots(process: Arc<Process>) -> EnvoyProxy {
-        EnvoyProxy {
-            process,
-            envoy: None,
+            process: EnvoyProcess::new(process),
+            envoy,
             buffering_request: false,
             buffering_response: false,
             pending_response: None,
             answer: None,
-            clock: None,
         }
     }
 
     /// The process state this host reaches.
     pub fn process(&self) -> &Process {
-        &self.process
+        &self.process.process
     }
 
     /// Stream: the size of `body` as the current callback has it (the
     /// chunks Envoy buffered for this filter, and the one received).
     pub fn body_size(&mut self, body: Body) -> usize {
-        let Some(envoy) = self.envoy() else {
-            return 0;
-        };
+        let envoy = self.envoy();
         self.body_kinds(body)
             .iter()
             .map(|kind| envoy.body_size(*kind))
@@ -114,9 +106,9 @@ impl EnvoyProxy {
         self.answer = answer;
     }
 
-    /// The stream's Envoy (none for the roots).
-    pub fn envoy(&self) -> Option<&dyn EnvoyStream> {
-        self.envoy.as_ref().map(StreamEnvoy::get)
+    /// The stream's Envoy.
+    pub fn envoy(&self) -> &dyn EnvoyStream {
+        self.envoy.get()
     }
 }
 
@@ -129,26 +121,55 @@ fn header_map(map: Headers) -> HeaderMap {
 
 impl Proxy for EnvoyProxy {
     fn read_headers(&mut self, map: Headers) -> Option<HeaderBlock> {
-        // The roots see no stream's headers.
-        Some(self.envoy()?.header_block(header_map(map)))
+        Some(self.envoy().header_block(header_map(map)))
     }
 
     fn read_body(&mut self, body: Body, size: usize) -> Vec<u8> {
         let mut bytes = Vec::with_capacity(size);
-        if let Some(envoy) = self.envoy() {
-            for kind in self.body_kinds(body) {
-                envoy.append_body(*kind, &mut bytes);
-            }
+        let envoy = self.envoy();
+        for kind in self.body_kinds(body) {
+            envoy.append_body(*kind, &mut bytes);
         }
         bytes
     }
 
     fn begin_callback(&mut self) {
-        self.clock = None;
+        self.process.begin_callback();
     }
 }
 
-impl Host for EnvoyProxy {
+/// Envoy as a worker's stage roots reach it: the process's clock, shared
+/// data, observer queue and metrics; no stream and no callouts (the roots'
+/// background work is the observer thread's).
+pub struct EnvoyProcess {
+    process: Arc<Process>,
+    /// The clock, read once per callback: the stages ask it a dozen times
+    /// a request, and one instant serves a callback as Envoy's own
+    /// dispatcher time does.
+    clock: Option<Duration>,
+}
+
+impl EnvoyProcess {
+    /// The process as a worker's roots see it.
+    pub fn new(process: Arc<Process>) -> EnvoyProcess {
+        EnvoyProcess {
+            process,
+            clock: None,
+        }
+    }
+
+    /// A new callback begins: the clock reading is stale.
+    pub fn begin_callback(&mut self) {
+        self.clock = None;
+    }
+
+    /// The process state this host reaches.
+    pub fn process(&self) -> &Process {
+        &self.process
+    }
+}
+
+impl Host for EnvoyProcess {
     fn now(&mut self) -> Duration {
         *self.clock.get_or_insert_with(unix_now)
     }
@@ -162,73 +183,8 @@ impl Host for EnvoyProxy {
     }
 
     fn set_tick_period(&mut self, _period: Duration) -> Result<(), Status> {
-        // The worker ticks its roots (PipelineHost records the period).
+        // The worker ticks its roots (PipelineRoots records the period).
         Err(Status::BadArgument)
-    }
-
-    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
-        self.read_headers(map)?.get(name).map(<[u8]>::to_vec)
-    }
-
-    fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
-        f(&self.read_headers(map).unwrap_or_default())
-    }
-
-    fn set_header(&mut self, map: Headers, name: &str, value: &[u8]) {
-        if let Some(envoy) = self.envoy() {
-            envoy.set_header(header_map(map), name.as_bytes(), Some(value));
-        }
-    }
-
-    fn add_header(&mut self, map: Headers, name: &str, value: &[u8]) {
-        if let Some(envoy) = self.envoy() {
-            envoy.add_header(header_map(map), name.as_bytes(), value);
-        }
-    }
-
-    fn remove_header(&mut self, map: Headers, name: &str) -> bool {
-        self.envoy()
-            .is_some_and(|envoy| envoy.set_header(header_map(map), name.as_bytes(), None))
-    }
-
-    fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
-        let bytes = self.read_body(body, size);
-        f(bytes.get(..size).unwrap_or(&bytes))
-    }
-
-    fn set_body(&mut self, body: Body, _size: usize, bytes: &[u8]) -> Result<(), Status> {
-        let kinds = self.body_kinds(body);
-        let envoy = self.envoy().ok_or(Status::BadArgument)?;
-        // The new body goes where the last of it is; the rest is emptied.
-        for (i, kind) in kinds.iter().enumerate() {
-            let replacement = if i + 1 == kinds.len() { bytes } else { &[] };
-            if !envoy.replace_body(*kind, replacement) {
-                return Err(Status::InternalFailure);
-            }
-        }
-        Ok(())
-    }
-
-    fn property(&mut self, path: &str) -> Option<Vec<u8>> {
-        match path {
-            "source.address" => self.envoy()?.source_address(),
-            _ => None,
-        }
-    }
-
-    fn publish(&mut self, path: &str, value: &[u8]) {
-        // The access log reads hand-offs as the Wasm forms publish them:
-        // `%FILTER_STATE(wasm.wasmx.zerolayer_auth:PLAIN)%`.
-        if let Some(envoy) = self.envoy()
-            && path.starts_with(internal::HANDOFF_PREFIX)
-        {
-            let key = format!("wasm.{path}");
-            envoy.set_filter_state(key.as_bytes(), value);
-        }
-    }
-
-    fn set_property(&mut self, _path: &str, _value: &[u8]) -> Result<(), Status> {
-        Err(Status::NotFound)
     }
 
     fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
@@ -257,7 +213,91 @@ impl Host for EnvoyProxy {
     }
 
     fn dequeue(&mut self, _queue: u32) -> Result<Option<Vec<u8>>, Status> {
+        // The observer's thread takes the queue's items.
         Err(Status::BadArgument)
+    }
+
+    fn dispatch(
+        &mut self,
+        _cluster: &str,
+        _headers: &[(&str, &str)],
+        _body: Option<&[u8]>,
+        _timeout: Duration,
+    ) -> Result<u32, Status> {
+        // Callouts go through a stream's handle; the roots' background
+        // work is the observer thread's.
+        Err(Status::BadArgument)
+    }
+
+    fn callout_status(&mut self) -> Option<u16> {
+        // No callout of the roots, so none is ever answered.
+        None
+    }
+
+    fn callout_body(&mut self, _size: usize) -> Vec<u8> {
+        Vec::new()
+    }
+
+    fn callout_retry_after(&mut self) -> Option<u64> {
+        None
+    }
+
+    fn define_metric(
+        &mut self,
+        kind: MetricKind,
+        name: zerolayer_core::metrics::MetricName<'_>,
+    ) -> Result<zerolayer_host::MetricId, Status> {
+        self.process.metrics.define(kind, name)
+    }
+
+    fn increment_metric(&mut self, id: u32, delta: i64) {
+        self.process.metrics.add(id, delta);
+    }
+
+    fn record_metric(&mut self, id: u32, value: u64) {
+        self.process.metrics.record(id, value);
+    }
+}
+
+impl Host for EnvoyProxy {
+    fn now(&mut self) -> Duration {
+        self.process.now()
+    }
+
+    fn platform(&mut self) -> Platform {
+        Platform::Envoy
+    }
+
+    fn fused(&self) -> bool {
+        true
+    }
+
+    fn set_tick_period(&mut self, period: Duration) -> Result<(), Status> {
+        self.process.set_tick_period(period)
+    }
+
+    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+        self.process.shared_get(key)
+    }
+
+    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
+        self.process.shared_set(key, value, cas)
+    }
+
+    fn register_queue(&mut self, name: &str) -> Result<u32, Status> {
+        self.process.register_queue(name)
+    }
+
+    fn resolve_queue(&mut self, vm_id: &str, name: &str) -> Option<u32> {
+        self.process.resolve_queue(vm_id, name)
+    }
+
+    fn enqueue(&mut self, queue: u32, bytes: &[u8]) -> Result<(), Status> {
+        self.process.enqueue(queue, bytes)
+    }
+
+    fn dequeue(&mut self, queue: u32) -> Result<Option<Vec<u8>>, Status> {
+        self.process.dequeue(queue)
     }
 
     fn dispatch(
@@ -267,10 +307,7 @@ impl Host for EnvoyProxy {
         body: Option<&[u8]>,
         timeout: Duration,
     ) -> Result<u32, Status> {
-        // The roots have no callouts natively: their work is the
-        // observer thread's.
-        let envoy = self.envoy().ok_or(Status::BadArgument)?;
-        envoy.callout(
+        self.envoy().callout(
             cluster.as_bytes(),
             headers,
             body.unwrap_or_default(),
@@ -293,6 +330,24 @@ impl Host for EnvoyProxy {
             .unwrap_or_default()
     }
 
+    fn define_metric(
+        &mut self,
+        kind: MetricKind,
+        name: zerolayer_core::metrics::MetricName<'_>,
+    ) -> Result<zerolayer_host::MetricId, Status> {
+        self.process.define_metric(kind, name)
+    }
+
+    fn increment_metric(&mut self, id: u32, delta: i64) {
+        self.process.increment_metric(id, delta);
+    }
+
+    fn record_metric(&mut self, id: u32, value: u64) {
+        self.process.record_metric(id, value);
+    }
+}
+
+impl Respond for EnvoyProxy {
     fn resume(&mut self) {
         // PipelineHost records resumes; the hook continues the stream.
     }
@@ -303,33 +358,72 @@ impl Host for EnvoyProxy {
         headers: &[(&str, &str)],
         body: &[u8],
     ) -> Result<(), Status> {
-        if self.envoy.is_none() {
-            return Err(Status::NotFound);
-        }
         // Sent by the hook once the stages returned (Envoy runs the
         // filter's own response hooks inside `send_response`).
         self.pending_response = Some(LocalResponse::new(status, headers, body));
         Ok(())
     }
+}
 
-    fn set_effective_context(&mut self, _context_id: u32) -> Result<(), Status> {
-        // A root's calls on a stream reach it through its scheduled event.
+impl StreamHost for EnvoyProxy {
+    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
+        self.read_headers(map)?.get(name).map(<[u8]>::to_vec)
+    }
+
+    fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
+        f(&self.read_headers(map).unwrap_or_default())
+    }
+
+    fn set_header(&mut self, map: Headers, name: &str, value: &[u8]) {
+        self.envoy()
+            .set_header(header_map(map), name.as_bytes(), Some(value));
+    }
+
+    fn add_header(&mut self, map: Headers, name: &str, value: &[u8]) {
+        self.envoy()
+            .add_header(header_map(map), name.as_bytes(), value);
+    }
+
+    fn remove_header(&mut self, map: Headers, name: &str) -> bool {
+        self.envoy()
+            .set_header(header_map(map), name.as_bytes(), None)
+    }
+
+    fn with_body<T>(&mut self, body: Body, size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
+        let bytes = self.read_body(body, size);
+        f(bytes.get(..size).unwrap_or(&bytes))
+    }
+
+    fn set_body(&mut self, body: Body, _size: usize, bytes: &[u8]) -> Result<(), Status> {
+        let kinds = self.body_kinds(body);
+        let envoy = self.envoy();
+        // The new body goes where the last of it is; the rest is emptied.
+        for (i, kind) in kinds.iter().enumerate() {
+            let replacement = if i + 1 == kinds.len() { bytes } else { &[] };
+            if !envoy.replace_body(*kind, replacement) {
+                return Err(Status::InternalFailure);
+            }
+        }
         Ok(())
     }
 
-    fn define_metric(
-        &mut self,
-        kind: MetricKind,
-        name: zerolayer_core::metrics::MetricName<'_>,
-    ) -> Result<zerolayer_host::MetricId, Status> {
-        self.process.metrics.define(kind, name)
+    fn property(&mut self, path: &str) -> Option<Vec<u8>> {
+        match path {
+            "source.address" => self.envoy().source_address(),
+            _ => None,
+        }
     }
 
-    fn increment_metric(&mut self, id: u32, delta: i64) {
-        self.process.metrics.add(id, delta);
+    fn publish(&mut self, path: &str, value: &[u8]) {
+        // The access log reads hand-offs as the Wasm forms publish them:
+        // `%FILTER_STATE(wasm.wasmx.zerolayer_auth:PLAIN)%`.
+        if path.starts_with(internal::HANDOFF_PREFIX) {
+            let key = format!("wasm.{path}");
+            self.envoy().set_filter_state(key.as_bytes(), value);
+        }
     }
 
-    fn record_metric(&mut self, id: u32, value: u64) {
-        self.process.metrics.record(id, value);
+    fn set_property(&mut self, _path: &str, _value: &[u8]) -> Result<(), Status> {
+        Err(Status::NotFound)
     }
 }

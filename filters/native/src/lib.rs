@@ -6,8 +6,11 @@
 //! Filters (`filter_name`): `zerolayer`, the fused chain's stages on a
 //! `zerolayer_host::Host` over this ABI ([`chain`]: configuration and
 //! workers, [`stream`]: a request's hooks, [`host`]), the observer
-//! on a thread of its own ([`observer`]); and the floor probes
-//! (`probe_trivial`, `probe_chain`, see [`probe`]) it is measured against.
+//! on a thread of its own ([`observer`]); and, in a build with feature
+//! `probes` only (the `envoy_load` bench's, `cargo xtask build-native
+//! --probes`), the floor probes (`probe_trivial`, `probe_chain`, see
+//! `probe`) it is measured against. The shipped module neither contains
+//! nor branches on them.
 //!
 //! Lifecycle, top to bottom, as Envoy calls it: program init (the ABI
 //! version) → filter config (`filter_name`, `filter_config`; refused with
@@ -35,6 +38,7 @@ pub mod host;
 mod logger;
 pub mod metrics;
 pub mod observer;
+#[cfg(feature = "probes")]
 pub mod probe;
 pub mod process;
 pub mod store;
@@ -48,19 +52,26 @@ use std::sync::Arc;
 use abi::{Buffer, ConfigEnvoy, FilterEnvoy, Header};
 use chain::ChainConfig;
 use envoy::{StreamEnvoy, StreamHandle};
+#[cfg(feature = "probes")]
 use probe::{Probe, ProbeStream};
 use stream::{ChainStream, Outcome, Verdict};
 
 /// A filter configuration: which filter `filter_name` chose.
 enum FilterConfig {
-    /// A floor probe.
+    /// A floor probe (feature `probes`).
+    #[cfg(feature = "probes")]
     Probe(Probe),
     /// The chain (`zerolayer`).
     Chain(Arc<ChainConfig>),
 }
 
 /// The filter names this module serves.
+#[cfg(feature = "probes")]
 const FILTER_NAMES: &str = "zerolayer, probe_trivial or probe_chain";
+/// The filter names this module serves (the probes are in a build with
+/// feature `probes` only).
+#[cfg(not(feature = "probes"))]
+const FILTER_NAMES: &str = "zerolayer; probe_trivial and probe_chain exist only in a build with feature `probes`: cargo xtask build-native --probes";
 
 impl FilterConfig {
     /// The configuration for `filter_name`, or the line saying why not.
@@ -70,7 +81,9 @@ impl FilterConfig {
             b"zerolayer" => unsafe { ChainConfig::new(config_envoy, config) }
                 .map(FilterConfig::Chain)
                 .map_err(|e| format!("zerolayer: {e}")),
+            #[cfg(feature = "probes")]
             b"probe_trivial" => Ok(FilterConfig::Probe(Probe::Trivial)),
+            #[cfg(feature = "probes")]
             b"probe_chain" => Ok(FilterConfig::Probe(Probe::Chain)),
             other => Err(format!(
                 "filter_name: unknown filter {:?} (expected {FILTER_NAMES})",
@@ -82,6 +95,7 @@ impl FilterConfig {
 
 /// One request through a filter.
 enum Filter {
+    #[cfg(feature = "probes")]
     Probe(ProbeStream),
     Chain(Box<ChainStream>),
 }
@@ -206,11 +220,15 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(conf
         // SAFETY: made by `Box::into_raw` in `…_config_new`, freed once.
         let config = unsafe { Box::from_raw(config as *mut FilterConfig) };
         guarded("config_destroy", (), || {
-            if let FilterConfig::Chain(chain) = *config {
-                // The observer thread stops now, whoever holds the rest.
-                if let Ok(mut chain) = Arc::try_unwrap(chain) {
-                    chain.shut_down();
+            match *config {
+                FilterConfig::Chain(chain) => {
+                    // The observer thread stops now, whoever holds the rest.
+                    if let Ok(mut chain) = Arc::try_unwrap(chain) {
+                        chain.shut_down();
+                    }
                 }
+                #[cfg(feature = "probes")]
+                FilterConfig::Probe(_) => {}
             }
         });
     }
@@ -250,6 +268,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
             return std::ptr::null_mut();
         };
         let filter = match config {
+            #[cfg(feature = "probes")]
             FilterConfig::Probe(probe) => Filter::Probe(ProbeStream::new(*probe)),
             FilterConfig::Chain(chain) => {
                 // SAFETY: Envoy's handle of this new stream; the chain calls
@@ -273,11 +292,13 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     end_of_stream: bool,
 ) -> u32 {
     guarded("request_headers", abi::HEADERS_CONTINUE, || {
+        #[cfg(feature = "probes")]
         // SAFETY: Envoy's handles of this hook.
         if let Some(Filter::Probe(probe)) = unsafe { filter(filter_module) } {
             unsafe { probe.request_headers(filter_envoy, end_of_stream) };
             return abi::HEADERS_CONTINUE;
         }
+        // SAFETY: Envoy's handles of this hook.
         unsafe {
             chain_step(filter_envoy, filter_module, |c| {
                 c.request_headers(end_of_stream)
@@ -298,10 +319,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     end_of_stream: bool,
 ) -> u32 {
     guarded("request_body", abi::BODY_CONTINUE, || {
+        #[cfg(feature = "probes")]
         // SAFETY: Envoy's handles of this hook.
         if let Some(Filter::Probe(probe)) = unsafe { filter(filter_module) } {
             return unsafe { probe.request_body(filter_envoy, end_of_stream) };
         }
+        // SAFETY: Envoy's handles of this hook.
         unsafe {
             chain_step(filter_envoy, filter_module, |c| {
                 c.request_body(end_of_stream)
@@ -331,11 +354,13 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     end_of_stream: bool,
 ) -> u32 {
     guarded("response_headers", abi::HEADERS_CONTINUE, || {
+        #[cfg(feature = "probes")]
         // SAFETY: Envoy's handles of this hook.
         if let Some(Filter::Probe(probe)) = unsafe { filter(filter_module) } {
             unsafe { probe.response_headers(filter_envoy) };
             return abi::HEADERS_CONTINUE;
         }
+        // SAFETY: Envoy's handles of this hook.
         unsafe {
             chain_step(filter_envoy, filter_module, |c| {
                 c.response_headers(end_of_stream)
@@ -356,10 +381,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     end_of_stream: bool,
 ) -> u32 {
     guarded("response_body", abi::BODY_CONTINUE, || {
+        #[cfg(feature = "probes")]
         // SAFETY: Envoy's handles of this hook.
         if let Some(Filter::Probe(probe)) = unsafe { filter(filter_module) } {
             return unsafe { probe.response_body(filter_envoy, end_of_stream) };
         }
+        // SAFETY: Envoy's handles of this hook.
         unsafe {
             chain_step(filter_envoy, filter_module, |c| {
                 c.response_body(end_of_stream)
@@ -532,24 +559,39 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_downstream_below_write_buf
 mod tests {
     use super::*;
 
-    fn probe(name: &[u8]) -> Option<Probe> {
-        match FilterConfig::new(std::ptr::null_mut(), name, b"") {
-            Ok(FilterConfig::Probe(probe)) => Some(probe),
-            _ => None,
-        }
+    fn refused(name: &[u8]) -> String {
+        FilterConfig::new(std::ptr::null_mut(), name, b"")
+            .err()
+            .unwrap_or_default()
     }
 
+    #[cfg(feature = "probes")]
     #[test]
     fn a_filter_name_picks_the_filter_and_an_unknown_one_is_refused_naming_the_field() {
+        let probe = |name: &[u8]| match FilterConfig::new(std::ptr::null_mut(), name, b"") {
+            Ok(FilterConfig::Probe(probe)) => Some(probe),
+            _ => None,
+        };
         assert_eq!(probe(b"probe_chain"), Some(Probe::Chain));
         assert_eq!(probe(b"probe_trivial"), Some(Probe::Trivial));
-        let refused = FilterConfig::new(std::ptr::null_mut(), b"zerolayer_fused", b"")
-            .err()
-            .unwrap_or_default();
-        assert!(
-            refused.starts_with("filter_name: unknown filter \"zerolayer_fused\""),
-            "{refused}"
+        assert_eq!(
+            refused(b"zerolayer_fused"),
+            "filter_name: unknown filter \"zerolayer_fused\" (expected zerolayer, probe_trivial or probe_chain)"
         );
+    }
+
+    #[cfg(not(feature = "probes"))]
+    #[test]
+    fn the_shipped_module_refuses_the_probes_as_unknown_filters_naming_the_field() {
+        for name in ["probe_trivial", "probe_chain", "zerolayer_fused"] {
+            assert_eq!(
+                refused(name.as_bytes()),
+                format!(
+                    "filter_name: unknown filter {name:?} (expected zerolayer; probe_trivial and probe_chain \
+                     exist only in a build with feature `probes`: cargo xtask build-native --probes)"
+                )
+            );
+        }
     }
 
     #[test]

@@ -16,8 +16,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
-use zerolayer_core::headers::HeaderBlock;
-use zerolayer_host::{Body, CalloutAnswer, Headers, Host, MetricKind, Platform, Status};
+use zerolayer_host::{CalloutAnswer, Host, MetricKind, Platform, Status};
 use zerolayer_observer::{Observer, ObserverConfig};
 
 use crate::process::Process;
@@ -199,42 +198,6 @@ impl Host for ObserverHost {
         Ok(())
     }
 
-    fn header(&mut self, _map: Headers, _name: &str) -> Option<Vec<u8>> {
-        None
-    }
-
-    fn with_headers<T>(&mut self, _map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
-        f(&HeaderBlock::default())
-    }
-
-    fn set_header(&mut self, _map: Headers, _name: &str, _value: &[u8]) {}
-
-    fn add_header(&mut self, _map: Headers, _name: &str, _value: &[u8]) {}
-
-    fn remove_header(&mut self, _map: Headers, _name: &str) -> bool {
-        false
-    }
-
-    fn with_body<T>(&mut self, _body: Body, _size: usize, f: impl FnOnce(&[u8]) -> T) -> T {
-        f(&[])
-    }
-
-    fn set_body(&mut self, _body: Body, _size: usize, _bytes: &[u8]) -> Result<(), Status> {
-        Err(Status::BadArgument)
-    }
-
-    fn property(&mut self, _path: &str) -> Option<Vec<u8>> {
-        // No stream: no properties (secrets come from Envoy's environment,
-        // read with std::env as in a Wasm VM).
-        None
-    }
-
-    fn publish(&mut self, _path: &str, _value: &[u8]) {}
-
-    fn set_property(&mut self, _path: &str, _value: &[u8]) -> Result<(), Status> {
-        Err(Status::NotFound)
-    }
-
     fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
         self.process.data.get(key)
     }
@@ -314,21 +277,6 @@ impl Host for ObserverHost {
 
     fn callout_retry_after(&mut self) -> Option<u64> {
         self.answer.as_ref().and_then(|a| a.retry_after_secs)
-    }
-
-    fn resume(&mut self) {}
-
-    fn send_local_response(
-        &mut self,
-        _status: u32,
-        _headers: &[(&str, &str)],
-        _body: &[u8],
-    ) -> Result<(), Status> {
-        Err(Status::NotFound)
-    }
-
-    fn set_effective_context(&mut self, _context_id: u32) -> Result<(), Status> {
-        Err(Status::NotFound)
     }
 
     fn define_metric(

@@ -98,14 +98,14 @@ impl ChainStream {
         };
         let worker = &mut *worker;
         // The roots' clock is read afresh for each tick.
-        worker.host.begin_callback();
+        worker.host.proxy().begin_callback();
         let now = worker.host.now_ms();
         if !flush && !worker.roots.due(now) {
             return;
         }
         worker.roots.tick(&mut worker.host, now, flush);
         worker.host.leave_stream();
-        worker.host.proxy_ref().process().report_refused();
+        worker.host.proxy().process().report_refused();
         for (id, woken) in worker.host.take_woken() {
             let Some(slot) = worker.streams.get(&id).and_then(Weak::upgrade) else {
                 continue;
@@ -158,8 +158,7 @@ impl ChainStream {
     fn wait(&mut self) {
         let mut ticking = self.slot.ticking.borrow_mut();
         if ticking.is_none() {
-            let envoy = self.host.proxy_ref().envoy();
-            *ticking = envoy.and_then(|envoy| envoy.start_ticking(self.tick));
+            *ticking = self.host.proxy_ref().envoy().start_ticking(self.tick);
         }
     }
 

@@ -71,7 +71,29 @@ fn default_tick() -> u64 {
 impl ObserverConfig {
     /// Parses and checks the configuration.
     pub fn from_json(bytes: &[u8]) -> Result<ObserverConfig, ConfigError> {
-        let config: ObserverConfig = zerolayer_core::config::from_json(bytes)?;
+        ObserverConfig::checked(zerolayer_core::config::from_json(bytes)?)
+    }
+
+    /// The configuration of the observer working for the sections given,
+    /// each parsed already (the native module parses each section once),
+    /// checked as [`ObserverConfig::from_json`] checks it; the tick period
+    /// is the default.
+    pub fn from_sections(
+        lazy_auth: Option<LazyAuthConfig>,
+        post_cache: Option<PostCacheConfig>,
+        metering: Option<MeteringConfig>,
+    ) -> Result<ObserverConfig, ConfigError> {
+        ObserverConfig::checked(ObserverConfig {
+            lazy_auth,
+            post_cache,
+            metering,
+            tick_ms: default_tick(),
+        })
+    }
+
+    /// `config` if its sections check and agree on one observer, else the
+    /// error naming the field.
+    fn checked(config: ObserverConfig) -> Result<ObserverConfig, ConfigError> {
         let within = |section: &str, e: ConfigError| {
             ConfigError::new(format!("{section}.{}", e.path()), e.message())
         };

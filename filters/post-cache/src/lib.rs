@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::cache::key::{CacheKey, Provider};
-use zerolayer_host::{Host, ObserverQueue, RootStage, StreamStage};
+use zerolayer_host::{Host, Hosts, ObserverQueue, RootHost, RootStage, StreamStage};
 use zerolayer_observer::{EmbeddedObserver, ObserverConfig};
 
 use metrics::{Metrics, WaitEnd};
@@ -75,6 +75,8 @@ pub(crate) struct Waiter {
     pub context_id: u32,
     /// The API it called (its hit answers with that API's request-id header).
     pub provider: Provider,
+    /// Its request id, for the hit's answer.
+    pub request_id: Option<Vec<u8>>,
     pub key: CacheKey,
     pub max_age: Option<u64>,
     pub deadline_ms: u64,
@@ -91,8 +93,8 @@ pub struct CacheRoot {
     observer: EmbeddedObserver,
 }
 
-impl<H: Host> RootStage<H> for CacheRoot {
-    fn configure(&mut self, host: &mut H, configuration: &[u8]) -> bool {
+impl<H: Hosts> RootStage<H> for CacheRoot {
+    fn configure(&mut self, host: &mut H::Root, configuration: &[u8]) -> bool {
         let Some(config) =
             zerolayer_host::load_config("post-cache", configuration, PostCacheConfig::from_json)
         else {
@@ -147,40 +149,40 @@ impl<H: Host> RootStage<H> for CacheRoot {
         true
     }
 
-    fn tick(&mut self, host: &mut H) {
+    fn tick(&mut self, host: &mut H::Root) {
         let Some(plan) = &self.plan else {
             return;
         };
         wake_followers(host, plan);
-        self.flush(host);
+        RootStage::<H>::flush(self, host);
         self.observer.tick(host);
     }
 
-    fn flush(&mut self, host: &mut H) {
+    fn flush(&mut self, host: &mut H::Root) {
         if let Some(plan) = &self.plan {
             plan.metrics.flush(host);
         }
     }
 
-    fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
+    fn call_answered(&mut self, host: &mut H::Root, token: u32, body_size: usize) {
         self.observer.call_answered(host, token, body_size);
     }
 
-    fn done(&mut self, host: &mut H) {
+    fn done(&mut self, host: &mut H::Root) {
         if let Some(plan) = &self.plan {
             plan.metrics.flush(host);
         }
         self.observer.done(host);
     }
 
-    fn stream(&self, context_id: u32) -> Box<dyn StreamStage<H>> {
+    fn stream(&self, context_id: u32) -> Box<dyn StreamStage<H::Stream>> {
         Box::new(CacheStream::new(self.plan.clone(), context_id))
     }
 }
 
 /// Serves followers whose response is now cached; sends upstream those whose
 /// lease is gone or whose wait ran out.
-fn wake_followers(host: &mut impl Host, plan: &Plan) {
+fn wake_followers(host: &mut impl RootHost, plan: &Plan) {
     let mut waiters = plan.waiters.borrow_mut();
     if waiters.is_empty() {
         return;
@@ -193,7 +195,7 @@ fn wake_followers(host: &mut impl Host, plan: &Plan) {
         }
         let end = if let Some(hit) = plan.shelf.lookup(host, &w.key, now, w.max_age) {
             if host.set_effective_context(w.context_id).is_ok() {
-                serve(host, &hit, w.provider);
+                serve(host, &hit, w.provider, w.request_id.as_deref());
             }
             WaitEnd::Hit
         } else if !plan.shelf.lease_held(host, &w.key, now_ms) {

@@ -9,7 +9,7 @@ use zerolayer_core::cache::store::{
     Layout, MAX_SLOT_OVERHEAD_BYTES, SetIndex, StoredResponse, WayRecord,
 };
 use zerolayer_core::reply;
-use zerolayer_host::Host;
+use zerolayer_host::{Host, Respond};
 
 /// A stored response found for a request.
 pub(crate) struct Hit {
@@ -142,8 +142,14 @@ pub(crate) const ORIGIN_REQUEST_ID: &str = "x-cache-origin-request-id";
 /// Answers the current request (of `provider`'s API) with a stored
 /// response: its stored headers, `x-cache: HIT`, `age`, and this request's
 /// own id in the header its client reads (the stored response's id is in
-/// [`ORIGIN_REQUEST_ID`]).
-pub(crate) fn serve(host: &mut impl Host, hit: &Hit, provider: Provider) {
+/// [`ORIGIN_REQUEST_ID`]): `request_id`, read by the stream (a root that
+/// serves a waiting request has no stream headers to read it from).
+pub(crate) fn serve(
+    host: &mut impl Respond,
+    hit: &Hit,
+    provider: Provider,
+    request_id: Option<&[u8]>,
+) {
     let age = hit.age.to_string();
     let id_header = reply::request_id_header(Some(provider));
     let mut headers: Vec<(&str, &str)> = hit
@@ -155,8 +161,7 @@ pub(crate) fn serve(host: &mut impl Host, hit: &Hit, provider: Provider) {
         .collect();
     headers.push(("x-cache", "HIT"));
     headers.push(("age", &age));
-    let id = host.request_id().and_then(|id| String::from_utf8(id).ok());
-    if let Some(id) = &id {
+    if let Some(id) = request_id.and_then(|id| std::str::from_utf8(id).ok()) {
         headers.push((id_header, id));
     }
     if let Err(status) =
@@ -171,7 +176,7 @@ mod tests {
     use zerolayer_core::cache::key::{CacheKey, Provider};
     use zerolayer_core::cache::lease::LeaseOutcome;
     use zerolayer_core::cache::store::{Layout, StoredResponse};
-    use zerolayer_host::{FakeHost, Host};
+    use zerolayer_host::{FakeHost, Host, StreamHost};
 
     use super::{Hit, Shelf, serve};
 
@@ -277,7 +282,8 @@ mod tests {
             age: 12,
         };
         host.set_request_header("x-request-id", b"this-request");
-        serve(&mut host, &hit, Provider::OpenAi);
+        let id = host.request_id();
+        serve(&mut host, &hit, Provider::OpenAi, id.as_deref());
         let sent = &host.sent[0];
         assert_eq!(sent.status, 200);
         assert_eq!(

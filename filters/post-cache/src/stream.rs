@@ -21,7 +21,7 @@ use zerolayer_core::event::{CacheWrite, Job};
 use zerolayer_core::internal;
 use zerolayer_core::reply;
 use zerolayer_core::usage::UsageChunkStripper;
-use zerolayer_host::{Action, Body, Callback, Headers, Host, StreamStage};
+use zerolayer_host::{Action, Body, Callback, Headers, StreamHost, StreamStage};
 
 use crate::metrics::{FleetRead, Lookup, WaitEnd};
 use crate::shelf::{Hit, ORIGIN_REQUEST_ID, serve};
@@ -113,7 +113,7 @@ impl CacheStream {
     }
 
     /// `only-if-cached` with nothing usable cached: 504, as RFC 9111 asks.
-    fn unsatisfiable(&mut self, host: &mut impl Host) -> Action {
+    fn unsatisfiable(&mut self, host: &mut impl StreamHost) -> Action {
         host.send_json_error(
             504,
             "cache_miss",
@@ -125,7 +125,7 @@ impl CacheStream {
 
     /// Header-only checks, so a request the cache will not touch is never
     /// held for its body.
-    fn admit(&mut self, host: &mut impl Host, plan: &Plan, end_of_stream: bool) -> Action {
+    fn admit(&mut self, host: &mut impl StreamHost, plan: &Plan, end_of_stream: bool) -> Action {
         let Some(provider) = host
             .request_header(":path")
             .and_then(|p| String::from_utf8(p).ok())
@@ -193,7 +193,7 @@ impl CacheStream {
     }
 
     /// The whole body is here: key it, look it up, take the lease.
-    fn decide(&mut self, host: &mut impl Host, plan: &Plan, body_size: usize) -> Action {
+    fn decide(&mut self, host: &mut impl StreamHost, plan: &Plan, body_size: usize) -> Action {
         let keyed = host.with_body(Body::Request, body_size, |body| {
             CanonicalRequest::of(self.provider, body, self.namespace.as_deref(), &plan.secret)
         });
@@ -245,7 +245,8 @@ impl CacheStream {
         let now_ms = host.now_ms();
         if let Some(hit) = plan.shelf.lookup(host, &key, now_ms / 1000, max_age) {
             plan.metrics.lookup(Lookup::Hit);
-            serve(host, &hit, self.provider);
+            let id = host.request_id();
+            serve(host, &hit, self.provider, id.as_deref());
             self.phase = Phase::Answered;
             return Action::Pause;
         }
@@ -283,7 +284,13 @@ impl CacheStream {
     }
 
     /// The fleet tier answered a read this request is waiting for.
-    fn fleet_answered(&mut self, host: &mut impl Host, plan: &Plan, token: u32, body_size: usize) {
+    fn fleet_answered(
+        &mut self,
+        host: &mut impl StreamHost,
+        plan: &Plan,
+        token: u32,
+        body_size: usize,
+    ) {
         let miss = match self.remote.take() {
             Some((pending, miss)) if pending == token => miss,
             other => {
@@ -320,7 +327,8 @@ impl CacheStream {
                 age: age(entry.response.stored_at_ms / 1000, now),
                 response: entry.response,
             };
-            serve(host, &hit, self.provider);
+            let id = host.request_id();
+            serve(host, &hit, self.provider, id.as_deref());
             self.phase = Phase::Answered;
             // Kept locally too: the next request on this gateway stays local.
             let _ = plan
@@ -338,7 +346,13 @@ impl CacheStream {
 
     /// Nothing usable is cached: go upstream, as the lease holder, a
     /// waiting follower, or without a lease.
-    fn missed(&mut self, host: &mut impl Host, plan: &Plan, miss: Miss, now_ms: u64) -> Action {
+    fn missed(
+        &mut self,
+        host: &mut impl StreamHost,
+        plan: &Plan,
+        miss: Miss,
+        now_ms: u64,
+    ) -> Action {
         let Miss {
             key,
             max_age,
@@ -364,6 +378,7 @@ impl CacheStream {
                 plan.waiters.borrow_mut().push(Waiter {
                     context_id: self.context_id,
                     provider: self.provider,
+                    request_id: host.request_id(),
                     key,
                     max_age,
                     deadline_ms: now_ms.saturating_add(stampede.max_wait_ms),
@@ -378,7 +393,7 @@ impl CacheStream {
     }
 
     /// The response is complete: store it if everything allows.
-    fn finish(&mut self, host: &mut impl Host, plan: &Plan) {
+    fn finish(&mut self, host: &mut impl StreamHost, plan: &Plan) {
         let (Some(key), Some(capture)) = (self.key, self.capture.take()) else {
             return;
         };
@@ -450,14 +465,14 @@ impl CacheStream {
 
     /// Says (to the fused filter) that the request body is no longer of
     /// interest unless the key still waits for it.
-    fn done_with_request_body_unless_awaited(&self, host: &mut impl Host) {
+    fn done_with_request_body_unless_awaited(&self, host: &mut impl StreamHost) {
         if !matches!(self.phase, Phase::AwaitingBody) {
             host.done_with(Callback::RequestBody);
         }
     }
 
     /// The response headers: `x-cache`, and whether (and what) to keep.
-    fn on_response_headers(&mut self, host: &mut impl Host, end_of_stream: bool) -> Action {
+    fn on_response_headers(&mut self, host: &mut impl StreamHost, end_of_stream: bool) -> Action {
         self.settle_wait();
         let label = match self.phase {
             Phase::Bypassed => "BYPASS",
@@ -540,7 +555,7 @@ impl CacheStream {
     /// A response chunk: kept for the cache while it is to be stored.
     fn on_response_body(
         &mut self,
-        host: &mut impl Host,
+        host: &mut impl StreamHost,
         body_size: usize,
         end_of_stream: bool,
     ) -> Action {
@@ -574,7 +589,7 @@ impl CacheStream {
     }
 }
 
-impl<H: Host> StreamStage<H> for CacheStream {
+impl<H: StreamHost> StreamStage<H> for CacheStream {
     fn request_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         let action = match self.plan.clone() {
             Some(plan) => self.admit(host, &plan, end_of_stream),

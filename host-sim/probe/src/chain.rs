@@ -8,7 +8,7 @@
 
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
-use zerolayer_host::{Body, Headers, Host, WasmHost};
+use zerolayer_host::{Body, Headers, StreamHost, WasmHost};
 
 /// The filter-state values set, as the access log reads them
 /// (`%FILTER_STATE(wasm.<path>:PLAIN)%`).

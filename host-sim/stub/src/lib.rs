@@ -30,6 +30,12 @@
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
 )]
 
+// The README's example compiles as a doc test (`cargo test --doc`; not run:
+// it stands for a test driving a gateway at the stub).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
+
 mod anthropic;
 mod completion;
 mod config;
