@@ -24,13 +24,26 @@ pub struct RedisFleet {
     /// `None` while stopped.
     webdis: Option<Child>,
     webdis_addr: SocketAddr,
+    redis_addr: SocketAddr,
     dir: tempfile::TempDir,
 }
 
 impl RedisFleet {
-    /// Starts both and waits until webdis answers `GET /PING`. Fails, never
+    /// Starts both and waits until webdis answers `GET /PING`, webdis
+    /// allowing only what the post-cache fleet tier uses. Fails, never
     /// skips, when they are not installed or do not come up.
     pub fn start() -> Result<RedisFleet> {
+        RedisFleet::start_allowing(&["GET", "SETEX", "TTL", "PING", "DBSIZE"])
+    }
+
+    /// [`RedisFleet::start`] with webdis allowing what the quota stage's
+    /// observer sends: its two scripts (`EVALSHA`, `EVAL`, `SCRIPT LOAD`).
+    pub fn start_for_quota() -> Result<RedisFleet> {
+        RedisFleet::start_allowing(&["EVAL", "EVALSHA", "SCRIPT", "PING", "DBSIZE"])
+    }
+
+    /// Starts both, webdis allowing only the commands `enabled`.
+    fn start_allowing(enabled: &[&str]) -> Result<RedisFleet> {
         let dir = tempfile::Builder::new()
             .prefix("zerolayer-redis-")
             .tempdir()?;
@@ -61,8 +74,8 @@ impl RedisFleet {
             "database": 0,
             "verbosity": 3,
             "logfile": dir.path().join("webdis.log"),
-            // Only what the cache uses; nothing that could wipe or reconfigure Redis.
-            "acl": [{"disabled": ["*"]}, {"enabled": ["GET", "SETEX", "TTL", "PING", "DBSIZE"]}],
+            // Only what the stage uses; nothing that could wipe or reconfigure Redis.
+            "acl": [{"disabled": ["*"]}, {"enabled": enabled}],
         });
         let config_path = dir.path().join("webdis.json");
         std::fs::write(&config_path, config.to_string())?;
@@ -70,6 +83,7 @@ impl RedisFleet {
             redis,
             webdis: None,
             webdis_addr: SocketAddr::from(([127, 0, 0, 1], webdis_port)),
+            redis_addr: SocketAddr::from(([127, 0, 0, 1], redis_port)),
             dir,
         };
         fleet.start_webdis()?;
@@ -121,6 +135,11 @@ impl RedisFleet {
     pub fn restart_webdis(&mut self) -> Result<()> {
         self.stop_webdis();
         self.start_webdis()
+    }
+
+    /// Redis's own address (RESP), for what a test checks behind webdis.
+    pub fn redis(&self) -> SocketAddr {
+        self.redis_addr
     }
 
     /// webdis's address (the Envoy cluster the fleet tier calls).

@@ -1,7 +1,8 @@
 //! Pure logic shared by the zerolayer filters, with no Proxy-Wasm dependency so
 //! it builds and tests natively: configuration parsing, the activation rule
 //! engine, request-id sampling, lazy-auth's verification, post-cache's keys
-//! and policy, SSE parsing and the internal names filters agree on.
+//! and policy, quota's leases and store protocol, SSE parsing and the
+//! internal names filters agree on.
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
@@ -24,6 +25,7 @@ pub mod native;
 pub mod observers;
 pub mod path;
 pub mod queue;
+pub mod quota;
 pub mod reply;
 pub mod sampling;
 pub mod sink;

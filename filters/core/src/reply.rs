@@ -73,13 +73,28 @@ pub fn error(
     retry: RetryHint,
     request_id: Option<&str>,
 ) -> ErrorReply {
+    error_with_code(provider, status, kind, None, message, retry, request_id)
+}
+
+/// [`error`] with OpenAI's `error.code` set (`rate_limit_exceeded`,
+/// `insufficient_quota`: what OpenAI's own 429s carry); Anthropic's
+/// error object has no code, so `code` is left out of it.
+pub fn error_with_code(
+    provider: Option<Provider>,
+    status: u16,
+    kind: &str,
+    code: Option<&str>,
+    message: &str,
+    retry: RetryHint,
+    request_id: Option<&str>,
+) -> ErrorReply {
     let body = match provider {
         Some(Provider::Anthropic) => serde_json::json!({
             "type": "error",
             "error": {"type": kind, "message": message},
         }),
         Some(Provider::OpenAi) | None => serde_json::json!({
-            "error": {"message": message, "type": kind, "param": null, "code": null},
+            "error": {"message": message, "type": kind, "param": null, "code": code},
         }),
     };
     let mut headers = vec![("content-type", "application/json".to_string())];

@@ -23,6 +23,7 @@ use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::metering::config::MeteringConfig;
 use zerolayer_core::native::NativeSection;
+use zerolayer_core::quota::config::QuotaConfig;
 
 const BEGIN: &str = "<!-- config:begin -->";
 const END: &str = "<!-- config:end -->";
@@ -48,6 +49,7 @@ fn references() -> Vec<Reference> {
         of::<LazyAuthConfig>("lazy-auth"),
         of::<PostCacheConfig>("post-cache"),
         of::<MeteringConfig>("metering"),
+        of::<QuotaConfig>("quota"),
         // The native module's own section (`native`), beside the stages'.
         of::<NativeSection>("native"),
     ]

@@ -1,6 +1,8 @@
-//! What metering reads of a request body as it streams past, never
+//! What metering and quota read of a request body as it streams past, never
 //! buffering it: the model the request names (the record of a response that
-//! names none, such as a backend's 429 or 503, still carries it) and, for a
+//! names none, such as a backend's 429 or 503, still carries it), the
+//! output cap it asks for (`max_tokens`, `max_completion_tokens`,
+//! `max_output_tokens`: quota's reservation bound) and, for a
 //! body too large to hold (see [`StreamedInjection`]), whether an OpenAI
 //! request streams and asks for usage, so `include_usage` can be appended
 //! where the root object closes.
@@ -11,7 +13,8 @@ use super::extract::MAX_MODEL_LEN;
 use super::scan::{TopLevelScanner, Wanted};
 
 /// The members read: `model` (its value kept), `stream` and
-/// `stream_options` (small values, kept to be read).
+/// `stream_options` (small values, kept to be read), and the output caps
+/// (integers: 24 bytes hold any `u64` with room for spaces).
 const MEMBERS: &[Wanted] = &[
     Wanted {
         key: b"model",
@@ -26,11 +29,26 @@ const MEMBERS: &[Wanted] = &[
         key: b"stream_options",
         limit: 1024,
     },
+    Wanted {
+        key: b"max_tokens",
+        limit: 24,
+    },
+    Wanted {
+        key: b"max_completion_tokens",
+        limit: 24,
+    },
+    Wanted {
+        key: b"max_output_tokens",
+        limit: 24,
+    },
 ];
 
 const MODEL: usize = 0;
 const STREAM: usize = 1;
 const STREAM_OPTIONS: usize = 2;
+const MAX_TOKENS: usize = 3;
+const MAX_COMPLETION_TOKENS: usize = 4;
+const MAX_OUTPUT_TOKENS: usize = 5;
 
 /// The member appended to a streamed OpenAI request that asks for no usage.
 pub const INCLUDE_USAGE_MEMBER: &[u8] = br#","stream_options":{"include_usage":true}"#;
@@ -80,6 +98,9 @@ pub struct RequestScan {
     stream_options: Option<Option<Value>>,
     /// `stream` or `stream_options` was named twice.
     repeated: bool,
+    /// The largest output cap named (any of the three members, any number
+    /// of times: the backend reads one of them, the bound must cover it).
+    max_output: Option<u64>,
     /// Offset of the root's closing brace, once seen.
     root_end: Option<usize>,
     /// Bytes pushed so far.
@@ -101,6 +122,7 @@ impl RequestScan {
             stream: None,
             stream_options: None,
             repeated: false,
+            max_output: None,
             root_end: None,
             offset: 0,
         }
@@ -114,13 +136,24 @@ impl RequestScan {
         if self.scanner.done() {
             return None;
         }
-        let (model, stream, options, repeated) = (
+        let (model, stream, options, repeated, max_output) = (
             &mut self.model,
             &mut self.stream,
             &mut self.stream_options,
             &mut self.repeated,
+            &mut self.max_output,
         );
         self.scanner.push(chunk, |value| {
+            if matches!(
+                value.index,
+                MAX_TOKENS | MAX_COMPLETION_TOKENS | MAX_OUTPUT_TOKENS
+            ) {
+                // Read without building a `Value`: this runs on every request.
+                if let Some(cap) = value.raw.and_then(parse_u64) {
+                    *max_output = Some(max_output.map_or(cap, |m| m.max(cap)));
+                }
+                return;
+            }
             let parsed = value
                 .raw
                 .and_then(|raw| serde_json::from_slice::<Value>(raw).ok());
@@ -159,6 +192,14 @@ impl RequestScan {
         self.model.as_deref()
     }
 
+    /// The output cap the request asks for: the largest non-negative
+    /// integer among `max_tokens`, `max_completion_tokens` and
+    /// `max_output_tokens` (`None`: none, or none an integer; a backend
+    /// refuses a cap that is not one).
+    pub fn max_output_tokens(&self) -> Option<u64> {
+        self.max_output
+    }
+
     /// Whether the root object closed (every member was read).
     pub fn complete(&self) -> bool {
         self.root_end.is_some()
@@ -194,6 +235,23 @@ impl RequestScan {
             // Even a `null` one: a second member would be a duplicate.
             Some(_) => StreamedInjection::Skipped(SkipReason::StreamOptions),
         }
+    }
+}
+
+/// A JSON number that is a non-negative integer (`16`, `16.0`, `1e3`
+/// too: JSON does not tell them apart and serde_json's backends accept
+/// them), as `u64`; anything else `None`.
+fn parse_u64(raw: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(raw).ok()?.trim();
+    if let Ok(n) = text.parse::<u64>() {
+        return Some(n);
+    }
+    match serde_json::from_str::<Value>(text).ok()? {
+        Value::Number(n) => n.as_u64().or_else(|| {
+            let f = n.as_f64()?;
+            (f >= 0.0 && f.fract() == 0.0 && f < 1.8e19).then_some(f as u64)
+        }),
+        _ => None,
     }
 }
 
@@ -235,6 +293,51 @@ mod tests {
         assert_eq!(model, None);
         let long = format!(r#"{{"model":"{}"}}"#, "m".repeat(MAX_MODEL_LEN + 1));
         assert_eq!(scanned(long.as_bytes()).0, None);
+    }
+
+    #[test]
+    fn the_output_cap_is_the_largest_named() {
+        let cap = |body: &[u8]| {
+            let mut whole = RequestScan::new();
+            whole.push(body);
+            for cut in 0..=body.len() {
+                let (a, b) = body.split_at(cut);
+                let mut scan = RequestScan::new();
+                scan.push(a);
+                scan.push(b);
+                assert_eq!(
+                    scan.max_output_tokens(),
+                    whole.max_output_tokens(),
+                    "cut {cut}"
+                );
+            }
+            whole.max_output_tokens()
+        };
+        assert_eq!(cap(br#"{"model":"m","max_tokens":256}"#), Some(256));
+        assert_eq!(
+            cap(br#"{"max_completion_tokens": 1000 ,"messages":[]}"#),
+            Some(1000)
+        );
+        assert_eq!(cap(br#"{"max_output_tokens":7}"#), Some(7));
+        // Named twice or by two names: the bound covers whichever the backend reads.
+        assert_eq!(
+            cap(br#"{"max_tokens":5,"max_completion_tokens":50,"max_tokens":9}"#),
+            Some(50)
+        );
+        assert_eq!(cap(br#"{"max_tokens":1e3}"#), Some(1000));
+        assert_eq!(cap(br#"{"max_tokens":16.0}"#), Some(16));
+        // Not an integer, negative, a string, nested: no cap (the policy's default applies).
+        for body in [
+            &br#"{"max_tokens":-1}"#[..],
+            br#"{"max_tokens":2.5}"#,
+            br#"{"max_tokens":"100"}"#,
+            br#"{"max_tokens":null}"#,
+            br#"{"messages":[{"max_tokens":10}]}"#,
+            br#"{"max_tokens":123456789012345678901234567890}"#,
+            br#"{"model":"m"}"#,
+        ] {
+            assert_eq!(cap(body), None, "{}", String::from_utf8_lossy(body));
+        }
     }
 
     #[test]

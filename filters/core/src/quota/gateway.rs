@@ -1,0 +1,1149 @@
+//! One lease holder's quota: the compiled policies, their leases and the
+//! store calls that keep the leases filled. The stage calls
+//! [`GatewayQuota::reserve`] once per request (no network, no allocation:
+//! the scope keys are built on the stack and the [`Ticket`] is inline),
+//! [`GatewayQuota::draw`] as a stream's output arrives and
+//! [`GatewayQuota::settle`] once it is done; the observer (or the stage's
+//! own tick) calls [`GatewayQuota::sync`] every `sync_interval_ms` and hands
+//! each answer to [`GatewayQuota::on_reply`].
+
+use super::config::{
+    CacheHitCharge, Limit, MAX_POLICIES, Mode, QuotaConfig, ScopeField, StreamMode,
+    UNVERIFIED_POLICY, Unit,
+};
+use super::headers::Shown;
+use super::lease::{Draw, LeaseOp, LeaseParams, Reservation, Shortfall};
+use super::reserve::{CostModel, RequestBound, TokenCounts};
+use super::store::{
+    Applied, CounterKeys, CounterKind, DeltaBuffer, DeltaReply, EXPIRY_SLACK_SECS, GrantReply,
+    PendingDelta, Reply, Script, ScriptShas, StoreError, delta_command, grant_command,
+    parse_webdis, sha_from_reply,
+};
+use super::table::{LeaseTable, ScopeKey, SlotRef, TableFull};
+use super::window::{WindowSpan, ceil_secs};
+use crate::config::ConfigError;
+
+/// Most store calls one sync emits; the rest wait for the next.
+pub const MAX_CALLS_PER_SYNC: usize = 256;
+
+/// Who a request is, as the stage knows it once lazy-auth has decided.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Identity<'a> {
+    /// Whether the credential is verified (a verdict, not a claim):
+    /// unverified requests draw only from the `unverified` budget.
+    pub verified: bool,
+    /// The verified tenant.
+    pub tenant: Option<&'a str>,
+    /// The verified subject.
+    pub subject: Option<&'a str>,
+    /// The credential's hash (never the credential).
+    pub credential: Option<&'a [u8]>,
+    /// The model the request names.
+    pub model: Option<&'a str>,
+    /// The route's name.
+    pub route: Option<&'a str>,
+    /// The values of `trusted_headers`, in their configured order.
+    pub headers: &'a [Option<&'a str>],
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ScopePart {
+    Tenant,
+    Subject,
+    Credential,
+    Model,
+    Route,
+    Header(usize),
+}
+
+/// A policy, compiled.
+#[derive(Debug, Clone)]
+pub struct PolicySpec {
+    /// Its name.
+    pub name: String,
+    scope: Vec<ScopePart>,
+    /// How usage becomes an amount.
+    pub cost: CostModel,
+    /// The limit.
+    pub limit: Limit,
+    /// Enforce or shadow.
+    pub mode: Mode,
+    /// What a cache hit costs.
+    pub cache_hit: CacheHitCharge,
+    /// The output bound when the request names none.
+    pub default_max_output_tokens: u64,
+    /// Soft or hard streams.
+    pub stream: StreamMode,
+    /// Whether this is the `unverified` budget.
+    pub unverified: bool,
+    /// Whether the rate-limit headers show it (a currency has no header).
+    pub shown: bool,
+    /// The lease parameters.
+    pub params: LeaseParams,
+}
+
+impl PolicySpec {
+    /// What a request reserves: its upper bound, or for a stream under
+    /// `stream: hard` only its input bound (the output is drawn as it comes).
+    pub fn reservation(&self, model: Option<&str>, bound: &RequestBound, stream: bool) -> u64 {
+        let output = if stream && self.stream == StreamMode::Hard {
+            0
+        } else {
+            bound.output_tokens(self.default_max_output_tokens)
+        };
+        self.cost.bound(model, bound.input_tokens(), output)
+    }
+
+    fn window(&self, now_ms: u64) -> Option<WindowSpan> {
+        match self.limit {
+            Limit::Budget(b) => Some(
+                b.window
+                    .span_at((now_ms / 1000) as i64, b.utc_offset_minutes),
+            ),
+            Limit::Rate(_) => None,
+        }
+    }
+
+    fn counter_kind(&self, span: Option<WindowSpan>) -> CounterKind {
+        match (self.limit, span) {
+            (Limit::Rate(r), _) => CounterKind::Rate {
+                limit: r.amount,
+                period_ms: r.per.millis(),
+            },
+            (Limit::Budget(b), span) => CounterKind::Budget {
+                limit: b.amount,
+                expire_at: span.map_or(0, |s| s.end) + EXPIRY_SLACK_SECS,
+            },
+        }
+    }
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    /// The refusing policy's index ([`GatewayQuota::policy`]).
+    pub policy: usize,
+    /// Why.
+    pub kind: RefusalKind,
+}
+
+/// The kinds of refusal, each with when to come back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalKind {
+    /// A rate is spent: enough refills in `retry_after_secs`.
+    RateLimited {
+        /// Seconds until enough has refilled.
+        retry_after_secs: u64,
+    },
+    /// A budget is spent until its window resets at `reset_at` (Unix s).
+    BudgetExhausted {
+        /// Unix seconds of the next window's start.
+        reset_at: i64,
+    },
+    /// The request alone costs more than the limit can ever hold.
+    TooLarge {
+        /// What it would reserve.
+        amount: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// The fleet had room but this holder's lease is being refilled (the
+    /// first request of a scope, or a burst faster than refills): a stage
+    /// may also wait up to one sync for the refill instead of refusing.
+    Refilling {
+        /// Seconds to wait (one sync interval, rounded up).
+        retry_after_secs: u64,
+    },
+    /// The store is unreachable and the fallback is `fail_closed`.
+    Unavailable {
+        /// Seconds to wait.
+        retry_after_secs: u64,
+    },
+    /// Every lease of the key's table set is busy (a flood of new keys).
+    TableFull {
+        /// Seconds to wait.
+        retry_after_secs: u64,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Held {
+    policy: u8,
+    slot: SlotRef,
+    reservation: Reservation,
+    /// What a stream has drawn so far (input bound included), in the unit.
+    drawn: u64,
+}
+
+/// A request's reservations, one per policy that scopes it; kept inline
+/// (no allocation) until [`GatewayQuota::settle`] consumes it (not `Clone`:
+/// a reservation is settled once).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Ticket {
+    held: [Option<Held>; MAX_POLICIES],
+    len: usize,
+    input_bound: u64,
+    stream: bool,
+    /// Policies (bit per index) that would have refused, in shadow mode.
+    pub shadow_refused: u16,
+}
+
+impl Ticket {
+    fn new(input_bound: u64, stream: bool) -> Ticket {
+        Ticket {
+            held: [None; MAX_POLICIES],
+            len: 0,
+            input_bound,
+            stream,
+            shadow_refused: 0,
+        }
+    }
+
+    fn held(&self) -> impl Iterator<Item = &Held> {
+        self.held[..self.len].iter().flatten()
+    }
+
+    /// The amount reserved for policy `policy`, if it scopes the request.
+    pub fn reserved(&self, policy: usize) -> Option<u64> {
+        self.held()
+            .find(|h| usize::from(h.policy) == policy)
+            .map(|h| h.reservation.amount)
+    }
+
+    /// Policies the request holds a reservation of.
+    pub fn policies(&self) -> impl Iterator<Item = usize> + '_ {
+        self.held().map(|h| usize::from(h.policy))
+    }
+}
+
+/// What a request came to, for [`GatewayQuota::settle`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    /// The response's exact usage.
+    Usage(TokenCounts),
+    /// Served from the gateway's cache (`usage`: the stored response's).
+    CacheHit {
+        /// The stored response's usage, if known.
+        usage: Option<TokenCounts>,
+    },
+    /// A stream that ended early (cut, or the client went away): its input
+    /// (the body bound when unknown) and the output delivered.
+    Partial {
+        /// Input tokens, when the stream reported them.
+        input: Option<u64>,
+        /// Output tokens delivered (counted or bounded).
+        delivered_output: u64,
+    },
+    /// No usage is known: the reservation is charged as it stands (until
+    /// reconciliation corrects the counter).
+    Unknown,
+}
+
+/// What a stream's draw decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamVerdict {
+    /// Go on.
+    Continue,
+    /// An enforcing `stream: hard` policy cannot cover it: end the stream
+    /// cleanly after this chunk (OpenAI `finish_reason: "length"`,
+    /// Anthropic `stop_reason: "max_tokens"`).
+    Cut,
+}
+
+/// Where a store call's answer goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallTarget {
+    /// A lease's operation.
+    Lease {
+        /// The lease.
+        slot: SlotRef,
+        /// The operation's sequence number.
+        seq: u64,
+        /// Which script it ran.
+        script: Script,
+    },
+    /// A buffered delta.
+    Orphan {
+        /// Its sequence number.
+        seq: u64,
+    },
+    /// A `SCRIPT LOAD`.
+    Load(Script),
+}
+
+/// A store call to make.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreCall {
+    /// Where its answer goes.
+    pub target: CallTarget,
+    /// The command.
+    pub command: super::store::Command,
+}
+
+/// Counts per policy (what the stage exports as metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PolicyStats {
+    /// Requests admitted.
+    pub admitted: u64,
+    /// Requests refused.
+    pub refused: u64,
+    /// Requests a shadow policy would have refused.
+    pub shadow_refused: u64,
+    /// Amount reserved.
+    pub reserved: u64,
+    /// Amount settled.
+    pub settled: u64,
+    /// Reserved and given back at settlement.
+    pub refunded: u64,
+    /// Settled above the reservation (the bound did not hold).
+    pub overshoot: u64,
+    /// Grants asked for.
+    pub refills: u64,
+    /// Streams cut.
+    pub cuts: u64,
+}
+
+/// One lease holder's quota; see the module documentation.
+#[derive(Debug, Clone)]
+pub struct GatewayQuota {
+    policies: Vec<PolicySpec>,
+    prefix: String,
+    table: LeaseTable,
+    instance: u64,
+    next_seq: u64,
+    failing_since: Option<u64>,
+    sync_interval_ms: u64,
+    shas: ScriptShas,
+    loading: [bool; 2],
+    orphans: DeltaBuffer,
+    stats: Vec<PolicyStats>,
+    store_errors: u64,
+}
+
+impl GatewayQuota {
+    /// The quota of a checked configuration, for holder `instance` (random
+    /// per start and per table, so its sequence numbers are its own) with
+    /// table seed `seed` (random, secret).
+    pub fn new(
+        config: &QuotaConfig,
+        instance: u64,
+        seed: u64,
+    ) -> Result<GatewayQuota, ConfigError> {
+        config.check()?;
+        let store = &config.store;
+        let params = |limit: &Limit| {
+            let amount = limit.amount();
+            LeaseParams {
+                limit: amount,
+                rate_period_ms: match limit {
+                    Limit::Rate(r) => Some(r.per.millis()),
+                    Limit::Budget(_) => None,
+                },
+                max_lease: (amount.saturating_mul(u64::from(store.lease.max_percent)) / 100).max(1),
+                low_watermark_percent: store.lease.low_watermark_percent,
+                max_debt: store.max_debt,
+                expected_gateways: u64::from(store.expected_gateways),
+                ttl_ms: u64::from(store.lease_ttl_ms),
+                idle_ms: u64::from(store.idle_return_ms),
+                fallback: config.fallback,
+            }
+        };
+        let mut policies = Vec::new();
+        for policy in &config.policies {
+            let scope = policy
+                .scope
+                .iter()
+                .map(|f| match f {
+                    ScopeField::Tenant => ScopePart::Tenant,
+                    ScopeField::Subject => ScopePart::Subject,
+                    ScopeField::Credential => ScopePart::Credential,
+                    ScopeField::Model => ScopePart::Model,
+                    ScopeField::Route => ScopePart::Route,
+                    ScopeField::Header(h) => ScopePart::Header(
+                        config
+                            .trusted_headers
+                            .iter()
+                            .position(|t| t == h)
+                            .unwrap_or(usize::MAX),
+                    ),
+                })
+                .collect();
+            let d = &config.defaults;
+            policies.push(PolicySpec {
+                name: policy.name.clone(),
+                scope,
+                cost: CostModel::new(&policy.unit),
+                limit: policy.limit,
+                mode: policy.mode.unwrap_or(d.mode),
+                cache_hit: policy.cache_hit.unwrap_or(d.cache_hit),
+                default_max_output_tokens: u64::from(
+                    policy
+                        .default_max_output_tokens
+                        .unwrap_or(d.default_max_output_tokens),
+                ),
+                stream: policy.stream.unwrap_or(d.stream),
+                unverified: false,
+                shown: !matches!(policy.unit, Unit::Currency(_)),
+                params: params(&policy.limit),
+            });
+        }
+        if let Some(u) = &config.unverified {
+            if policies.len() >= MAX_POLICIES {
+                return Err(ConfigError::new(
+                    "unverified",
+                    format!(
+                        "with {MAX_POLICIES} policies there is no room for the unverified budget"
+                    ),
+                ));
+            }
+            policies.push(PolicySpec {
+                name: UNVERIFIED_POLICY.into(),
+                scope: Vec::new(),
+                cost: CostModel::new(&u.unit),
+                limit: u.limit,
+                mode: u.mode,
+                cache_hit: config.defaults.cache_hit,
+                default_max_output_tokens: u64::from(config.defaults.default_max_output_tokens),
+                stream: config.defaults.stream,
+                unverified: true,
+                shown: !matches!(u.unit, Unit::Currency(_)),
+                params: params(&u.limit),
+            });
+        }
+        let n = policies.len();
+        Ok(GatewayQuota {
+            policies,
+            prefix: store.key_prefix.clone(),
+            table: LeaseTable::new(store.max_leases as usize, seed),
+            instance,
+            next_seq: 1,
+            failing_since: None,
+            sync_interval_ms: u64::from(store.sync_interval_ms),
+            shas: ScriptShas::default(),
+            loading: [false; 2],
+            orphans: DeltaBuffer::new(store.max_buffered_deltas as usize),
+            stats: vec![PolicyStats::default(); n],
+            store_errors: 0,
+        })
+    }
+
+    /// The compiled policy at `index`.
+    pub fn policy(&self, index: usize) -> Option<&PolicySpec> {
+        self.policies.get(index)
+    }
+
+    /// The compiled policies, in configuration order (`unverified` last).
+    pub fn policies(&self) -> &[PolicySpec] {
+        &self.policies
+    }
+
+    /// Counts for the policy at `index`.
+    pub fn stats(&self, index: usize) -> PolicyStats {
+        self.stats.get(index).copied().unwrap_or_default()
+    }
+
+    /// Store answers that were errors or unreadable.
+    pub fn store_errors(&self) -> u64 {
+        self.store_errors
+    }
+
+    /// The buffered deltas (dropped counts included).
+    pub fn orphans(&self) -> &DeltaBuffer {
+        &self.orphans
+    }
+
+    /// The lease table.
+    pub fn table(&self) -> &LeaseTable {
+        &self.table
+    }
+
+    /// Whether the store is considered unreachable at `now_ms`: every call
+    /// for two sync intervals has failed (one lost answer is not an outage).
+    /// Only then do leases past their expiry, and new leases, follow the
+    /// fallback.
+    pub fn store_down(&self, now_ms: u64) -> bool {
+        self.failing_since
+            .is_some_and(|since| now_ms.saturating_sub(since) >= 2 * self.sync_interval_ms)
+    }
+
+    fn applies(policy: &PolicySpec, who: &Identity<'_>) -> bool {
+        // Unverified requests never spend a claimed tenant's budget: they
+        // count only against `unverified`, verified ones never against it.
+        policy.unverified != who.verified
+    }
+
+    fn scope_key(policy: &PolicySpec, who: &Identity<'_>) -> ScopeKey {
+        let mut key = ScopeKey::new();
+        for part in &policy.scope {
+            let (tag, value) = match *part {
+                ScopePart::Tenant => (1, who.tenant.map(str::as_bytes)),
+                ScopePart::Subject => (2, who.subject.map(str::as_bytes)),
+                ScopePart::Credential => (3, who.credential),
+                ScopePart::Model => (4, who.model.map(str::as_bytes)),
+                ScopePart::Route => (5, who.route.map(str::as_bytes)),
+                ScopePart::Header(i) => (
+                    // Tags past 16 name the header's place in `trusted_headers`.
+                    16u8.saturating_add(u8::try_from(i).unwrap_or(u8::MAX)),
+                    who.headers.get(i).copied().flatten().map(str::as_bytes),
+                ),
+            };
+            key.push(tag, value);
+        }
+        key
+    }
+
+    /// Finds (or makes) the lease of `policy` for `who`, moved to the
+    /// current window (an ended window's debt goes to the delta buffer).
+    fn lease_slot(
+        &mut self,
+        index: usize,
+        who: &Identity<'_>,
+        now_ms: u64,
+    ) -> Result<SlotRef, TableFull> {
+        let Some(policy) = self.policies.get(index) else {
+            return Err(TableFull);
+        };
+        let key = Self::scope_key(policy, who);
+        let span = policy.window(now_ms);
+        let label = span.map_or(0, |s| s.label);
+        // Disjoint fields: the name is borrowed, not copied (this runs on
+        // every request).
+        let slot =
+            self.table
+                .find_or_insert(index as u8, &policy.name, key.as_bytes(), now_ms, label)?;
+        self.roll(index, slot, label, now_ms);
+        Ok(slot)
+    }
+
+    /// Moves a budget lease to window `label`; its old window's debt is
+    /// buffered for the old counter.
+    fn roll(&mut self, index: usize, slot: SlotRef, label: u64, now_ms: u64) {
+        let Some(policy) = self.policies.get(index) else {
+            return;
+        };
+        let Some(entry) = self.table.get_mut(slot) else {
+            return;
+        };
+        let old = entry.lease.window();
+        if old == label {
+            return;
+        }
+        let debt = entry.lease.roll(label, now_ms);
+        if debt == 0 {
+            return;
+        }
+        let keys = CounterKeys::new(
+            &self.prefix,
+            &policy.name,
+            &entry.digest,
+            Some(old),
+            self.instance,
+        );
+        // The old window's end: one window before the current one's start
+        // is not known from the label alone; its keys expire at the slack
+        // past the current window's start at the latest.
+        let kind = match policy.counter_kind(policy.window(now_ms)) {
+            CounterKind::Budget { limit, .. } => CounterKind::Budget {
+                limit,
+                expire_at: policy
+                    .window(now_ms)
+                    .map_or(0, |s| s.start)
+                    .saturating_add(EXPIRY_SLACK_SECS),
+            },
+            rate => rate,
+        };
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.orphans.push(PendingDelta {
+            keys,
+            kind,
+            seq,
+            delta: i64::try_from(debt).unwrap_or(i64::MAX),
+        });
+    }
+
+    /// Reserves `who`'s request of `bound` (`stream`: the response is
+    /// streamed) against every policy that scopes it, all or nothing.
+    pub fn reserve(
+        &mut self,
+        who: &Identity<'_>,
+        bound: &RequestBound,
+        stream: bool,
+        now_ms: u64,
+    ) -> Result<Ticket, Refusal> {
+        let mut ticket = Ticket::new(bound.input_tokens(), stream);
+        let store_down = self.store_down(now_ms);
+        for index in 0..self.policies.len() {
+            let Some(policy) = self.policies.get(index) else {
+                continue;
+            };
+            if !Self::applies(policy, who) {
+                continue;
+            }
+            let shadow = policy.mode == Mode::Shadow;
+            let amount = policy.reservation(who.model, bound, stream);
+            let input_only = policy.cost.bound(who.model, bound.input_tokens(), 0);
+            let params = policy.params;
+            let span = policy.window(now_ms);
+            let refuse = |kind| Refusal {
+                policy: index,
+                kind,
+            };
+            if amount > params.limit {
+                let refusal = refuse(RefusalKind::TooLarge {
+                    amount,
+                    limit: params.limit,
+                });
+                if self.refused(&mut ticket, index, shadow) {
+                    continue;
+                }
+                return Err(refusal);
+            }
+            let slot = match self.lease_slot(index, who, now_ms) {
+                Ok(slot) => slot,
+                Err(TableFull) => {
+                    let refusal = refuse(RefusalKind::TableFull {
+                        retry_after_secs: ceil_secs(params.ttl_ms).max(1),
+                    });
+                    if self.refused(&mut ticket, index, shadow) {
+                        continue;
+                    }
+                    return Err(refusal);
+                }
+            };
+            let Some(entry) = self.table.get_mut(slot) else {
+                continue;
+            };
+            let (reservation, shortfall) = entry
+                .lease
+                .reserve(amount, now_ms, &params, store_down, shadow);
+            if let Some(short) = shortfall {
+                let kind = match short {
+                    Shortfall::Refilling => RefusalKind::Refilling {
+                        retry_after_secs: ceil_secs(self.sync_interval_ms).max(1),
+                    },
+                    Shortfall::Unavailable => RefusalKind::Unavailable {
+                        retry_after_secs: ceil_secs(self.sync_interval_ms).max(1),
+                    },
+                    Shortfall::Exhausted {
+                        retry_after_secs: Some(s),
+                    } => RefusalKind::RateLimited {
+                        retry_after_secs: s,
+                    },
+                    Shortfall::Exhausted {
+                        retry_after_secs: None,
+                    } => match span {
+                        Some(s) => RefusalKind::BudgetExhausted { reset_at: s.end },
+                        // A rate short of more than it can hold at once.
+                        None => RefusalKind::TooLarge {
+                            amount,
+                            limit: params.limit,
+                        },
+                    },
+                };
+                if !shadow {
+                    self.refused(&mut ticket, index, false);
+                    self.want_rest(index + 1, who, bound, stream, now_ms);
+                    return Err(refuse(kind));
+                }
+                ticket.shadow_refused |= 1 << index;
+                if let Some(s) = self.stats.get_mut(index) {
+                    s.shadow_refused += 1;
+                }
+            }
+            if let Some(h) = ticket.held.get_mut(ticket.len) {
+                *h = Some(Held {
+                    policy: index as u8,
+                    slot,
+                    reservation,
+                    drawn: input_only,
+                });
+                ticket.len += 1;
+            }
+            if let Some(s) = self.stats.get_mut(index) {
+                s.admitted += 1;
+                s.reserved += amount;
+            }
+        }
+        Ok(ticket)
+    }
+
+    /// After a refusal by an earlier policy: the leases of the policies from
+    /// `from` on that scope the request learn what it needed, so one sync
+    /// refills them all.
+    fn want_rest(
+        &mut self,
+        from: usize,
+        who: &Identity<'_>,
+        bound: &RequestBound,
+        stream: bool,
+        now_ms: u64,
+    ) {
+        for index in from..self.policies.len() {
+            let Some(policy) = self.policies.get(index) else {
+                continue;
+            };
+            if !Self::applies(policy, who) {
+                continue;
+            }
+            let amount = policy.reservation(who.model, bound, stream);
+            if let Ok(slot) = self.lease_slot(index, who, now_ms)
+                && let Some(entry) = self.table.get_mut(slot)
+            {
+                entry.lease.want(amount, now_ms);
+            }
+        }
+    }
+
+    /// Counts a refusal by policy `index`: a shadow one is recorded on the
+    /// ticket (returns true: go on); an enforced one releases what the
+    /// ticket holds (returns false: refuse).
+    fn refused(&mut self, ticket: &mut Ticket, index: usize, shadow: bool) -> bool {
+        if shadow {
+            ticket.shadow_refused |= 1 << index;
+            if let Some(s) = self.stats.get_mut(index) {
+                s.shadow_refused += 1;
+            }
+            return true;
+        }
+        if let Some(s) = self.stats.get_mut(index) {
+            s.refused += 1;
+        }
+        for held in ticket.held[..ticket.len].iter_mut() {
+            if let Some(h) = held.take()
+                && let Some(entry) = self.table.get_mut(h.slot)
+            {
+                entry.lease.settle(h.reservation, 0);
+                if let Some(s) = self.stats.get_mut(usize::from(h.policy)) {
+                    s.admitted = s.admitted.saturating_sub(1);
+                    s.reserved = s.reserved.saturating_sub(h.reservation.amount);
+                }
+            }
+        }
+        ticket.len = 0;
+        false
+    }
+
+    /// A stream has produced `output_tokens` so far (counted, or bounded by
+    /// the text bytes delivered: a token covers at least one byte): each
+    /// token-counting policy draws the difference from its lease.
+    pub fn draw(
+        &mut self,
+        ticket: &mut Ticket,
+        model: Option<&str>,
+        output_tokens: u64,
+        now_ms: u64,
+    ) -> StreamVerdict {
+        let mut verdict = StreamVerdict::Continue;
+        let input = ticket.input_bound;
+        for held in ticket.held[..ticket.len].iter_mut().flatten() {
+            let Some(policy) = self.policies.get(usize::from(held.policy)) else {
+                continue;
+            };
+            if !policy.cost.counts_tokens() {
+                continue;
+            }
+            let total = policy.cost.bound(model, input, output_tokens);
+            let delta = total.saturating_sub(held.drawn);
+            if delta == 0 {
+                continue;
+            }
+            let params = policy.params;
+            let cut =
+                ticket.stream && policy.stream == StreamMode::Hard && policy.mode == Mode::Enforce;
+            let Some(entry) = self.table.get_mut(held.slot) else {
+                continue;
+            };
+            let draw = entry
+                .lease
+                .draw(&mut held.reservation, held.drawn, delta, now_ms, &params);
+            held.drawn = total;
+            if draw == Draw::Uncovered && cut {
+                verdict = StreamVerdict::Cut;
+            }
+        }
+        if verdict == StreamVerdict::Cut {
+            for index in ticket
+                .held()
+                .map(|h| usize::from(h.policy))
+                .collect::<Vec<_>>()
+            {
+                if let Some(s) = self.stats.get_mut(index) {
+                    s.cuts += 1;
+                }
+            }
+        }
+        verdict
+    }
+
+    /// Settles `ticket`: each policy's reservation is replaced by the exact
+    /// cost of `settlement` (the difference returns to the lease).
+    pub fn settle(
+        &mut self,
+        ticket: Ticket,
+        model: Option<&str>,
+        settlement: Settlement,
+        _now_ms: u64,
+    ) {
+        for held in ticket.held() {
+            let index = usize::from(held.policy);
+            let Some(policy) = self.policies.get(index) else {
+                continue;
+            };
+            let none = TokenCounts::default();
+            let actual = match settlement {
+                Settlement::Usage(counts) => policy.cost.cost(model, &counts, true),
+                Settlement::CacheHit { usage } => match policy.cache_hit {
+                    CacheHitCharge::Free => 0,
+                    CacheHitCharge::Request => policy.cost.cost(model, &none, true),
+                    CacheHitCharge::Usage => {
+                        policy.cost.cost(model, &usage.unwrap_or_default(), true)
+                    }
+                },
+                Settlement::Partial {
+                    input: Some(input),
+                    delivered_output,
+                } => policy.cost.cost(
+                    model,
+                    &TokenCounts {
+                        input,
+                        output: delivered_output,
+                        ..TokenCounts::default()
+                    },
+                    true,
+                ),
+                Settlement::Partial {
+                    input: None,
+                    delivered_output,
+                } => policy
+                    .cost
+                    .bound(model, ticket.input_bound, delivered_output),
+                Settlement::Unknown => held.reservation.amount,
+            };
+            if let Some(entry) = self.table.get_mut(held.slot) {
+                entry.lease.settle(held.reservation, actual);
+            }
+            if let Some(s) = self.stats.get_mut(index) {
+                s.settled += actual;
+                let reserved = held.reservation.amount;
+                s.refunded += reserved.saturating_sub(actual);
+                s.overshoot += actual.saturating_sub(reserved);
+            }
+        }
+    }
+
+    /// Charges `counts` to `who`'s policies with no reservation: usage of a
+    /// request admitted before verification, attributed to the tenant the
+    /// verification found (its `unverified` reservation is settled apart).
+    pub fn charge(&mut self, who: &Identity<'_>, counts: &TokenCounts, now_ms: u64) {
+        for index in 0..self.policies.len() {
+            let Some(policy) = self.policies.get(index) else {
+                continue;
+            };
+            if !Self::applies(policy, who) {
+                continue;
+            }
+            let amount = policy.cost.cost(who.model, counts, true);
+            if let Ok(slot) = self.lease_slot(index, who, now_ms)
+                && let Some(entry) = self.table.get_mut(slot)
+            {
+                entry.lease.charge(amount, now_ms);
+            }
+            if let Some(s) = self.stats.get_mut(index) {
+                s.settled += amount;
+            }
+        }
+    }
+
+    /// What the stage reports in the rate-limit headers for policy
+    /// `index` as `ticket` left it: (limit, remaining, reset at, Unix ms).
+    /// `remaining` is the fleet's remainder at the store's last answer plus
+    /// what this lease still holds, in-flight reservations counted at
+    /// their bound.
+    pub fn limit_state(&self, ticket: &Ticket, index: usize, now_ms: u64) -> Option<LimitState> {
+        let held = ticket.held().find(|h| usize::from(h.policy) == index)?;
+        let policy = self.policies.get(index)?;
+        let entry = self.table.get(held.slot)?;
+        let limit = policy.params.limit;
+        let fleet = entry.lease.fleet_remaining().map_or(
+            i128::from(limit) - i128::from(entry.lease.granted()),
+            i128::from,
+        );
+        let remaining = (fleet + entry.lease.available()).clamp(0, i128::from(limit));
+        let remaining = u64::try_from(remaining).unwrap_or(0);
+        let reset_at_ms = match (policy.limit, policy.window(now_ms)) {
+            (Limit::Budget(_), Some(span)) => u64::try_from(span.end).unwrap_or(0) * 1000,
+            (Limit::Rate(r), _) => {
+                let missing = u128::from(limit - remaining) * u128::from(r.per.millis());
+                now_ms + u64::try_from(missing.div_ceil(u128::from(limit.max(1)))).unwrap_or(0)
+            }
+            (Limit::Budget(_), None) => now_ms,
+        };
+        Some(LimitState {
+            limit,
+            remaining,
+            reset_at_ms,
+            counts_tokens: policy.cost.counts_tokens(),
+        })
+    }
+
+    /// The states the rate-limit headers show for `ticket`: its tightest
+    /// requests policy and its tightest token policy.
+    pub fn shown(&self, ticket: &Ticket, now_ms: u64) -> Shown {
+        let mut shown = Shown::default();
+        for index in ticket.policies() {
+            if self.policies.get(index).is_some_and(|p| p.shown)
+                && let Some(state) = self.limit_state(ticket, index, now_ms)
+            {
+                shown.add(state);
+            }
+        }
+        shown
+    }
+
+    /// The store calls due at `now_ms` (at most [`MAX_CALLS_PER_SYNC`]):
+    /// script loads, lease refills and returns (one per lease at a time,
+    /// repeated until answered), buffered deltas.
+    pub fn sync(&mut self, now_ms: u64, out: &mut Vec<StoreCall>) {
+        for (i, script) in [Script::Grant, Script::Delta].into_iter().enumerate() {
+            if self.shas.get(script).is_none() && !self.loading[i] {
+                self.loading[i] = true;
+                out.push(StoreCall {
+                    target: CallTarget::Load(script),
+                    command: super::store::Command::script_load(script),
+                });
+            }
+        }
+        // Ended windows first, so their debt is buffered before anything else.
+        let rolls: Vec<(usize, SlotRef, u64)> = self
+            .table
+            .iter_mut()
+            .filter_map(|(slot, e)| {
+                let policy = self.policies.get(usize::from(e.policy))?;
+                let label = policy.window(now_ms)?.label;
+                (label != e.lease.window()).then_some((usize::from(e.policy), slot, label))
+            })
+            .collect();
+        for (index, slot, label) in rolls {
+            self.roll(index, slot, label, now_ms);
+        }
+        let mut budget = MAX_CALLS_PER_SYNC.saturating_sub(out.len());
+        let (policies, prefix, instance, shas) =
+            (&self.policies, &self.prefix, self.instance, &self.shas);
+        let stats = &mut self.stats;
+        let next_seq = &mut self.next_seq;
+        for (slot, entry) in self.table.iter_mut() {
+            if budget == 0 {
+                break;
+            }
+            let Some(policy) = policies.get(usize::from(entry.policy)) else {
+                continue;
+            };
+            let params = policy.params;
+            let op = match entry.lease.resend() {
+                Some(op) => op,
+                None => match entry.lease.next_op(now_ms, *next_seq, &params) {
+                    Some(op) => {
+                        *next_seq += 1;
+                        op
+                    }
+                    None => continue,
+                },
+            };
+            let span = policy.window(now_ms);
+            let keys = CounterKeys::new(
+                prefix,
+                &policy.name,
+                &entry.digest,
+                span.map(|s| s.label),
+                instance,
+            );
+            let kind = policy.counter_kind(span);
+            let (command, script) = match op.op {
+                LeaseOp::Grant { force, asked } => {
+                    if let Some(s) = stats.get_mut(usize::from(entry.policy)) {
+                        s.refills += 1;
+                    }
+                    (
+                        grant_command(shas, &keys, kind, op.seq, force, asked),
+                        Script::Grant,
+                    )
+                }
+                LeaseOp::Return { amount } => (
+                    delta_command(
+                        shas,
+                        &keys,
+                        kind,
+                        op.seq,
+                        -i64::try_from(amount).unwrap_or(i64::MAX),
+                    ),
+                    Script::Delta,
+                ),
+            };
+            out.push(StoreCall {
+                target: CallTarget::Lease {
+                    slot,
+                    seq: op.seq,
+                    script,
+                },
+                command,
+            });
+            budget -= 1;
+        }
+        for delta in self.orphans.pending().take(budget) {
+            out.push(StoreCall {
+                target: CallTarget::Orphan { seq: delta.seq },
+                command: delta_command(&self.shas, &delta.keys, delta.kind, delta.seq, delta.delta),
+            });
+        }
+    }
+
+    /// The store's answer to a call (or why there is none), at `now_ms`.
+    pub fn on_reply(&mut self, target: &CallTarget, reply: Result<Reply, StoreError>, now_ms: u64) {
+        let failed = |this: &mut GatewayQuota, error: &StoreError| {
+            match error {
+                StoreError::Unreachable(_) => {
+                    this.failing_since.get_or_insert(now_ms);
+                }
+                StoreError::NoScript => {
+                    this.failing_since = None;
+                    this.shas.forget();
+                    this.loading = [false; 2];
+                }
+                StoreError::Malformed(_) | StoreError::Redis(_) => {
+                    this.failing_since = None;
+                    this.store_errors += 1;
+                }
+            }
+            if let CallTarget::Lease { slot, seq, .. } = *target
+                && let Some(entry) = this.table.get_mut(slot)
+            {
+                entry.lease.unanswered(seq);
+            }
+            if let CallTarget::Load(script) = *target {
+                this.loading[usize::from(script == Script::Delta)] = false;
+            }
+        };
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(e) => return failed(self, &e),
+        };
+        match *target {
+            CallTarget::Load(script) => {
+                self.loading[usize::from(script == Script::Delta)] = false;
+                match sha_from_reply(&reply) {
+                    Ok(sha) => {
+                        self.failing_since = None;
+                        self.shas.learn(script, &sha);
+                    }
+                    Err(e) => failed(self, &e),
+                }
+            }
+            CallTarget::Lease { slot, seq, script } => {
+                let parsed = match script {
+                    Script::Grant => {
+                        GrantReply::from_reply(&reply).map(|g| (g.remaining, g.granted, g.status))
+                    }
+                    Script::Delta => {
+                        DeltaReply::from_reply(&reply).map(|d| (d.remaining, 0, d.status))
+                    }
+                };
+                match parsed {
+                    Err(e) => failed(self, &e),
+                    Ok((remaining, granted, status)) => {
+                        self.failing_since = None;
+                        if let Some(entry) = self.table.get_mut(slot) {
+                            match status {
+                                Applied::Now | Applied::Replay => {
+                                    entry.lease.answered(seq, granted, remaining, now_ms);
+                                }
+                                Applied::Stale => entry.lease.abandon(seq),
+                            }
+                        }
+                    }
+                }
+            }
+            CallTarget::Orphan { seq } => match DeltaReply::from_reply(&reply) {
+                Ok(_) => {
+                    self.failing_since = None;
+                    self.orphans.answered(seq);
+                }
+                Err(e) => failed(self, &e),
+            },
+        }
+    }
+
+    /// [`GatewayQuota::on_reply`] for a webdis answer: the HTTP status
+    /// (`None`: the call failed) and body of the `POST` of `call`.
+    pub fn on_webdis_response(
+        &mut self,
+        call: &StoreCall,
+        status: Option<u16>,
+        body: &[u8],
+        now_ms: u64,
+    ) {
+        let reply = match status {
+            Some(200) => parse_webdis(body, &call.command.verb()),
+            Some(s) => Err(StoreError::Unreachable(format!("webdis answered {s}"))),
+            None => Err(StoreError::Unreachable("no answer".into())),
+        };
+        self.on_reply(&call.target, reply, now_ms);
+    }
+
+    /// Gives back what every idle lease holds (at shutdown or before the
+    /// table is replaced), as buffered deltas: the store's counters then
+    /// equal what was spent once the buffer is sent.
+    pub fn retire(&mut self, now_ms: u64) {
+        let mut out = Vec::new();
+        for (_, entry) in self.table.iter_mut() {
+            let Some(policy) = self.policies.get(usize::from(entry.policy)) else {
+                continue;
+            };
+            if entry.lease.in_flight().is_some() || entry.lease.reserved() > 0 {
+                continue;
+            }
+            let delta = -entry.lease.available();
+            if delta == 0 {
+                continue;
+            }
+            let span = policy.window(now_ms);
+            out.push((
+                CounterKeys::new(
+                    &self.prefix,
+                    &policy.name,
+                    &entry.digest,
+                    span.map(|s| s.label),
+                    self.instance,
+                ),
+                policy.counter_kind(span),
+                i64::try_from(delta).unwrap_or(0),
+            ));
+            // Held amounts are given back, debt is charged: the lease is even.
+            entry.lease = super::lease::Lease::new(now_ms, entry.lease.window());
+        }
+        for (keys, kind, delta) in out {
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            self.orphans.push(PendingDelta {
+                keys,
+                kind,
+                seq,
+                delta,
+            });
+        }
+    }
+}
+
+/// A policy's limit as the rate-limit headers show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitState {
+    /// The limit.
+    pub limit: u64,
+    /// What is left.
+    pub remaining: u64,
+    /// When it is whole again (a budget's next window, a rate's full
+    /// refill), Unix ms.
+    pub reset_at_ms: u64,
+    /// Whether the policy counts tokens (else requests).
+    pub counts_tokens: bool,
+}

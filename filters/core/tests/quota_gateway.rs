@@ -1,0 +1,480 @@
+//! A lease holder end to end against the Rust model of Redis: the first
+//! request of a scope waits for its grant, reservations settle exactly,
+//! unverified requests spend only the unverified budget, shadow policies
+//! never refuse, the store going away and coming back, script reloads,
+//! window roll-over, hard streams cut, and the counter coming back to what
+//! was spent.
+
+use serde_json::json;
+use zerolayer_core::quota::config::QuotaConfig;
+use zerolayer_core::quota::gateway::{
+    CallTarget, GatewayQuota, Identity, RefusalKind, Settlement, StoreCall, StreamVerdict,
+};
+use zerolayer_core::quota::reserve::{RequestBound, TokenCounts};
+use zerolayer_core::quota::store::{CounterKeys, ModelStore, Reply, StoreError};
+
+const DAY_MS: u64 = 86_400_000;
+/// 2026-12-03T00:00:00Z.
+const T0: u64 = 1_796_256_000_000;
+
+fn quota(config: serde_json::Value) -> GatewayQuota {
+    let config = QuotaConfig::from_json(config.to_string().as_bytes()).unwrap();
+    GatewayQuota::new(&config, 0xfeed, 0x5eed).unwrap()
+}
+
+fn daily(amount: u64) -> serde_json::Value {
+    json!({
+        "store": {"cluster": "webdis", "path": "/", "expected_gateways": 2},
+        "unverified": {"unit": "requests", "limit": {"budget": {"amount": 3, "window": "day"}}},
+        "policies": [{"name": "daily", "scope": ["tenant"], "unit": "tokens",
+                      "limit": {"budget": {"amount": amount, "window": "day"}}}]
+    })
+}
+
+fn tenant(name: &str) -> Identity<'_> {
+    Identity {
+        verified: true,
+        tenant: Some(name),
+        model: Some("m"),
+        ..Identity::default()
+    }
+}
+
+/// Runs one sync: every call answered by `store`; returns the calls made.
+fn sync(q: &mut GatewayQuota, store: &mut ModelStore, now: u64) -> Vec<StoreCall> {
+    let mut calls = Vec::new();
+    q.sync(now, &mut calls);
+    for call in &calls {
+        let reply = store.execute(&call.command, now);
+        q.on_reply(&call.target, Ok(reply), now);
+    }
+    calls
+}
+
+fn usage(input: u64, output: u64) -> Settlement {
+    Settlement::Usage(TokenCounts {
+        input,
+        output,
+        ..TokenCounts::default()
+    })
+}
+
+fn counter(store: &ModelStore, policy: &str, q: &GatewayQuota, scope: &[u8], label: u64) -> i64 {
+    let digest = zerolayer_core::quota::store::scope_digest(policy, scope);
+    let _ = q;
+    store.counter(&CounterKeys::new("zl:quota:", policy, &digest, Some(label), 0).counter)
+}
+
+#[test]
+fn the_first_request_waits_for_a_grant_then_settles_exactly() {
+    let mut q = quota(daily(100_000));
+    let mut store = ModelStore::new();
+    let bound = RequestBound::new(800, Some(200));
+    let refused = q.reserve(&tenant("acme"), &bound, false, T0).unwrap_err();
+    assert_eq!(
+        refused.kind,
+        RefusalKind::Refilling {
+            retry_after_secs: 1
+        }
+    );
+    assert_eq!(q.policy(refused.policy).unwrap().name, "daily");
+    let calls = sync(&mut q, &mut store, T0);
+    assert!(
+        calls
+            .iter()
+            .any(|c| matches!(c.target, CallTarget::Load(_)))
+    );
+    // min(5 % of 100,000, 100,000 / (2 × 2)) = 5,000.
+    let ticket = q.reserve(&tenant("acme"), &bound, false, T0 + 1).unwrap();
+    assert_eq!(
+        ticket.reserved(0),
+        Some(1000),
+        "800 body bytes + 200 max_tokens"
+    );
+    let shown = q.shown(&ticket, T0 + 1);
+    let tokens = shown.tokens.unwrap();
+    assert_eq!((tokens.limit, tokens.remaining), (100_000, 99_000));
+    q.settle(ticket, Some("m"), usage(150, 40), T0 + 2);
+    let stats = q.stats(0);
+    assert_eq!(
+        (
+            stats.admitted,
+            stats.reserved,
+            stats.settled,
+            stats.refunded
+        ),
+        (1, 1000, 190, 810)
+    );
+    assert_eq!(
+        counter(&store, "daily", &q, b"\x01\x04acme", 20_261_203),
+        5000,
+        "the lease, debited"
+    );
+    // Idle past idle_return_ms, the lease gives back all but what was spent.
+    sync(&mut q, &mut store, T0 + 61_000);
+    assert_eq!(
+        counter(&store, "daily", &q, b"\x01\x04acme", 20_261_203),
+        190,
+        "the counter is what was spent"
+    );
+}
+
+#[test]
+fn unverified_requests_never_spend_the_tenant_they_claim() {
+    let mut q = quota(daily(100_000));
+    let mut store = ModelStore::new();
+    let forged = Identity {
+        verified: false,
+        tenant: Some("victim"),
+        ..Identity::default()
+    };
+    let bound = RequestBound::new(100, Some(10));
+    assert!(
+        q.reserve(&forged, &bound, false, T0).is_err(),
+        "first: refilling"
+    );
+    sync(&mut q, &mut store, T0);
+    let mut admitted = 0;
+    for i in 0..10 {
+        match q.reserve(&forged, &bound, false, T0 + 1 + i) {
+            Ok(t) => {
+                assert_eq!(t.policies().collect::<Vec<_>>(), [1], "only `unverified`");
+                q.settle(t, None, Settlement::Unknown, T0 + 1 + i);
+                admitted += 1;
+            }
+            Err(r) => {
+                assert_eq!(q.policy(r.policy).unwrap().name, "unverified");
+                // Refilling while the lease is small, exhausted once the fleet is.
+                if let RefusalKind::BudgetExhausted { reset_at } = r.kind {
+                    assert_eq!(reset_at, ((T0 + DAY_MS) / 1000) as i64);
+                }
+            }
+        }
+        sync(&mut q, &mut store, T0 + 1 + i);
+    }
+    assert_eq!(admitted, 3, "the unverified budget: 3 a day, fleet-wide");
+    assert_eq!(q.stats(0).admitted, 0, "the victim's budget untouched");
+    // Verified, the tenant's own policy only; usage admitted before
+    // verification is charged to the tenant found.
+    let t = q.reserve(&tenant("victim"), &bound, false, T0 + 100);
+    assert!(
+        matches!(t, Err(ref r) if r.policy == 0),
+        "the tenant's lease: refilling"
+    );
+    q.charge(
+        &tenant("victim"),
+        &TokenCounts {
+            input: 50,
+            output: 5,
+            ..Default::default()
+        },
+        T0 + 100,
+    );
+    assert_eq!(q.stats(0).settled, 55);
+}
+
+#[test]
+fn a_request_is_reserved_against_all_its_policies_or_none() {
+    let mut q = quota(json!({
+        "store": {"cluster": "webdis", "path": "/"},
+        "policies": [
+            {"name": "big", "unit": "tokens", "limit": {"budget": {"amount": 1_000_000, "window": "month"}}},
+            {"name": "rpm", "scope": ["tenant"], "unit": "requests", "limit": {"rate": {"amount": 2, "per": "minute"}}}
+        ]
+    }));
+    let mut store = ModelStore::new();
+    let bound = RequestBound::new(10, Some(10));
+    let _ = q.reserve(&tenant("a"), &bound, false, T0);
+    sync(&mut q, &mut store, T0);
+    let mut admitted = 0;
+    let mut last = None;
+    for i in 0..5 {
+        match q.reserve(&tenant("a"), &bound, false, T0 + 10 + i) {
+            Ok(t) => {
+                admitted += 1;
+                q.settle(t, None, usage(5, 5), T0 + 10 + i);
+            }
+            Err(r) => last = Some(r),
+        }
+        sync(&mut q, &mut store, T0 + 10 + i);
+    }
+    assert_eq!(admitted, 2, "2 a minute");
+    let refusal = last.unwrap();
+    assert_eq!(q.policy(refusal.policy).unwrap().name, "rpm");
+    assert!(
+        matches!(refusal.kind, RefusalKind::RateLimited { retry_after_secs } if (29..=30).contains(&retry_after_secs)),
+        "{refusal:?}"
+    );
+    // The refused requests' reservations on `big` were released.
+    assert_eq!(q.stats(0).admitted, 2);
+    assert_eq!(q.stats(0).settled, 20);
+}
+
+#[test]
+fn shadow_policies_count_but_never_refuse() {
+    let mut q = quota(json!({
+        "store": {"cluster": "webdis", "path": "/"},
+        "policies": [{"name": "s", "scope": ["tenant"], "unit": "tokens", "mode": "shadow",
+                      "limit": {"budget": {"amount": 100, "window": "day"}}}]
+    }));
+    let mut store = ModelStore::new();
+    for i in 0..10 {
+        let t = q
+            .reserve(
+                &tenant("a"),
+                &RequestBound::new(30, Some(20)),
+                false,
+                T0 + i,
+            )
+            .unwrap();
+        q.settle(t, None, usage(20, 10), T0 + i);
+        sync(&mut q, &mut store, T0 + i);
+    }
+    let s = q.stats(0);
+    assert_eq!((s.admitted, s.refused, s.settled), (10, 0, 300));
+    assert!(s.shadow_refused >= 7, "{s:?}");
+    // What it spent reaches the store as debt.
+    sync(&mut q, &mut store, T0 + 100);
+    assert_eq!(counter(&store, "s", &q, b"\x01\x01a", 20_261_203), 300);
+}
+
+#[test]
+fn the_store_going_away_falls_back_then_catches_up() {
+    let mut q = quota(daily(10_000));
+    let mut store = ModelStore::new();
+    let bound = RequestBound::new(50, Some(50));
+    let _ = q.reserve(&tenant("a"), &bound, false, T0);
+    sync(&mut q, &mut store, T0);
+    // The store blackholed: every call times out.
+    let fail = |q: &mut GatewayQuota, now| {
+        let mut calls = Vec::new();
+        q.sync(now, &mut calls);
+        for c in &calls {
+            q.on_reply(
+                &c.target,
+                Err(StoreError::Unreachable("timeout".into())),
+                now,
+            );
+        }
+    };
+    let mut spent = 0;
+    let mut now = T0 + 1;
+    while now < T0 + 20_000 {
+        if let Ok(t) = q.reserve(&tenant("a"), &bound, false, now) {
+            q.settle(t, Some("m"), usage(50, 30), now);
+            spent += 80;
+        }
+        fail(&mut q, now);
+        now += 100;
+    }
+    assert!(q.store_down(now));
+    // The held lease (500) and then the local share of the last known
+    // remainder (9,500 / 2) were spent, no more.
+    assert!(spent > 500 && spent <= 500 + 4_750, "{spent}");
+    // The store is back: the debt is charged, the counter is what was spent
+    // once idle leases are returned.
+    sync(&mut q, &mut store, now);
+    assert!(!q.store_down(now));
+    sync(&mut q, &mut store, now + 61_000);
+    assert_eq!(
+        counter(&store, "daily", &q, b"\x01\x01a", 20_261_203),
+        spent as i64
+    );
+}
+
+#[test]
+fn a_restarted_redis_gets_the_scripts_again() {
+    let mut q = quota(daily(10_000));
+    let mut store = ModelStore::new();
+    let _ = q.reserve(&tenant("a"), &RequestBound::new(10, Some(10)), false, T0);
+    sync(&mut q, &mut store, T0);
+    let t = q
+        .reserve(
+            &tenant("a"),
+            &RequestBound::new(10, Some(10)),
+            false,
+            T0 + 1,
+        )
+        .unwrap();
+    q.settle(t, None, usage(4000, 400), T0 + 1); // past the lease: debt to charge
+    store.flush_scripts();
+    let calls = sync(&mut q, &mut store, T0 + 2);
+    assert!(calls.iter().all(|c| c.command.verb() == "EVALSHA"));
+    assert_eq!(q.store_errors(), 0, "NOSCRIPT is not an error, a reload");
+    let calls = sync(&mut q, &mut store, T0 + 3);
+    let verbs: Vec<String> = calls.iter().map(|c| c.command.verb()).collect();
+    assert!(
+        verbs.contains(&"SCRIPT".to_string()) && verbs.contains(&"EVAL".to_string()),
+        "{verbs:?}"
+    );
+    sync(&mut q, &mut store, T0 + 61_000);
+    assert_eq!(counter(&store, "daily", &q, b"\x01\x01a", 20_261_203), 4400);
+}
+
+#[test]
+fn a_new_window_starts_at_zero_and_late_debt_lands_in_the_old_one() {
+    let mut q = quota(daily(1_000));
+    let mut store = ModelStore::new();
+    let end = T0 + DAY_MS;
+    let _ = q.reserve(
+        &tenant("a"),
+        &RequestBound::new(10, Some(10)),
+        false,
+        end - 10_000,
+    );
+    sync(&mut q, &mut store, end - 10_000);
+    let t = q
+        .reserve(
+            &tenant("a"),
+            &RequestBound::new(10, Some(10)),
+            false,
+            end - 5_000,
+        )
+        .unwrap();
+    q.settle(t, None, usage(60, 10), end - 1); // 50 past the 20 reserved and the 50 lease
+    // The day ends before the debt is sent: it goes to the old day's counter.
+    sync(&mut q, &mut store, end);
+    sync(&mut q, &mut store, end + 1);
+    assert_eq!(counter(&store, "daily", &q, b"\x01\x01a", 20_261_203), 70);
+    assert!(q.orphans().is_empty());
+    // The tenant was active a moment ago: its lease is refilled at once in
+    // the new day, from a counter that starts at 0.
+    assert_eq!(
+        counter(&store, "daily", &q, b"\x01\x01a", 20_261_204),
+        50,
+        "one fresh lease"
+    );
+    let t = q
+        .reserve(
+            &tenant("a"),
+            &RequestBound::new(10, Some(10)),
+            false,
+            end + 2,
+        )
+        .unwrap();
+    q.settle(t, None, usage(5, 5), end + 3);
+    sync(&mut q, &mut store, end + 3);
+    assert_eq!(counter(&store, "daily", &q, b"\x01\x01a", 20_261_204), 50);
+}
+
+#[test]
+fn a_hard_stream_is_cut_when_its_lease_cannot_cover_the_next_chunk() {
+    let mut q = quota(json!({
+        "store": {"cluster": "webdis", "path": "/", "lease": {"max_percent": 100}},
+        "defaults": {"stream": "hard"},
+        "policies": [{"name": "d", "scope": ["tenant"], "unit": "tokens",
+                      "limit": {"budget": {"amount": 400, "window": "day"}}}]
+    }));
+    let mut store = ModelStore::new();
+    let bound = RequestBound::new(100, Some(10_000));
+    let _ = q.reserve(&tenant("a"), &bound, true, T0);
+    sync(&mut q, &mut store, T0);
+    // Reserves only its input bound (100), though max_tokens is 10,000.
+    let mut t = q.reserve(&tenant("a"), &bound, true, T0 + 1).unwrap();
+    assert_eq!(t.reserved(0), Some(100));
+    let mut output = 0;
+    let verdict = loop {
+        output += 16;
+        match q.draw(&mut t, None, output, T0 + 2) {
+            StreamVerdict::Continue => continue,
+            StreamVerdict::Cut => break output,
+        }
+    };
+    // The lease is 100 (the fleet's 400 over 2 × 2 holders by default);
+    // the first draw past it is charged and cuts the stream.
+    assert!(verdict > 0 && verdict <= 16 + 400, "{verdict}");
+    q.settle(
+        t,
+        None,
+        Settlement::Partial {
+            input: Some(40),
+            delivered_output: verdict,
+        },
+        T0 + 3,
+    );
+    assert_eq!(q.stats(0).cuts, 1);
+    // Not streamed, the same request reserves its whole bound: too large.
+    let r = q.reserve(&tenant("b"), &bound, false, T0 + 4).unwrap_err();
+    assert_eq!(
+        r.kind,
+        RefusalKind::TooLarge {
+            amount: 10_100,
+            limit: 400
+        }
+    );
+}
+
+#[test]
+fn trusted_headers_scope_but_are_never_shared_across_values() {
+    let mut q = quota(json!({
+        "trusted_headers": ["x-team"],
+        "store": {"cluster": "webdis", "path": "/"},
+        "policies": [{"name": "team", "scope": [{"header": "x-team"}], "unit": "requests",
+                      "limit": {"budget": {"amount": 1000, "window": "day"}}}]
+    }));
+    let mut store = ModelStore::new();
+    const RED: &[Option<&str>] = &[Some("red")];
+    const BLUE: &[Option<&str>] = &[Some("blue")];
+    let who = |h: &'static [Option<&'static str>]| Identity {
+        verified: true,
+        headers: h,
+        ..Identity::default()
+    };
+    let _ = q.reserve(&who(RED), &RequestBound::default(), false, T0);
+    let _ = q.reserve(&who(BLUE), &RequestBound::default(), false, T0);
+    sync(&mut q, &mut store, T0);
+    assert_eq!(q.table().len(), 2);
+    let t = q
+        .reserve(&who(RED), &RequestBound::default(), false, T0 + 1)
+        .unwrap();
+    q.settle(t, None, Settlement::Unknown, T0 + 1);
+}
+
+#[test]
+fn webdis_answers_drive_the_same_protocol() {
+    let mut q = quota(daily(10_000));
+    let mut store = ModelStore::new();
+    let _ = q.reserve(&tenant("a"), &RequestBound::new(10, Some(10)), false, T0);
+    let mut calls = Vec::new();
+    q.sync(T0, &mut calls);
+    for call in &calls {
+        let reply = store.execute(&call.command, T0);
+        let body = json!({ call.command.verb(): webdis_json(&reply) }).to_string();
+        q.on_webdis_response(call, Some(200), body.as_bytes(), T0);
+    }
+    assert!(
+        q.reserve(
+            &tenant("a"),
+            &RequestBound::new(10, Some(10)),
+            false,
+            T0 + 1
+        )
+        .is_ok()
+    );
+    // An HTTP failure is the store being unreachable; garbage is an error.
+    let mut calls = Vec::new();
+    q.sync(T0 + 10_000, &mut calls);
+    let call = calls
+        .iter()
+        .find(|c| matches!(c.target, CallTarget::Lease { .. }))
+        .unwrap();
+    q.on_webdis_response(call, Some(502), b"", T0 + 10_000);
+    assert!(
+        !q.store_down(T0 + 10_999),
+        "failing, not yet for two sync intervals"
+    );
+    assert!(q.store_down(T0 + 11_000));
+    q.on_webdis_response(call, Some(200), b"{\"EVALSHA\":", T0 + 10_001);
+    assert_eq!(q.store_errors(), 1);
+}
+
+fn webdis_json(reply: &Reply) -> serde_json::Value {
+    match reply {
+        Reply::Integer(n) => json!(n),
+        Reply::Bulk(Some(b)) => json!(String::from_utf8_lossy(b)),
+        Reply::Bulk(None) | Reply::Array(None) => serde_json::Value::Null,
+        Reply::Status(s) => json!([true, s]),
+        Reply::Error(s) => json!([false, s]),
+        Reply::Array(Some(items)) => items.iter().map(webdis_json).collect(),
+    }
+}

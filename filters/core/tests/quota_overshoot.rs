@@ -1,0 +1,445 @@
+//! The overshoot bound, in every interleaving proptest finds: N gateways
+//! hold leases of one counter of limit L; requests reserve their upper
+//! bound (hard streams: their input bound, then draw chunks of at most g
+//! tokens) and settle at most what they reserved (what they drew); calls
+//! to the store and their answers get lost. Whatever happens,
+//!
+//!     settled ≤ L + Q·g + N·β
+//!
+//! with Q the most requests in flight at once. And the post-paid method of
+//! the peers (admit while the counter is under L, charge at the end) in the
+//! same situation overshoots by about Q times the largest request.
+
+use proptest::prelude::*;
+use serde_json::json;
+use zerolayer_core::quota::config::QuotaConfig;
+use zerolayer_core::quota::gateway::{GatewayQuota, Identity, Settlement, StreamVerdict, Ticket};
+use zerolayer_core::quota::reserve::{RequestBound, TokenCounts};
+use zerolayer_core::quota::store::{CounterKeys, ModelStore, StoreError, scope_digest};
+
+/// 2026-12-03T00:00:00Z.
+const T0: u64 = 1_796_256_000_000;
+
+#[derive(Debug, Clone)]
+struct Request {
+    gateway: usize,
+    body: u64,
+    max_output: u64,
+    input: u64,
+    output: u64,
+    stream: bool,
+}
+
+fn request(gateways: usize) -> impl Strategy<Value = Request> {
+    (
+        0..gateways,
+        1u64..400,
+        1u64..600,
+        any::<bool>(),
+        0u32..=100,
+        0u32..=100,
+    )
+        .prop_map(
+            move |(gateway, body, max_output, stream, fin, fout)| Request {
+                gateway,
+                body,
+                max_output,
+                // The bound holds: at most the body's bytes, at most max_tokens.
+                input: body * u64::from(fin) / 100,
+                output: max_output * u64::from(fout) / 100,
+                stream,
+            },
+        )
+}
+
+struct Running {
+    request: Request,
+    ticket: Ticket,
+    delivered: u64,
+}
+
+fn who() -> Identity<'static> {
+    Identity {
+        verified: true,
+        tenant: Some("acme"),
+        ..Identity::default()
+    }
+}
+
+struct Fleet {
+    gateways: Vec<GatewayQuota>,
+    store: ModelStore,
+    now: u64,
+    settled: u64,
+    running: Vec<Running>,
+    most_in_flight: usize,
+    g: u64,
+}
+
+impl Fleet {
+    fn new(n: usize, limit: u64, beta: u64, hard: bool, max_percent: u8, g: u64) -> Fleet {
+        let config = json!({
+            "store": {"cluster": "webdis", "path": "/", "expected_gateways": n, "max_debt": beta,
+                      "lease": {"max_percent": max_percent}},
+            "defaults": {"stream": if hard { "hard" } else { "soft" }},
+            "policies": [{"name": "d", "scope": ["tenant"], "unit": "tokens",
+                          "limit": {"budget": {"amount": limit, "window": "day"}}}]
+        });
+        let config = QuotaConfig::from_json(config.to_string().as_bytes()).unwrap();
+        Fleet {
+            gateways: (0..n)
+                .map(|i| GatewayQuota::new(&config, 100 + i as u64, i as u64).unwrap())
+                .collect(),
+            store: ModelStore::new(),
+            now: T0,
+            settled: 0,
+            running: Vec::new(),
+            most_in_flight: 0,
+            g,
+        }
+    }
+
+    fn start(&mut self, r: Request) {
+        let bound = RequestBound::new(r.body, Some(r.max_output));
+        if let Ok(ticket) = self.gateways[r.gateway].reserve(&who(), &bound, r.stream, self.now) {
+            self.running.push(Running {
+                request: r,
+                ticket,
+                delivered: 0,
+            });
+            self.most_in_flight = self.most_in_flight.max(self.running.len());
+        }
+    }
+
+    /// One chunk of a stream (or the whole of a plain request); returns
+    /// whether it finished.
+    fn advance(&mut self, index: usize) {
+        if self.running.is_empty() {
+            return;
+        }
+        let index = index % self.running.len();
+        let r = &mut self.running[index];
+        let q = &mut self.gateways[r.request.gateway];
+        if !r.request.stream || r.delivered >= r.request.output {
+            let done = self.running.swap_remove(index);
+            let usage = TokenCounts {
+                input: done.request.input,
+                output: done.request.output,
+                ..Default::default()
+            };
+            self.settled += done.request.input + done.request.output;
+            self.gateways[done.request.gateway].settle(
+                done.ticket,
+                None,
+                Settlement::Usage(usage),
+                self.now,
+            );
+            return;
+        }
+        let chunk = self.g.min(r.request.output - r.delivered);
+        r.delivered += chunk;
+        if q.draw(&mut r.ticket, None, r.delivered, self.now) == StreamVerdict::Cut {
+            // Ended cleanly after this chunk: billed input + what it received.
+            let done = self.running.swap_remove(index);
+            self.settled += done.request.input + done.delivered;
+            self.gateways[done.request.gateway].settle(
+                done.ticket,
+                None,
+                Settlement::Partial {
+                    input: Some(done.request.input),
+                    delivered_output: done.delivered,
+                },
+                self.now,
+            );
+        }
+    }
+
+    /// A sync of one gateway; `loss` decides, per call, whether the call or
+    /// its answer is lost.
+    fn sync(&mut self, gateway: usize, loss: u8) {
+        let n = self.gateways.len();
+        let q = &mut self.gateways[gateway % n];
+        let mut calls = Vec::new();
+        q.sync(self.now, &mut calls);
+        for (i, call) in calls.iter().enumerate() {
+            match (loss >> (i % 8)) & 3 {
+                0 => q.on_reply(
+                    &call.target,
+                    Err(StoreError::Unreachable("lost".into())),
+                    self.now,
+                ),
+                1 => {
+                    self.store.execute(&call.command, self.now);
+                    q.on_reply(
+                        &call.target,
+                        Err(StoreError::Unreachable("answer lost".into())),
+                        self.now,
+                    );
+                }
+                _ => {
+                    let reply = self.store.execute(&call.command, self.now);
+                    q.on_reply(&call.target, Ok(reply), self.now);
+                }
+            }
+        }
+    }
+
+    fn counter(&self) -> i64 {
+        let key = CounterKeys::new(
+            "zl:quota:",
+            "d",
+            &scope_digest("d", b"\x01\x04acme"),
+            Some(20_261_203),
+            0,
+        );
+        self.store.counter(&key.counter)
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Start,
+    Advance(usize),
+    Sync(usize, u8),
+    Wait(u64),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        3 => Just(Step::Start),
+        4 => any::<usize>().prop_map(Step::Advance),
+        2 => (any::<usize>(), any::<u8>()).prop_map(|(g, l)| Step::Sync(g, l)),
+        // At most 3 ms a step, 300 steps: the store never fails for two
+        // sync intervals (1 s), so no fallback applies (its extra is
+        // bounded apart: see the fallback test).
+        1 => (0u64..=3).prop_map(Step::Wait),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    #[test]
+    fn settled_never_exceeds_l_plus_q_g_plus_n_beta(
+        n in 1usize..4,
+        limit in 500u64..5_000,
+        beta in prop_oneof![Just(0u64), 0u64..100],
+        hard in any::<bool>(),
+        max_percent in prop_oneof![Just(1u8), Just(5), Just(25), Just(100)],
+        g in 1u64..32,
+        requests in proptest::collection::vec(request(3), 1..60),
+        steps in proptest::collection::vec(step(), 1..300),
+    ) {
+        let mut fleet = Fleet::new(n, limit, beta, hard, max_percent, g);
+        let mut pending = requests.into_iter().map(|mut r| { r.gateway %= n; r });
+        for s in steps {
+            match s {
+                Step::Start => if let Some(r) = pending.next() { fleet.start(r) },
+                Step::Advance(i) => fleet.advance(i),
+                Step::Sync(gw, loss) => fleet.sync(gw, loss),
+                Step::Wait(ms) => fleet.now += ms,
+            }
+        }
+        while !fleet.running.is_empty() {
+            fleet.advance(0);
+        }
+        let q = fleet.most_in_flight as u64;
+        let bound = limit + q * g + n as u64 * beta;
+        prop_assert!(fleet.settled <= bound, "settled {} > {} (L {} Q {} g {} N {} β {})",
+            fleet.settled, bound, limit, q, g, n, beta);
+        // With the store reachable again every operation is answered; the
+        // counter holds what every lease was granted, and once idle leases
+        // are returned, exactly what was settled.
+        for _ in 0..3 {
+            for i in 0..n { fleet.sync(i, 0xff); }
+        }
+        let held: i128 = fleet.gateways.iter()
+            .flat_map(|gw| gw.table().iter())
+            .map(|e| i128::from(e.lease.granted()))
+            .sum();
+        prop_assert_eq!(i128::from(fleet.counter()), held);
+        fleet.now += 61_000;
+        for _ in 0..3 {
+            for i in 0..n { fleet.sync(i, 0xff); }
+        }
+        prop_assert_eq!(fleet.counter(), fleet.settled as i64, "no drift");
+    }
+}
+
+/// The peers' method: admit while the counter is under the limit, charge
+/// when the request is done.
+struct PostPaid {
+    counter: u64,
+    limit: u64,
+}
+
+impl PostPaid {
+    fn admit(&self) -> bool {
+        self.counter < self.limit
+    }
+}
+
+#[test]
+fn post_paid_overshoot_grows_with_concurrency_and_leases_do_not() {
+    // The case, scaled to one process: a 100,000-token budget, Q
+    // concurrent ~2,000-token streams (500 input, 1,500 output), g = 16.
+    let (limit, input, output, g) = (100_000u64, 500u64, 1_500u64, 16u64);
+    for q in [50u64, 200, 800] {
+        // Post-paid: the counter is under the limit when each one starts.
+        let mut peer = PostPaid { counter: 0, limit };
+        let admitted = (0..q).filter(|_| peer.admit()).count() as u64;
+        peer.counter += admitted * (input + output);
+        // Then every later request is refused, but the damage is done.
+        let post_paid = peer.counter;
+
+        // Leases: the same Q streams start at once on 3 gateways (hard mode).
+        let mut fleet = Fleet::new(3, limit, 0, true, 100, g);
+        for i in 0..3 {
+            fleet.start(Request {
+                gateway: i,
+                body: 1,
+                max_output: 1,
+                input: 0,
+                output: 0,
+                stream: false,
+            });
+            fleet.sync(i, 0xff);
+            fleet.sync(i, 0xff);
+        }
+        for i in 0..q as usize {
+            fleet.start(Request {
+                gateway: i % 3,
+                body: input,
+                max_output: 4096,
+                input,
+                output,
+                stream: true,
+            });
+        }
+        while !fleet.running.is_empty() {
+            let k = fleet.running.len();
+            fleet.advance(k - 1);
+            if fleet.running.len().is_multiple_of(7) {
+                for i in 0..3 {
+                    fleet.sync(i, 0xff);
+                }
+            }
+        }
+        let bound = limit + q * g;
+        assert!(
+            fleet.settled <= bound,
+            "Q {q}: leases settled {} > {bound}",
+            fleet.settled
+        );
+        if q * (input + output) > limit + q * g {
+            assert!(
+                post_paid > bound,
+                "Q {q}: post-paid {post_paid} should exceed the lease bound {bound}"
+            );
+        }
+        eprintln!(
+            "Q {q}: post-paid settles {post_paid}, leases {} (bound {bound})",
+            fleet.settled
+        );
+    }
+}
+
+/// An outage: every call fails for 30 s while each gateway spends all it
+/// may. `local_share` adds each gateway's share of the remainder it last
+/// knew (R_g / expected_gateways) to what it held; `fail_closed` adds
+/// nothing; `fail_open` is bounded only by demand.
+#[test]
+fn an_outage_adds_at_most_each_gateways_share_of_the_remainder() {
+    for fallback in ["local_share", "fail_closed", "fail_open"] {
+        let n = 3;
+        let config = json!({
+            "store": {"cluster": "webdis", "path": "/", "expected_gateways": n},
+            "fallback": fallback,
+            "policies": [{"name": "d", "scope": ["tenant"], "unit": "tokens",
+                          "limit": {"budget": {"amount": 9_000, "window": "day"}}}]
+        });
+        let config = QuotaConfig::from_json(config.to_string().as_bytes()).unwrap();
+        let mut fleet = Fleet::new(n, 9_000, 0, false, 5, 1);
+        fleet.gateways = (0..n)
+            .map(|i| GatewayQuota::new(&config, 200 + i as u64, 9).unwrap())
+            .collect();
+        let small = |gateway| Request {
+            gateway,
+            body: 10,
+            max_output: 10,
+            input: 10,
+            output: 10,
+            stream: false,
+        };
+        // Warm up: grants, some spending.
+        for round in 0..20 {
+            for gw in 0..n {
+                fleet.start(small(gw));
+                fleet.sync(gw, 0xff);
+            }
+            while !fleet.running.is_empty() {
+                fleet.advance(0);
+            }
+            fleet.now += 10 * round;
+        }
+        let held: u64 = fleet
+            .gateways
+            .iter()
+            .flat_map(|g| g.table().iter())
+            .map(|e| e.lease.granted())
+            .sum();
+        let known: Vec<i64> = fleet
+            .gateways
+            .iter()
+            .flat_map(|g| g.table().iter())
+            .map(|e| e.lease.fleet_remaining().unwrap())
+            .collect();
+        let c0 = fleet.counter() as u64;
+        assert_eq!(held, c0);
+        // The outage: 30 s of failures, demand far above the limit.
+        let start = fleet.now;
+        while fleet.now < start + 30_000 {
+            for gw in 0..n {
+                fleet.start(small(gw));
+                fleet.sync(gw, 0); // every call lost
+            }
+            while !fleet.running.is_empty() {
+                fleet.advance(0);
+            }
+            fleet.now += 20;
+        }
+        let shares: u64 = known
+            .iter()
+            .map(|r| r.max(&0).unsigned_abs() / n as u64)
+            .sum();
+        match fallback {
+            "local_share" => {
+                assert!(
+                    fleet.settled <= c0 + shares,
+                    "{} > {c0} + {shares}",
+                    fleet.settled
+                );
+                assert!(fleet.settled > c0, "the shares were spent: no extra errors");
+            }
+            "fail_closed" => assert!(fleet.settled <= c0, "{} > {c0}", fleet.settled),
+            _ => assert!(fleet.settled > 9_000, "fail_open: past the limit"),
+        }
+        // Back: every gateway's spending reaches the counter.
+        for _ in 0..3 {
+            for gw in 0..n {
+                fleet.sync(gw, 0xff);
+            }
+        }
+        fleet.now += 61_000;
+        for _ in 0..3 {
+            for gw in 0..n {
+                fleet.sync(gw, 0xff);
+            }
+        }
+        assert_eq!(
+            fleet.counter(),
+            fleet.settled as i64,
+            "{fallback}: no drift"
+        );
+    }
+}
