@@ -3,7 +3,7 @@
 //! response callbacks in reverse, a stage that pauses stops the stages after
 //! it until it resumes, and a local response goes back only through the
 //! stages that saw the request. A stage that said it is done with a body
-//! callback (`Host::done_with`) is no longer called for it: it would return
+//! callback (`StreamHost::done_with`) is no longer called for it: it would return
 //! `Continue` and touch nothing.
 
 use zerolayer_host::timing::Span;

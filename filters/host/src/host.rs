@@ -469,8 +469,8 @@ pub trait StreamHost: Respond {
     }
 
     /// A 429 or 503 whose wait is known (`retry-after: secs`, at least 1),
-    /// sent as [`Host::send_json_error`] or, `from_answer`, as
-    /// [`Host::send_json_error_before_body`].
+    /// sent as [`StreamHost::send_json_error`] or, `from_answer`, as
+    /// [`StreamHost::send_json_error_before_body`].
     fn send_retry_later(
         &mut self,
         status: u32,
@@ -484,7 +484,7 @@ pub trait StreamHost: Respond {
         json_error(self, status, kind, message, retry, close);
     }
 
-    /// [`Host::send_json_error`] from a callout's answer, before the host
+    /// [`StreamHost::send_json_error`] from a callout's answer, before the host
     /// read the request body. ngx_wasm_module reads the body only after the
     /// request headers went on, and a body left unread there was now and
     /// then parsed as the next request on the keep-alive connection: there
