@@ -40,20 +40,22 @@ impl Process {
 /// The thread asking Envoy's main thread to report the metrics, every
 /// [`crate::metrics::REPORT_EVERY`] while they change.
 pub(crate) struct Reporter {
-    stop: Arc<std::sync::atomic::AtomicBool>,
+    /// Dropped (or sent on) to stop the thread at once, not after its wait.
+    stop: std::sync::mpsc::Sender<()>,
     thread: std::thread::JoinHandle<()>,
 }
 
 impl Reporter {
     pub(crate) fn start(process: &Arc<Process>) -> Option<Reporter> {
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
         let process = Arc::downgrade(process);
-        let stopping = stop.clone();
         let started = std::thread::Builder::new()
             .name("zerolayer-metrics".into())
             .spawn(move || {
-                while !stopping.load(Ordering::Acquire) {
-                    std::thread::sleep(crate::metrics::REPORT_EVERY);
+                // Waits for the stop, reporting each time the wait runs out.
+                while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                    stopped.recv_timeout(crate::metrics::REPORT_EVERY)
+                {
                     match process.upgrade() {
                         Some(process) => process.metrics.commit_if_changed(),
                         None => return,
@@ -70,7 +72,8 @@ impl Reporter {
     }
 
     pub(crate) fn stop(self) {
-        self.stop.store(true, Ordering::Release);
+        // The thread may be gone already (its process was dropped).
+        let _ = self.stop.send(());
         if self.thread.join().is_err() {
             log::error!("zerolayer-native: the metrics thread panicked");
         }
