@@ -20,9 +20,7 @@ use zerolayer_core::internal;
 
 use std::marker::PhantomData;
 
-use crate::host::{
-    Body, Callback, Headers, Host, MetricKind, Platform, Respond, RootHost, Status, StreamHost,
-};
+use crate::host::{Body, Callback, Headers, Host, Platform, Respond, RootHost, Status, StreamHost};
 use crate::stage::DoneWith;
 use crate::stage::Hosts;
 use crate::stage::StageHost;
@@ -241,87 +239,104 @@ impl<P: Proxy> StageHost for PipelineHost<P> {
     }
 }
 
-/// The [`Host`] methods both pipeline hosts pass to their proxy as they are.
+/// [`Host`] methods a wrapping host passes to the host in its field `$to`
+/// as they are, by group: `clock` (`now`, `platform`), `shared_data`,
+/// `queues`, `callouts` (`dispatch` and the answer's reads), `metrics`.
+/// For use inside an `impl Host for …` block: `forward_host!(proxy: clock,
+/// metrics);` (the pipeline hosts, the native stream's `EnvoyProxy`).
+#[macro_export]
 macro_rules! forward_host {
-    () => {
-        fn now(&mut self) -> Duration {
-            self.proxy.now()
+    ($to:ident: $($group:ident),+ $(,)?) => {
+        $($crate::forward_host!(@$group $to);)+
+    };
+    (@clock $to:ident) => {
+        fn now(&mut self) -> ::std::time::Duration {
+            self.$to.now()
         }
 
-        fn platform(&mut self) -> Platform {
-            self.proxy.platform()
+        fn platform(&mut self) -> $crate::Platform {
+            self.$to.platform()
         }
-
-        fn fused(&self) -> bool {
-            true
-        }
-
+    };
+    (@shared_data $to:ident) => {
         fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-            self.proxy.shared_get(key)
+            self.$to.shared_get(key)
         }
 
-        fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
-            self.proxy.shared_set(key, value, cas)
+        fn shared_set(
+            &mut self,
+            key: &str,
+            value: &[u8],
+            cas: Option<u32>,
+        ) -> Result<(), $crate::Status> {
+            self.$to.shared_set(key, value, cas)
         }
-
-        fn register_queue(&mut self, name: &str) -> Result<u32, Status> {
-            self.proxy.register_queue(name)
+    };
+    (@queues $to:ident) => {
+        fn register_queue(&mut self, name: &str) -> Result<u32, $crate::Status> {
+            self.$to.register_queue(name)
         }
 
         fn resolve_queue(&mut self, vm_id: &str, name: &str) -> Option<u32> {
-            self.proxy.resolve_queue(vm_id, name)
+            self.$to.resolve_queue(vm_id, name)
         }
 
-        fn enqueue(&mut self, queue: u32, bytes: &[u8]) -> Result<(), Status> {
-            self.proxy.enqueue(queue, bytes)
+        fn enqueue(&mut self, queue: u32, bytes: &[u8]) -> Result<(), $crate::Status> {
+            self.$to.enqueue(queue, bytes)
         }
 
-        fn dequeue(&mut self, queue: u32) -> Result<Option<Vec<u8>>, Status> {
-            self.proxy.dequeue(queue)
+        fn dequeue(&mut self, queue: u32) -> Result<Option<Vec<u8>>, $crate::Status> {
+            self.$to.dequeue(queue)
         }
-
+    };
+    (@callouts $to:ident) => {
         fn dispatch(
             &mut self,
             cluster: &str,
             headers: &[(&str, &str)],
             body: Option<&[u8]>,
-            timeout: Duration,
-        ) -> Result<u32, Status> {
-            self.proxy.dispatch(cluster, headers, body, timeout)
+            timeout: ::std::time::Duration,
+        ) -> Result<u32, $crate::Status> {
+            self.$to.dispatch(cluster, headers, body, timeout)
         }
 
         fn callout_status(&mut self) -> Option<u16> {
-            self.proxy.callout_status()
+            self.$to.callout_status()
         }
 
         fn callout_body(&mut self, size: usize) -> Vec<u8> {
-            self.proxy.callout_body(size)
+            self.$to.callout_body(size)
         }
 
         fn callout_retry_after(&mut self) -> Option<u64> {
-            self.proxy.callout_retry_after()
+            self.$to.callout_retry_after()
         }
-
+    };
+    (@metrics $to:ident) => {
         fn define_metric(
             &mut self,
-            kind: MetricKind,
-            name: zerolayer_core::metrics::MetricName<'_>,
-        ) -> Result<crate::MetricId, Status> {
-            self.proxy.define_metric(kind, name)
+            kind: $crate::MetricKind,
+            name: $crate::MetricName<'_>,
+        ) -> Result<$crate::MetricId, $crate::Status> {
+            self.$to.define_metric(kind, name)
         }
 
         fn increment_metric(&mut self, id: u32, delta: i64) {
-            self.proxy.increment_metric(id, delta);
+            self.$to.increment_metric(id, delta);
         }
 
         fn record_metric(&mut self, id: u32, value: u64) {
-            self.proxy.record_metric(id, value);
+            self.$to.record_metric(id, value);
         }
     };
 }
 
 impl<P: Proxy> Host for PipelineHost<P> {
-    forward_host!();
+    crate::forward_host!(proxy: clock, shared_data, queues, callouts, metrics);
+
+    fn fused(&self) -> bool {
+        true
+    }
 
     fn set_tick_period(&mut self, _period: Duration) -> Result<(), Status> {
         // Ticks are the roots'.
@@ -432,7 +447,11 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
 }
 
 impl<P: Host> Host for PipelineRoots<P> {
-    forward_host!();
+    crate::forward_host!(proxy: clock, shared_data, queues, callouts, metrics);
+
+    fn fused(&self) -> bool {
+        true
+    }
 
     fn set_tick_period(&mut self, period: Duration) -> Result<(), Status> {
         // The chain's root ticks the stage this often.

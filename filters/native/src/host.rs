@@ -260,13 +260,7 @@ impl Host for EnvoyProcess {
 }
 
 impl Host for EnvoyProxy {
-    fn now(&mut self) -> Duration {
-        self.process.now()
-    }
-
-    fn platform(&mut self) -> Platform {
-        Platform::Envoy
-    }
+    zerolayer_host::forward_host!(process: clock, shared_data, queues, metrics);
 
     fn fused(&self) -> bool {
         true
@@ -274,30 +268,6 @@ impl Host for EnvoyProxy {
 
     fn set_tick_period(&mut self, period: Duration) -> Result<(), Status> {
         self.process.set_tick_period(period)
-    }
-
-    fn shared_get(&mut self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        self.process.shared_get(key)
-    }
-
-    fn shared_set(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
-        self.process.shared_set(key, value, cas)
-    }
-
-    fn register_queue(&mut self, name: &str) -> Result<u32, Status> {
-        self.process.register_queue(name)
-    }
-
-    fn resolve_queue(&mut self, vm_id: &str, name: &str) -> Option<u32> {
-        self.process.resolve_queue(vm_id, name)
-    }
-
-    fn enqueue(&mut self, queue: u32, bytes: &[u8]) -> Result<(), Status> {
-        self.process.enqueue(queue, bytes)
-    }
-
-    fn dequeue(&mut self, queue: u32) -> Result<Option<Vec<u8>>, Status> {
-        self.process.dequeue(queue)
     }
 
     fn dispatch(
@@ -328,22 +298,6 @@ impl Host for EnvoyProxy {
             .as_ref()
             .map(|a| a.body[..size.min(a.body.len())].to_vec())
             .unwrap_or_default()
-    }
-
-    fn define_metric(
-        &mut self,
-        kind: MetricKind,
-        name: zerolayer_core::metrics::MetricName<'_>,
-    ) -> Result<zerolayer_host::MetricId, Status> {
-        self.process.define_metric(kind, name)
-    }
-
-    fn increment_metric(&mut self, id: u32, delta: i64) {
-        self.process.increment_metric(id, delta);
-    }
-
-    fn record_metric(&mut self, id: u32, value: u64) {
-        self.process.record_metric(id, value);
     }
 }
 
