@@ -147,6 +147,13 @@ pub fn refusal_reply(
     } else {
         "requests"
     };
+    // Anthropic has no `insufficient_quota` type: its clients read the
+    // status and `x-should-retry`.
+    let exhausted = if anthropic {
+        "rate_limit_error"
+    } else {
+        "insufficient_quota"
+    };
     let (status, kind, code, message, retry) = match refusal.kind {
         RefusalKind::RateLimited { retry_after_secs } => (
             429,
@@ -165,11 +172,7 @@ pub fn refusal_reply(
         ),
         RefusalKind::BudgetExhausted { reset_at } => (
             429,
-            if anthropic {
-                "rate_limit_error"
-            } else {
-                "insufficient_quota"
-            },
+            exhausted,
             Some("insufficient_quota"),
             format!(
                 "Budget of policy {policy:?} is exhausted until {}.",
@@ -179,11 +182,7 @@ pub fn refusal_reply(
         ),
         RefusalKind::TooLarge { amount, limit } => (
             429,
-            if anthropic {
-                "rate_limit_error"
-            } else {
-                "insufficient_quota"
-            },
+            exhausted,
             Some("insufficient_quota"),
             format!(
                 "Request may cost {amount}, more than policy {policy:?} allows ({limit}); lower max_tokens or the input."
