@@ -74,26 +74,19 @@ fn the_scripts_do_on_redis_what_the_model_does() {
         let sha = sha_from_reply(&redis.call(&Command::script_load(script))).unwrap();
         shas.learn(script, &sha);
     }
-    assert_eq!(
-        grant(&mut redis, &shas, 1, 0, 400),
-        model.grant(&keys, budget, 1, 0, 400, 0),
-        "replay"
-    );
-    assert_eq!(
-        grant(&mut redis, &shas, 2, 0, 700),
-        model.grant(&keys, budget, 2, 0, 700, 0),
-        "capped"
-    );
-    assert_eq!(
-        grant(&mut redis, &shas, 3, 30, 5),
-        model.grant(&keys, budget, 3, 30, 5, 0),
-        "debt"
-    );
-    assert_eq!(
-        grant(&mut redis, &shas, 2, 0, 5),
-        model.grant(&keys, budget, 2, 0, 5, 0),
-        "stale"
-    );
+    // (seq, force, asked, what the case is)
+    for (seq, force, asked, case) in [
+        (1, 0, 400, "replay"),
+        (2, 0, 700, "capped"),
+        (3, 30, 5, "debt"),
+        (2, 0, 5, "stale"),
+    ] {
+        assert_eq!(
+            grant(&mut redis, &shas, seq, force, asked),
+            model.grant(&keys, budget, seq, force, asked, 0),
+            "{case}"
+        );
+    }
     let delta = |redis: &mut Redis, seq, d| {
         DeltaReply::from_reply(&redis.call(&delta_command(&shas, &keys, budget, seq, d))).unwrap()
     };
@@ -174,8 +167,12 @@ fn the_scripts_work_through_webdis() {
             "POST / HTTP/1.1\r\nHost: webdis\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
             body.len()
         );
-        s.write_all(head.as_bytes()).unwrap();
-        s.write_all(&body).unwrap();
+        // Head and body in one write: webdis 0.1.9 now and then never
+        // answers a POST whose body arrives in a later segment than its head
+        // (9 of 40 fresh servers here).
+        let mut request = head.into_bytes();
+        request.extend_from_slice(&body);
+        s.write_all(&request).unwrap();
         // Read the head, then `content-length` bytes (not until close).
         let mut response = Vec::new();
         let mut chunk = [0u8; 4096];
