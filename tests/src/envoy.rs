@@ -230,6 +230,52 @@ impl EnvoyConfig {
         Ok(())
     }
 
+    /// Inserts a Wasm filter `name` (module `module`, in VM `vm_id`,
+    /// configured with `json`) after the HTTP filter named `after` in every
+    /// connection manager that has it.
+    pub fn insert_wasm_filter_after(
+        &mut self,
+        after: &str,
+        name: &str,
+        module: &str,
+        vm_id: &str,
+        json: &str,
+    ) -> Result<()> {
+        let filter: Value = serde_yaml::from_str(&format!(
+            "{{name: {name}, typed_config: {{'@type': type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm, \
+             config: {{name: {name}, root_id: {name}, allow_on_headers_stop_iteration: true, \
+             vm_config: {{vm_id: {vm_id}, runtime: envoy.wasm.runtime.v8, \
+             code: {{local: {{filename: '{}'}}}}}}, \
+             configuration: {{'@type': type.googleapis.com/google.protobuf.StringValue, value: ''}}}}}}}}",
+            paths::wasm(module)?.display()
+        ))?;
+        let mut filter = filter;
+        if let Some(value) = lookup_mut(
+            &mut filter,
+            &["typed_config", "config", "configuration", "value"],
+        ) {
+            *value = Value::from(json);
+        }
+        let doc_name = self.name.clone();
+        let mut inserted = 0;
+        for hcm in self.http_connection_managers_mut()? {
+            let Some(filters) = hcm.get_mut("http_filters").and_then(Value::as_sequence_mut) else {
+                continue;
+            };
+            if let Some(at) = filters
+                .iter()
+                .position(|f| f.get("name").and_then(Value::as_str) == Some(after))
+            {
+                filters.insert(at + 1, filter.clone());
+                inserted += 1;
+            }
+        }
+        if inserted == 0 {
+            bail!("{doc_name}: no HTTP filter named {after}");
+        }
+        Ok(())
+    }
+
     /// Sets `config.<key>` of the Wasm filter named `filter` (e.g.
     /// `allow_on_headers_stop_iteration`); `None` removes it.
     pub fn set_wasm_filter_option(

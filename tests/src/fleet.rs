@@ -147,6 +147,54 @@ impl RedisFleet {
         self.webdis_addr
     }
 
+    /// Runs one command on Redis itself (RESP over a plain socket).
+    pub fn command(&self, args: &[&str]) -> Result<zerolayer_core::quota::store::Reply> {
+        use std::io::{Read, Write};
+        use zerolayer_core::quota::store::{StoreError, parse_resp};
+        let mut stream = std::net::TcpStream::connect(self.redis())?;
+        stream.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+        let command = zerolayer_core::quota::store::Command::new(args.iter().copied());
+        stream.write_all(&command.resp())?;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            let n = stream.read(&mut chunk)?;
+            if n == 0 {
+                anyhow::bail!("redis closed the connection answering {args:?}");
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            match parse_resp(&buf) {
+                Ok(reply) => return Ok(reply),
+                // Incomplete: read more.
+                Err(StoreError::Malformed(_)) => continue,
+                Err(e) => anyhow::bail!("{args:?}: {e}"),
+            }
+        }
+    }
+
+    /// The sum of the quota budget counters whose keys start with `prefix`
+    /// (their idempotency records left out).
+    pub fn budget_total(&self, prefix: &str) -> Result<i64> {
+        use zerolayer_core::quota::store::Reply;
+        let Reply::Array(Some(keys)) = self.command(&["KEYS", &format!("{prefix}*")])? else {
+            anyhow::bail!("KEYS {prefix}* did not answer an array");
+        };
+        let mut total = 0;
+        for key in keys {
+            let Reply::Bulk(Some(key)) = key else {
+                continue;
+            };
+            let key = String::from_utf8_lossy(&key).into_owned();
+            if key.contains(":i:") {
+                continue;
+            }
+            if let Reply::Bulk(Some(v)) = self.command(&["GET", &key])? {
+                total += String::from_utf8_lossy(&v).parse::<i64>()?;
+            }
+        }
+        Ok(total)
+    }
+
     /// Number of keys in Redis.
     pub fn keys(&self) -> Result<u64> {
         let reply = Client::new().get(&format!("http://{}/DBSIZE", self.webdis_addr), &[])?;

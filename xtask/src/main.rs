@@ -55,6 +55,7 @@ pub const MODULES: &[&str] = &[
     "zerolayer-lazy-auth-module",
     "zerolayer-post-cache-module",
     "zerolayer-metering-module",
+    "zerolayer-quota-module",
     "zerolayer-fused-module",
     "zerolayer-observer-service",
     "zerolayer-probe",

@@ -93,7 +93,8 @@ fn the_first_request_waits_for_a_grant_then_settles_exactly() {
     );
     let shown = q.shown(&ticket, T0 + 1);
     let tokens = shown.tokens.unwrap();
-    assert_eq!((tokens.limit, tokens.remaining), (100_000, 99_000));
+    // Nothing is spent yet: the reservation in flight is not subtracted.
+    assert_eq!((tokens.limit, tokens.remaining), (100_000, 100_000));
     q.settle(ticket, Some("m"), usage(150, 40), T0 + 2);
     let stats = q.stats(0);
     assert_eq!(
@@ -477,4 +478,34 @@ fn webdis_json(reply: &Reply) -> serde_json::Value {
         Reply::Error(s) => json!([false, s]),
         Reply::Array(Some(items)) => items.iter().map(webdis_json).collect(),
     }
+}
+
+#[test]
+fn a_request_larger_than_twice_the_lease_is_not_given_back_before_its_retry() {
+    // 200 tokens: leases of 10 (5 %), a request of ~180 needs a grant of its
+    // own; the syncs between its refusal and its retry must not return it.
+    let mut q = quota(daily(200));
+    let mut store = ModelStore::new();
+    let bound = RequestBound::new(80, Some(100));
+    let who = tenant("acme");
+    assert!(matches!(
+        q.reserve(&who, &bound, false, T0),
+        Err(e) if matches!(e.kind, RefusalKind::Refilling { .. })
+    ));
+    for i in 1..=3 {
+        sync(&mut q, &mut store, T0 + i * 500);
+    }
+    let ticket = q
+        .reserve(&who, &bound, false, T0 + 2000)
+        .expect("the grant it asked for is still there");
+    q.settle(ticket, Some("m"), usage(7, 5), T0 + 2100);
+    // Idle, everything is given back: the counter is what was used.
+    sync(&mut q, &mut store, T0 + 2100 + 61_000);
+    sync(&mut q, &mut store, T0 + 2100 + 62_000);
+    let total: i64 = store
+        .counters()
+        .filter(|(k, _)| !k.contains(":i:"))
+        .map(|(_, v)| v)
+        .sum();
+    assert_eq!(total, 12);
 }

@@ -218,6 +218,11 @@ fn refills_come_at_the_low_watermark_and_surplus_goes_back() {
     // The fleet is nearly spent: the size drops to 9000/8 = 1125 → 500 cap;
     // with 1,000 left, to 125, and what is held past twice that goes back.
     let mut near = granted(620, 1_000, 0, &p);
+    // Kept for the request that asked for it until it comes...
+    assert!(near.next_op(1, 5, &p).is_none());
+    let (r, _) = near.reserve(620, 1, &p, false, false);
+    near.settle(r, 0);
+    // ...then what is held past twice the size goes back.
     let op = near.next_op(1, 5, &p).unwrap();
     assert_eq!(op.op, LeaseOp::Return { amount: 370 });
     assert_eq!(near.available(), 250, "taken out at once");

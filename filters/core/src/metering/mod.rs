@@ -9,4 +9,4 @@ pub mod record;
 
 pub use config::MeteringConfig;
 pub use labels::{LabelLimits, Series, SeriesTable};
-pub use record::UsageRecord;
+pub use record::{UsageRecord, logged_usage};

@@ -118,9 +118,43 @@ impl UsageRecord {
     }
 }
 
+/// The usage a request's access-log entry ([`UsageRecord::log_entry`],
+/// metering's hand-off to later filters) reports, or `None` when metering
+/// found none (or the entry is not one).
+pub fn logged_usage(entry: &[u8]) -> Option<crate::usage::Usage> {
+    #[derive(Deserialize)]
+    struct Logged {
+        input_tokens: u64,
+        output_tokens: u64,
+        cache_read_tokens: u64,
+        cache_creation_tokens: u64,
+        usage_missing: u8,
+    }
+    let logged: Logged = serde_json::from_slice(entry).ok()?;
+    (logged.usage_missing == 0).then_some(crate::usage::Usage {
+        input_tokens: logged.input_tokens,
+        output_tokens: logged.output_tokens,
+        cache_read_tokens: logged.cache_read_tokens,
+        cache_creation_tokens: logged.cache_creation_tokens,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_log_entry_gives_its_usage_back() {
+        let entry = record().log_entry();
+        let usage = logged_usage(&entry).expect("usage");
+        assert_eq!((usage.input_tokens, usage.output_tokens), (12, 34));
+        let missing = UsageRecord {
+            usage_missing: true,
+            ..record()
+        };
+        assert_eq!(logged_usage(&missing.log_entry()), None);
+        assert_eq!(logged_usage(b"not json"), None);
+    }
 
     fn record() -> UsageRecord {
         UsageRecord {

@@ -251,7 +251,7 @@ pub enum StreamVerdict {
 }
 
 /// Where a store call's answer goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CallTarget {
     /// A lease's operation.
     Lease {
@@ -858,8 +858,9 @@ impl GatewayQuota {
     /// What the stage reports in the rate-limit headers for policy
     /// `index` as `ticket` left it: (limit, remaining, reset at, Unix ms).
     /// `remaining` is the fleet's remainder at the store's last answer plus
-    /// what this lease still holds, in-flight reservations counted at
-    /// their bound.
+    /// what this lease has not spent: reservations in flight are not
+    /// subtracted (they mostly come back), so a client's successive
+    /// requests see it only go down, by what each one used.
     pub fn limit_state(&self, ticket: &Ticket, index: usize, now_ms: u64) -> Option<LimitState> {
         let held = ticket.held().find(|h| usize::from(h.policy) == index)?;
         let policy = self.policies.get(index)?;
@@ -869,7 +870,8 @@ impl GatewayQuota {
             i128::from(limit) - i128::from(entry.lease.granted()),
             i128::from,
         );
-        let remaining = (fleet + entry.lease.available()).clamp(0, i128::from(limit));
+        let unspent = entry.lease.available() + i128::from(entry.lease.reserved());
+        let remaining = (fleet + unspent).clamp(0, i128::from(limit));
         let remaining = u64::try_from(remaining).unwrap_or(0);
         let reset_at_ms = match (policy.limit, policy.window(now_ms)) {
             (Limit::Budget(_), Some(span)) => u64::try_from(span.end).unwrap_or(0) * 1000,

@@ -157,6 +157,11 @@ pub struct Lease {
     confirmed: bool,
     /// The largest amount refused since the last grant (the next ask covers it).
     wanted: u64,
+    /// The largest request a grant was asked for, until a request that
+    /// large is reserved or the lease goes idle: a surplus return keeps that
+    /// much, or the request that asked would find it given back before it
+    /// came again (and again: a livelock).
+    keep: u64,
     /// Last reservation, ms.
     last_used_ms: u64,
     epoch: u32,
@@ -181,6 +186,7 @@ impl Lease {
             confirmed_ms: now_ms,
             confirmed: false,
             wanted: 0,
+            keep: 0,
             last_used_ms: now_ms,
             epoch: 0,
             window,
@@ -324,6 +330,10 @@ impl Lease {
             }
         }
         self.reserved = self.reserved.saturating_add(amount);
+        if shortfall.is_none() && amount >= self.keep {
+            // The request the grant was kept for got through.
+            self.keep = 0;
+        }
         (
             Reservation {
                 amount,
@@ -524,9 +534,10 @@ impl Lease {
             let available = u64::try_from(self.available().max(0)).unwrap_or(0);
             let idle = self.reserved == 0 && now_ms.saturating_sub(self.last_used_ms) > p.idle_ms;
             let surplus = if idle {
+                self.keep = 0;
                 available
             } else {
-                available.saturating_sub(2 * self.size(p))
+                available.saturating_sub((2 * self.size(p)).max(self.keep))
             };
             if surplus == 0 {
                 return None;
@@ -556,6 +567,7 @@ impl Lease {
         }
         if let LeaseOp::Grant { force, .. } = sent.op {
             self.granted = self.granted.saturating_add(force).saturating_add(granted);
+            self.keep = self.keep.max(self.wanted);
             self.wanted = 0;
             if force > 0 {
                 self.forced = self.forced.saturating_add(force);

@@ -952,6 +952,11 @@ impl ModelStore {
     pub fn counter(&self, key: &str) -> i64 {
         self.budgets.get(key).copied().unwrap_or(0)
     }
+
+    /// Every budget counter, by key.
+    pub fn counters(&self) -> impl Iterator<Item = (&str, i64)> {
+        self.budgets.iter().map(|(k, v)| (k.as_str(), *v))
+    }
 }
 
 fn rate_remaining(bucket: &RateBucket, limit: u64, period_ms: u64) -> i64 {

@@ -103,7 +103,7 @@ impl ScopeKey {
 
 /// A lease's place in the table: stale once the entry is evicted (its
 /// generation changes), so a late settlement never lands on another key.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlotRef {
     /// The entry's index.
     pub index: u32,

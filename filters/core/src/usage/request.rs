@@ -200,6 +200,13 @@ impl RequestScan {
         self.max_output
     }
 
+    /// Whether the request asks for a streamed response (`stream: true`;
+    /// any other value, or a repeated `stream`, is taken as a stream too:
+    /// the bound of a stream is never the smaller one).
+    pub fn streams(&self) -> bool {
+        self.repeated || !matches!(self.stream, None | Some(Value::Null | Value::Bool(false)))
+    }
+
     /// Whether the root object closed (every member was read).
     pub fn complete(&self) -> bool {
         self.root_end.is_some()

@@ -1,0 +1,418 @@
+//! One request through quota: an LLM call and who makes it (request
+//! headers), its bound and reservation or its 429 (request body), the
+//! rate-limit headers (response headers), its usage as it passes (response
+//! body), and its settlement (log).
+
+use std::rc::Rc;
+
+use sha2::{Digest, Sha256};
+use zerolayer_core::auth::identity::ParsedIdentity;
+use zerolayer_core::cache::key::Provider;
+use zerolayer_core::internal;
+use zerolayer_core::metering::logged_usage;
+use zerolayer_core::quota::headers::{rate_limit_headers, refusal_reply};
+use zerolayer_core::quota::{
+    Identity, Refusal, RefusalKind, RequestBound, Settlement, StoreCall, Ticket, TokenCounts,
+};
+use zerolayer_core::usage::{Missing, RequestScan, ResponseFormat, Usage, UsageExtractor};
+use zerolayer_host::{Action, Body, StreamHost, StreamStage};
+
+use crate::{MAX_HELD_BODY, Plan};
+
+/// Who the request is, owned (Envoy keeps a filter's request headers only
+/// until it lets them through).
+#[derive(Default)]
+struct Who {
+    verified: bool,
+    tenant: Option<String>,
+    subject: Option<String>,
+    credential: Option<[u8; 32]>,
+    route: Option<String>,
+    headers: Vec<Option<String>>,
+}
+
+/// How the request body is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// The headers wait for the whole body (Envoy): nothing reaches the
+    /// backend before the reservation.
+    Whole,
+    /// The body streams through, read as it passes; the reservation is
+    /// made at its last chunk, which is not forwarded when refused.
+    Passing,
+}
+
+/// One request's quota state.
+pub(crate) struct QuotaStream {
+    plan: Option<Rc<Plan>>,
+    provider: Option<Provider>,
+    who: Who,
+    hold: Hold,
+    scan: RequestScan,
+    body_bytes: u64,
+    /// The reservation, until settled.
+    ticket: Option<Ticket>,
+    model: Option<String>,
+    output_bound: u64,
+    extractor: Option<UsageExtractor>,
+    status: u16,
+    cache_hit: bool,
+    response_bytes: u64,
+    response_complete: bool,
+    /// Whether the request waited for a grant (once at most).
+    waited: bool,
+    /// The store calls it waits for, by token.
+    waiting: Vec<(u32, StoreCall)>,
+}
+
+impl QuotaStream {
+    pub(crate) fn new(plan: Option<Rc<Plan>>) -> QuotaStream {
+        QuotaStream {
+            plan,
+            provider: None,
+            who: Who::default(),
+            hold: Hold::Passing,
+            scan: RequestScan::new(),
+            body_bytes: 0,
+            ticket: None,
+            model: None,
+            output_bound: 0,
+            extractor: None,
+            status: 0,
+            cache_hit: false,
+            response_bytes: 0,
+            response_complete: false,
+            waited: false,
+            waiting: Vec::new(),
+        }
+    }
+
+    /// Who the request is: lazy-auth's verdict (an unreadable or missing one
+    /// counts as unverified: a scope is never taken from a claim), the
+    /// credential's hash and the route when a policy names them, the
+    /// trusted headers' values.
+    fn identify(&mut self, host: &mut impl StreamHost, plan: &Plan) {
+        let identity = host
+            .property(internal::AUTH_PROPERTY)
+            .and_then(|v| ParsedIdentity::parse(&v));
+        if let Some(id) = identity {
+            match id.state.as_str() {
+                "verified" => {
+                    self.who.verified = true;
+                    self.who.tenant = id.tenant;
+                    self.who.subject = id.subject;
+                }
+                // A public path needs no credential: it is nobody's claim.
+                "public" => self.who.verified = true,
+                _ => {}
+            }
+        }
+        if plan.needs_credential && self.who.verified {
+            self.who.credential = ["authorization", "x-api-key"]
+                .iter()
+                .find_map(|name| host.request_header(name))
+                .map(|value| Sha256::digest(&value).into());
+        }
+        if plan.needs_route {
+            self.who.route = host
+                .property("xds.route_name")
+                .and_then(|v| String::from_utf8(v).ok());
+        }
+        self.who.headers = plan
+            .config
+            .trusted_headers
+            .iter()
+            .map(|name| {
+                host.request_header(name)
+                    .and_then(|v| String::from_utf8(v).ok())
+            })
+            .collect();
+    }
+
+    /// Reserves the request's bound. A request whose lease is being
+    /// refilled waits for the grant once (the store calls are sent from its
+    /// own context, `Pause`); any other refusal is answered now.
+    fn admit(&mut self, host: &mut impl StreamHost, plan: &Plan) -> Action {
+        let refusal = match self.reserve(host, plan) {
+            Ok(()) => return Action::Continue,
+            Err(refusal) => refusal,
+        };
+        if matches!(refusal.kind, RefusalKind::Refilling { .. }) && !self.waited {
+            self.waited = true;
+            plan.send_due(host, plan.grant_wait, &mut self.waiting);
+            if !self.waiting.is_empty() {
+                return Action::Pause;
+            }
+        }
+        self.refuse(host, plan, &refusal);
+        Action::Pause
+    }
+
+    /// The store answered one of the calls this request waits for; with
+    /// the last, the request is reserved again and resumed or refused.
+    fn store_answered(&mut self, host: &mut impl StreamHost, token: u32, body_size: usize) {
+        let Some(at) = self.waiting.iter().position(|(t, _)| *t == token) else {
+            return;
+        };
+        let Some(plan) = self.plan.clone() else {
+            return;
+        };
+        let (_, call) = self.waiting.swap_remove(at);
+        let status = host.callout_status();
+        let body = host.callout_body(body_size);
+        plan.answered(&call, status, &body, host.now_ms());
+        if !self.waiting.is_empty() {
+            return;
+        }
+        match self.reserve(host, &plan) {
+            Ok(()) => host.resume(),
+            Err(refusal) => self.refuse(host, &plan, &refusal),
+        }
+    }
+
+    /// Reserves the request's bound against every policy that scopes it.
+    fn reserve(&mut self, host: &mut impl StreamHost, plan: &Plan) -> Result<(), Refusal> {
+        let now = host.now_ms();
+        plan.last_ms.set(now);
+        let bound = RequestBound::new(self.body_bytes, self.scan.max_output_tokens());
+        if self.model.is_none() {
+            self.model = self.scan.model().map(str::to_string);
+        }
+        let headers: Vec<Option<&str>> = self.who.headers.iter().map(Option::as_deref).collect();
+        let who = Identity {
+            verified: self.who.verified,
+            tenant: self.who.tenant.as_deref(),
+            subject: self.who.subject.as_deref(),
+            credential: self.who.credential.as_ref().map(|c| c.as_slice()),
+            model: self.model.as_deref(),
+            route: self.who.route.as_deref(),
+            headers: &headers,
+        };
+        let streams = self.scan.streams();
+        let ticket = plan
+            .quota
+            .borrow_mut()
+            .reserve(&who, &bound, streams, now)?;
+        self.output_bound = bound.output_tokens(0);
+        self.ticket = Some(ticket);
+        Ok(())
+    }
+
+    /// Answers the request with `refusal`, in its provider's format.
+    fn refuse(&mut self, host: &mut impl StreamHost, plan: &Plan, refusal: &Refusal) {
+        let quota = plan.quota.borrow();
+        let (name, tokens) = quota
+            .policy(refusal.policy)
+            .map_or(("?", false), |p| (p.name.as_str(), p.cost.counts_tokens()));
+        let id = host.request_id();
+        let reply = refusal_reply(
+            self.provider,
+            refusal,
+            name,
+            tokens,
+            id.as_deref().and_then(|id| std::str::from_utf8(id).ok()),
+            Vec::new(),
+        );
+        log::debug!(
+            "quota: policy {name:?} refused a request: {:?}",
+            refusal.kind
+        );
+        drop(quota);
+        let headers: Vec<(&str, &str)> = reply
+            .headers
+            .iter()
+            .map(|(name, value)| (*name, value.as_str()))
+            .collect();
+        if let Err(err) = host.send_response(u32::from(reply.status), &headers, &reply.body) {
+            log::error!("quota: could not send a {} response: {err:?}", reply.status);
+        }
+    }
+
+    /// Feeds `size` bytes of the request body from offset `from` to the scan.
+    fn scan_body(&mut self, host: &mut impl StreamHost, size: usize) {
+        let scan = &mut self.scan;
+        host.with_body(Body::Request, size, |chunk| {
+            scan.push(chunk);
+        });
+        self.body_bytes += size as u64;
+    }
+
+    /// What the response came to, for the settlement: the usage read as
+    /// it passed, else what metering recorded (`handed_off`: in Envoy's
+    /// separate filters metering sees the response first, and removes the
+    /// usage chunk it asked an OpenAI stream for).
+    fn settlement(&self, handed_off: Option<Usage>) -> Settlement {
+        let provider = self.provider.unwrap_or(Provider::OpenAi);
+        let extracted = self.extractor.as_ref().map(UsageExtractor::finish);
+        let usage = match (extracted.map(|e| e.usage), handed_off) {
+            (Some(Ok(u)), _) => Some(Ok(u)),
+            (_, Some(u)) => Some(Ok(u)),
+            (other, None) => other,
+        };
+        if self.cache_hit {
+            let usage = usage
+                .and_then(Result::ok)
+                .map(|u| TokenCounts::from_usage(&u, provider));
+            return Settlement::CacheHit { usage };
+        }
+        match usage {
+            Some(Ok(u)) => Settlement::Usage(TokenCounts::from_usage(&u, provider)),
+            // An error the backend (or a later filter) answered, whole:
+            // the request, no tokens.
+            _ if self.status >= 400 && self.response_complete => {
+                Settlement::Usage(TokenCounts::default())
+            }
+            // Cut short: its input, and what was delivered (a token covers
+            // at least one byte of what the client got).
+            Some(Err(Missing::Incomplete(partial))) if !self.response_complete => {
+                Settlement::Partial {
+                    input: partial.input_tokens,
+                    delivered_output: partial
+                        .output_tokens
+                        .unwrap_or(self.response_bytes.min(self.output_bound)),
+                }
+            }
+            Some(Err(_)) if !self.response_complete && self.status != 0 => Settlement::Partial {
+                input: None,
+                delivered_output: self.response_bytes.min(self.output_bound),
+            },
+            _ => Settlement::Unknown,
+        }
+    }
+
+    /// Settles the reservation (once).
+    fn settle(&mut self, now_ms: u64, handed_off: Option<Usage>) {
+        let (Some(plan), Some(ticket)) = (self.plan.clone(), self.ticket.take()) else {
+            return;
+        };
+        let settlement = self.settlement(handed_off);
+        plan.quota
+            .borrow_mut()
+            .settle(ticket, self.model.as_deref(), settlement, now_ms);
+    }
+}
+
+impl<H: StreamHost> StreamStage<H> for QuotaStream {
+    fn request_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
+        let Some(plan) = self.plan.clone() else {
+            return Action::Continue;
+        };
+        if host.request_header(":method").as_deref() != Some(b"POST") {
+            return Action::Continue;
+        }
+        self.provider = host.provider();
+        if self.provider.is_none() {
+            return Action::Continue;
+        }
+        // Usage is read from the body as the backend sends it.
+        host.ask_identity_encoding();
+        self.identify(host, &plan);
+        if end_of_stream {
+            return self.admit(host, &plan);
+        }
+        let declared = host
+            .request_header("content-length")
+            .and_then(|l| std::str::from_utf8(&l).ok()?.trim().parse::<usize>().ok());
+        if host.can_hold_headers_for_body() && declared.is_none_or(|n| n <= MAX_HELD_BODY) {
+            self.hold = Hold::Whole;
+            return Action::Pause;
+        }
+        Action::Continue
+    }
+
+    fn request_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
+        let (Some(plan), Some(_)) = (self.plan.clone(), self.provider) else {
+            return Action::Continue;
+        };
+        if self.ticket.is_some() {
+            return Action::Continue;
+        }
+        if self.waited {
+            // Waiting for the grant, or refused: nothing more goes on.
+            return Action::Pause;
+        }
+        if self.hold == Hold::Whole {
+            if !end_of_stream && body_size <= MAX_HELD_BODY {
+                return Action::Pause;
+            }
+            // Whole (or grown past what is held): read what is buffered;
+            // after a `Continue` the host hands over only new bytes.
+            self.hold = Hold::Passing;
+        }
+        self.scan_body(host, body_size);
+        if !end_of_stream {
+            return Action::Continue;
+        }
+        self.admit(host, &plan)
+    }
+
+    fn response_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
+        let (Some(plan), Some(provider)) = (self.plan.clone(), self.provider) else {
+            return Action::Continue;
+        };
+        let Some(ticket) = &self.ticket else {
+            return Action::Continue;
+        };
+        self.response_complete = end_of_stream;
+        self.status = host
+            .response_header(":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        self.cache_hit = host.response_header("x-cache").as_deref() == Some("HIT");
+        let format = host
+            .response_header("content-type")
+            .map_or(ResponseFormat::Json, |t| {
+                ResponseFormat::from_content_type(&t)
+            });
+        self.extractor = Some(UsageExtractor::new(provider, format));
+        let now = host.now_ms();
+        let shown = plan.quota.borrow().shown(ticket, now);
+        for (name, value) in rate_limit_headers(Some(provider), &shown, now) {
+            host.set_response_header(name, &value);
+        }
+        Action::Continue
+    }
+
+    fn response_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
+        if let Some(extractor) = &mut self.extractor {
+            host.with_body(Body::Response, body_size, |chunk| extractor.push(chunk));
+            self.response_bytes += body_size as u64;
+        }
+        if end_of_stream {
+            self.response_complete = true;
+        }
+        Action::Continue
+    }
+
+    fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
+        self.store_answered(host, token, body_size);
+    }
+
+    fn log(&mut self, host: &mut H) {
+        if self.ticket.is_none() {
+            return;
+        }
+        let now = host.now_ms();
+        let handed_off = host
+            .property(internal::USAGE_PROPERTY)
+            .and_then(|entry| logged_usage(&entry));
+        self.settle(now, handed_off);
+    }
+}
+
+impl Drop for QuotaStream {
+    fn drop(&mut self) {
+        // A stream the host never logged still gives its reservation back
+        // (as unknown usage: charged as reserved).
+        let now = self.plan.as_ref().map_or(0, |p| p.last_ms.get());
+        if let Some(plan) = &self.plan {
+            // Calls whose answers went with the stream are asked again.
+            for (_, call) in self.waiting.drain(..) {
+                plan.answered(&call, None, b"", now);
+            }
+        }
+        if self.ticket.is_some() {
+            self.settle(now, None);
+        }
+    }
+}

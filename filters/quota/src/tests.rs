@@ -1,0 +1,449 @@
+//! The stage on the recording fake, its store calls answered by a fake
+//! webdis in front of the Rust model of Redis: what a client sees (the 429s,
+//! the headers), what the store's counter comes to, and what is refused at
+//! configuration.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use zerolayer_core::internal;
+use zerolayer_core::quota::store::{Command, ModelStore, Reply};
+use zerolayer_host::{Action, FakeHost, RootStage, StreamStage};
+
+use crate::QuotaRoot;
+
+/// 2026-12-03T00:00:00Z.
+const T0_MS: u64 = 1_796_256_000_000;
+const OPENAI: &str = "/v1/chat/completions";
+const ANTHROPIC: &str = "/v1/messages";
+
+type Stream = Box<dyn StreamStage<FakeHost>>;
+
+/// A daily token budget of `amount` per tenant, a 3-request unverified budget.
+fn daily(amount: u64) -> Value {
+    json!({
+        "store": {"cluster": "webdis", "path": "/", "expected_gateways": 1},
+        "unverified": {"unit": "requests", "limit": {"budget": {"amount": 3, "window": "day"}}},
+        "policies": [{"name": "daily", "scope": ["tenant"], "unit": "tokens",
+                      "limit": {"budget": {"amount": amount, "window": "day"}}}]
+    })
+}
+
+/// The stage, its host, and the store behind its webdis.
+struct Gateway {
+    host: FakeHost,
+    root: QuotaRoot,
+    store: ModelStore,
+}
+
+impl Gateway {
+    fn new(config: &Value) -> Gateway {
+        let mut host = FakeHost::default();
+        host.clock = Duration::from_millis(T0_MS);
+        let mut root = QuotaRoot::default();
+        assert!(
+            RootStage::<FakeHost>::configure(&mut root, &mut host, config.to_string().as_bytes()),
+            "configuration refused: {config}"
+        );
+        Gateway {
+            host,
+            root,
+            store: ModelStore::new(),
+        }
+    }
+
+    /// Answers every store call dispatched so far, as webdis would, to the
+    /// root.
+    fn answer_store(&mut self) -> usize {
+        self.answer_store_to(None)
+    }
+
+    /// Answers every store call dispatched so far, as webdis would, to
+    /// `stream` (the calls a waiting request made) or the root.
+    fn answer_store_to(&mut self, mut stream: Option<&mut Stream>) -> usize {
+        let calls = std::mem::take(&mut self.host.dispatched);
+        let now = self.host.clock.as_millis() as u64;
+        for call in &calls {
+            assert_eq!(call.cluster, "webdis");
+            assert_eq!(call.header(":method"), Some("POST"));
+            let command = from_webdis_body(call.body.as_deref().unwrap_or_default());
+            let reply = self.store.execute(&command, now);
+            let body = json!({ command.verb(): webdis_json(&reply) }).to_string();
+            self.host.answer_with(Some(200), body.as_bytes());
+            match stream.as_deref_mut() {
+                Some(stream) => stream.call_answered(&mut self.host, call.token, body.len()),
+                None => RootStage::<FakeHost>::call_answered(
+                    &mut self.root,
+                    &mut self.host,
+                    call.token,
+                    body.len(),
+                ),
+            }
+        }
+        calls.len()
+    }
+
+    /// A tick (the sync), its calls answered, until nothing more is asked.
+    fn sync(&mut self) {
+        RootStage::<FakeHost>::tick(&mut self.root, &mut self.host);
+        for _ in 0..4 {
+            if self.answer_store() == 0 {
+                break;
+            }
+            RootStage::<FakeHost>::tick(&mut self.root, &mut self.host);
+        }
+    }
+
+    /// A POST of `body` to `path` by `identity` (lazy-auth's property);
+    /// returns the stream and what its request callbacks returned.
+    fn ask(&mut self, path: &str, identity: &str, body: &str) -> (Stream, Action) {
+        self.host.request_headers = [(":method", "POST"), (":path", path)]
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect();
+        self.host.sent.clear();
+        self.host.response_headers.clear();
+        self.host
+            .properties
+            .insert(internal::AUTH_PROPERTY.into(), identity.as_bytes().to_vec());
+        let mut stream = RootStage::<FakeHost>::stream(&self.root, 1);
+        assert_eq!(
+            stream.request_headers(&mut self.host, false),
+            Action::Pause,
+            "Envoy holds the headers until the bound is read"
+        );
+        self.host.request_body = body.as_bytes().to_vec();
+        let action = stream.request_body(&mut self.host, body.len(), true);
+        (stream, action)
+    }
+
+    /// The backend's JSON answer with `usage`, then the log.
+    fn answer(&mut self, stream: &mut Stream, usage: Value) {
+        self.host
+            .respond_with(&[(":status", "200"), ("content-type", "application/json")]);
+        let _ = stream.response_headers(&mut self.host, false);
+        let body = json!({"id": "c1", "model": "m", "choices": [], "usage": usage}).to_string();
+        self.host.response_body = body.into_bytes();
+        let size = self.host.response_body.len();
+        let _ = stream.response_body(&mut self.host, size, true);
+        stream.log(&mut self.host);
+    }
+
+    fn counter(&self, needle: &str) -> i64 {
+        self.store
+            .counters()
+            .filter(|(k, _)| k.contains(needle) && !k.contains(":i:"))
+            .map(|(_, v)| v)
+            .sum()
+    }
+}
+
+/// webdis's `POST /` body back into its arguments.
+fn from_webdis_body(body: &[u8]) -> Command {
+    let text = std::str::from_utf8(body).expect("webdis bodies are ASCII");
+    Command::new(text.split('/').map(|arg| {
+        let mut out = Vec::new();
+        let bytes = arg.as_bytes();
+        let mut i = 0;
+        while i < bytes.len() {
+            if bytes[i] == b'%' {
+                out.push(u8::from_str_radix(&arg[i + 1..i + 3], 16).expect("hex"));
+                i += 3;
+            } else {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+        out
+    }))
+}
+
+/// A reply as webdis writes it in JSON.
+fn webdis_json(reply: &Reply) -> Value {
+    match reply {
+        Reply::Integer(n) => json!(n),
+        Reply::Bulk(None) | Reply::Array(None) => Value::Null,
+        Reply::Bulk(Some(b)) => json!(String::from_utf8_lossy(b)),
+        Reply::Status(s) => json!([true, s]),
+        Reply::Error(e) => json!([false, e]),
+        Reply::Array(Some(items)) => Value::Array(items.iter().map(webdis_json).collect()),
+    }
+}
+
+const ACME: &str = "verified tenant=acme subject=u1";
+const CHAT: &str = r#"{"model":"m","max_tokens":100,"messages":[{"role":"user","content":"hi"}]}"#;
+
+#[test]
+fn the_first_request_of_a_scope_waits_one_round_trip_for_its_lease_then_settles_exactly() {
+    let mut gw = Gateway::new(&daily(100_000));
+    // The scripts are loaded at configuration, before any request.
+    assert_eq!(gw.answer_store(), 2);
+
+    // The lease is empty: the request waits for its grant (one call, from
+    // its own context), then goes on; nobody gets a 429 for being first.
+    let (mut stream, action) = gw.ask(OPENAI, ACME, CHAT);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(gw.host.dispatched.len(), 1, "one grant");
+    assert_eq!(gw.answer_store_to(Some(&mut stream)), 1);
+    assert_eq!(gw.host.resumes.len(), 1, "resumed once granted");
+    assert!(gw.host.sent.is_empty());
+    gw.answer(
+        &mut stream,
+        json!({"prompt_tokens": 7, "completion_tokens": 5}),
+    );
+    let limit = gw.host.response_header_value("x-ratelimit-limit-tokens");
+    assert_eq!(limit.as_deref(), Some("100000"));
+    let remaining: u64 = gw
+        .host
+        .response_header_value("x-ratelimit-remaining-tokens")
+        .expect("remaining shown")
+        .parse()
+        .unwrap();
+    // What is spent counts, not the reservation in flight.
+    assert_eq!(remaining, 100_000);
+
+    // The next request finds the lease filled: no call at all.
+    let (mut next, action) = gw.ask(OPENAI, ACME, CHAT);
+    assert_eq!(action, Action::Continue);
+    assert!(
+        gw.host.dispatched.is_empty(),
+        "no network call on the request path"
+    );
+    gw.answer(
+        &mut next,
+        json!({"prompt_tokens": 7, "completion_tokens": 5}),
+    );
+
+    // Idle long enough, the lease gives back all it holds: the counter is
+    // exactly what was used.
+    gw.host.advance(Duration::from_millis(61_000));
+    gw.sync();
+    assert_eq!(gw.counter("daily"), 24);
+}
+
+#[test]
+fn a_grant_that_does_not_come_in_time_is_a_429_with_retry_after() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    let (mut stream, action) = gw.ask(OPENAI, ACME, CHAT);
+    assert_eq!(action, Action::Pause);
+    let call = gw.host.dispatched.pop().expect("the grant");
+    assert_eq!(call.timeout, Duration::from_millis(250), "bounded wait");
+    // The host's timeout: an answer without a status.
+    gw.host.answer_with(None, b"");
+    stream.call_answered(&mut gw.host, call.token, 0);
+    let sent = &gw.host.sent[0];
+    assert_eq!(sent.status, 429);
+    assert_eq!(sent.header("retry-after"), Some("1"));
+    assert!(
+        sent.text().contains("rate_limit_exceeded"),
+        "{}",
+        sent.text()
+    );
+    assert!(gw.host.resumes.is_empty());
+}
+
+#[test]
+fn an_exhausted_budget_is_an_insufficient_quota_429_that_says_not_to_retry() {
+    let mut gw = Gateway::new(&daily(200));
+    gw.answer_store();
+    let _ = gw.ask(OPENAI, ACME, CHAT);
+    gw.sync();
+    // 200 tokens cannot hold two reservations of ~180.
+    let (mut first, action) = gw.ask(OPENAI, ACME, CHAT);
+    assert_eq!(action, Action::Continue);
+    let (_second, action) = gw.ask(OPENAI, ACME, CHAT);
+    assert_eq!(action, Action::Pause);
+    gw.answer(
+        &mut first,
+        json!({"prompt_tokens": 7, "completion_tokens": 5}),
+    );
+    gw.sync();
+    // Now the lease has its refund; the budget is spent by a large request.
+    let big = r#"{"model":"m","max_tokens":150,"messages":[]}"#;
+    let (_big, action) = gw.ask(OPENAI, ACME, big);
+    assert_eq!(action, Action::Pause);
+    let sent = &gw.host.sent[0];
+    assert_eq!(sent.status, 429);
+    assert_eq!(sent.header("x-should-retry"), Some("false"));
+    let body: Value = serde_json::from_str(&sent.text()).unwrap();
+    assert_eq!(body["error"]["code"], "insufficient_quota");
+    assert_eq!(body["error"]["type"], "insufficient_quota");
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("daily"),
+        "the policy is named: {body}"
+    );
+}
+
+#[test]
+fn anthropic_clients_get_their_own_error_format_and_headers() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    let body = r#"{"model":"claude","max_tokens":64,"messages":[]}"#;
+    let (mut refused, _) = gw.ask(ANTHROPIC, ACME, body);
+    let call = gw.host.dispatched.pop().expect("the grant");
+    gw.host.answer_with(None, b"");
+    refused.call_answered(&mut gw.host, call.token, 0);
+    let sent = &gw.host.sent[0];
+    let parsed: Value = serde_json::from_str(&sent.text()).unwrap();
+    assert_eq!(parsed["type"], "error");
+    assert_eq!(parsed["error"]["type"], "rate_limit_error");
+    drop(refused);
+    gw.sync();
+    let (mut stream, _) = gw.ask(ANTHROPIC, ACME, body);
+    gw.answer(&mut stream, json!({"input_tokens": 3, "output_tokens": 4}));
+    assert_eq!(
+        gw.host
+            .response_header_value("anthropic-ratelimit-tokens-limit")
+            .as_deref(),
+        Some("100000")
+    );
+    assert!(
+        gw.host
+            .response_header_value("x-ratelimit-limit-tokens")
+            .is_none()
+    );
+}
+
+#[test]
+fn a_forged_claim_spends_only_the_unverified_budget() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    let forged = "unverified tenant=acme";
+    let _ = gw.ask(OPENAI, forged, CHAT);
+    gw.sync();
+    let mut admitted = 0;
+    for _ in 0..10 {
+        // Leases of a 3-request budget hold one request: a sync each.
+        gw.host.advance(Duration::from_millis(500));
+        gw.sync();
+        let (mut stream, action) = gw.ask(OPENAI, forged, CHAT);
+        if action == Action::Continue {
+            admitted += 1;
+            gw.answer(
+                &mut stream,
+                json!({"prompt_tokens": 7, "completion_tokens": 5}),
+            );
+        }
+    }
+    assert_eq!(admitted, 3, "the unverified budget is 3 requests a day");
+    assert_eq!(gw.counter("daily"), 0, "acme's budget is untouched");
+    // No identity at all (lazy-auth not in the chain) is unverified too.
+    gw.host.properties.clear();
+    let mut stream = RootStage::<FakeHost>::stream(&gw.root, 2);
+    gw.host.request_headers = vec![
+        (":method".into(), b"POST".to_vec()),
+        (":path".into(), OPENAI.as_bytes().to_vec()),
+    ];
+    gw.host.sent.clear();
+    let _ = stream.request_headers(&mut gw.host, false);
+    gw.host.request_body = CHAT.as_bytes().to_vec();
+    assert_eq!(
+        stream.request_body(&mut gw.host, CHAT.len(), true),
+        Action::Pause
+    );
+    assert_eq!(gw.host.sent[0].status, 429);
+}
+
+#[test]
+fn a_request_without_max_tokens_reserves_the_default_cap() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    let _ = gw.ask(OPENAI, ACME, CHAT);
+    gw.sync();
+    let body = r#"{"model":"m","messages":[]}"#;
+    let (stream, action) = gw.ask(OPENAI, ACME, body);
+    assert_eq!(action, Action::Continue);
+    drop(stream);
+    let quota = gw.root.quota().unwrap();
+    assert_eq!(quota.stats(0).reserved, body.len() as u64 + 4096);
+}
+
+#[test]
+fn requests_that_are_not_llm_calls_pass_untouched() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.host.request_headers = vec![
+        (":method".into(), b"GET".to_vec()),
+        (":path".into(), b"/v1/models".to_vec()),
+    ];
+    let mut stream = RootStage::<FakeHost>::stream(&gw.root, 1);
+    assert_eq!(stream.request_headers(&mut gw.host, true), Action::Continue);
+    assert!(gw.host.sent.is_empty());
+}
+
+#[test]
+fn metrics_per_policy_reach_the_host_on_tick() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    let _ = gw.ask(OPENAI, ACME, CHAT);
+    gw.sync();
+    let (mut stream, _) = gw.ask(OPENAI, ACME, CHAT);
+    gw.answer(
+        &mut stream,
+        json!({"prompt_tokens": 7, "completion_tokens": 5}),
+    );
+    RootStage::<FakeHost>::tick(&mut gw.root, &mut gw.host);
+    let policy = [("policy", "daily")];
+    assert_eq!(
+        gw.host.labelled("zerolayer_quota_admitted", &policy),
+        Some(1)
+    );
+    assert_eq!(
+        gw.host.labelled("zerolayer_quota_refused", &policy),
+        Some(1)
+    );
+    assert_eq!(
+        gw.host.labelled("zerolayer_quota_settled", &policy),
+        Some(12)
+    );
+    assert!(gw.host.labelled("zerolayer_quota_refills", &policy) >= Some(1));
+}
+
+#[test]
+fn a_store_that_never_answers_adds_no_wait_and_no_error_while_leases_last() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    let _ = gw.ask(OPENAI, ACME, CHAT);
+    gw.sync();
+    // From now on every call is dispatched and never answered.
+    for _ in 0..4 {
+        gw.host.advance(Duration::from_millis(500));
+        RootStage::<FakeHost>::tick(&mut gw.root, &mut gw.host);
+        let (mut stream, action) = gw.ask(OPENAI, ACME, CHAT);
+        assert_eq!(action, Action::Continue, "the lease still covers it");
+        gw.answer(
+            &mut stream,
+            json!({"prompt_tokens": 7, "completion_tokens": 5}),
+        );
+    }
+}
+
+#[test]
+fn a_stream_dropped_without_its_log_gives_its_reservation_back() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    let _ = gw.ask(OPENAI, ACME, CHAT);
+    gw.sync();
+    let (stream, _) = gw.ask(OPENAI, ACME, CHAT);
+    drop(stream);
+    let quota = gw.root.quota().unwrap();
+    assert_eq!(quota.stats(0).settled, CHAT.len() as u64 + 100);
+}
+
+#[test]
+fn hard_streams_and_bad_fields_are_refused_at_configuration() {
+    let mut hard = daily(100);
+    hard["defaults"] = json!({"stream": "hard"});
+    let mut zero = daily(100);
+    zero["policies"][0]["limit"]["budget"]["amount"] = json!(0);
+    for config in [hard, zero] {
+        let mut host = FakeHost::default();
+        let mut root = QuotaRoot::default();
+        assert!(!RootStage::<FakeHost>::configure(
+            &mut root,
+            &mut host,
+            config.to_string().as_bytes()
+        ));
+        assert!(root.quota().is_none());
+    }
+}
