@@ -57,6 +57,33 @@ fn python() -> Result<PathBuf> {
     Ok(python)
 }
 
+/// Runs `tests/clients/<script>` with `args` from the project's `.venv`
+/// (loopback only) and returns the JSON its last stdout line prints.
+pub fn run_client(script: &str, args: &[&str]) -> Result<serde_json::Value> {
+    let path = paths::root().join("tests/clients").join(script);
+    let output = Command::new(python()?)
+        .arg(&path)
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("NO_PROXY", "*")
+        .current_dir(paths::root())
+        .output()
+        .with_context(|| format!("running {}", path.display()))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    stdout
+        .lines()
+        .last()
+        .and_then(|line| serde_json::from_str(line).ok())
+        .with_context(|| {
+            format!(
+                "{script} printed no report (exit {}):\n{}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            )
+        })
+}
+
 /// Runs the suite against `gateway` (`http://IP:PORT`); `run` makes its
 /// prompts unique. Fails naming every check that failed, with the SDKs'
 /// own output.

@@ -213,3 +213,44 @@ fn a_forged_token_claiming_a_tenant_spends_none_of_its_budget() -> Result<()> {
     .with_context(|| format!("Redis holds {:?}", fleet.budget_total(PREFIX)))?;
     Ok(())
 }
+
+#[test]
+fn the_official_sdks_spend_a_budget_and_do_not_retry_its_exhaustion() -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = Stub::start(StubConfig::default())?;
+    let gw = gateway(stub.addr(), fleet.webdis(), daily_tokens(600))?;
+    let strip = |b: String| b.trim_start_matches("Bearer ").to_string();
+    let report = zerolayer_e2e::sdk::run_client(
+        "quota_client.py",
+        &[
+            "--gateway",
+            &gw.envoy.url(""),
+            "--openai-jwt",
+            &strip(bearer("alice", "acme")),
+            "--anthropic-jwt",
+            &strip(bearer("bob", "globex")),
+        ],
+    )?;
+    for (sdk, error, kind) in [
+        ("openai", "RateLimitError", "insufficient_quota"),
+        ("anthropic", "RateLimitError", "rate_limit_error"),
+    ] {
+        let seen = &report[sdk];
+        let ok = seen["ok"].as_u64().context("ok")?;
+        // The first request of each tenant waited for its lease: no 429.
+        assert!(
+            ok >= 2,
+            "{sdk}: only {ok} requests before the refusal: {seen}"
+        );
+        assert_eq!(seen["error"], error, "{sdk}: {seen}");
+        assert_eq!(seen["status"], 429, "{sdk}: {seen}");
+        assert_eq!(seen["type"], kind, "{sdk}: {seen}");
+        assert_eq!(seen["should_retry"], "false", "{sdk}: {seen}");
+        assert_eq!(
+            seen["attempts"].as_u64(),
+            Some(ok + 1),
+            "{sdk}: the exhausted budget was retried: {seen}"
+        );
+    }
+    Ok(())
+}
