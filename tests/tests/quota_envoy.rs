@@ -30,6 +30,16 @@ fn gateway(
     webdis: std::net::SocketAddr,
     policies: Value,
 ) -> Result<Gateway> {
+    gateway_of(backend, webdis, policies, 1)
+}
+
+/// [`gateway`], one of `expected` sharing the store.
+fn gateway_of(
+    backend: std::net::SocketAddr,
+    webdis: std::net::SocketAddr,
+    policies: Value,
+    expected: u32,
+) -> Result<Gateway> {
     paths::wasm("quota")?;
     let jwks = issuer().jwks().to_string();
     let idp = MockServer::start(move |_| (200, jwks.clone()))?;
@@ -49,7 +59,7 @@ fn gateway(
     let quota = json!({
         "store": {"cluster": "webdis", "path": "/", "timeout_ms": 500, "key_prefix": PREFIX,
                   "sync_interval_ms": 100, "lease_ttl_ms": 200, "idle_return_ms": 300,
-                  "expected_gateways": 1},
+                  "expected_gateways": expected},
         "policies": policies,
     });
     config.insert_wasm_filter_after(
@@ -252,5 +262,67 @@ fn the_official_sdks_spend_a_budget_and_do_not_retry_its_exhaustion() -> Result<
             "{sdk}: the exhausted budget was retried: {seen}"
         );
     }
+    Ok(())
+}
+
+#[test]
+fn three_envoys_on_one_redis_settle_at_most_the_budget_and_redis_counts_it_once() -> Result<()> {
+    const BUDGET: i64 = 100_000;
+    const STREAMS: usize = 200;
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = Stub::start(StubConfig {
+        output_tokens: Some(2_000),
+        ttft: Duration::ZERO,
+        itl: Duration::ZERO,
+        ..StubConfig::default()
+    })?;
+    // Three gateways starting together on an empty key.
+    let gateways = (0..3)
+        .map(|_| gateway_of(stub.addr(), fleet.webdis(), daily_tokens(BUDGET as u64), 3))
+        .collect::<Result<Vec<_>>>()?;
+    let acme = bearer("alice", "acme");
+    let body = |i: usize| {
+        json!({
+            "model": "gpt-test", "max_tokens": 2_000, "stream": true,
+            "stream_options": {"include_usage": true},
+            "messages": [{"role": "user", "content": format!("stream {i}")}],
+        })
+        .to_string()
+    };
+    let results = zerolayer_e2e::chain::concurrently(STREAMS, |i| {
+        let reply = gateways[i % 3].post(&acme, "/v1/chat/completions", &body(i))?;
+        match reply.status {
+            200 => {
+                let (input, output) = reported_usage(&reply.body)?;
+                Ok(Some((input + output) as i64))
+            }
+            429 => Ok(None),
+            status => anyhow::bail!("stream {i}: {status} {}", reply.body),
+        }
+    });
+    let mut used = 0;
+    let mut admitted = 0;
+    for result in results {
+        if let Some(tokens) = result? {
+            used += tokens;
+            admitted += 1;
+        }
+    }
+    eprintln!(
+        "3 gateways, {STREAMS} concurrent ~2,000-token streams: {admitted} admitted, {used} tokens settled of {BUDGET}"
+    );
+    assert!(admitted > 0, "nothing admitted");
+    assert!(used <= BUDGET, "settled {used}, over the budget {BUDGET}");
+    wait::until(
+        "Redis to hold what was used",
+        Duration::from_secs(10),
+        || Ok((fleet.budget_total(PREFIX)? == used).then_some(())),
+    )
+    .with_context(|| {
+        format!(
+            "Redis holds {:?}, the streams reported {used}",
+            fleet.budget_total(PREFIX)
+        )
+    })?;
     Ok(())
 }
