@@ -11,8 +11,8 @@ OpenAI's `api_key=`, Anthropic's `auth_token=`; Anthropic's typed call
 without `temperature`), sends requests as its own tenant until the gateway
 refuses one. The last line of stdout is a JSON report: per SDK, the
 requests that succeeded, the error class, status and code the SDK raised,
-the `retry-after` / `x-should-retry` it saw, and the HTTP attempts it made
-in all (an exhausted budget must not be retried).
+the `x-should-retry` it saw, the HTTP attempts it made in all and for the
+refused call (an exhausted budget must not be retried).
 """
 
 import argparse
@@ -35,6 +35,7 @@ class Attempts:
 def spend(call, attempts, limit=200):
     ok = 0
     for i in range(limit):
+        before = attempts.count
         try:
             call(i)
             ok += 1
@@ -49,6 +50,8 @@ def spend(call, attempts, limit=200):
                 "type": error.get("type") if isinstance(error, dict) else None,
                 "should_retry": e.response.headers.get("x-should-retry"),
                 "attempts": attempts.count,
+                # HTTP requests the refused call made (1: not retried).
+                "refused_attempts": attempts.count - before,
             }
     return {"ok": ok, "error": None, "attempts": attempts.count}
 

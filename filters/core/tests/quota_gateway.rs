@@ -509,3 +509,25 @@ fn a_request_larger_than_twice_the_lease_is_not_given_back_before_its_retry() {
         .sum();
     assert_eq!(total, 12);
 }
+
+#[test]
+fn remaining_does_not_dip_while_a_surplus_return_is_on_its_way() {
+    let mut q = quota(daily(100_000));
+    let mut store = ModelStore::new();
+    let bound = RequestBound::new(80, Some(100));
+    let who = tenant("acme");
+    let _ = q.reserve(&who, &bound, false, T0);
+    sync(&mut q, &mut store, T0 + 500);
+    let ticket = q.reserve(&who, &bound, false, T0 + 600).unwrap();
+    let before = q.shown(&ticket, T0 + 600).tokens.unwrap().remaining;
+    q.settle(ticket, Some("m"), usage(7, 5), T0 + 700);
+    // Idle: the next sync sends everything back; its answer is not in yet.
+    let mut calls = Vec::new();
+    q.sync(T0 + 700 + 61_000, &mut calls);
+    assert!(!calls.is_empty(), "a return is sent");
+    let ticket = q
+        .reserve(&who, &RequestBound::new(0, Some(0)), false, T0 + 61_800)
+        .expect("a request of no tokens fits");
+    let during = q.shown(&ticket, T0 + 61_800).tokens.unwrap().remaining;
+    assert_eq!(during, before - 12, "only what was used is gone");
+}

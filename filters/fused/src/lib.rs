@@ -1,6 +1,6 @@
-//! zerolayer fused: the whole chain — lazy-auth → activation → post-cache →
-//! metering — in one filter instance, so a request pays the host's
-//! per-filter cost once instead of four times. The stages are the separate
+//! zerolayer fused: the whole chain — lazy-auth → activation → quota →
+//! post-cache → metering — in one filter instance, so a request pays the
+//! host's per-filter cost once instead of once per stage. The stages are the separate
 //! filters' own root and stream contexts, composed, not copied: the same
 //! configuration schemas (one object with a section per stage), the same
 //! metrics, the same behaviour (`tests/tests/fused_envoy.rs` and
@@ -45,6 +45,10 @@ pub enum Stage {
     LazyAuth,
     /// `activation`.
     Activation,
+    /// `quota`: after lazy-auth (it scopes by the verified identity), before
+    /// post-cache (a cache hit is a request it counts) and metering (which
+    /// sees the response first and hands it the usage).
+    Quota,
     /// `post_cache`.
     PostCache,
     /// `metering`.
@@ -53,9 +57,10 @@ pub enum Stage {
 
 impl Stage {
     /// Every stage, in the order requests meet them.
-    pub const ALL: [Stage; 4] = [
+    pub const ALL: [Stage; 5] = [
         Stage::LazyAuth,
         Stage::Activation,
+        Stage::Quota,
         Stage::PostCache,
         Stage::Metering,
     ];
@@ -65,6 +70,7 @@ impl Stage {
         match self {
             Stage::Activation => "activation",
             Stage::LazyAuth => "lazy_auth",
+            Stage::Quota => "quota",
             Stage::PostCache => "post_cache",
             Stage::Metering => "metering",
         }
@@ -87,6 +93,7 @@ impl Stage {
         match self {
             Stage::Activation => labels!("activation"),
             Stage::LazyAuth => labels!("lazy_auth"),
+            Stage::Quota => labels!("quota"),
             Stage::PostCache => labels!("post_cache"),
             Stage::Metering => labels!("metering"),
         }
@@ -98,14 +105,15 @@ impl Stage {
         match self {
             Stage::Activation => Box::new(zerolayer_activation::ActivationRoot::default()),
             Stage::LazyAuth => Box::new(zerolayer_lazy_auth::AuthRoot::default()),
+            Stage::Quota => Box::new(zerolayer_quota::QuotaRoot::default()),
             Stage::PostCache => Box::new(zerolayer_post_cache::CacheRoot::default()),
             Stage::Metering => Box::new(zerolayer_metering::MeteringRoot::default()),
         }
     }
 
     /// Whether the separate filter runs with Envoy's default for a pause on
-    /// request headers (the body withheld too); post-cache and metering are
-    /// configured with `allow_on_headers_stop_iteration: true`.
+    /// request headers (the body withheld too); quota, post-cache and
+    /// metering are configured with `allow_on_headers_stop_iteration: true`.
     pub fn headers_pause_withholds_body(self) -> bool {
         matches!(self, Stage::Activation | Stage::LazyAuth)
     }
@@ -147,7 +155,7 @@ impl<'a> Document<'a> {
             .find(|k| !Stage::ALL.iter().any(|s| s.section() == k.as_str()))
         {
             return Err(format!(
-                "{unknown}: unknown stage (expected activation, lazy_auth, post_cache, metering)"
+                "{unknown}: unknown stage (expected activation, lazy_auth, quota, post_cache, metering)"
             ));
         }
         let stages: Vec<(Stage, &'a [u8])> = Stage::ALL
@@ -160,7 +168,7 @@ impl<'a> Document<'a> {
             .collect();
         if stages.is_empty() {
             return Err(
-                "no stage configured (sections: activation, lazy_auth, post_cache, metering)"
+                "no stage configured (sections: activation, lazy_auth, quota, post_cache, metering)"
                     .into(),
             );
         }
@@ -226,11 +234,11 @@ mod tests {
             ),
             (
                 "{}",
-                "no stage configured (sections: activation, lazy_auth, post_cache, metering)",
+                "no stage configured (sections: activation, lazy_auth, quota, post_cache, metering)",
             ),
             (
                 r#"{"activation": {}, "shadow": {}, "cache": {}}"#,
-                "cache: unknown stage (expected activation, lazy_auth, post_cache, metering)",
+                "cache: unknown stage (expected activation, lazy_auth, quota, post_cache, metering)",
             ),
         ] {
             assert_eq!(refused(config), want, "{config}");

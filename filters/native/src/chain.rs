@@ -90,6 +90,14 @@ impl ChainConfig {
             None => NativeSection::default(),
         };
         let sections = document.sections()?;
+        if sections.iter().any(|(stage, _)| *stage == Stage::Quota) {
+            // Its roots would sync leases from the process, which has no
+            // callouts here: refused rather than left unfilled.
+            return Err(
+                "quota: not supported by the native module yet (use the fused or separate Wasm filters)"
+                    .into(),
+            );
+        }
         let parsed = ObserverSections::parse(&sections)?;
         let spaces = parsed.key_spaces();
         let observer_config = parsed.into_observer_config()?;

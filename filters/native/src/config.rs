@@ -50,7 +50,7 @@ impl ObserverSections {
                 Stage::LazyAuth => parsed.lazy_auth = section(stage.section(), bytes)?,
                 Stage::PostCache => parsed.post_cache = section(stage.section(), bytes)?,
                 Stage::Metering => parsed.metering = section(stage.section(), bytes)?,
-                Stage::Activation => {}
+                Stage::Activation | Stage::Quota => {}
             }
         }
         Ok(parsed)

@@ -76,24 +76,32 @@ pub struct QuotaRoot {
 }
 
 impl Plan {
-    /// Sends the store calls due now, each at most once at a time (a call
-    /// still in flight is not sent again: its answer is awaited); returns
-    /// them with their tokens in `sent`.
+    /// Sends the store calls due now; returns them with their tokens in
+    /// `sent`. The root sends each at most once at a time (a call in flight
+    /// is not sent again: its answer is awaited); a waiting request
+    /// (`again`) sends one in flight again, since only its own calls'
+    /// answers reach it (the copy carries the same sequence number: the
+    /// store applies it once and answers both alike).
     pub(crate) fn send_due(
         &self,
         host: &mut impl Host,
         timeout: Duration,
+        again: bool,
         sent: &mut Vec<(u32, StoreCall)>,
     ) {
         let now = host.now_ms();
         self.last_ms.set(now);
         let mut due = Vec::new();
         let mut quota = self.quota.borrow_mut();
-        quota.sync(now, &mut due);
+        if again {
+            quota.sync_waiting(now, &mut due);
+        } else {
+            quota.sync(now, &mut due);
+        }
         let mut in_flight = self.in_flight.borrow_mut();
         let store = &self.config.store.endpoint;
         for call in due {
-            if in_flight.contains(&call.target) {
+            if !again && in_flight.contains(&call.target) {
                 continue;
             }
             if in_flight.len() >= MAX_IN_FLIGHT {
@@ -146,7 +154,7 @@ impl QuotaRoot {
         };
         let timeout = Duration::from_millis(u64::from(plan.config.store.endpoint.timeout_ms));
         let mut sent = Vec::new();
-        plan.send_due(host, timeout, &mut sent);
+        plan.send_due(host, timeout, false, &mut sent);
         self.calls.extend(sent);
     }
 }

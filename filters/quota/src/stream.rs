@@ -139,7 +139,7 @@ impl QuotaStream {
         };
         if matches!(refusal.kind, RefusalKind::Refilling { .. }) && !self.waited {
             self.waited = true;
-            plan.send_due(host, plan.grant_wait, &mut self.waiting);
+            plan.send_due(host, plan.grant_wait, true, &mut self.waiting);
             if !self.waiting.is_empty() {
                 return Action::Pause;
             }

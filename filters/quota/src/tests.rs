@@ -59,7 +59,7 @@ impl Gateway {
     }
 
     /// Answers every store call dispatched so far, as webdis would, to
-    /// `stream` (the calls a waiting request made) or the root.
+    /// `stream` (the calls a waiting request made) and the root.
     fn answer_store_to(&mut self, mut stream: Option<&mut Stream>) -> usize {
         let calls = std::mem::take(&mut self.host.dispatched);
         let now = self.host.clock.as_millis() as u64;
@@ -70,15 +70,16 @@ impl Gateway {
             let reply = self.store.execute(&command, now);
             let body = json!({ command.verb(): webdis_json(&reply) }).to_string();
             self.host.answer_with(Some(200), body.as_bytes());
-            match stream.as_deref_mut() {
-                Some(stream) => stream.call_answered(&mut self.host, call.token, body.len()),
-                None => RootStage::<FakeHost>::call_answered(
-                    &mut self.root,
-                    &mut self.host,
-                    call.token,
-                    body.len(),
-                ),
+            // Each ignores tokens it did not dispatch.
+            if let Some(stream) = stream.as_deref_mut() {
+                stream.call_answered(&mut self.host, call.token, body.len());
             }
+            RootStage::<FakeHost>::call_answered(
+                &mut self.root,
+                &mut self.host,
+                call.token,
+                body.len(),
+            );
         }
         calls.len()
     }
@@ -219,6 +220,38 @@ fn the_first_request_of_a_scope_waits_one_round_trip_for_its_lease_then_settles_
     gw.host.advance(Duration::from_millis(61_000));
     gw.sync();
     assert_eq!(gw.counter("daily"), 24);
+}
+
+#[test]
+fn a_request_waits_for_a_grant_the_root_already_asked_for() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    let (refused, _) = gw.ask(OPENAI, ACME, CHAT);
+    drop(refused);
+    // The root's tick asks for the grant; its answer is not in yet.
+    RootStage::<FakeHost>::tick(&mut gw.root, &mut gw.host);
+    let root_call = gw.host.dispatched.pop().expect("the root's grant");
+    let (mut stream, action) = gw.ask(OPENAI, ACME, CHAT);
+    assert_eq!(action, Action::Pause, "it waits, not a 429");
+    assert!(gw.host.sent.is_empty());
+    // Its own copy of the call (same sequence number) answers it.
+    assert!(gw.host.dispatched.iter().any(|c| c.body == root_call.body));
+    gw.answer_store_to(Some(&mut stream));
+    assert_eq!(gw.host.resumes.len(), 1);
+    gw.answer(
+        &mut stream,
+        json!({"prompt_tokens": 7, "completion_tokens": 5}),
+    );
+    // The root's late answer to the same operation changes nothing.
+    gw.host.dispatched.push(root_call);
+    gw.answer_store();
+    gw.host.advance(Duration::from_millis(61_000));
+    gw.sync();
+    assert_eq!(
+        gw.counter("daily"),
+        12,
+        "granted once, used 12, the rest back"
+    );
 }
 
 #[test]

@@ -870,7 +870,13 @@ impl GatewayQuota {
             i128::from(limit) - i128::from(entry.lease.granted()),
             i128::from,
         );
-        let unspent = entry.lease.available() + i128::from(entry.lease.reserved());
+        // A return on its way to the store left the lease but is not yet in
+        // the fleet's remainder: still this holder's until answered.
+        let returning = match entry.lease.in_flight().map(|f| f.op) {
+            Some(LeaseOp::Return { amount }) => i128::from(amount),
+            _ => 0,
+        };
+        let unspent = entry.lease.available() + i128::from(entry.lease.reserved()) + returning;
         let remaining = (fleet + unspent).clamp(0, i128::from(limit));
         let remaining = u64::try_from(remaining).unwrap_or(0);
         let reset_at_ms = match (policy.limit, policy.window(now_ms)) {
@@ -907,6 +913,18 @@ impl GatewayQuota {
     /// script loads, lease refills and returns (one per lease at a time,
     /// repeated until answered), buffered deltas.
     pub fn sync(&mut self, now_ms: u64, out: &mut Vec<StoreCall>) {
+        self.sync_calls(now_ms, false, out);
+    }
+
+    /// [`GatewayQuota::sync`] for a request waiting for a grant, which
+    /// hears only its own calls' answers: operations already out are
+    /// included again (the same sequence number: applied once, answered
+    /// alike).
+    pub fn sync_waiting(&mut self, now_ms: u64, out: &mut Vec<StoreCall>) {
+        self.sync_calls(now_ms, true, out);
+    }
+
+    fn sync_calls(&mut self, now_ms: u64, out_too: bool, out: &mut Vec<StoreCall>) {
         for (i, script) in [Script::Grant, Script::Delta].into_iter().enumerate() {
             if self.shas.get(script).is_none() && !self.loading[i] {
                 self.loading[i] = true;
@@ -942,7 +960,11 @@ impl GatewayQuota {
                 continue;
             };
             let params = policy.params;
-            let op = match entry.lease.resend() {
+            let resent = match entry.lease.resend() {
+                None if out_too => entry.lease.in_flight(),
+                resent => resent,
+            };
+            let op = match resent {
                 Some(op) => op,
                 None => match entry.lease.next_op(now_ms, *next_seq, &params) {
                     Some(op) => {
