@@ -44,6 +44,7 @@ use zerolayer_e2e::bench::{
     command_output, cpus, load_average, median, pin, pin_self, tree_cpu_secs,
 };
 use zerolayer_e2e::chain::AuthServices;
+use zerolayer_e2e::fleet::RedisFleet;
 use zerolayer_e2e::probes;
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{Envoy, EnvoyConfig, MockServer, paths, wait, wrk};
@@ -296,6 +297,8 @@ struct Services {
     /// The HTTP authorization service `ext_authz` asks on every request
     /// (what lazy-auth's cached verdict replaces): allows everything.
     authz: MockServer,
+    /// Redis behind webdis: quota's leases, granted in the background.
+    fleet: RedisFleet,
 }
 
 impl Services {
@@ -304,6 +307,7 @@ impl Services {
             auth: AuthServices::start(|_| (200, r#"{"active":false}"#.to_string()))?,
             usage: MockServer::start(|_| (200, String::new()))?,
             authz: MockServer::start(|_| (200, String::new()))?,
+            fleet: RedisFleet::start_for_quota()?,
         })
     }
 
@@ -322,7 +326,8 @@ impl Services {
         self.auth
             .point(config)?
             .point_cluster("clickhouse", self.usage.addr())?
-            .add_cluster("ext_authz", self.authz.addr())
+            .add_cluster("ext_authz", self.authz.addr())?
+            .add_cluster("webdis", self.fleet.webdis())
     }
 
     /// What the sinks received: the observer's background work happened.
@@ -666,6 +671,24 @@ fn targets(summaries: &[Summary]) -> Vec<String> {
             r < 1.0,
         );
     }
+    // quota's eight policies: reserve, settle, eight leases per request
+    // (issue 30's targets).
+    for (with_key, without_key, want) in [
+        ("c-fused-quota", "c-fused", 10.0),
+        ("c-native-quota", "c-native", 2.0),
+    ] {
+        if let (Some(with), Some(without)) = (get(with_key), get(without_key)) {
+            let added = with.cpu_us_per_request - without.cpu_us_per_request;
+            check(
+                &format!(
+                    "quota (8 policies) CPU added per request, {with_key} - {without_key}, µs"
+                ),
+                added,
+                &format!("≤ {want}"),
+                added <= want,
+            );
+        }
+    }
     let mut notes = Vec::new();
     if let (Some(native), Some(wasm)) = (get("p-native"), get("p")) {
         notes.push(format!(
@@ -899,6 +922,22 @@ impl Shipped {
         self.fused_stages(FUSED_STAGES.len())
     }
 
+    /// The fused filter with a `quota` section of eight policies
+    /// ([`quota_section`]) after the shipped four.
+    fn fused_with_quota(&self) -> Result<Yaml> {
+        let mut filter = self.fused()?;
+        let value = filter
+            .get_mut("typed_config")
+            .and_then(|v| v.get_mut("config"))
+            .and_then(|v| v.get_mut("configuration"))
+            .and_then(|v| v.get_mut("value"))
+            .ok_or_else(|| anyhow!("fused: no configuration value"))?;
+        let mut sections: Json = serde_json::from_str(value.as_str().unwrap_or("{}"))?;
+        sections["quota"] = quota_section();
+        *value = Yaml::from(sections.to_string());
+        Ok(filter)
+    }
+
     /// The four stages' sections, as the fused filter and the native module
     /// take them.
     fn sections(&self) -> Json {
@@ -1101,6 +1140,14 @@ impl Shipped {
             )
             .observer(self.observer(true, true))
             .request(Request::NoStore),
+            Variant::new(
+                "c-fused-quota",
+                "fused filter + quota (8 policies) + observer, to the backend",
+                Chain,
+                vec![self.fused_with_quota()?],
+            )
+            .observer(self.observer(true, true))
+            .request(Request::NoStore),
             // The fused filter stage by stage (what each adds inside one
             // instance): lazy-auth; + activation; + post-cache (bypassed:
             // no-store). All four is c-fused.
@@ -1234,6 +1281,32 @@ impl Shipped {
     }
 }
 
+/// quota with eight policies, every one scoping each bench request, none
+/// ever refusing one (limits far above what a run spends): what holding,
+/// reserving and settling eight leases per request costs, leases granted by
+/// Redis through webdis in the background.
+fn quota_section() -> Json {
+    let budget =
+        |window: &str| json!({"budget": {"amount": 1_000_000_000_000u64, "window": window}});
+    let rate = json!({"rate": {"amount": 10_000_000_000u64, "per": "minute"}});
+    let weights =
+        json!({"weighted_tokens": {"default": {"input": 1000, "output": 4000, "cache_read": 100}}});
+    let prices = json!({"currency": {"default": {"input": 3_000_000, "output": 15_000_000, "cache_read": 300_000}}});
+    json!({
+        "store": {"cluster": "webdis", "path": "/", "expected_gateways": 1, "key_prefix": "zl:bench:"},
+        "policies": [
+            {"name": "tenant-day", "scope": ["tenant"], "unit": "tokens", "limit": budget("day")},
+            {"name": "tenant-minute", "scope": ["tenant"], "unit": "tokens", "limit": rate},
+            {"name": "tenant-requests", "scope": ["tenant"], "unit": "requests", "limit": rate},
+            {"name": "subject-month", "scope": ["subject"], "unit": "tokens", "limit": budget("month")},
+            {"name": "model-hour", "scope": ["model"], "unit": "tokens", "limit": budget("hour")},
+            {"name": "tenant-model", "scope": ["tenant", "model"], "unit": weights, "limit": budget("day")},
+            {"name": "tenant-spend", "scope": ["tenant"], "unit": prices, "limit": budget("month")},
+            {"name": "fleet", "scope": [], "unit": "tokens", "limit": rate},
+        ],
+    })
+}
+
 /// Envoy's `jwt_authn` verifying the test issuer's RS256 tokens against its
 /// JWKS inline (as in the `envoy_auth` bench); `cache` turns on its JWT cache.
 fn jwt_authn(cache: bool) -> Result<Yaml> {
@@ -1296,12 +1369,20 @@ fn check(agent: &ureq::Agent, envoy: &Envoy, variant: &Variant, bearer: &str) ->
             request = request.header("cache-control", "no-store");
         }
         let mut reply = request.send(BODY)?;
-        let label = reply
+        let mut label = reply
             .headers()
             .get("x-cache")
             .and_then(|v| v.to_str().ok())
             .unwrap_or("-")
             .to_string();
+        if variant.key.contains("quota") && reply.status() == 200 {
+            // quota admitted it from its leases, and says what is left.
+            ensure!(
+                reply.headers().contains_key("x-ratelimit-remaining-tokens"),
+                "quota admitted a request without its rate-limit headers"
+            );
+            label.push_str(" quota");
+        }
         let status = reply.status().as_u16();
         let _ = reply.body_mut().read_to_vec()?;
         Ok((status, label))

@@ -131,6 +131,33 @@ impl RedisFleet {
         }
     }
 
+    /// Blackholes the store as a hung server or a dropped route would:
+    /// webdis is stopped (`SIGSTOP`), so connections still open (the
+    /// kernel accepts them) and no call is ever answered, until
+    /// [`resume_webdis`](Self::resume_webdis). Not a refusal: a caller
+    /// learns nothing but its own timeout.
+    pub fn pause_webdis(&self) -> Result<()> {
+        self.signal_webdis("-STOP")
+    }
+
+    /// Lets a paused webdis answer again (`SIGCONT`): what it accepted
+    /// meanwhile is then served.
+    pub fn resume_webdis(&self) -> Result<()> {
+        self.signal_webdis("-CONT")
+    }
+
+    fn signal_webdis(&self, signal: &str) -> Result<()> {
+        let pid = self
+            .webdis
+            .as_ref()
+            .context("webdis is not running")?
+            .id()
+            .to_string();
+        let status = Command::new("kill").args([signal, &pid]).status()?;
+        anyhow::ensure!(status.success(), "kill {signal} {pid} failed: {status}");
+        Ok(())
+    }
+
     /// Starts webdis again on the same port.
     pub fn restart_webdis(&mut self) -> Result<()> {
         self.stop_webdis();

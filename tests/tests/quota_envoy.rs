@@ -44,6 +44,43 @@ fn gateway_of(
     policies: Value,
     expected: u32,
 ) -> Result<Gateway> {
+    let setup = Setup {
+        expected,
+        ..Setup::default()
+    };
+    gateway_with(form, backend, webdis, policies, &setup)
+}
+
+/// How a test's gateway differs from the others'.
+struct Setup {
+    /// Lease holders sharing the store (`store.expected_gateways`).
+    expected: u32,
+    /// lazy-auth as shipped (unknown credentials admitted, then verified
+    /// off the path) rather than verifying every new one inline.
+    lazy: bool,
+    /// Members set on the quota section (`unverified`, `fallback`, …).
+    quota: Value,
+}
+
+impl Default for Setup {
+    fn default() -> Setup {
+        Setup {
+            expected: 1,
+            lazy: false,
+            quota: json!({}),
+        }
+    }
+}
+
+/// [`gateway`] as `setup` says.
+fn gateway_with(
+    form: Form,
+    backend: std::net::SocketAddr,
+    webdis: std::net::SocketAddr,
+    policies: Value,
+    setup: &Setup,
+) -> Result<Gateway> {
+    let expected = setup.expected;
     let jwks = issuer().jwks().to_string();
     let idp = MockServer::start(move |_| (200, jwks.clone()))?;
     let mut config = EnvoyConfig::shipped(form.file())?
@@ -57,10 +94,16 @@ fn gateway_of(
                   "expected_gateways": expected},
         "policies": policies,
     });
+    let mut quota = quota;
+    for (member, value) in setup.quota.as_object().into_iter().flatten() {
+        quota[member] = value.clone();
+    }
     let verify = |lazy: &mut Value| {
         lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
         lazy["jwt"]["keys"] = issuer().jwks()["keys"].clone();
-        lazy["unknown"] = json!("sync");
+        if !setup.lazy {
+            lazy["unknown"] = json!("sync");
+        }
         lazy["audit"] = Value::Null;
     };
     let lazy = match form {
@@ -384,7 +427,104 @@ fn three_envoys(form: Form) -> Result<()> {
             fleet.budget_total(PREFIX)
         )
     })?;
+    // No drift: Redis holds exactly what the gateways' access logs (metering's
+    // exact per-request usage, the reconciliation's truth) bill acme.
+    wait::until(
+        "every admitted stream in the access logs",
+        Duration::from_secs(10),
+        || {
+            let logged = access_log_tokens(&gateways, "acme")?;
+            Ok((logged.0 == admitted).then_some(logged.1))
+        },
+    )
+    .and_then(|logged| {
+        anyhow::ensure!(
+            logged == used,
+            "the access logs bill acme {logged}, Redis holds {used}"
+        );
+        Ok(())
+    })?;
+    // The peers' way in the same run, same backend, same streams: check the
+    // counter, let the request run, charge it at its end.
+    let (postpaid_admitted, postpaid) = post_paid(&stub, &fleet, STREAMS, BUDGET, &body)?;
+    eprintln!(
+        "{form:?}: post-paid baseline (check, then charge): {postpaid_admitted} admitted, {postpaid} tokens settled of {BUDGET} ({:.2}x); lease and settle: {used} ({:.2}x)",
+        postpaid as f64 / BUDGET as f64,
+        used as f64 / BUDGET as f64
+    );
+    anyhow::ensure!(
+        postpaid > BUDGET,
+        "the post-paid baseline settled {postpaid}, within the budget: the test shows no overshoot to prevent"
+    );
     Ok(())
+}
+
+/// Requests billed to `tenant` in the gateways' access logs, and their
+/// input + output tokens.
+fn access_log_tokens(gateways: &[Gateway], tenant: &str) -> Result<(usize, i64)> {
+    let (mut requests, mut tokens) = (0, 0i64);
+    for gw in gateways {
+        let log = host_sim_tools::reconcile::read_access_log(gw.envoy.access_log().as_bytes())?;
+        // Refused requests are logged too, with no usage.
+        for row in log.rows.iter().filter(|r| r.tenant == tenant) {
+            let used = (row.tokens.input + row.tokens.output) as i64;
+            if used > 0 {
+                requests += 1;
+                tokens += used;
+            }
+        }
+    }
+    Ok((requests, tokens))
+}
+
+/// Check-then-charge, as Higress, Kong, LiteLLM and Envoy AI Gateway admit:
+/// `streams` concurrent requests each read the counter and, under
+/// `budget`, run against `stub`, then add what they used. Returns how many
+/// ran and the counter's total.
+fn post_paid(
+    stub: &Stub,
+    fleet: &RedisFleet,
+    streams: usize,
+    budget: i64,
+    body: &(dyn Fn(usize) -> String + Sync),
+) -> Result<(usize, i64)> {
+    use zerolayer_core::quota::store::Reply;
+    let key = "zl:postpaid:acme";
+    // All streams in flight together, as in the lease-and-settle run.
+    let checked = std::sync::Barrier::new(streams);
+    let url = format!("http://{}/v1/chat/completions", stub.addr());
+    let results = zerolayer_e2e::chain::concurrently(streams, |i| {
+        let spent = match fleet.command(&["GET", key])? {
+            Reply::Bulk(Some(v)) => String::from_utf8_lossy(&v).parse::<i64>()?,
+            _ => 0,
+        };
+        checked.wait();
+        if spent >= budget {
+            return Ok(None);
+        }
+        let reply = zerolayer_e2e::Client::new().send(
+            "POST",
+            &url,
+            &[("content-type", "application/json")],
+            &body(i),
+        )?;
+        anyhow::ensure!(reply.status == 200, "post-paid {i}: {}", reply.status);
+        let (input, output) = reported_usage(&reply.body)?;
+        let tokens = (input + output) as i64;
+        fleet.command(&["INCRBY", key, &tokens.to_string()])?;
+        Ok(Some(tokens))
+    });
+    let mut admitted = 0;
+    for result in results {
+        if result?.is_some() {
+            admitted += 1;
+        }
+    }
+    let total = match fleet.command(&["GET", key])? {
+        Reply::Bulk(Some(v)) => String::from_utf8_lossy(&v).parse::<i64>()?,
+        _ => 0,
+    };
+    Ok((admitted, total))
 }
 
 #[test]
@@ -399,5 +539,388 @@ fn the_native_module_refuses_a_quota_section_naming_it() -> Result<()> {
     anyhow::ensure!(!validation.ok, "Envoy accepted it");
     let want = "quota: not supported by the native module yet";
     anyhow::ensure!(validation.output.contains(want), "{}", validation.output);
+    Ok(())
+}
+
+/// The budget counters of policy `policy` in Redis, summed.
+fn policy_total(fleet: &RedisFleet, policy: &str) -> Result<i64> {
+    fleet.budget_total(&format!("{PREFIX}{{{policy}:"))
+}
+
+/// The p99 of `latencies` (the largest when fewer than 100).
+fn p99(latencies: &mut [Duration]) -> Duration {
+    latencies.sort();
+    let i = (latencies.len() * 99).div_ceil(100).saturating_sub(1);
+    latencies.get(i).copied().unwrap_or_default()
+}
+
+#[test]
+fn a_blackholed_redis_adds_no_error_and_its_counter_catches_up_once_back() -> Result<()> {
+    for form in FORMS {
+        blackholed(form).with_context(|| format!("{form:?}"))?;
+    }
+    Ok(())
+}
+
+fn blackholed(form: Form) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = Stub::start(StubConfig::default())?;
+    let gw = gateway(form, stub.addr(), fleet.webdis(), daily_tokens(1_000_000))?;
+    let acme = bearer("alice", "acme");
+    let mut used = 0i64;
+    let mut send = |i: usize| -> Result<Duration> {
+        let started = std::time::Instant::now();
+        let reply = gw.post(
+            &acme,
+            "/v1/chat/completions",
+            &openai(&format!("q{i}"), false),
+        )?;
+        let took = started.elapsed();
+        anyhow::ensure!(
+            reply.status == 200,
+            "request {i}: {} {}",
+            reply.status,
+            reply.body
+        );
+        let (input, output) = reported_usage(&reply.body)?;
+        used += (input + output) as i64;
+        Ok(took)
+    };
+    let mut before = Vec::new();
+    for i in 0..50 {
+        before.push(send(i)?);
+    }
+    // Blackholed, not refused: webdis accepts connections and never answers.
+    fleet.pause_webdis()?;
+    let paused = std::time::Instant::now();
+    let mut during = Vec::new();
+    let mut i = 50;
+    // Past the lease's expiry (200 ms without a confirmation) and the store
+    // counting as down (two sync intervals): held leases, then the
+    // `local_share` fallback, admit; no request waits for the store.
+    while paused.elapsed() < Duration::from_millis(1_500) {
+        during.push(send(i).context("while Redis was blackholed")?);
+        i += 1;
+    }
+    eprintln!(
+        "{form:?}: Redis blackholed for 1.5 s: {} requests, all 200; p99 {:?} before, {:?} during",
+        during.len(),
+        p99(&mut before),
+        p99(&mut during),
+    );
+    // The calls that found no answer were counted (exported on tick).
+    let errors = wait::until(
+        "unanswered store calls counted",
+        Duration::from_secs(5),
+        || {
+            let n = gw
+                .envoy
+                .metric("zerolayer_quota_store_unreachable")?
+                .unwrap_or_default();
+            Ok((n > 0.0).then_some(n))
+        },
+    )
+    .with_context(|| gw.envoy.prometheus().unwrap_or_default())?;
+    eprintln!("{form:?}: {errors} store calls found no answer while blackholed");
+    fleet.resume_webdis()?;
+    // What was spent without the store reaches it once, exactly.
+    wait::until(
+        "Redis to catch up with what was used",
+        Duration::from_secs(15),
+        || Ok((fleet.budget_total(PREFIX)? == used).then_some(())),
+    )
+    .with_context(|| {
+        format!(
+            "Redis holds {:?}, the responses reported {used}; log:\n{}",
+            fleet.budget_total(PREFIX),
+            gw.envoy.log_tail(20)
+        )
+    })?;
+    Ok(())
+}
+
+#[test]
+fn a_top_up_in_redis_reaches_every_gateway_within_a_sync_interval() -> Result<()> {
+    for form in FORMS {
+        top_up(form).with_context(|| format!("{form:?}"))?;
+    }
+    Ok(())
+}
+
+fn top_up(form: Form) -> Result<()> {
+    const SYNC_MS: u64 = 100;
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = Stub::start(StubConfig::default())?;
+    let gateways = (0..3)
+        .map(|_| gateway_of(form, stub.addr(), fleet.webdis(), daily_tokens(600), 3))
+        .collect::<Result<Vec<_>>>()?;
+    let acme = bearer("alice", "acme");
+    // A new prompt each time (the same one would be a free cache hit).
+    let sent = std::cell::Cell::new(0);
+    let body = || {
+        sent.set(sent.get() + 1);
+        anthropic(&format!("top me up {}", sent.get()), false)
+    };
+    // Every gateway spends until the budget refuses it.
+    for (g, gw) in gateways.iter().enumerate() {
+        let refused = (0..60).try_fold(false, |refused, _| -> Result<bool> {
+            if refused {
+                return Ok(true);
+            }
+            let reply = gw.post(&acme, "/v1/messages", &body())?;
+            anyhow::ensure!(
+                matches!(reply.status, 200 | 429),
+                "gateway {g}: {} {}",
+                reply.status,
+                reply.body
+            );
+            Ok(reply.status == 429)
+        })?;
+        anyhow::ensure!(
+            refused,
+            "gateway {g}: 60 requests never exhausted 600 tokens"
+        );
+    }
+    // The operator tops acme up for today: the window's counter goes down
+    // (`DECRBY`), as a refund or a larger allowance would.
+    let zerolayer_core::quota::store::Reply::Array(Some(keys)) =
+        fleet.command(&["KEYS", &format!("{PREFIX}{{daily:*")])?
+    else {
+        anyhow::bail!("no daily counter in Redis");
+    };
+    let counter = keys
+        .iter()
+        .find_map(|k| match k {
+            zerolayer_core::quota::store::Reply::Bulk(Some(k))
+                if !k.windows(3).any(|w| w == b":i:") =>
+            {
+                Some(String::from_utf8_lossy(k).into_owned())
+            }
+            _ => None,
+        })
+        .context("no daily counter among the keys")?;
+    fleet.command(&["DECRBY", &counter, "100000"])?;
+    let topped = std::time::Instant::now();
+    let mut seen = Vec::new();
+    for (g, gw) in gateways.iter().enumerate() {
+        let admitted = wait::until(
+            "the gateway to admit acme again",
+            Duration::from_secs(5),
+            || {
+                let reply = gw.post(&acme, "/v1/messages", &body())?;
+                Ok((reply.status == 200).then(|| topped.elapsed()))
+            },
+        )
+        .with_context(|| format!("gateway {g} still refuses acme after the top-up"))?;
+        seen.push(admitted);
+    }
+    eprintln!(
+        "{form:?}: a top-up seen by the 3 gateways after {seen:?} (sync every {SYNC_MS} ms, store timeout 500 ms)"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_request_cannot_dodge_its_reservation_nor_choose_its_scope() -> Result<()> {
+    for form in FORMS {
+        dodges(form).with_context(|| format!("{form:?}"))?;
+    }
+    Ok(())
+}
+
+fn dodges(form: Form) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = Stub::start(StubConfig::default())?;
+    // 3,000 tokens a day: less than the 4,096 output tokens a request that
+    // names no `max_tokens` is reserved at (`default_max_output_tokens`).
+    let gw = gateway(form, stub.addr(), fleet.webdis(), daily_tokens(3_000))?;
+    let acme = bearer("alice", "acme");
+    let uncapped = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]});
+    let reply = gw
+        .post(&acme, "/v1/chat/completions", &uncapped.to_string())
+        .context("the request without max_tokens")?;
+    assert_eq!(reply.status, 429, "{}", reply.body);
+    let error: Value = serde_json::from_str(&reply.body)?;
+    assert_eq!(
+        error["error"]["code"], "insufficient_quota",
+        "{}",
+        reply.body
+    );
+    let message = error["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("max_tokens"), "{message}");
+    assert_eq!(reply.header("x-should-retry"), Some("false"));
+    assert!(
+        stub.requests().is_empty(),
+        "the backend saw the refused request"
+    );
+    // The same request with a cap it can afford.
+    let mut capped = uncapped.clone();
+    capped["max_tokens"] = json!(16);
+    let reply = gw
+        .post(&acme, "/v1/chat/completions", &capped.to_string())
+        .context("the request with max_tokens")?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    // A client naming another tenant in any header still spends its own
+    // verified tenant's budget: its scope is not the request's to choose.
+    // (Another prompt: the same one would be a cache hit, no tokens.)
+    let mut other = capped.clone();
+    other["messages"][0]["content"] = json!("hello from globex, honestly");
+    let spoofed = gw
+        .client
+        .send(
+            "POST",
+            &gw.envoy.url("/v1/chat/completions"),
+            &[
+                ("authorization", acme.as_str()),
+                ("content-type", "application/json"),
+                ("x-tenant", "globex"),
+                ("x-zerolayer-tenant", "globex"),
+                ("x-zerolayer-identity", "verified tenant=globex"),
+            ],
+            &other.to_string(),
+        )
+        .context("the request naming another tenant")?;
+    assert_eq!(spoofed.status, 200, "{}", spoofed.body);
+    let used: i64 = [&reply, &spoofed]
+        .iter()
+        .map(|r| reported_usage(&r.body).map(|(i, o)| (i + o) as i64))
+        .sum::<Result<i64>>()?;
+    // One scope (acme's) and both requests in it: no counter for globex.
+    wait::until(
+        "acme's two requests in Redis",
+        Duration::from_secs(10),
+        || Ok((fleet_scopes(&fleet)? == 1 && fleet.budget_total(PREFIX)? == used).then_some(())),
+    )
+    .with_context(|| {
+        format!(
+            "scopes {:?}, Redis {:?}, used {used}",
+            fleet_scopes(&fleet),
+            fleet.budget_total(PREFIX)
+        )
+    })?;
+    Ok(())
+}
+
+#[test]
+fn a_scope_read_from_an_untrusted_header_is_refused_at_load() -> Result<()> {
+    // A client choosing its scope chooses whose budget it spends: only a
+    // header listed in `trusted_headers` may be a scope.
+    let mut config = EnvoyConfig::shipped(Form::Fused.file())?
+        .for_run(std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?
+        .add_cluster("webdis", std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?
+        .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
+    let mut sections = config.wasm_filter_json("zerolayer")?;
+    sections["quota"] = json!({
+        "store": {"cluster": "webdis", "path": "/"},
+        "policies": [{"name": "team", "scope": [{"header": "x-team"}], "unit": "requests",
+                      "limit": {"rate": {"amount": 10, "per": "second"}}}],
+    });
+    config.set_wasm_filter_config("zerolayer", &sections.to_string())?;
+    let validation = Envoy::validate(&config)?;
+    anyhow::ensure!(
+        !validation.ok,
+        "Envoy accepted a scope from an untrusted header"
+    );
+    anyhow::ensure!(
+        validation.output.contains("policies[0].scope"),
+        "{}",
+        validation.output
+    );
+    Ok(())
+}
+
+/// The distinct scopes (counters, not idempotency records) in Redis.
+fn fleet_scopes(fleet: &RedisFleet) -> Result<usize> {
+    use zerolayer_core::quota::store::Reply;
+    let Reply::Array(Some(keys)) = fleet.command(&["KEYS", &format!("{PREFIX}*")])? else {
+        anyhow::bail!("KEYS did not answer an array");
+    };
+    Ok(keys
+        .iter()
+        .filter(|k| matches!(k, Reply::Bulk(Some(k)) if !k.windows(3).any(|w| w == b":i:")))
+        .count())
+}
+
+#[test]
+fn forged_credentials_admitted_lazily_spend_the_unverified_budget_never_the_tenants() -> Result<()>
+{
+    for form in FORMS {
+        lazily_forged(form).with_context(|| format!("{form:?}"))?;
+    }
+    Ok(())
+}
+
+fn lazily_forged(form: Form) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = Stub::start(StubConfig::default())?;
+    // lazy-auth as shipped: a credential's first request is admitted before
+    // the observer verifies it; quota bills such requests to `unverified`.
+    let setup = Setup {
+        lazy: true,
+        quota: json!({"unverified": {"unit": "tokens",
+                                     "limit": {"budget": {"amount": 100_000, "window": "day"}}}}),
+        ..Setup::default()
+    };
+    let gw = gateway_with(
+        form,
+        stub.addr(),
+        fleet.webdis(),
+        daily_tokens(100_000),
+        &setup,
+    )?;
+    let acme = bearer("alice", "acme");
+    let usage = |reply: &zerolayer_e2e::Reply| -> Result<i64> {
+        let (input, output) = reported_usage(&reply.body)?;
+        Ok((input + output) as i64)
+    };
+    // acme's first request: admitted before verification (unverified).
+    let first = gw.post(&acme, "/v1/messages", &anthropic("first", false))?;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let mut unverified = usage(&first)?;
+    gw.envoy
+        .wait_metric(r#"zerolayer_auth_verdicts{outcome="valid"}"#, 1.0)
+        .or_else(|_| {
+            gw.envoy
+                .wait_metric("zerolayer_auth_verdicts_outcome_valid", 1.0)
+        })?;
+    let second = gw.post(&acme, "/v1/messages", &anthropic("second", false))?;
+    assert_eq!(second.status, 200, "{}", second.body);
+    let acme_used = usage(&second)?;
+    // A spray of forged tokens claiming acme, a fresh one per request.
+    let now = tokens::now();
+    let mut admitted = 0;
+    for n in 0..20 {
+        let forged = issuer().forged(&tokens::claims("mallory", "acme", now, 3600), n);
+        let reply = gw.post(
+            &format!("Bearer {forged}"),
+            "/v1/messages",
+            &anthropic(&format!("forged {n}"), false),
+        )?;
+        match reply.status {
+            200 => {
+                admitted += 1;
+                unverified += usage(&reply)?;
+            }
+            401 | 429 | 503 => {}
+            status => anyhow::bail!("forged {n}: {status} {}", reply.body),
+        }
+    }
+    eprintln!("{form:?}: {admitted} of 20 forged tokens admitted before verification");
+    wait::until(
+        "Redis to hold acme's and the unverified totals",
+        Duration::from_secs(10),
+        || {
+            Ok((policy_total(&fleet, "daily")? == acme_used
+                && policy_total(&fleet, "unverified")? == unverified)
+                .then_some(()))
+        },
+    )
+    .with_context(|| {
+        format!(
+            "acme: Redis {:?}, used {acme_used}; unverified: Redis {:?}, used {unverified}",
+            policy_total(&fleet, "daily"),
+            policy_total(&fleet, "unverified")
+        )
+    })?;
     Ok(())
 }

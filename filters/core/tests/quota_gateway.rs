@@ -460,6 +460,7 @@ fn webdis_answers_drive_the_same_protocol() {
         .find(|c| matches!(c.target, CallTarget::Lease { .. }))
         .unwrap();
     q.on_webdis_response(call, Some(502), b"", T0 + 10_000);
+    assert_eq!((q.store_unreachable(), q.store_errors()), (1, 0));
     assert!(
         !q.store_down(T0 + 10_999),
         "failing, not yet for two sync intervals"

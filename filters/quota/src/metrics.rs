@@ -6,7 +6,9 @@
 //! `_reserved`, `_settled`, `_refunded`, `_overshoot` (in the policy's
 //! unit; overshoot: settled above the reservation), `_refills` (grants
 //! asked), `_cuts` (streams ended), and without a label
-//! `zerolayer_quota_store_errors`, `zerolayer_quota_deltas_dropped`.
+//! `zerolayer_quota_store_errors` (answers that were errors),
+//! `zerolayer_quota_store_unreachable` (calls that found no store: no
+//! answer in time, webdis failing), `zerolayer_quota_deltas_dropped`.
 
 use zerolayer_core::quota::GatewayQuota;
 use zerolayer_core::quota::gateway::{PolicySpec, PolicyStats};
@@ -34,9 +36,11 @@ const PER_POLICY: [(&str, Read); 9] = [
 pub(crate) struct Metrics {
     per_policy: Vec<Counters>,
     store_errors: Counter,
+    unreachable: Counter,
     dropped: Counter,
     exported: Vec<PolicyStats>,
     exported_errors: u64,
+    exported_unreachable: u64,
     exported_dropped: u64,
 }
 
@@ -49,9 +53,11 @@ impl Metrics {
                 .map(|(metric, _)| Counters::labelled(host, WHO, metric, "policy", &names))
                 .collect(),
             store_errors: Counter::define(host, WHO, "zerolayer_quota_store_errors"),
+            unreachable: Counter::define(host, WHO, "zerolayer_quota_store_unreachable"),
             dropped: Counter::define(host, WHO, "zerolayer_quota_deltas_dropped"),
             exported: vec![PolicyStats::default(); policies.len()],
             exported_errors: 0,
+            exported_unreachable: 0,
             exported_dropped: 0,
         }
     }
@@ -72,6 +78,10 @@ impl Metrics {
         self.store_errors
             .add(errors.saturating_sub(self.exported_errors));
         self.exported_errors = errors;
+        let unreachable = quota.store_unreachable();
+        self.unreachable
+            .add(unreachable.saturating_sub(self.exported_unreachable));
+        self.exported_unreachable = unreachable;
         let (dropped, _) = quota.orphans().dropped();
         self.dropped
             .add(dropped.saturating_sub(self.exported_dropped));
@@ -80,6 +90,7 @@ impl Metrics {
             counters.flush(host);
         }
         self.store_errors.flush(host);
+        self.unreachable.flush(host);
         self.dropped.flush(host);
     }
 }

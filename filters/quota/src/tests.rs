@@ -480,3 +480,28 @@ fn hard_streams_and_bad_fields_are_refused_at_configuration() {
         assert!(root.quota().is_none());
     }
 }
+
+#[test]
+fn the_example_configuration_loads_and_asks_for_its_first_leases() {
+    // filters/quota/example.json is the README's and the demo's starting point.
+    let example = include_str!("../example.json");
+    let mut host = FakeHost::default();
+    host.clock = Duration::from_millis(T0_MS);
+    let mut root = QuotaRoot::default();
+    assert!(RootStage::<FakeHost>::configure(
+        &mut root,
+        &mut host,
+        example.as_bytes()
+    ));
+    let quota = root.quota().unwrap();
+    // Two policies and the unverified budget, last.
+    assert_eq!(quota.policies().len(), 3);
+    drop(quota);
+    // The scripts are loaded at once, not one sync interval later.
+    assert!(
+        host.dispatched.iter().all(|c| c.cluster == "webdis"),
+        "{:?}",
+        host.dispatched.len()
+    );
+    assert_eq!(host.dispatched.len(), 2);
+}

@@ -318,6 +318,8 @@ pub struct GatewayQuota {
     orphans: DeltaBuffer,
     stats: Vec<PolicyStats>,
     store_errors: u64,
+    /// Calls that found no store: no answer, or webdis's own failure.
+    store_unreachable: u64,
 }
 
 impl GatewayQuota {
@@ -424,6 +426,7 @@ impl GatewayQuota {
             orphans: DeltaBuffer::new(store.max_buffered_deltas as usize),
             stats: vec![PolicyStats::default(); n],
             store_errors: 0,
+            store_unreachable: 0,
         })
     }
 
@@ -445,6 +448,12 @@ impl GatewayQuota {
     /// Store answers that were errors or unreadable.
     pub fn store_errors(&self) -> u64 {
         self.store_errors
+    }
+
+    /// Store calls that found no store (no answer in time, or webdis
+    /// failing): what an outage or a blackholed Redis shows as.
+    pub fn store_unreachable(&self) -> u64 {
+        self.store_unreachable
     }
 
     /// The buffered deltas (dropped counts included).
@@ -1028,6 +1037,7 @@ impl GatewayQuota {
             match error {
                 StoreError::Unreachable(_) => {
                     this.failing_since.get_or_insert(now_ms);
+                    this.store_unreachable += 1;
                 }
                 StoreError::NoScript => {
                     this.failing_since = None;

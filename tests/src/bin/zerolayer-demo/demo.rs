@@ -19,11 +19,14 @@ use serde_json::{Value, json};
 use zerolayer_core::sampling::Rate;
 use zerolayer_e2e::chain::AuthServices;
 use zerolayer_e2e::clickhouse::ClickHouse;
+use zerolayer_e2e::fleet::RedisFleet;
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{Client, Envoy, EnvoyConfig, ModelServer, wait};
 pub(crate) use zerolayer_layout::DemoForm as Form;
 use zerolayer_layout::{DemoHost, DemoOptions, step};
 use zerolayer_stub::{Stub, StubConfig};
+
+use crate::demo_quota::QuotaSeen;
 
 /// The demo's cache secret (a deployment sets its own, ≥ 32 bytes).
 pub(crate) const DEMO_CACHE_SECRET: &str = "zerolayer-demo-cache-secret-not-for-production";
@@ -239,9 +242,12 @@ pub fn run(args: &[String]) -> Result<()> {
                 .itl(Duration::from_millis(20)),
         )?),
     };
-    let seen = match host {
+    let (seen, quota) = match host {
         DemoHost::Envoy => session(&backend, keep_running, form)?,
-        DemoHost::NgxWasm => crate::demo_kong::session(&backend, keep_running, form)?,
+        DemoHost::NgxWasm => (
+            crate::demo_kong::session(&backend, keep_running, form)?,
+            None,
+        ),
     };
     let admitted = seen.iter().filter(|s| s.status == 200).count();
     let verified = seen
@@ -265,6 +271,20 @@ pub fn run(args: &[String]) -> Result<()> {
         seen.len(),
         seen.len() - admitted
     );
+    if let Some(q) = quota {
+        println!(
+            "Quota: {} of {} requests admitted within the {}-token budget, then {} ({}); Redis settled {} tokens.",
+            q.remaining.len(),
+            q.statuses.len(),
+            crate::demo_quota::DAILY_TOKENS,
+            q.statuses.last().copied().unwrap_or_default(),
+            q.refusal
+                .as_ref()
+                .map(|(c, _)| c.as_str())
+                .unwrap_or("never refused"),
+            q.counter
+        );
+    }
     Ok(())
 }
 
@@ -287,13 +307,19 @@ const DEMO_SAMPLE_PERCENT: f64 = 50.0;
 
 /// Starts the services and Envoy in front of `backend`, sends the cases and
 /// prints what happened.
-fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen>> {
+fn session(
+    backend: &Backend,
+    keep_running: bool,
+    form: Form,
+) -> Result<(Vec<Seen>, Option<QuotaSeen>)> {
     // The identity provider, introspection endpoint and audit sink the
     // observer calls, on loopback.
     let services = AuthServices::start(introspect)?;
     step("starting ClickHouse (metering's usage sink)");
     let clickhouse = ClickHouse::start()?;
     clickhouse.create_tables()?;
+    step("starting Redis and webdis (quota's fleet-wide counters)");
+    let fleet = RedisFleet::start_for_quota()?;
     let file = form.file();
     step(&format!(
         "starting Envoy with envoy/{file} (lazy-auth, activation, post-cache, metering{}, observer{})",
@@ -316,7 +342,9 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
         // The cache key's secret comes from Envoy's environment; a
         // deployment sets its own.
         .env("ZEROLAYER_CACHE_SECRET", DEMO_CACHE_SECRET)
-        .point_cluster("clickhouse", clickhouse.addr())?;
+        .point_cluster("clickhouse", clickhouse.addr())?
+        .add_cluster("webdis", fleet.webdis())?;
+    let quota = crate::demo_quota::section(&zerolayer_layout::root())?;
     let mut rules = separate.wasm_filter_json("zerolayer.activation")?;
     rules["debug_response_header"] = Value::Bool(true);
     // The demo identity provider's issuer; audit batches flushed quickly.
@@ -335,9 +363,17 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
             config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
             config.set_wasm_filter_config("zerolayer.post_cache", &post.to_string())?;
             config.set_wasm_filter_config("zerolayer.metering", &metering.to_string())?;
+            // quota follows lazy-auth, whose verified identity it reads.
+            config.insert_wasm_filter_after(
+                "zerolayer.lazy_auth",
+                "zerolayer.quota",
+                "quota",
+                "zerolayer.quota",
+                &quota.to_string(),
+            )?;
         }
         Form::Fused => {
-            let sections = json!({"activation": rules, "lazy_auth": lazy, "post_cache": post, "metering": metering});
+            let sections = json!({"activation": rules, "lazy_auth": lazy, "quota": quota, "post_cache": post, "metering": metering});
             config.set_wasm_filter_config("zerolayer", &sections.to_string())?;
         }
         Form::Native => {
@@ -527,6 +563,29 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
         "   internal  = x-zerolayer-* headers the backend received (none: decisions never leave the gateway;\n               not reached: refused, or answered from the cache)"
     );
 
+    // The verified requests above are billed to their tenants' budgets too.
+    let prior: u64 = seen
+        .iter()
+        .filter(|s| s.identity.starts_with("verified"))
+        .filter_map(|s| s.tokens.split_once('→'))
+        .filter_map(|(i, o)| Some(i.parse::<u64>().ok()? + o.parse::<u64>().ok()?))
+        .sum();
+    let quota_seen = if form == Form::Native {
+        println!();
+        println!(
+            "Quota: not in the native module yet (the Wasm forms run it: --fused, or the default)."
+        );
+        None
+    } else {
+        let verified = || wait_for_verdicts(&envoy, verifications + 1.0);
+        Some(crate::demo_quota::act(
+            &envoy.url("/v1/chat/completions"),
+            &fleet,
+            prior,
+            &verified,
+        )?)
+    };
+
     println!();
     let audit = services.audit.seen();
     let records: Vec<&str> = audit.iter().flat_map(|r| r.body.lines()).collect();
@@ -617,7 +676,7 @@ fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen
             std::thread::sleep(Duration::from_secs(3600));
         }
     }
-    Ok(seen)
+    Ok((seen, quota_seen))
 }
 
 /// The credential header `case` carries (its JWTs signed at `now`, valid
@@ -935,7 +994,27 @@ mod tests {
 
     fn the_demo_tells_what_it_claims_as(form: Form) -> Result<()> {
         let backend = Backend::Stub(Stub::start(StubConfig::default())?);
-        let seen = session(&backend, false, form)?;
+        let (seen, quota) = session(&backend, false, form)?;
+        if form != Form::Native {
+            let q = quota.context("the quota act did not run")?;
+            let admitted = q.remaining.len();
+            assert!(admitted >= 3, "{form:?}: only {admitted} admitted: {q:?}");
+            assert_eq!(q.statuses.last(), Some(&429), "{form:?}: {q:?}");
+            assert_eq!(
+                q.refusal,
+                Some(("insufficient_quota".into(), "false".into())),
+                "{form:?}"
+            );
+            assert!(
+                q.remaining.windows(2).all(|w| w[1] < w[0]),
+                "{form:?}: remaining must go down: {:?}",
+                q.remaining
+            );
+            assert_eq!(
+                q.counter, q.billed,
+                "{form:?}: Redis against the usage billed"
+            );
+        }
         let what: Vec<(&str, u16, &str, &str)> = CASES
             .iter()
             .zip(&seen)

@@ -6,6 +6,7 @@
 
 mod demo;
 mod demo_kong;
+mod demo_quota;
 
 use std::process::ExitCode;
 
