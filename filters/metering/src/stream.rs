@@ -12,6 +12,7 @@ use zerolayer_core::event::Job;
 use zerolayer_core::internal;
 use zerolayer_core::metering::UsageRecord;
 use zerolayer_core::metering::labels::UNKNOWN as UNKNOWN_TENANT;
+use zerolayer_core::quota::cut::parse_billed;
 use zerolayer_core::metrics::Label;
 use zerolayer_core::usage::{
     INCLUDE_USAGE_MEMBER, Injection, RequestScan, ResponseFormat, SkipReason, StreamedInjection,
@@ -104,6 +105,15 @@ impl MeteredStream {
         let (usage, model) = match extracted {
             Some(e) => (e.usage.ok(), e.model),
             None => (None, None),
+        };
+        // A `stream: hard` response quota cut (it sees the response after
+        // metering): the client was billed what it received, recorded so.
+        let usage = if self.streamed {
+            host.property(internal::CUT_USAGE_PROPERTY)
+                .and_then(|v| parse_billed(&v))
+                .or(usage)
+        } else {
+            usage
         };
         // The response names the model it ran; one that names none (an
         // error) is recorded under the model the request asked for.
