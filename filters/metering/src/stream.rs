@@ -856,6 +856,30 @@ mod tests {
         assert_eq!(entry["usage_missing"], 0);
     }
 
+    #[test]
+    fn a_stream_quota_cut_is_recorded_as_billed_not_as_the_backend_reported() {
+        let (mut host, root) = configured(SAMPLED);
+        let mut stream = post(&root, &mut host, OPENAI, STREAMED_REQUEST);
+        host.respond_with(SSE_200);
+        let _ = stream.response_headers(&mut host, false);
+        host.response_body = CONTENT_EVENT.to_vec();
+        let _ = stream.response_body(&mut host, CONTENT_EVENT.len(), false);
+        // quota, after metering in the response's order, cut the stream
+        // there: the rest never reaches the client.
+        host.properties.insert(
+            internal::CUT_USAGE_PROPERTY.into(),
+            b"13 5 0 0".to_vec(),
+        );
+        let rest = [USAGE_EVENT, DONE_EVENT].concat();
+        host.response_body = rest.clone();
+        let _ = stream.response_body(&mut host, rest.len(), true);
+        stream.log(&mut host);
+        let entry = logged(&host).expect("a usage entry");
+        assert_eq!(entry["input_tokens"], 13);
+        assert_eq!(entry["output_tokens"], 5, "what the client was billed");
+        assert_eq!(entry["usage_missing"], 0);
+    }
+
     fn tenant_billed(config: &str, auth: Option<&str>, header: Option<&str>) -> Value {
         let (mut host, root) = configured(config);
         if let Some(auth) = auth {
