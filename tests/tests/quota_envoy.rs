@@ -401,3 +401,277 @@ fn the_native_module_refuses_a_quota_section_naming_it() -> Result<()> {
     anyhow::ensure!(validation.output.contains(want), "{}", validation.output);
     Ok(())
 }
+
+/// [`gateway`] with one daily token budget of `amount` per tenant under
+/// `stream: hard`, its lease as large as the fleet allows
+/// (`lease.max_percent: 100`, so a stream is cut at the budget rather than
+/// where a 5 % lease runs dry between two refills). The setup is
+/// [`gateway_of`]'s, with the store's lease sized.
+fn hard_gateway(
+    form: Form,
+    backend: std::net::SocketAddr,
+    webdis: std::net::SocketAddr,
+    amount: u64,
+) -> Result<Gateway> {
+    let jwks = issuer().jwks().to_string();
+    let idp = MockServer::start(move |_| (200, jwks.clone()))?;
+    let mut config = EnvoyConfig::shipped(form.file())?
+        .for_run(backend)?
+        .point_cluster("idp", idp.addr())?
+        .add_cluster("webdis", webdis)?
+        .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
+    let quota = json!({
+        "store": {"cluster": "webdis", "path": "/", "timeout_ms": 500, "key_prefix": PREFIX,
+                  "sync_interval_ms": 100, "lease_ttl_ms": 200, "idle_return_ms": 300,
+                  "expected_gateways": 1, "lease": {"max_percent": 100}},
+        "policies": [{"name": "daily", "scope": ["tenant"], "unit": "tokens", "stream": "hard",
+                      "limit": {"budget": {"amount": amount, "window": "day"}}}],
+    });
+    let verify = |lazy: &mut Value| {
+        lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
+        lazy["jwt"]["keys"] = issuer().jwks()["keys"].clone();
+        lazy["unknown"] = json!("sync");
+        lazy["audit"] = Value::Null;
+    };
+    let lazy = match form {
+        Form::Separate => {
+            paths::wasm("quota")?;
+            let mut lazy: Value =
+                serde_json::from_str(&config.wasm_filter_config("zerolayer.lazy_auth")?)?;
+            verify(&mut lazy);
+            config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
+            config.insert_wasm_filter_after(
+                "zerolayer.lazy_auth",
+                "zerolayer.quota",
+                "quota",
+                "zerolayer.quota",
+                &quota.to_string(),
+            )?;
+            lazy
+        }
+        Form::Fused => {
+            let mut sections = config.wasm_filter_json("zerolayer")?;
+            verify(&mut sections["lazy_auth"]);
+            sections["quota"] = quota;
+            config.set_wasm_filter_config("zerolayer", &sections.to_string())?;
+            sections["lazy_auth"].clone()
+        }
+        Form::Native => anyhow::bail!("quota is not in the native module yet"),
+    };
+    let service = json!({"lazy_auth": lazy, "tick_ms": 100});
+    config.set_service_config("zerolayer.observer", &service.to_string())?;
+    let envoy = Envoy::start(&config)?;
+    Ok(Gateway {
+        envoy,
+        _idp: idp,
+        client: Client::new(),
+    })
+}
+
+/// A hard budget's tokens.
+const HARD_BUDGET: u64 = 400;
+
+/// The stub streaming 2,000 words per answer, a word every 200 µs.
+fn long_streams() -> Result<Stub> {
+    Stub::start(StubConfig {
+        output_tokens: Some(2_000),
+        ttft: Duration::ZERO,
+        itl: Duration::from_micros(200),
+        ..StubConfig::default()
+    })
+}
+
+/// The events of an SSE body: (event name, data).
+fn sse_events(body: &str) -> Vec<(String, String)> {
+    let mut events = Vec::new();
+    zerolayer_core::sse::SseParser::new().push(body.as_bytes(), |e| {
+        events.push((
+            String::from_utf8_lossy(e.event).into_owned(),
+            String::from_utf8_lossy(e.data).into_owned(),
+        ));
+    });
+    events
+}
+
+#[test]
+fn a_hard_budget_cuts_a_long_stream_cleanly_and_redis_holds_what_was_delivered() -> Result<()> {
+    for form in FORMS {
+        hard_cut(form).with_context(|| format!("{form:?}"))?;
+    }
+    Ok(())
+}
+
+fn hard_cut(form: Form) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = long_streams()?;
+    let gw = hard_gateway(form, stub.addr(), fleet.webdis(), HARD_BUDGET)?;
+    let openai_body = json!({
+        "model": "gpt-test", "stream": true, "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": "write a long story"}],
+    })
+    .to_string();
+    let anthropic_body = json!({
+        "model": "claude-test", "stream": true, "max_tokens": 4_000,
+        "messages": [{"role": "user", "content": "write a long story"}],
+    })
+    .to_string();
+    let mut billed = 0;
+    for (tenant, path, body) in [
+        ("acme", "/v1/chat/completions", &openai_body),
+        ("globex", "/v1/messages", &anthropic_body),
+    ] {
+        let reply = gw.post(&bearer("alice", tenant), path, body)?;
+        anyhow::ensure!(
+            reply.status == 200,
+            "{path}: {} {}",
+            reply.status,
+            reply.body
+        );
+        let events = sse_events(&reply.body);
+        // The text delivered, its largest event (g), and the end.
+        let (mut text, mut g, mut start_output) = (0u64, 0u64, 0u64);
+        for (_, data) in &events {
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            let piece = v
+                .pointer("/choices/0/delta/content")
+                .or_else(|| v.pointer("/delta/text"))
+                .and_then(Value::as_str)
+                .map_or(0, |s| s.len() as u64);
+            text += piece;
+            g = g.max(piece);
+            if let Some(n) = v
+                .pointer("/message/usage/output_tokens")
+                .and_then(Value::as_u64)
+            {
+                start_output = n;
+            }
+        }
+        let (input, output) = reported_usage(&reply.body)?;
+        let tail: Vec<&str> = events
+            .iter()
+            .rev()
+            .take(3)
+            .rev()
+            .map(|(e, d)| {
+                if path == "/v1/messages" {
+                    e.as_str()
+                } else {
+                    d.as_str()
+                }
+            })
+            .collect();
+        if path == "/v1/messages" {
+            assert_eq!(
+                tail,
+                ["content_block_stop", "message_delta", "message_stop"]
+            );
+            let delta: Value = serde_json::from_str(&events[events.len() - 2].1)?;
+            assert_eq!(delta["delta"]["stop_reason"], "max_tokens", "{delta}");
+            assert_eq!(output, start_output + text, "billed what it delivered");
+            assert_eq!(input, 4, "the input the stream reported");
+        } else {
+            let finish: Value = serde_json::from_str(tail[0])?;
+            assert_eq!(finish["choices"][0]["finish_reason"], "length", "{finish}");
+            let usage: Value = serde_json::from_str(tail[1])?;
+            assert_eq!(usage["choices"], json!([]), "{usage}");
+            assert_eq!(tail[2], "[DONE]");
+            assert_eq!(output, text, "billed what it delivered");
+            assert_eq!(
+                input,
+                body.len() as u64,
+                "the input bound: none reported yet"
+            );
+        }
+        let finished = events
+            .iter()
+            .filter(|(e, d)| d.contains("\"stop\"") || d.contains("end_turn") || e == "error")
+            .count();
+        assert_eq!(
+            finished, 0,
+            "{path}: nothing of the backend's end reached the client"
+        );
+        eprintln!(
+            "{form:?} {path}: cut after {text} bytes of text; billed {input} + {output} of {HARD_BUDGET} (g = {g})"
+        );
+        assert!(text > 0 && text < 2_000, "{path}: {text} bytes delivered");
+        assert!(
+            input + output <= HARD_BUDGET + g,
+            "{path}: billed {input} + {output} over {HARD_BUDGET} + {g}"
+        );
+        billed += (input + output) as i64;
+    }
+    wait::until(
+        "Redis to hold what was delivered",
+        Duration::from_secs(10),
+        || Ok((fleet.budget_total(PREFIX)? == billed).then_some(())),
+    )
+    .with_context(|| {
+        format!(
+            "Redis holds {:?}, the clients were billed {billed}; log:\n{}",
+            fleet.budget_total(PREFIX),
+            gw.envoy.log_tail(30)
+        )
+    })?;
+    Ok(())
+}
+
+#[test]
+fn the_official_sdks_read_a_hard_cut_stream_as_a_length_finish() -> Result<()> {
+    for form in FORMS {
+        hard_sdks(form).with_context(|| format!("{form:?}"))?;
+    }
+    Ok(())
+}
+
+fn hard_sdks(form: Form) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = long_streams()?;
+    let gw = hard_gateway(form, stub.addr(), fleet.webdis(), HARD_BUDGET)?;
+    let strip = |b: String| b.trim_start_matches("Bearer ").to_string();
+    let report = zerolayer_e2e::sdk::run_client(
+        "quota_hard_client.py",
+        &[
+            "--gateway",
+            &gw.envoy.url(""),
+            "--openai-jwt",
+            &strip(bearer("alice", "acme")),
+            "--anthropic-jwt",
+            &strip(bearer("bob", "globex")),
+        ],
+    )?;
+    eprintln!("{form:?}: {report}");
+    let mut billed = 0;
+    for (sdk, reason, start_output) in [("openai", "length", 0), ("anthropic", "max_tokens", 1)] {
+        let seen = &report[sdk];
+        assert!(seen.get("error").is_none(), "{sdk}: {seen}");
+        assert_eq!(seen["reason"], reason, "{sdk}: {seen}");
+        let text = seen["text_bytes"].as_u64().context("text_bytes")?;
+        let input = seen["usage"]["input"].as_u64().context("input")?;
+        let output = seen["usage"]["output"].as_u64().context("output")?;
+        assert!(text > 0, "{sdk}: {seen}");
+        assert_eq!(
+            output,
+            start_output + text,
+            "{sdk}: billed what it read: {seen}"
+        );
+        assert!(
+            input + output <= HARD_BUDGET + 32,
+            "{sdk}: billed {input} + {output}: {seen}"
+        );
+        billed += (input + output) as i64;
+    }
+    wait::until(
+        "Redis to hold what the SDKs were billed",
+        Duration::from_secs(10),
+        || Ok((fleet.budget_total(PREFIX)? == billed).then_some(())),
+    )
+    .with_context(|| {
+        format!(
+            "Redis holds {:?}, billed {billed}",
+            fleet.budget_total(PREFIX)
+        )
+    })?;
+    Ok(())
+}

@@ -112,11 +112,7 @@ impl SseParser {
     }
 
     /// One line done; returns whether to go on (`on_event`'s answer).
-    fn line_done(
-        &mut self,
-        line: &[u8],
-        on_event: &mut impl FnMut(SseEvent<'_>) -> bool,
-    ) -> bool {
+    fn line_done(&mut self, line: &[u8], on_event: &mut impl FnMut(SseEvent<'_>) -> bool) -> bool {
         if line.is_empty() {
             let mut go_on = true;
             if self.has_data {

@@ -121,7 +121,11 @@ fn an_openai_stream_is_cut_right_after_the_event_the_lease_could_not_cover() {
     let texts: Vec<String> = events
         .iter()
         .filter(|(_, d)| d != "[DONE]")
-        .filter_map(|(_, d)| json(d)["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+        .filter_map(|(_, d)| {
+            json(d)["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
         .collect();
     // The uncovered event (" how") was delivered and charged; nothing after.
     assert_eq!(texts.concat(), "Hello wörld, how");

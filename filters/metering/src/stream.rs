@@ -12,8 +12,8 @@ use zerolayer_core::event::Job;
 use zerolayer_core::internal;
 use zerolayer_core::metering::UsageRecord;
 use zerolayer_core::metering::labels::UNKNOWN as UNKNOWN_TENANT;
-use zerolayer_core::quota::cut::parse_billed;
 use zerolayer_core::metrics::Label;
+use zerolayer_core::quota::cut::parse_billed;
 use zerolayer_core::usage::{
     INCLUDE_USAGE_MEMBER, Injection, RequestScan, ResponseFormat, SkipReason, StreamedInjection,
     UsageChunkStripper, UsageExtractor, inject_include_usage,
@@ -866,10 +866,8 @@ mod tests {
         let _ = stream.response_body(&mut host, CONTENT_EVENT.len(), false);
         // quota, after metering in the response's order, cut the stream
         // there: the rest never reaches the client.
-        host.properties.insert(
-            internal::CUT_USAGE_PROPERTY.into(),
-            b"13 5 0 0".to_vec(),
-        );
+        host.properties
+            .insert(internal::CUT_USAGE_PROPERTY.into(), b"13 5 0 0".to_vec());
         let rest = [USAGE_EVENT, DONE_EVENT].concat();
         host.response_body = rest.clone();
         let _ = stream.response_body(&mut host, rest.len(), true);

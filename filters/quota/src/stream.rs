@@ -10,8 +10,8 @@ use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::internal;
 use zerolayer_core::metering::logged_usage;
-use zerolayer_core::quota::headers::{rate_limit_headers, refusal_reply};
 use zerolayer_core::quota::cut::encode_billed;
+use zerolayer_core::quota::headers::{rate_limit_headers, refusal_reply};
 use zerolayer_core::quota::{
     Identity, Refusal, RefusalKind, RequestBound, Settlement, StoreCall, StreamCut, StreamVerdict,
     Ticket, TokenCounts,

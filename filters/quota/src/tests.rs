@@ -495,7 +495,8 @@ fn hard(amount: u64, mode: &str) -> Value {
 
 const STREAM_CHAT: &str =
     r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
-const STREAM_MESSAGES: &str = r#"{"model":"m","stream":true,"max_tokens":4000,"messages":[{"role":"user","content":"hi"}]}"#;
+const STREAM_MESSAGES: &str =
+    r#"{"model":"m","stream":true,"max_tokens":4000,"messages":[{"role":"user","content":"hi"}]}"#;
 
 fn openai_events(words: usize) -> Vec<u8> {
     let mut s = String::new();
@@ -526,7 +527,10 @@ impl Gateway {
         self.answer_store();
         let (mut first, _) = self.ask(OPENAI, ACME, CHAT);
         self.answer_store_to(Some(&mut first));
-        self.answer(&mut first, json!({"prompt_tokens": 1, "completion_tokens": 1}));
+        self.answer(
+            &mut first,
+            json!({"prompt_tokens": 1, "completion_tokens": 1}),
+        );
     }
 
     /// An event stream answered in chunks of `split` bytes; what the client
@@ -623,7 +627,12 @@ fn a_shadow_hard_policy_never_cuts_and_a_stream_within_its_lease_is_untouched() 
         assert_eq!(client, events, "{mode}");
         let quota = gw.root.quota().unwrap();
         assert_eq!(quota.stats(0).cuts, 0);
-        assert!(gw.host.properties.get(internal::CUT_USAGE_PROPERTY).is_none());
+        assert!(
+            gw.host
+                .properties
+                .get(internal::CUT_USAGE_PROPERTY)
+                .is_none()
+        );
     }
 }
 
@@ -632,7 +641,10 @@ fn a_non_streamed_response_of_a_hard_policy_is_not_cut() {
     let mut gw = Gateway::new(&hard(400, "enforce"));
     gw.warm();
     let (mut stream, _) = gw.ask(OPENAI, ACME, CHAT);
-    gw.answer(&mut stream, json!({"prompt_tokens": 3, "completion_tokens": 4}));
+    gw.answer(
+        &mut stream,
+        json!({"prompt_tokens": 3, "completion_tokens": 4}),
+    );
     let quota = gw.root.quota().unwrap();
     assert_eq!(quota.stats(0).cuts, 0);
 }
@@ -643,9 +655,10 @@ fn the_last_callback_metering_already_recorded_is_not_cut() {
     gw.warm();
     let (mut stream, _) = gw.ask(OPENAI, ACME, STREAM_CHAT);
     // The whole response in one callback, which metering recorded first.
-    gw.host
-        .properties
-        .insert(internal::USAGE_PROPERTY.into(), br#"{"input_tokens":5}"#.to_vec());
+    gw.host.properties.insert(
+        internal::USAGE_PROPERTY.into(),
+        br#"{"input_tokens":5}"#.to_vec(),
+    );
     let events = openai_events(500);
     let client = gw.stream(&mut stream, &events, events.len());
     assert_eq!(client, events);

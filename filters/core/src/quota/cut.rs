@@ -173,7 +173,11 @@ impl StreamCut {
                     s.created,
                     json_string(&s.model)
                 );
-                let usage_null = if s.client_usage { r#","usage":null"# } else { "" };
+                let usage_null = if s.client_usage {
+                    r#","usage":null"#
+                } else {
+                    ""
+                };
                 let open = match s.choices & !s.choices_finished {
                     0 if s.choices == 0 => 1,
                     open => open,
