@@ -473,12 +473,12 @@ const HARD_BUDGET: u64 = 400;
 
 /// The stub streaming 2,000 words per answer, a word every 200 µs.
 fn long_streams() -> Result<Stub> {
-    Stub::start(StubConfig {
+    Ok(Stub::start(StubConfig {
         output_tokens: Some(2_000),
         ttft: Duration::ZERO,
         itl: Duration::from_micros(200),
         ..StubConfig::default()
-    })
+    })?)
 }
 
 /// The events of an SSE body: (event name, data).
