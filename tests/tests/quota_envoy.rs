@@ -58,7 +58,8 @@ struct Setup {
     /// lazy-auth as shipped (unknown credentials admitted, then verified
     /// off the path) rather than verifying every new one inline.
     lazy: bool,
-    /// Members set on the quota section (`unverified`, `fallback`, …).
+    /// Members set on the quota section (`unverified`, `store.lease`, …),
+    /// objects merged member by member.
     quota: Value,
 }
 
@@ -69,6 +70,18 @@ impl Default for Setup {
             lazy: false,
             quota: json!({}),
         }
+    }
+}
+
+/// Sets `patch`'s members on `value`, objects member by member.
+fn merge(value: &mut Value, patch: &Value) {
+    match (value, patch) {
+        (Value::Object(value), Value::Object(patch)) => {
+            for (member, patch) in patch {
+                merge(value.entry(member.clone()).or_insert(Value::Null), patch);
+            }
+        }
+        (value, patch) => *value = patch.clone(),
     }
 }
 
@@ -95,9 +108,7 @@ fn gateway_with(
         "policies": policies,
     });
     let mut quota = quota;
-    for (member, value) in setup.quota.as_object().into_iter().flatten() {
-        quota[member] = value.clone();
-    }
+    merge(&mut quota, &setup.quota);
     let verify = |lazy: &mut Value| {
         lazy["jwt"]["issuers"] = json!(["https://idp.test"]);
         lazy["jwt"]["keys"] = issuer().jwks()["keys"].clone();
@@ -920,6 +931,233 @@ fn lazily_forged(form: Form) -> Result<()> {
             "acme: Redis {:?}, used {acme_used}; unverified: Redis {:?}, used {unverified}",
             policy_total(&fleet, "daily"),
             policy_total(&fleet, "unverified")
+        )
+    })?;
+    Ok(())
+}
+
+/// [`gateway`] with one daily token budget of `amount` per tenant under
+/// `stream: hard`, its lease as large as the fleet allows
+/// (`lease.max_percent: 100`, so a stream is cut at the budget rather than
+/// where a 5 % lease runs dry between two refills).
+fn hard_gateway(
+    form: Form,
+    backend: std::net::SocketAddr,
+    webdis: std::net::SocketAddr,
+    amount: u64,
+) -> Result<Gateway> {
+    let policies = json!([{"name": "daily", "scope": ["tenant"], "unit": "tokens", "stream": "hard",
+                           "limit": {"budget": {"amount": amount, "window": "day"}}}]);
+    let setup = Setup {
+        quota: json!({"store": {"lease": {"max_percent": 100}}}),
+        ..Setup::default()
+    };
+    gateway_with(form, backend, webdis, policies, &setup)
+}
+
+/// A hard budget's tokens.
+const HARD_BUDGET: u64 = 400;
+
+/// The stub streaming 2,000 words per answer, a word every 200 µs.
+fn long_streams() -> Result<Stub> {
+    Ok(Stub::start(StubConfig {
+        output_tokens: Some(2_000),
+        ttft: Duration::ZERO,
+        itl: Duration::from_micros(200),
+        ..StubConfig::default()
+    })?)
+}
+
+/// The events of an SSE body: (event name, data).
+fn sse_events(body: &str) -> Vec<(String, String)> {
+    let mut events = Vec::new();
+    zerolayer_core::sse::SseParser::new().push(body.as_bytes(), |e| {
+        events.push((
+            String::from_utf8_lossy(e.event).into_owned(),
+            String::from_utf8_lossy(e.data).into_owned(),
+        ));
+    });
+    events
+}
+
+#[test]
+fn a_hard_budget_cuts_a_long_stream_cleanly_and_redis_holds_what_was_delivered() -> Result<()> {
+    for form in FORMS {
+        hard_cut(form).with_context(|| format!("{form:?}"))?;
+    }
+    Ok(())
+}
+
+fn hard_cut(form: Form) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = long_streams()?;
+    let gw = hard_gateway(form, stub.addr(), fleet.webdis(), HARD_BUDGET)?;
+    let openai_body = json!({
+        "model": "gpt-test", "stream": true, "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": "write a long story"}],
+    })
+    .to_string();
+    let anthropic_body = json!({
+        "model": "claude-test", "stream": true, "max_tokens": 4_000,
+        "messages": [{"role": "user", "content": "write a long story"}],
+    })
+    .to_string();
+    let mut billed = 0;
+    for (tenant, path, body) in [
+        ("acme", "/v1/chat/completions", &openai_body),
+        ("globex", "/v1/messages", &anthropic_body),
+    ] {
+        let reply = gw.post(&bearer("alice", tenant), path, body)?;
+        anyhow::ensure!(
+            reply.status == 200,
+            "{path}: {} {}",
+            reply.status,
+            reply.body
+        );
+        let events = sse_events(&reply.body);
+        // The text delivered, its largest event (g), and the end.
+        let (mut text, mut g, mut start_output) = (0u64, 0u64, 0u64);
+        for (_, data) in &events {
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            let piece = v
+                .pointer("/choices/0/delta/content")
+                .or_else(|| v.pointer("/delta/text"))
+                .and_then(Value::as_str)
+                .map_or(0, |s| s.len() as u64);
+            text += piece;
+            g = g.max(piece);
+            if let Some(n) = v
+                .pointer("/message/usage/output_tokens")
+                .and_then(Value::as_u64)
+            {
+                start_output = n;
+            }
+        }
+        let (input, output) = reported_usage(&reply.body)?;
+        let tail: Vec<&str> = events
+            .iter()
+            .rev()
+            .take(3)
+            .rev()
+            .map(|(e, d)| {
+                if path == "/v1/messages" {
+                    e.as_str()
+                } else {
+                    d.as_str()
+                }
+            })
+            .collect();
+        if path == "/v1/messages" {
+            assert_eq!(
+                tail,
+                ["content_block_stop", "message_delta", "message_stop"]
+            );
+            let delta: Value = serde_json::from_str(&events[events.len() - 2].1)?;
+            assert_eq!(delta["delta"]["stop_reason"], "max_tokens", "{delta}");
+            assert_eq!(output, start_output + text, "billed what it delivered");
+            assert_eq!(input, 4, "the input the stream reported");
+        } else {
+            let finish: Value = serde_json::from_str(tail[0])?;
+            assert_eq!(finish["choices"][0]["finish_reason"], "length", "{finish}");
+            let usage: Value = serde_json::from_str(tail[1])?;
+            assert_eq!(usage["choices"], json!([]), "{usage}");
+            assert_eq!(tail[2], "[DONE]");
+            assert_eq!(output, text, "billed what it delivered");
+            assert_eq!(
+                input,
+                body.len() as u64,
+                "the input bound: none reported yet"
+            );
+        }
+        let finished = events
+            .iter()
+            .filter(|(e, d)| d.contains("\"stop\"") || d.contains("end_turn") || e == "error")
+            .count();
+        assert_eq!(
+            finished, 0,
+            "{path}: nothing of the backend's end reached the client"
+        );
+        eprintln!(
+            "{form:?} {path}: cut after {text} bytes of text; billed {input} + {output} of {HARD_BUDGET} (g = {g})"
+        );
+        assert!(text > 0 && text < 2_000, "{path}: {text} bytes delivered");
+        assert!(
+            input + output <= HARD_BUDGET + g,
+            "{path}: billed {input} + {output} over {HARD_BUDGET} + {g}"
+        );
+        billed += (input + output) as i64;
+    }
+    wait::until(
+        "Redis to hold what was delivered",
+        Duration::from_secs(10),
+        || Ok((fleet.budget_total(PREFIX)? == billed).then_some(())),
+    )
+    .with_context(|| {
+        format!(
+            "Redis holds {:?}, the clients were billed {billed}; log:\n{}",
+            fleet.budget_total(PREFIX),
+            gw.envoy.log_tail(30)
+        )
+    })?;
+    Ok(())
+}
+
+#[test]
+fn the_official_sdks_read_a_hard_cut_stream_as_a_length_finish() -> Result<()> {
+    for form in FORMS {
+        hard_sdks(form).with_context(|| format!("{form:?}"))?;
+    }
+    Ok(())
+}
+
+fn hard_sdks(form: Form) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = long_streams()?;
+    let gw = hard_gateway(form, stub.addr(), fleet.webdis(), HARD_BUDGET)?;
+    let strip = |b: String| b.trim_start_matches("Bearer ").to_string();
+    let report = zerolayer_e2e::sdk::run_client(
+        "quota_hard_client.py",
+        &[
+            "--gateway",
+            &gw.envoy.url(""),
+            "--openai-jwt",
+            &strip(bearer("alice", "acme")),
+            "--anthropic-jwt",
+            &strip(bearer("bob", "globex")),
+        ],
+    )?;
+    eprintln!("{form:?}: {report}");
+    let mut billed = 0;
+    for (sdk, reason, start_output) in [("openai", "length", 0), ("anthropic", "max_tokens", 1)] {
+        let seen = &report[sdk];
+        assert!(seen.get("error").is_none(), "{sdk}: {seen}");
+        assert_eq!(seen["reason"], reason, "{sdk}: {seen}");
+        let text = seen["text_bytes"].as_u64().context("text_bytes")?;
+        let input = seen["usage"]["input"].as_u64().context("input")?;
+        let output = seen["usage"]["output"].as_u64().context("output")?;
+        assert!(text > 0, "{sdk}: {seen}");
+        assert_eq!(
+            output,
+            start_output + text,
+            "{sdk}: billed what it read: {seen}"
+        );
+        assert!(
+            input + output <= HARD_BUDGET + 32,
+            "{sdk}: billed {input} + {output}: {seen}"
+        );
+        billed += (input + output) as i64;
+    }
+    wait::until(
+        "Redis to hold what the SDKs were billed",
+        Duration::from_secs(10),
+        || Ok((fleet.budget_total(PREFIX)? == billed).then_some(())),
+    )
+    .with_context(|| {
+        format!(
+            "Redis holds {:?}, billed {billed}",
+            fleet.budget_total(PREFIX)
         )
     })?;
     Ok(())

@@ -67,6 +67,14 @@ pub const USAGE_PROPERTY: &str = "wasmx.zerolayer_usage";
 /// exact per-request log that reconciliation needs.
 pub const USAGE_NGX_VARIABLE: &str = "ngx.zerolayer_usage";
 
+/// Property: quota cut this `stream: hard` response, and this is what the
+/// client was billed for it (`input output cache_read cache_creation`, in
+/// metering's [`crate::usage::Usage`] meaning; see
+/// `crate::quota::cut::encode_billed`). Metering, which sees the response
+/// before quota (Envoy's response order, and the fused chain's), records
+/// this usage instead of the backend's, so its record is what was billed.
+pub const CUT_USAGE_PROPERTY: &str = "wasmx.zerolayer_cut_usage";
+
 /// Property: metering asked the backend for OpenAI's usage chunk and hides
 /// it from the client (`1`). Published only where the host runs response
 /// phases in chain order (ngx_wasm_module's separate filters), so that

@@ -44,6 +44,23 @@ impl SseParser {
 
     /// Feeds `chunk`, calling `on_event` for every event it completes.
     pub fn push(&mut self, chunk: &[u8], mut on_event: impl FnMut(SseEvent<'_>)) {
+        self.push_framed(chunk, |event, _| {
+            on_event(event);
+            true
+        });
+    }
+
+    /// [`SseParser::push`], telling `on_event` also where in `chunk` the
+    /// event ends (just past its blank line's line ending: the bytes before
+    /// it hold whole events only, so a stream cut there is never cut inside
+    /// one). `on_event` returns whether to go on: with `false` the rest of
+    /// `chunk` is not parsed (the parser is then left mid-stream, for a
+    /// caller that stops reading there).
+    pub fn push_framed(
+        &mut self,
+        chunk: &[u8],
+        mut on_event: impl FnMut(SseEvent<'_>, usize) -> bool,
+    ) {
         if chunk.is_empty() {
             // Keep a pending CR for the next non-empty chunk.
             return;
@@ -66,14 +83,19 @@ impl SseParser {
                     Some(_) => {}
                 }
             }
-            if self.line.is_empty() {
-                self.line_done(head, &mut on_event);
+            let at = chunk.len() - rest.len();
+            let go_on = if self.line.is_empty() {
+                self.line_done(head, &mut |e| on_event(e, at))
             } else {
                 let mut line = std::mem::take(&mut self.line);
                 self.extend_line(&mut line, head);
-                self.line_done(&line, &mut on_event);
+                let go_on = self.line_done(&line, &mut |e| on_event(e, at));
                 line.clear();
                 self.line = line;
+                go_on
+            };
+            if !go_on {
+                return;
             }
         }
         let mut line = std::mem::take(&mut self.line);
@@ -89,15 +111,17 @@ impl SseParser {
         line.extend_from_slice(bytes);
     }
 
-    fn line_done(&mut self, line: &[u8], on_event: &mut impl FnMut(SseEvent<'_>)) {
+    /// One line done; returns whether to go on (`on_event`'s answer).
+    fn line_done(&mut self, line: &[u8], on_event: &mut impl FnMut(SseEvent<'_>) -> bool) -> bool {
         if line.is_empty() {
+            let mut go_on = true;
             if self.has_data {
                 let event: &[u8] = if self.event.is_empty() {
                     b"message"
                 } else {
                     &self.event
                 };
-                on_event(SseEvent {
+                go_on = on_event(SseEvent {
                     event,
                     data: &self.data,
                 });
@@ -105,10 +129,10 @@ impl SseParser {
             self.event.clear();
             self.data.clear();
             self.has_data = false;
-            return;
+            return go_on;
         }
         if line.first() == Some(&b':') {
-            return;
+            return true;
         }
         let (field, value) = field_and_value(line);
         match field {
@@ -125,6 +149,7 @@ impl SseParser {
             }
             _ => {}
         }
+        true
     }
 }
 

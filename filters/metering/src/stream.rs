@@ -13,6 +13,7 @@ use zerolayer_core::internal;
 use zerolayer_core::metering::UsageRecord;
 use zerolayer_core::metering::labels::UNKNOWN as UNKNOWN_TENANT;
 use zerolayer_core::metrics::Label;
+use zerolayer_core::quota::cut::parse_billed;
 use zerolayer_core::usage::{
     INCLUDE_USAGE_MEMBER, Injection, RequestScan, ResponseFormat, SkipReason, StreamedInjection,
     UsageChunkStripper, UsageExtractor, inject_include_usage,
@@ -104,6 +105,15 @@ impl MeteredStream {
         let (usage, model) = match extracted {
             Some(e) => (e.usage.ok(), e.model),
             None => (None, None),
+        };
+        // A `stream: hard` response quota cut (it sees the response after
+        // metering): the client was billed what it received, recorded so.
+        let usage = if self.streamed {
+            host.property(internal::CUT_USAGE_PROPERTY)
+                .and_then(|v| parse_billed(&v))
+                .or(usage)
+        } else {
+            usage
         };
         // The response names the model it ran; one that names none (an
         // error) is recorded under the model the request asked for.
@@ -843,6 +853,28 @@ mod tests {
         assert_eq!(entry["output_tokens"], 2);
         assert_eq!(entry["model"], "gpt-4o");
         assert_eq!(entry["streamed"], 1);
+        assert_eq!(entry["usage_missing"], 0);
+    }
+
+    #[test]
+    fn a_stream_quota_cut_is_recorded_as_billed_not_as_the_backend_reported() {
+        let (mut host, root) = configured(SAMPLED);
+        let mut stream = post(&root, &mut host, OPENAI, STREAMED_REQUEST);
+        host.respond_with(SSE_200);
+        let _ = stream.response_headers(&mut host, false);
+        host.response_body = CONTENT_EVENT.to_vec();
+        let _ = stream.response_body(&mut host, CONTENT_EVENT.len(), false);
+        // quota, after metering in the response's order, cut the stream
+        // there: the rest never reaches the client.
+        host.properties
+            .insert(internal::CUT_USAGE_PROPERTY.into(), b"13 5 0 0".to_vec());
+        let rest = [USAGE_EVENT, DONE_EVENT].concat();
+        host.response_body = rest.clone();
+        let _ = stream.response_body(&mut host, rest.len(), true);
+        stream.log(&mut host);
+        let entry = logged(&host).expect("a usage entry");
+        assert_eq!(entry["input_tokens"], 13);
+        assert_eq!(entry["output_tokens"], 5, "what the client was billed");
         assert_eq!(entry["usage_missing"], 0);
     }
 

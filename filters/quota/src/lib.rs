@@ -25,7 +25,7 @@ use std::collections::HashSet;
 use std::rc::Rc;
 use std::time::Duration;
 
-use zerolayer_core::quota::config::{QuotaConfig, StreamMode};
+use zerolayer_core::quota::config::QuotaConfig;
 use zerolayer_core::quota::{CallTarget, GatewayQuota, StoreCall};
 use zerolayer_host::{Host, Hosts, RootStage, StreamMap, StreamStage};
 
@@ -166,18 +166,6 @@ impl<H: Hosts> RootStage<H> for QuotaRoot {
         else {
             return false;
         };
-        if let Some(i) = config
-            .policies
-            .iter()
-            .position(|p| p.stream.unwrap_or(config.defaults.stream) == StreamMode::Hard)
-        {
-            // The cut itself is not built yet: refusing beats a limit that
-            // silently behaves as `soft`.
-            log::error!(
-                "quota: invalid configuration: policies[{i}].stream: \"hard\" is not supported by this version (use \"soft\")"
-            );
-            return false;
-        }
         let (instance, seed) = (random_u64(host), random_u64(host));
         let quota = match GatewayQuota::new(&config, instance, seed) {
             Ok(quota) => quota,

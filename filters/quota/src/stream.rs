@@ -10,11 +10,15 @@ use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::internal;
 use zerolayer_core::metering::logged_usage;
+use zerolayer_core::quota::cut::encode_billed;
 use zerolayer_core::quota::headers::{rate_limit_headers, refusal_reply};
 use zerolayer_core::quota::{
-    Identity, Refusal, RefusalKind, RequestBound, Settlement, StoreCall, Ticket, TokenCounts,
+    Identity, Refusal, RefusalKind, RequestBound, Settlement, StoreCall, StreamCut, StreamVerdict,
+    Ticket, TokenCounts,
 };
-use zerolayer_core::usage::{Missing, RequestScan, ResponseFormat, Usage, UsageExtractor};
+use zerolayer_core::usage::{
+    Missing, RequestScan, ResponseFormat, StreamedInjection, Usage, UsageExtractor,
+};
 use zerolayer_host::{Action, Body, StreamHost, StreamStage};
 
 use crate::{MAX_HELD_BODY, Plan};
@@ -55,6 +59,9 @@ pub(crate) struct QuotaStream {
     model: Option<String>,
     output_bound: u64,
     extractor: Option<UsageExtractor>,
+    /// A `stream: hard` response: its output drawn event by event, and
+    /// ended cleanly when a draw is not covered.
+    cut: Option<StreamCut>,
     status: u16,
     cache_hit: bool,
     response_bytes: u64,
@@ -78,6 +85,7 @@ impl QuotaStream {
             model: None,
             output_bound: 0,
             extractor: None,
+            cut: None,
             status: 0,
             cache_hit: false,
             response_bytes: 0,
@@ -255,6 +263,23 @@ impl QuotaStream {
                 .map(|u| TokenCounts::from_usage(&u, provider));
             return Settlement::CacheHit { usage };
         }
+        if let Some(cut) = self.cut.as_ref().filter(|c| c.is_cut()) {
+            // Billed for what it received (what metering recorded too).
+            return match cut.reported_input() {
+                Some(_) => Settlement::Usage(TokenCounts::from_usage(&cut.billed(0), provider)),
+                None => Settlement::Partial {
+                    input: None,
+                    delivered_output: cut.output(),
+                },
+            };
+        }
+        // The output delivered of a stream that ended early: a hard stream's
+        // count, else what the stream reported, else its bytes (a token
+        // covers at least one byte of what the client got).
+        let delivered = |reported: Option<u64>| match &self.cut {
+            Some(cut) => cut.output(),
+            None => reported.unwrap_or(self.response_bytes.min(self.output_bound)),
+        };
         match usage {
             Some(Ok(u)) => Settlement::Usage(TokenCounts::from_usage(&u, provider)),
             // An error the backend (or a later filter) answered, whole:
@@ -267,17 +292,78 @@ impl QuotaStream {
             Some(Err(Missing::Incomplete(partial))) if !self.response_complete => {
                 Settlement::Partial {
                     input: partial.input_tokens,
-                    delivered_output: partial
-                        .output_tokens
-                        .unwrap_or(self.response_bytes.min(self.output_bound)),
+                    delivered_output: delivered(partial.output_tokens),
                 }
             }
             Some(Err(_)) if !self.response_complete && self.status != 0 => Settlement::Partial {
                 input: None,
-                delivered_output: self.response_bytes.min(self.output_bound),
+                delivered_output: delivered(None),
             },
             _ => Settlement::Unknown,
         }
+    }
+
+    /// A hard stream's body chunk: each event's output drawn as it passes;
+    /// when a draw is not covered, the chunk is cut right after that event
+    /// and the provider's end follows; nothing after reaches the client.
+    fn draw_body(&mut self, host: &mut impl StreamHost, body_size: usize, end_of_stream: bool) {
+        let (Some(plan), Some(cut), Some(ticket)) = (&self.plan, &mut self.cut, &mut self.ticket)
+        else {
+            return;
+        };
+        if cut.is_cut() {
+            if body_size > 0
+                && let Err(status) = host.set_body(Body::Response, body_size, &[])
+            {
+                log::warn!("quota: could not withhold a cut stream's chunk: {status:?}");
+            }
+            return;
+        }
+        // In a response's last callback metering, which sees it first, has
+        // made its record already: cut now, the client would be billed
+        // other than recorded. It ends here anyway: it goes on whole.
+        let may_cut = !(end_of_stream && host.property(internal::USAGE_PROPERTY).is_some());
+        let now = host.now_ms();
+        plan.last_ms.set(now);
+        let model = self.model.as_deref();
+        let input_bound = ticket.input_bound();
+        let extractor = &mut self.extractor;
+        let mut passed = body_size;
+        let mut quota = plan.quota.borrow_mut();
+        let cut_body = host.with_body(Body::Response, body_size, |chunk| {
+            let at = cut.push(chunk, |output| {
+                quota.draw(ticket, model, output, now) == StreamVerdict::Cut && may_cut
+            });
+            let delivered = at.and_then(|at| chunk.get(..at)).unwrap_or(chunk);
+            passed = delivered.len();
+            if let Some(extractor) = extractor {
+                extractor.push(delivered);
+            }
+            at.map(|_| {
+                let mut out = Vec::with_capacity(delivered.len() + 512);
+                out.extend_from_slice(delivered);
+                cut.end(input_bound, &mut out);
+                out
+            })
+        });
+        drop(quota);
+        self.response_bytes += passed as u64;
+        let Some(out) = cut_body else {
+            return;
+        };
+        if let Err(status) = host.set_body(Body::Response, body_size, &out) {
+            log::warn!("quota: could not end a cut stream: {status:?}");
+        }
+        let billed = cut.billed(input_bound);
+        host.publish(
+            internal::CUT_USAGE_PROPERTY,
+            encode_billed(&billed).as_bytes(),
+        );
+        log::debug!(
+            "quota: stream cut after {} output tokens (input {})",
+            billed.output_tokens,
+            billed.input_tokens
+        );
     }
 
     /// Settles the reservation (once).
@@ -366,7 +452,17 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
             });
         self.extractor = Some(UsageExtractor::new(provider, format));
         let now = host.now_ms();
-        let shown = plan.quota.borrow().shown(ticket, now);
+        let quota = plan.quota.borrow();
+        if format == ResponseFormat::EventStream
+            && (200..300).contains(&self.status)
+            && !self.cache_hit
+            && quota.draws(ticket)
+        {
+            let asked = self.scan.injection() == StreamedInjection::ClientAsked;
+            self.cut = Some(StreamCut::new(provider, asked));
+        }
+        let shown = quota.shown(ticket, now);
+        drop(quota);
         for (name, value) in rate_limit_headers(Some(provider), &shown, now) {
             host.set_response_header(name, &value);
         }
@@ -374,6 +470,13 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
     }
 
     fn response_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
+        if self.cut.is_some() {
+            self.draw_body(host, body_size, end_of_stream);
+            if end_of_stream {
+                self.response_complete = true;
+            }
+            return Action::Continue;
+        }
         if let Some(extractor) = &mut self.extractor {
             host.with_body(Body::Response, body_size, |chunk| extractor.push(chunk));
             self.response_bytes += body_size as u64;

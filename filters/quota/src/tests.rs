@@ -464,20 +464,91 @@ fn a_stream_dropped_without_its_log_gives_its_reservation_back() {
 }
 
 #[test]
-fn hard_streams_and_bad_fields_are_refused_at_configuration() {
+fn bad_fields_are_refused_at_configuration_and_hard_streams_accepted() {
     let mut hard = daily(100);
     hard["defaults"] = json!({"stream": "hard"});
+    let mut root = QuotaRoot::default();
+    assert!(RootStage::<FakeHost>::configure(
+        &mut root,
+        &mut FakeHost::default(),
+        hard.to_string().as_bytes()
+    ));
     let mut zero = daily(100);
     zero["policies"][0]["limit"]["budget"]["amount"] = json!(0);
-    for config in [hard, zero] {
-        let mut host = FakeHost::default();
-        let mut root = QuotaRoot::default();
-        assert!(!RootStage::<FakeHost>::configure(
-            &mut root,
-            &mut host,
-            config.to_string().as_bytes()
-        ));
-        assert!(root.quota().is_none());
+    let mut host = FakeHost::default();
+    let mut root = QuotaRoot::default();
+    assert!(!RootStage::<FakeHost>::configure(
+        &mut root,
+        &mut host,
+        zero.to_string().as_bytes()
+    ));
+    assert!(root.quota().is_none());
+}
+
+/// [`daily`] with every stream `hard`, one lease the whole budget's half.
+fn hard(amount: u64, mode: &str) -> Value {
+    let mut config = daily(amount);
+    config["defaults"] = json!({"stream": "hard", "mode": mode});
+    config["store"]["lease"] = json!({"max_percent": 100});
+    config
+}
+
+const STREAM_CHAT: &str =
+    r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+const STREAM_MESSAGES: &str =
+    r#"{"model":"m","stream":true,"max_tokens":4000,"messages":[{"role":"user","content":"hi"}]}"#;
+
+fn openai_events(words: usize) -> Vec<u8> {
+    let mut s = String::new();
+    for _ in 0..words {
+        s.push_str("data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"abcd\"},\"finish_reason\":null}]}\n\n");
+    }
+    s.push_str("data: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n");
+    s.into_bytes()
+}
+
+fn anthropic_events(words: usize) -> Vec<u8> {
+    let mut s = String::from(
+        "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"model\":\"m\",\"usage\":{\"input_tokens\":6,\"output_tokens\":1}}}\n\n\
+         event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n",
+    );
+    for _ in 0..words {
+        s.push_str("event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"abcd\"}}\n\n");
+    }
+    s.push_str("event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n\
+                event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":99}}\n\n\
+                event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n");
+    s.into_bytes()
+}
+
+impl Gateway {
+    /// The first request of acme (it waits for its lease), answered.
+    fn warm(&mut self) {
+        self.answer_store();
+        let (mut first, _) = self.ask(OPENAI, ACME, CHAT);
+        self.answer_store_to(Some(&mut first));
+        self.answer(
+            &mut first,
+            json!({"prompt_tokens": 1, "completion_tokens": 1}),
+        );
+    }
+
+    /// An event stream answered in chunks of `split` bytes; what the client
+    /// got. `metering_first`: a usage entry is published before the last
+    /// callback, as metering (before quota in the response order) does.
+    fn stream(&mut self, stream: &mut Stream, events: &[u8], split: usize) -> Vec<u8> {
+        self.host
+            .respond_with(&[(":status", "200"), ("content-type", "text/event-stream")]);
+        let _ = stream.response_headers(&mut self.host, false);
+        let mut client = Vec::new();
+        let chunks: Vec<&[u8]> = events.chunks(split).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            self.host.response_body = chunk.to_vec();
+            let _ = stream.response_body(&mut self.host, chunk.len(), i + 1 == chunks.len());
+            client.extend_from_slice(&self.host.response_body);
+        }
+        stream.log(&mut self.host);
+        client
     }
 }
 
@@ -504,4 +575,115 @@ fn the_example_configuration_loads_and_asks_for_its_first_leases() {
         host.dispatched.len()
     );
     assert_eq!(host.dispatched.len(), 2);
+}
+
+#[test]
+fn a_hard_openai_stream_is_cut_cleanly_and_billed_what_it_delivered() {
+    let mut gw = Gateway::new(&hard(400, "enforce"));
+    gw.warm();
+    let (mut stream, action) = gw.ask(OPENAI, ACME, STREAM_CHAT);
+    assert_eq!(action, Action::Continue);
+    let input = STREAM_CHAT.len() as u64;
+    let quota = gw.root.quota().unwrap();
+    let settled_before = quota.stats(0).settled;
+    drop(quota);
+    // 500 words of 4 bytes, in chunks that split events anywhere.
+    let client = gw.stream(&mut stream, &openai_events(500), 37);
+    let text = String::from_utf8(client).unwrap();
+    assert!(text.ends_with(
+        "\"choices\":[{\"index\":0,\"delta\":{},\"logprobs\":null,\"finish_reason\":\"length\"}]}\n\ndata: [DONE]\n\n"
+    ));
+    assert_eq!(text.matches("[DONE]").count(), 1, "nothing after the cut");
+    assert!(!text.contains("\"stop\""));
+    let delivered = 4 * text.matches("abcd").count() as u64;
+    let quota = gw.root.quota().unwrap();
+    assert_eq!(quota.stats(0).cuts, 1);
+    assert_eq!(
+        quota.stats(0).settled - settled_before,
+        input + delivered,
+        "the input bound (OpenAI reports none before its end) and the delivered output"
+    );
+    // The lease held 200 at most (the budget over 2 × 1 holder), less the
+    // first request's 2: the last word went one draw past it.
+    assert!(input + delivered <= 200 + 4, "{input} + {delivered}");
+    assert_eq!(
+        gw.host.properties.get(internal::CUT_USAGE_PROPERTY),
+        Some(&format!("{input} {delivered} 0 0").into_bytes()),
+        "metering's record is what was billed"
+    );
+    drop(quota);
+    gw.host.advance(Duration::from_millis(61_000));
+    gw.sync();
+    assert_eq!(gw.counter("daily") as u64, 2 + input + delivered);
+}
+
+#[test]
+fn a_hard_anthropic_stream_ends_with_max_tokens_and_its_reported_input() {
+    let mut gw = Gateway::new(&hard(400, "enforce"));
+    gw.warm();
+    let (mut stream, _) = gw.ask(ANTHROPIC, ACME, STREAM_MESSAGES);
+    let client = gw.stream(&mut stream, &anthropic_events(500), 50);
+    let text = String::from_utf8(client).unwrap();
+    let delivered = 1 + 4 * text.matches("abcd").count() as u64;
+    assert!(
+        text.ends_with(&format!(
+            "event: content_block_stop\ndata: {{\"type\":\"content_block_stop\",\"index\":0}}\n\n\
+             event: message_delta\ndata: {{\"type\":\"message_delta\",\"delta\":{{\"stop_reason\":\"max_tokens\",\"stop_sequence\":null}},\"usage\":{{\"input_tokens\":6,\"output_tokens\":{delivered}}}}}\n\n\
+             event: message_stop\ndata: {{\"type\":\"message_stop\"}}\n\n"
+        )),
+        "{}",
+        &text[text.len() - 400..]
+    );
+    assert_eq!(text.matches("event: message_stop").count(), 1);
+    gw.host.advance(Duration::from_millis(61_000));
+    gw.sync();
+    // Billed its reported input, not the body's bound.
+    assert_eq!(gw.counter("daily") as u64, 2 + 6 + delivered);
+}
+
+#[test]
+fn a_shadow_hard_policy_never_cuts_and_a_stream_within_its_lease_is_untouched() {
+    for (mode, words) in [("shadow", 500), ("enforce", 10)] {
+        let mut gw = Gateway::new(&hard(400, mode));
+        gw.warm();
+        let (mut stream, _) = gw.ask(OPENAI, ACME, STREAM_CHAT);
+        let events = openai_events(words);
+        let client = gw.stream(&mut stream, &events, 64);
+        assert_eq!(client, events, "{mode}");
+        let quota = gw.root.quota().unwrap();
+        assert_eq!(quota.stats(0).cuts, 0);
+        assert!(
+            !gw.host
+                .properties
+                .contains_key(internal::CUT_USAGE_PROPERTY)
+        );
+    }
+}
+
+#[test]
+fn a_non_streamed_response_of_a_hard_policy_is_not_cut() {
+    let mut gw = Gateway::new(&hard(400, "enforce"));
+    gw.warm();
+    let (mut stream, _) = gw.ask(OPENAI, ACME, CHAT);
+    gw.answer(
+        &mut stream,
+        json!({"prompt_tokens": 3, "completion_tokens": 4}),
+    );
+    let quota = gw.root.quota().unwrap();
+    assert_eq!(quota.stats(0).cuts, 0);
+}
+
+#[test]
+fn the_last_callback_metering_already_recorded_is_not_cut() {
+    let mut gw = Gateway::new(&hard(400, "enforce"));
+    gw.warm();
+    let (mut stream, _) = gw.ask(OPENAI, ACME, STREAM_CHAT);
+    // The whole response in one callback, which metering recorded first.
+    gw.host.properties.insert(
+        internal::USAGE_PROPERTY.into(),
+        br#"{"input_tokens":5}"#.to_vec(),
+    );
+    let events = openai_events(500);
+    let client = gw.stream(&mut stream, &events, events.len());
+    assert_eq!(client, events);
 }

@@ -214,6 +214,12 @@ impl Ticket {
     pub fn policies(&self) -> impl Iterator<Item = usize> + '_ {
         self.held().map(|h| usize::from(h.policy))
     }
+
+    /// The request's input bound, in tokens (what a stream's settlement
+    /// counts as its input when the stream did not report it).
+    pub fn input_bound(&self) -> u64 {
+        self.input_bound
+    }
 }
 
 /// What a request came to, for [`GatewayQuota::settle`].
@@ -731,6 +737,18 @@ impl GatewayQuota {
         }
         ticket.len = 0;
         false
+    }
+
+    /// Whether `ticket`'s output is drawn as it streams
+    /// ([`GatewayQuota::draw`]): a stream held by a token-counting
+    /// `stream: hard` policy (shadow ones too: they draw, and never cut).
+    pub fn draws(&self, ticket: &Ticket) -> bool {
+        ticket.stream
+            && ticket.held().any(|h| {
+                self.policies
+                    .get(usize::from(h.policy))
+                    .is_some_and(|p| p.stream == StreamMode::Hard && p.cost.counts_tokens())
+            })
     }
 
     /// A stream has produced `output_tokens` so far (counted, or bounded by

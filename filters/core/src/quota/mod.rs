@@ -14,6 +14,9 @@
 //!   idempotent deltas) and a Rust model of it.
 //! - [`window`]: calendar windows and the continuous refill of rates.
 //! - [`headers`]: the rate-limit headers in each provider's naming.
+//! - [`cut`]: a `stream: hard` response counted event by event as it
+//!   passes, and ended cleanly in its provider's format when a draw is not
+//!   covered.
 //!
 //! **The overshoot bound.** Every unit a holder may admit was debited
 //! from the store's counter first (a grant never exceeds `limit − counter`),
@@ -40,6 +43,7 @@
 //! unbounded until the store is back; `fail_closed` adds nothing.
 
 pub mod config;
+pub mod cut;
 pub mod gateway;
 pub mod headers;
 pub mod lease;
@@ -49,6 +53,7 @@ pub mod table;
 pub mod window;
 
 pub use config::QuotaConfig;
+pub use cut::StreamCut;
 pub use gateway::{
     CallTarget, GatewayQuota, Identity, LimitState, PolicyStats, Refusal, RefusalKind, Settlement,
     StoreCall, StreamVerdict, Ticket,

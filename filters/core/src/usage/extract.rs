@@ -71,7 +71,7 @@ impl PartialUsage {
     }
 
     /// Fields present in `later` replace this one's.
-    fn merge(&mut self, later: PartialUsage) {
+    pub(crate) fn merge(&mut self, later: PartialUsage) {
         self.input_tokens = later.input_tokens.or(self.input_tokens);
         self.output_tokens = later.output_tokens.or(self.output_tokens);
         self.cache_read_tokens = later.cache_read_tokens.or(self.cache_read_tokens);
@@ -258,7 +258,7 @@ impl UsageExtractor {
 
 /// Anthropic's `usage` object; `null` counts as absent.
 #[derive(Deserialize)]
-struct AnthropicUsage {
+pub(crate) struct AnthropicUsage {
     input_tokens: Option<u64>,
     output_tokens: Option<u64>,
     cache_read_input_tokens: Option<u64>,
@@ -278,7 +278,7 @@ impl From<AnthropicUsage> for PartialUsage {
 
 /// OpenAI's `usage` object.
 #[derive(Deserialize)]
-struct OpenAiUsage {
+pub(crate) struct OpenAiUsage {
     prompt_tokens: Option<u64>,
     completion_tokens: Option<u64>,
     prompt_tokens_details: Option<PromptTokensDetails>,
