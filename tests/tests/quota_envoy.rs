@@ -247,6 +247,21 @@ fn spends_its_budget(form: Form) -> Result<()> {
         );
     }
     assert_eq!(refused.header("x-should-retry"), Some("false"));
+    // Every refusal is audited in the access log, with its policy.
+    let logged = wait::until(
+        "the refusal in the access log",
+        Duration::from_secs(10),
+        || {
+            Ok(gw
+                .envoy
+                .access_log()
+                .lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .find(|v| v["status"] == 429 || v["status"] == "429")
+                .map(|v| v["quota"].clone()))
+        },
+    )?;
+    assert_eq!(logged, "refused policy=daily reason=budget_exhausted");
     // The backend never saw the refused request.
     assert_eq!(
         stub.requests().len(),

@@ -75,6 +75,16 @@ pub const USAGE_NGX_VARIABLE: &str = "ngx.zerolayer_usage";
 /// this usage instead of the backend's, so its record is what was billed.
 pub const CUT_USAGE_PROPERTY: &str = "wasmx.zerolayer_cut_usage";
 
+/// Property: what quota decided against the request, for the access log
+/// (the audit of each refusal and cut): `refused policy=<name>
+/// reason=<label>`, or `cut` (a hard stream ended at its limit); absent
+/// when it was admitted whole.
+pub const QUOTA_PROPERTY: &str = "wasmx.zerolayer_quota";
+
+/// The filter state the access log reads quota's decision from (Envoy
+/// prefixes `wasm.` to a Wasm filter's properties).
+pub const QUOTA_FILTER_STATE: &str = "wasm.wasmx.zerolayer_quota";
+
 /// Property: metering asked the backend for OpenAI's usage chunk and hides
 /// it from the client (`1`). Published only where the host runs response
 /// phases in chain order (ngx_wasm_module's separate filters), so that

@@ -225,7 +225,10 @@ impl QuotaStream {
             "quota: policy {name:?} refused a request: {:?}",
             refusal.kind
         );
+        // Audited in the access log: every refusal, with its policy.
+        let decision = format!("refused policy={name} reason={}", refusal.kind.label());
         drop(quota);
+        host.publish(internal::QUOTA_PROPERTY, decision.as_bytes());
         let headers: Vec<(&str, &str)> = reply
             .headers
             .iter()
@@ -359,6 +362,7 @@ impl QuotaStream {
             internal::CUT_USAGE_PROPERTY,
             encode_billed(&billed).as_bytes(),
         );
+        host.publish(internal::QUOTA_PROPERTY, b"cut");
         log::debug!(
             "quota: stream cut after {} output tokens (input {})",
             billed.output_tokens,

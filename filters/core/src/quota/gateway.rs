@@ -166,6 +166,20 @@ pub enum RefusalKind {
     },
 }
 
+impl RefusalKind {
+    /// A short name for logs and the access log (`budget_exhausted`, …).
+    pub fn label(&self) -> &'static str {
+        match self {
+            RefusalKind::RateLimited { .. } => "rate_limited",
+            RefusalKind::BudgetExhausted { .. } => "budget_exhausted",
+            RefusalKind::TooLarge { .. } => "too_large",
+            RefusalKind::Refilling { .. } => "refilling",
+            RefusalKind::Unavailable { .. } => "store_unavailable",
+            RefusalKind::TableFull { .. } => "table_full",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Held {
     policy: u8,
