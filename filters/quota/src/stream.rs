@@ -189,10 +189,7 @@ impl QuotaStream {
             headers: &headers,
         };
         let streams = self.scan.streams();
-        let ticket = plan
-            .quota
-            .borrow_mut()
-            .reserve(&who, &bound, streams, now)?;
+        let ticket = plan.quota().reserve(&who, &bound, streams, now)?;
         self.output_bound = bound.output_tokens(0);
         self.ticket = Some(ticket);
         Ok(())
@@ -200,7 +197,7 @@ impl QuotaStream {
 
     /// Answers the request with `refusal`, in its provider's format.
     fn refuse(&mut self, host: &mut impl StreamHost, plan: &Plan, refusal: &Refusal) {
-        let quota = plan.quota.borrow();
+        let quota = plan.quota();
         let (name, tokens) = quota
             .policy(refusal.policy)
             .map_or(("?", false), |p| (p.name.as_str(), p.cost.counts_tokens()));
@@ -286,8 +283,7 @@ impl QuotaStream {
             return;
         };
         let settlement = self.settlement(handed_off);
-        plan.quota
-            .borrow_mut()
+        plan.quota()
             .settle(ticket, self.model.as_deref(), settlement, now_ms);
     }
 }
@@ -366,7 +362,7 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
             });
         self.extractor = Some(UsageExtractor::new(provider, format));
         let now = host.now_ms();
-        let shown = plan.quota.borrow().shown(ticket, now);
+        let shown = plan.quota().shown(ticket, now);
         for (name, value) in rate_limit_headers(Some(provider), &shown, now) {
             host.set_response_header(name, &value);
         }
