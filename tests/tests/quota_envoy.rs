@@ -408,7 +408,8 @@ fn the_native_module_refuses_a_quota_store_its_thread_cannot_reach_naming_the_fi
     paths::native_module()?;
     let mut config = EnvoyConfig::shipped(Form::Native.file())?
         .for_run(std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?
-        .add_cluster("webdis", std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?;
+        .add_cluster("webdis", std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?
+        .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
     let mut sections: Value = serde_json::from_str(&config.native_filter_config("zerolayer")?)?;
     sections["quota"] = json!({"store": {"cluster": "webdis", "path": "/"}});
     config.set_native_filter_config("zerolayer", &sections.to_string())?;
