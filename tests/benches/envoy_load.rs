@@ -319,6 +319,7 @@ impl Services {
             "api_keys": self.auth.api_keys.addr().to_string(),
             "audit": self.auth.audit.addr().to_string(),
             "clickhouse": self.usage.addr().to_string(),
+            "webdis": self.fleet.webdis().to_string(),
         })
     }
 
@@ -1190,6 +1191,18 @@ impl Shipped {
                 vec![self.native_chain()?],
             )
             .native(self.sections())
+            .request(Request::NoStore),
+            Variant::new(
+                "c-native-quota",
+                "native chain + quota (8 policies), to the backend",
+                Chain,
+                vec![self.native_chain()?],
+            )
+            .native({
+                let mut sections = self.sections();
+                sections["quota"] = quota_section();
+                sections
+            })
             .request(Request::NoStore),
             Variant::new(
                 "c-native-no-audit",

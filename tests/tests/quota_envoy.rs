@@ -1,7 +1,8 @@
-//! quota in real Envoy, in both Wasm forms: the shipped separate chain
+//! quota in real Envoy, in every form: the shipped separate chain
 //! (`envoy/zerolayer.yaml`) with `zerolayer_quota.wasm` after lazy-auth,
-//! and the shipped fused filter (`envoy/zerolayer-fused.yaml`) with a
-//! `quota` section; its leases filled from a real
+//! the shipped fused filter (`envoy/zerolayer-fused.yaml`) and the native
+//! module (`envoy/zerolayer-native.yaml`) with a `quota` section; its
+//! leases filled from a real
 //! Redis through webdis, against the GPU backend stub. What a client sees
 //! (200s with the rate-limit headers, then the 429 of an exhausted budget in
 //! its provider's format), and that Redis ends up holding exactly the
@@ -140,10 +141,24 @@ fn gateway_with(
             config.set_wasm_filter_config("zerolayer", &sections.to_string())?;
             sections["lazy_auth"].clone()
         }
-        Form::Native => anyhow::bail!("quota is not in the native module yet"),
+        Form::Native => {
+            paths::native_module()?;
+            let mut sections: Value =
+                serde_json::from_str(&config.native_filter_config("zerolayer")?)?;
+            verify(&mut sections["lazy_auth"]);
+            sections["quota"] = quota;
+            // The module's quota thread syncs the leases with webdis
+            // directly; a request waiting for its grant uses the cluster.
+            sections["native"]["upstreams"]["idp"] = json!(idp.addr().to_string());
+            sections["native"]["upstreams"]["webdis"] = json!(webdis.to_string());
+            config.set_native_filter_config("zerolayer", &sections.to_string())?;
+            sections["lazy_auth"].clone()
+        }
     };
-    let service = json!({"lazy_auth": lazy, "tick_ms": 100});
-    config.set_service_config("zerolayer.observer", &service.to_string())?;
+    if form != Form::Native {
+        let service = json!({"lazy_auth": lazy, "tick_ms": 100});
+        config.set_service_config("zerolayer.observer", &service.to_string())?;
+    }
     let envoy = Envoy::start(&config)?;
     Ok(Gateway {
         envoy,
@@ -152,8 +167,8 @@ fn gateway_with(
     })
 }
 
-/// The Wasm forms quota runs in.
-const FORMS: [Form; 2] = [Form::Separate, Form::Fused];
+/// The forms quota runs in.
+const FORMS: [Form; 3] = [Form::Separate, Form::Fused, Form::Native];
 
 impl Gateway {
     fn post(&self, bearer: &str, path: &str, body: &str) -> Result<zerolayer_e2e::Reply> {
@@ -554,17 +569,25 @@ fn post_paid(
 }
 
 #[test]
-fn the_native_module_refuses_a_quota_section_naming_it() -> Result<()> {
+fn the_native_module_refuses_a_quota_store_its_thread_cannot_reach_naming_the_field() -> Result<()>
+{
     paths::native_module()?;
     let mut config = EnvoyConfig::shipped(Form::Native.file())?
-        .for_run(std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?;
+        .for_run(std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?
+        .add_cluster("webdis", std::net::SocketAddr::from(([127, 0, 0, 1], 9)))?
+        .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
     let mut sections: Value = serde_json::from_str(&config.native_filter_config("zerolayer")?)?;
     sections["quota"] = json!({"store": {"cluster": "webdis", "path": "/"}});
     config.set_native_filter_config("zerolayer", &sections.to_string())?;
     let validation = Envoy::validate(&config)?;
     anyhow::ensure!(!validation.ok, "Envoy accepted it");
-    let want = "quota: not supported by the native module yet";
+    let want = "native.upstreams: no address for cluster \"webdis\" (quota.store.cluster)";
     anyhow::ensure!(validation.output.contains(want), "{}", validation.output);
+    // With the address, the module takes the section.
+    sections["native"]["upstreams"]["webdis"] = json!("127.0.0.1:9");
+    config.set_native_filter_config("zerolayer", &sections.to_string())?;
+    let validation = Envoy::validate(&config)?;
+    anyhow::ensure!(validation.ok, "{}", validation.output);
     Ok(())
 }
 

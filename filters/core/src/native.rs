@@ -14,13 +14,14 @@ use serde::Deserialize;
 pub struct NativeSection {
     /// Where the observer's thread reaches each cluster it calls off the
     /// request path, `{"cluster": "host:port"}`: JWKS, introspection, the
-    /// audit sink, the usage sink, the fleet tier (plain HTTP/1.1,
-    /// keep-alive connections pooled per address: see [The observer's
+    /// audit sink, the usage sink, the fleet tier, and the quota store for
+    /// the thread that syncs the leases (plain HTTP/1.1, keep-alive
+    /// connections pooled per address: see [The observer's
     /// upstreams](#the-observers-upstreams)). Every cluster those sections
     /// name must be here (refused at load, naming the field, otherwise).
     /// Envoy's cluster manager serves only its own threads: a callout a
-    /// request makes (a paused introspection) uses Envoy's cluster of that
-    /// name, as in Wasm.
+    /// request makes (a paused introspection, a wait for a quota grant)
+    /// uses Envoy's cluster of that name, as in Wasm.
     #[serde(default)]
     pub upstreams: BTreeMap<String, String>,
     /// An operator's cap on shared data's keys: refused at load, naming the

@@ -33,7 +33,18 @@ impl<R: Host + 'static, S: Proxy + 'static> StageRoots<R, S> {
     /// (also when it refuses: a refused stage still refuses its requests);
     /// returns whether it took the configuration (it logged why not).
     pub fn add(&mut self, stage: Stage, section: &[u8], host: &mut PipelineRoots<R>) -> bool {
-        let mut root = stage.root();
+        self.add_root(stage, stage.root(), section, host)
+    }
+
+    /// [`StageRoots::add`] with a root the caller made (the native module's
+    /// quota roots share the process's lease table).
+    pub fn add_root(
+        &mut self,
+        stage: Stage,
+        mut root: Box<dyn RootStage<Chain<R, S>>>,
+        section: &[u8],
+        host: &mut PipelineRoots<R>,
+    ) -> bool {
         let ok = root.configure(host, section);
         self.roots.push(StageRoot {
             stage,

@@ -7,8 +7,9 @@
 //! Threads: Envoy calls a filter's hooks on its worker. Each worker has its
 //! own stage roots ([`Worker`]), as each worker has its own Wasm VM, made on
 //! its first request from the configuration the main thread checked; shared
-//! data is the process's; the observer runs on a thread of its own
-//! ([`crate::observer`]). A root's tick runs inside a hook on its worker:
+//! data is the process's, and so is the quota stage's lease table, which a
+//! thread of the module's own syncs ([`crate::quota`]); the observer runs
+//! on a thread of its own ([`crate::observer`]). A root's tick runs inside a hook on its worker:
 //! when one is due at a request's hooks, and for paused streams (a follower
 //! waiting on a cached answer) through their scheduled events, which the
 //! module's ticker thread commits while they wait.
@@ -23,14 +24,16 @@ use zerolayer_core::footprint;
 use zerolayer_core::native::NativeSection;
 use zerolayer_fused::{Document, Pipeline, Stage, StageRoots};
 use zerolayer_host::{MetricKind, StreamMap, Wake};
+use zerolayer_quota::{Leases, QuotaRoot};
 
 use crate::abi::ConfigEnvoy;
-use crate::config::{ObserverSections, upstreams};
+use crate::config::{ObserverSections, quota_store, upstreams};
 use crate::envoy::StreamEnvoy;
 use crate::host::{EnvoyProcess, EnvoyProxy, NativeHost, NativeRoots};
 use crate::metrics::Metrics;
 use crate::observer::ObserverThread;
 use crate::process::{Process, Reporter};
+use crate::quota::QuotaSyncer;
 use crate::store::{JobQueue, SharedData};
 use crate::stream::ChainStream;
 use crate::ticker::Ticking;
@@ -39,6 +42,11 @@ use crate::ticker::Ticking;
 pub struct ChainConfig {
     sections: Vec<(Stage, Vec<u8>)>,
     process: Arc<Process>,
+    /// The process's lease table (a `quota` section), which every
+    /// worker's quota root spends.
+    leases: Option<Arc<Leases>>,
+    /// The thread syncing it.
+    quota: Option<QuotaSyncer>,
     observer: Option<ObserverThread>,
     reporter: Option<Reporter>,
     /// The shortest tick a stage asked for.
@@ -90,18 +98,16 @@ impl ChainConfig {
             None => NativeSection::default(),
         };
         let sections = document.sections()?;
-        if sections.iter().any(|(stage, _)| *stage == Stage::Quota) {
-            // Its roots would sync leases from the process, which has no
-            // callouts here: refused rather than left unfilled.
-            return Err(
-                "quota: not supported by the native module yet (use the fused or separate Wasm filters)"
-                    .into(),
-            );
-        }
         let parsed = ObserverSections::parse(&sections)?;
         let spaces = parsed.key_spaces();
         let observer_config = parsed.into_observer_config()?;
         let upstreams = upstreams(&native, observer_config.as_ref())?;
+        // The quota section and its store's address, for the thread that
+        // syncs the process's lease table ([`crate::quota`]).
+        let quota = match sections.iter().find(|(stage, _)| *stage == Stage::Quota) {
+            Some(&(_, section)) => Some((section, quota_store(section, &upstreams)?)),
+            None => None,
+        };
         // SAFETY: the caller's contract.
         let metrics = unsafe { Metrics::new(config_envoy) };
         let (queue, jobs) = match &observer_config {
@@ -138,9 +144,18 @@ impl ChainConfig {
         // Configured once here for the errors and the metrics (Envoy takes
         // metric definitions only now); each worker configures its own.
         let mut host = NativeRoots::new(EnvoyProcess::new(process.clone()));
+        // The process's one lease table, which every worker's quota root
+        // spends and the quota thread syncs.
+        let leases = match &quota {
+            Some((section, _)) => Some(
+                Leases::configure(&mut host, section)
+                    .ok_or("quota: refused (see the line above)")?,
+            ),
+            None => None,
+        };
         let mut roots = StageRoots::<EnvoyProcess, EnvoyProxy>::default();
         for &(stage, section) in &sections {
-            if !roots.add(stage, section, &mut host) {
+            if !add_root(&mut roots, stage, section, leases.as_ref(), &mut host) {
                 return Err(format!("{}: refused (see the line above)", stage.section()));
             }
         }
@@ -158,14 +173,31 @@ impl ChainConfig {
             _ => None,
         };
         process.metrics.freeze();
+        // Started once the metrics are defined: its root only looks up
+        // the families the check above defined on this thread.
+        let quota = match (quota, &leases) {
+            (Some((section, (cluster, address))), Some(leases)) => Some(QuotaSyncer::start(
+                section.to_vec(),
+                leases.clone(),
+                cluster,
+                address,
+                process.clone(),
+            )?),
+            _ => None,
+        };
         let names: Vec<&str> = sections.iter().map(|(s, _)| s.section()).collect();
         log::info!(
-            "zerolayer-native: chain with stages {} (observer {})",
+            "zerolayer-native: chain with stages {} (observer {}{})",
             names.join(" → "),
             if observer.is_some() {
                 "on its thread"
             } else {
                 "none"
+            },
+            if quota.is_some() {
+                "; quota leases synced on their thread"
+            } else {
+                ""
             }
         );
         let reporter = Reporter::start(&process);
@@ -176,6 +208,8 @@ impl ChainConfig {
                 .map(|(stage, section)| (stage, section.to_vec()))
                 .collect(),
             process,
+            leases,
+            quota,
             observer,
             reporter,
             tick,
@@ -185,6 +219,10 @@ impl ChainConfig {
     /// The configuration is going away: the observer stops first, then
     /// metrics are no longer reported.
     pub fn shut_down(&mut self) {
+        // Its last step gives idle leases back and exports the counts.
+        if let Some(quota) = &mut self.quota {
+            quota.stop();
+        }
         if let Some(observer) = &mut self.observer {
             observer.stop();
         }
@@ -192,6 +230,12 @@ impl ChainConfig {
             reporter.stop();
         }
         self.process.metrics.stop();
+    }
+
+    /// The process's lease table (a `quota` section).
+    #[cfg(test)]
+    pub(crate) fn leases(&self) -> Option<&Arc<Leases>> {
+        self.leases.as_ref()
     }
 
     /// The configuration's scheduled event (Envoy's main thread): reports
@@ -240,7 +284,7 @@ impl ChainConfig {
             let mut roots = StageRoots::<EnvoyProcess, EnvoyProxy>::default();
             for (stage, section) in &self.sections {
                 // Checked on the main thread already: the same bytes.
-                if !roots.add(*stage, section, &mut host) {
+                if !add_root(&mut roots, *stage, section, self.leases.as_ref(), &mut host) {
                     log::error!(
                         "zerolayer-native: {} refused on a worker (see the line above)",
                         stage.section()
@@ -257,6 +301,24 @@ impl ChainConfig {
             workers.push(worker.clone());
             worker
         })
+    }
+}
+
+/// Configures a root of `stage` into `roots`: quota's spends the process's
+/// lease table `leases`, the others are the stages' own.
+fn add_root(
+    roots: &mut StageRoots<EnvoyProcess, EnvoyProxy>,
+    stage: Stage,
+    section: &[u8],
+    leases: Option<&Arc<Leases>>,
+    host: &mut NativeRoots,
+) -> bool {
+    match (stage, leases) {
+        (Stage::Quota, Some(leases)) => {
+            let root = Box::new(QuotaRoot::sharing(leases.clone()));
+            roots.add_root(stage, root, section, host)
+        }
+        _ => roots.add(stage, section, host),
     }
 }
 
@@ -361,6 +423,23 @@ mod tests {
             why.starts_with("native.upstreams.idp: \"localhost\" is not host:port"),
             "{why}"
         );
+    }
+
+    #[test]
+    fn the_quota_store_needs_an_upstream_address_for_the_quota_thread() {
+        let quota = json!({"store": {"cluster": "webdis", "path": "/"}});
+        let why = refused(json!({"quota": quota}));
+        assert!(
+            why.starts_with(
+                "native.upstreams: no address for cluster \"webdis\" (quota.store.cluster)"
+            ),
+            "{why}"
+        );
+        let why = refused(json!({
+            "quota": {"store": {"cluster": "webdis", "path": "/", "sync_interval_ms": 1}},
+            "native": {"upstreams": {"webdis": "127.0.0.1:9"}},
+        }));
+        assert!(why.starts_with("quota.store.sync_interval_ms"), "{why}");
     }
 
     #[test]

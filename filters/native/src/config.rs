@@ -11,6 +11,7 @@ use zerolayer_core::config::{Endpoint, ObserverMode, ROOT};
 use zerolayer_core::footprint::KeySpace;
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_core::native::NativeSection;
+use zerolayer_core::quota::config::QuotaConfig;
 use zerolayer_fused::Stage;
 use zerolayer_observer::ObserverConfig;
 
@@ -133,6 +134,27 @@ pub(crate) fn upstreams(
         }
     }
     Ok(addresses)
+}
+
+/// The quota stage's store (`quota.store.cluster`) and the address the
+/// module's quota thread reaches it at, from `native.upstreams`
+/// (`addresses`); `Err` names the field. A request waiting for its grant
+/// calls the store through Envoy's cluster of that name instead.
+pub(crate) fn quota_store(
+    section: &[u8],
+    addresses: &BTreeMap<String, SocketAddr>,
+) -> Result<(String, SocketAddr), String> {
+    let config = QuotaConfig::from_json(section).map_err(|e| match e.path() {
+        ROOT => format!("quota: {}", e.message()),
+        path => format!("quota.{path}: {}", e.message()),
+    })?;
+    let cluster = config.store.endpoint.cluster;
+    match addresses.get(&cluster) {
+        Some(&address) => Ok((cluster, address)),
+        None => Err(format!(
+            "native.upstreams: no address for cluster {cluster:?} (quota.store.cluster): the module's quota thread calls it directly"
+        )),
+    }
 }
 
 fn endpoints_of_lazy_auth<'a>(c: &'a LazyAuthConfig, out: &mut Vec<(&'static str, &'a Endpoint)>) {

@@ -41,6 +41,7 @@ pub mod observer;
 #[cfg(feature = "probes")]
 pub mod probe;
 pub mod process;
+pub mod quota;
 pub mod store;
 pub mod stream;
 mod ticker;

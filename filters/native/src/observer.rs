@@ -22,7 +22,7 @@ use zerolayer_observer::{Observer, ObserverConfig};
 use crate::process::Process;
 use crate::store::JobQueue;
 
-mod upstream;
+pub(crate) mod upstream;
 
 use upstream::Upstreams;
 

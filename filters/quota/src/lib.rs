@@ -10,8 +10,11 @@
 //! response headers (the rate-limit headers) → response body (usage as it
 //! passes) → log (settlement) → tick (store calls, metrics) → answers.
 //!
-//! Every Wasm worker (and the native module's process) is one lease holder:
-//! `store.expected_gateways` counts holders, gateways × workers.
+//! Every Wasm worker is one lease holder (its root's table), and so is the
+//! native module's process: there every worker's root shares one table
+//! ([`Leases`], [`QuotaRoot::sharing`]) that a root on a thread of the
+//! module's own syncs ([`QuotaRoot::syncing`]). `store.expected_gateways`
+//! counts holders: gateways × workers (Wasm), gateways (native).
 #![cfg_attr(
     not(test),
     deny(clippy::unwrap_used, clippy::expect_used, clippy::panic)
@@ -20,9 +23,10 @@
 mod metrics;
 mod stream;
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 use std::collections::HashSet;
 use std::rc::Rc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use zerolayer_core::quota::config::QuotaConfig;
@@ -44,15 +48,72 @@ pub const MAX_HELD_BODY: usize = 1024 * 1024;
 /// `retry-after`. Only such requests wait: one store round trip.
 pub const GRANT_WAIT_MS: u32 = 250;
 
-/// Store calls in flight at most (a sync emits at most
-/// `zerolayer_core::quota::gateway::MAX_CALLS_PER_SYNC`).
-const MAX_IN_FLIGHT: usize = 1024;
+/// Store calls in flight at most, per lease table (a sync emits at most
+/// `zerolayer_core::quota::gateway::MAX_CALLS_PER_SYNC`): past it a call
+/// is asked again at the next sync.
+pub const MAX_IN_FLIGHT: usize = 1024;
+
+/// One lease holder's table and the store calls in flight for it, as the
+/// roots that spend and sync it share it: a Wasm root's own, or (natively)
+/// the process's, shared by every worker's root and the root that syncs it
+/// on a thread of the module's own.
+///
+/// Both locks are held only for the table's own work (a reservation, a
+/// settlement, a sync's plan, an answer: no I/O, no host call), so a
+/// worker waits at most for one such step of another thread.
+pub struct Leases {
+    /// The table and its policies.
+    quota: Mutex<GatewayQuota>,
+    /// The store calls in flight (from the syncing root or a waiting
+    /// stream): a root does not send one again while its answer is awaited.
+    in_flight: Mutex<HashSet<CallTarget>>,
+}
+
+impl Leases {
+    /// The lease table `configuration` (the stage's section) describes, for
+    /// roots to share ([`QuotaRoot::sharing`], [`QuotaRoot::syncing`]);
+    /// `None` refuses it, after one log line naming the field.
+    pub fn configure(host: &mut impl Host, configuration: &[u8]) -> Option<Arc<Leases>> {
+        let config = load(configuration)?;
+        Leases::of(&config, host)
+    }
+
+    fn of(config: &QuotaConfig, host: &mut impl Host) -> Option<Arc<Leases>> {
+        let (instance, seed) = (random_u64(host), random_u64(host));
+        match GatewayQuota::new(config, instance, seed) {
+            Ok(quota) => Some(Arc::new(Leases {
+                quota: Mutex::new(quota),
+                in_flight: Mutex::new(HashSet::new()),
+            })),
+            Err(err) => {
+                log::error!("quota: invalid configuration: {err}");
+                None
+            }
+        }
+    }
+
+    /// The table. A panic while another holder held it (caught by the
+    /// host) leaves it as that step left it: still a valid table.
+    pub fn quota(&self) -> MutexGuard<'_, GatewayQuota> {
+        self.quota.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn in_flight(&self) -> MutexGuard<'_, HashSet<CallTarget>> {
+        self.in_flight.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The stage's configuration, checked; `None` after one log line naming
+/// the field.
+fn load(configuration: &[u8]) -> Option<QuotaConfig> {
+    zerolayer_host::load_config("quota", configuration, QuotaConfig::from_json)
+}
 
 /// What every request of this plugin shares.
 pub(crate) struct Plan {
     pub config: QuotaConfig,
-    /// The lease table and its policies (one holder: this root).
-    pub quota: RefCell<GatewayQuota>,
+    /// The lease table (this root's own, or the process's natively).
+    pub leases: Arc<Leases>,
     /// Whether a policy's scope names the credential (hashed per request
     /// only then) or the route.
     pub needs_credential: bool,
@@ -60,22 +121,43 @@ pub(crate) struct Plan {
     /// The last host time a stream saw, for a stream dropped without its
     /// log callback (its reservation is then settled as unknown).
     pub last_ms: Cell<u64>,
-    /// The store calls in flight (from the root or a waiting stream).
-    pub in_flight: RefCell<HashSet<CallTarget>>,
     /// How long a request whose lease is empty waits for its grant, at most.
     pub grant_wait: Duration,
 }
 
-/// The stage's root.
-#[derive(Default)]
+/// The stage's root. By default it holds its own lease table and syncs it
+/// on its tick (each Wasm VM); natively, every worker's root shares the
+/// process's ([`QuotaRoot::sharing`]) and one root on a thread of the
+/// module's own syncs it ([`QuotaRoot::syncing`]).
 pub struct QuotaRoot {
     plan: Option<Rc<Plan>>,
     metrics: Option<Metrics>,
     /// The root's store calls in flight, by token.
     calls: StreamMap<StoreCall>,
+    /// The table to use instead of making one.
+    given: Option<Arc<Leases>>,
+    /// Whether this root syncs the table on its tick and exports its counts.
+    syncs: bool,
+}
+
+impl Default for QuotaRoot {
+    fn default() -> QuotaRoot {
+        QuotaRoot {
+            plan: None,
+            metrics: None,
+            calls: StreamMap::default(),
+            given: None,
+            syncs: true,
+        }
+    }
 }
 
 impl Plan {
+    /// The lease table.
+    pub(crate) fn quota(&self) -> MutexGuard<'_, GatewayQuota> {
+        self.leases.quota()
+    }
+
     /// Sends the store calls due now; returns them with their tokens in
     /// `sent`. The root sends each at most once at a time (a call in flight
     /// is not sent again: its answer is awaited); a waiting request
@@ -92,23 +174,42 @@ impl Plan {
         let now = host.now_ms();
         self.last_ms.set(now);
         let mut due = Vec::new();
-        let mut quota = self.quota.borrow_mut();
-        if again {
-            quota.sync_waiting(now, &mut due);
-        } else {
-            quota.sync(now, &mut due);
+        {
+            let mut quota = self.quota();
+            if again {
+                quota.sync_waiting(now, &mut due);
+            } else {
+                quota.sync(now, &mut due);
+            }
         }
-        let mut in_flight = self.in_flight.borrow_mut();
+        // Claimed before they are sent and the locks released meanwhile:
+        // another holder of the table (natively, a worker or the syncing
+        // thread) neither sends them again nor waits for the host.
+        let mut to_send = Vec::with_capacity(due.len());
+        let mut unsent = Vec::new();
+        {
+            let mut in_flight = self.leases.in_flight();
+            for call in due {
+                if !again && in_flight.contains(&call.target) {
+                    continue;
+                }
+                if in_flight.len() >= MAX_IN_FLIGHT {
+                    // Asked again at the next sync (the lease still waits for it).
+                    unsent.push(call);
+                    continue;
+                }
+                in_flight.insert(call.target);
+                to_send.push(call);
+            }
+        }
+        if !unsent.is_empty() {
+            let mut quota = self.quota();
+            for call in &unsent {
+                quota.on_webdis_response(call, None, b"", now);
+            }
+        }
         let store = &self.config.store.endpoint;
-        for call in due {
-            if !again && in_flight.contains(&call.target) {
-                continue;
-            }
-            if in_flight.len() >= MAX_IN_FLIGHT {
-                // Asked again at the next sync (the lease still waits for it).
-                quota.on_webdis_response(&call, None, b"", now);
-                continue;
-            }
+        for call in to_send {
             let body = call.command.webdis_body();
             let headers = [
                 (":method", "POST"),
@@ -117,16 +218,13 @@ impl Plan {
                 ("content-type", "text/plain"),
             ];
             match host.dispatch(&store.cluster, &headers, Some(&body), timeout) {
-                Ok(token) => {
-                    in_flight.insert(call.target);
-                    sent.push((token, call));
-                }
+                Ok(token) => sent.push((token, call)),
                 Err(status) => {
                     log::warn!(
                         "quota: cannot call the store's cluster {} ({status:?})",
                         store.cluster
                     );
-                    quota.on_webdis_response(&call, None, b"", now);
+                    self.answered(&call, None, b"", now);
                 }
             }
         }
@@ -134,22 +232,53 @@ impl Plan {
 
     /// The store's answer to `call` (`status` `None`: none came).
     pub(crate) fn answered(&self, call: &StoreCall, status: Option<u16>, body: &[u8], now: u64) {
-        self.in_flight.borrow_mut().remove(&call.target);
-        self.quota
-            .borrow_mut()
-            .on_webdis_response(call, status, body, now);
+        self.leases.in_flight().remove(&call.target);
+        self.quota().on_webdis_response(call, status, body, now);
     }
 }
 
 impl QuotaRoot {
-    /// The lease table, for tests and the fused chain's own reports.
-    pub fn quota(&self) -> Option<std::cell::Ref<'_, GatewayQuota>> {
-        self.plan.as_ref().map(|p| p.quota.borrow())
+    /// A root spending `leases`, a table other roots share, that another
+    /// root syncs: it has no tick, sends no store call and exports no
+    /// counts (it defines the metrics, as every root does: natively Envoy
+    /// takes definitions only while it loads the configuration). Its
+    /// requests still wait for their own grant, through their own callouts.
+    /// `leases` must be of the same configuration as the root's.
+    pub fn sharing(leases: Arc<Leases>) -> QuotaRoot {
+        QuotaRoot {
+            given: Some(leases),
+            syncs: false,
+            ..QuotaRoot::default()
+        }
     }
 
-    /// Sends the store calls due now.
+    /// A root syncing `leases`, a table other roots share, on its tick (and
+    /// exporting its counts), as a root syncs its own.
+    pub fn syncing(leases: Arc<Leases>) -> QuotaRoot {
+        QuotaRoot {
+            given: Some(leases),
+            ..QuotaRoot::default()
+        }
+    }
+
+    /// The lease table, for tests and the fused chain's own reports.
+    pub fn quota(&self) -> Option<MutexGuard<'_, GatewayQuota>> {
+        self.plan.as_ref().map(|p| p.quota())
+    }
+
+    /// The table this root spends (once configured), to share.
+    pub fn leases(&self) -> Option<Arc<Leases>> {
+        self.plan.as_ref().map(|p| p.leases.clone())
+    }
+
+    /// The store calls this root sent whose answers it awaits.
+    pub fn calls_in_flight(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Sends the store calls due now (a root that syncs).
     fn sync(&mut self, host: &mut impl Host) {
-        let Some(plan) = self.plan.clone() else {
+        let Some(plan) = self.plan.clone().filter(|_| self.syncs) else {
             return;
         };
         let timeout = Duration::from_millis(u64::from(plan.config.store.endpoint.timeout_ms));
@@ -161,18 +290,15 @@ impl QuotaRoot {
 
 impl<H: Hosts> RootStage<H> for QuotaRoot {
     fn configure(&mut self, host: &mut H::Root, configuration: &[u8]) -> bool {
-        let Some(config) =
-            zerolayer_host::load_config("quota", configuration, QuotaConfig::from_json)
-        else {
+        let Some(config) = load(configuration) else {
             return false;
         };
-        let (instance, seed) = (random_u64(host), random_u64(host));
-        let quota = match GatewayQuota::new(&config, instance, seed) {
-            Ok(quota) => quota,
-            Err(err) => {
-                log::error!("quota: invalid configuration: {err}");
-                return false;
-            }
+        let leases = match &self.given {
+            Some(leases) => leases.clone(),
+            None => match Leases::of(&config, host) {
+                Some(leases) => leases,
+                None => return false,
+            },
         };
         use zerolayer_core::quota::config::ScopeField;
         let names = |field: &ScopeField| {
@@ -184,7 +310,9 @@ impl<H: Hosts> RootStage<H> for QuotaRoot {
         let (needs_credential, needs_route) =
             (names(&ScopeField::Credential), names(&ScopeField::Route));
         let period = Duration::from_millis(u64::from(config.store.sync_interval_ms));
-        if let Err(status) = host.set_tick_period(period) {
+        if self.syncs
+            && let Err(status) = host.set_tick_period(period)
+        {
             log::error!("quota: no tick ({status:?}): leases could never be filled");
             return false;
         }
@@ -200,13 +328,12 @@ impl<H: Hosts> RootStage<H> for QuotaRoot {
             config.store.sync_interval_ms,
             config.store.max_leases,
         );
-        self.metrics = Some(Metrics::define(host, quota.policies()));
+        self.metrics = Some(Metrics::define(host, leases.quota().policies()));
         self.plan = Some(Rc::new(Plan {
-            quota: RefCell::new(quota),
+            leases,
             needs_credential,
             needs_route,
             last_ms: Cell::new(host.now_ms()),
-            in_flight: RefCell::new(HashSet::new()),
             grant_wait: Duration::from_millis(u64::from(
                 config.store.endpoint.timeout_ms.min(GRANT_WAIT_MS),
             )),
@@ -223,8 +350,13 @@ impl<H: Hosts> RootStage<H> for QuotaRoot {
     }
 
     fn flush(&mut self, host: &mut H::Root) {
+        // Only the root that syncs a shared table exports its counts (each
+        // sharer would add them again).
+        if !self.syncs {
+            return;
+        }
         if let (Some(plan), Some(metrics)) = (&self.plan, &mut self.metrics) {
-            metrics.export(host, &plan.quota.borrow());
+            metrics.export(host, &plan.quota());
         }
     }
 
@@ -239,10 +371,10 @@ impl<H: Hosts> RootStage<H> for QuotaRoot {
     }
 
     fn done(&mut self, host: &mut H::Root) {
-        if let Some(plan) = &self.plan {
+        if let Some(plan) = self.plan.as_ref().filter(|_| self.syncs) {
             // What idle leases hold goes back with the next sync (if the
             // host still answers); otherwise it expires with the window.
-            plan.quota.borrow_mut().retire(host.now_ms());
+            plan.quota().retire(host.now_ms());
         }
         self.sync(host);
         RootStage::<H>::flush(self, host);

@@ -197,10 +197,7 @@ impl QuotaStream {
             headers: &headers,
         };
         let streams = self.scan.streams();
-        let ticket = plan
-            .quota
-            .borrow_mut()
-            .reserve(&who, &bound, streams, now)?;
+        let ticket = plan.quota().reserve(&who, &bound, streams, now)?;
         self.output_bound = bound.output_tokens(0);
         self.ticket = Some(ticket);
         Ok(())
@@ -208,7 +205,7 @@ impl QuotaStream {
 
     /// Answers the request with `refusal`, in its provider's format.
     fn refuse(&mut self, host: &mut impl StreamHost, plan: &Plan, refusal: &Refusal) {
-        let quota = plan.quota.borrow();
+        let quota = plan.quota();
         let (name, tokens) = quota
             .policy(refusal.policy)
             .map_or(("?", false), |p| (p.name.as_str(), p.cost.counts_tokens()));
@@ -332,7 +329,7 @@ impl QuotaStream {
         let input_bound = ticket.input_bound();
         let extractor = &mut self.extractor;
         let mut passed = body_size;
-        let mut quota = plan.quota.borrow_mut();
+        let mut quota = plan.quota();
         let cut_body = host.with_body(Body::Response, body_size, |chunk| {
             let at = cut.push(chunk, |output| {
                 quota.draw(ticket, model, output, now) == StreamVerdict::Cut && may_cut
@@ -376,8 +373,7 @@ impl QuotaStream {
             return;
         };
         let settlement = self.settlement(handed_off);
-        plan.quota
-            .borrow_mut()
+        plan.quota()
             .settle(ticket, self.model.as_deref(), settlement, now_ms);
     }
 }
@@ -456,7 +452,7 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
             });
         self.extractor = Some(UsageExtractor::new(provider, format));
         let now = host.now_ms();
-        let quota = plan.quota.borrow();
+        let quota = plan.quota();
         if format == ResponseFormat::EventStream
             && (200..300).contains(&self.status)
             && !self.cache_hit

@@ -56,12 +56,25 @@ impl Upstreams {
     /// A pool with no connection yet; connections open on the first call
     /// (inside the observer's runtime, which also runs the idle reaper).
     pub fn new() -> Upstreams {
+        Upstreams::build(true)
+    }
+
+    /// [`Upstreams::new`] writing each request (headers and body) in one
+    /// write, copied together: webdis 0.1.9 now and then never answered a
+    /// `POST` whose body came in a later TCP segment (`filters/quota`'s
+    /// README, "Transport"), which a vectored write may produce.
+    pub fn single_write() -> Upstreams {
+        Upstreams::build(false)
+    }
+
+    fn build(vectored: bool) -> Upstreams {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(MAX_IDLE_PER_UPSTREAM)
             .pool_idle_timeout(IDLE_TIMEOUT)
             .pool_timer(TokioTimer::new())
+            .http1_writev(vectored)
             .build(connector);
         Upstreams { client }
     }

@@ -383,8 +383,9 @@ fn session(
                 "api_keys": services.api_keys.addr().to_string(),
                 "audit": services.audit.addr().to_string(),
                 "clickhouse": clickhouse.addr().to_string(),
+                "webdis": fleet.webdis().to_string(),
             });
-            let sections = json!({"activation": rules, "lazy_auth": lazy, "post_cache": post, "metering": metering, "native": {"upstreams": upstreams}});
+            let sections = json!({"activation": rules, "lazy_auth": lazy, "quota": quota, "post_cache": post, "metering": metering, "native": {"upstreams": upstreams}});
             config.set_native_filter_config("zerolayer", &sections.to_string())?;
         }
     }
@@ -570,21 +571,13 @@ fn session(
         .filter_map(|s| s.tokens.split_once('→'))
         .filter_map(|(i, o)| Some(i.parse::<u64>().ok()? + o.parse::<u64>().ok()?))
         .sum();
-    let quota_seen = if form == Form::Native {
-        println!();
-        println!(
-            "Quota: not in the native module yet (the Wasm forms run it: --fused, or the default)."
-        );
-        None
-    } else {
-        let verified = || wait_for_verdicts(&envoy, verifications + 1.0);
-        Some(crate::demo_quota::act(
-            &envoy.url("/v1/chat/completions"),
-            &fleet,
-            prior,
-            &verified,
-        )?)
-    };
+    let verified = || wait_for_verdicts(&envoy, verifications + 1.0);
+    let quota_seen = Some(crate::demo_quota::act(
+        &envoy.url("/v1/chat/completions"),
+        &fleet,
+        prior,
+        &verified,
+    )?);
 
     println!();
     let audit = services.audit.seen();
@@ -995,7 +988,7 @@ mod tests {
     fn the_demo_tells_what_it_claims_as(form: Form) -> Result<()> {
         let backend = Backend::Stub(Stub::start(StubConfig::default())?);
         let (seen, quota) = session(&backend, false, form)?;
-        if form != Form::Native {
+        {
             let q = quota.context("the quota act did not run")?;
             let admitted = q.remaining.len();
             assert!(admitted >= 3, "{form:?}: only {admitted} admitted: {q:?}");
