@@ -2,8 +2,8 @@
 //! (or `kong/kong-fused.yml`) and `kong/kong.conf` run by ngx_wasm_module
 //! ([`crate::ngx`]), with every service the filters call on loopback: the
 //! GPU backend stub, the identity provider, the API key introspection
-//! endpoint, the audit sink, ClickHouse, quota's store (Redis + webdis) and,
-//! optionally, the post-cache fleet tier (another Redis + webdis).
+//! endpoint, the audit sink, ClickHouse and, optionally, quota's store
+//! (Redis + webdis) and the post-cache fleet tier (another Redis + webdis).
 //! The callout targets `kong.yml` ships (`127.0.0.1:18091`, …) are pointed
 //! at those services; nothing else of the shipped files is changed but
 //! what a test needs to be quick (flush intervals, the sample rate).
@@ -77,6 +77,11 @@ pub struct KongChainOptions {
     pub sample_percent: f64,
     /// Whether the fleet tier (Redis + webdis) is on.
     pub fleet: bool,
+    /// Whether quota runs, with its store: `kong-fused.yml`'s `quota`
+    /// section kept (it is left out otherwise), and for `kong.yml`, which
+    /// does not ship it (kong/README.md, "quota"), `zerolayer_quota` put
+    /// after activation with that section's configuration.
+    pub quota: bool,
     /// nginx worker processes.
     pub workers: usize,
     /// The separate chain's filters to keep (all when `None`).
@@ -95,6 +100,7 @@ impl Default for KongChainOptions {
             fused: false,
             sample_percent: 100.0,
             fleet: false,
+            quota: false,
             workers: 1,
             only: None,
             configure: None,
@@ -143,10 +149,8 @@ impl KongChain {
         let clickhouse = ClickHouse::start()?;
         clickhouse.create_tables()?;
         let fleet = options.fleet.then(RedisFleet::start).transpose()?;
-        let quota = options
-            .only
-            .is_none_or(|only| only.contains(&"zerolayer_quota"));
-        let quota_store = quota
+        let quota_store = options
+            .quota
             .then(RedisFleet::start_for_quota)
             .transpose()
             .context("starting quota's Redis and webdis")?;
@@ -164,6 +168,26 @@ impl KongChain {
             .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
         config.workers = options.workers;
         let mut sections = Self::sections(&config, options.fused)?;
+        if !options.quota
+            && let Some(sections) = sections.as_object_mut()
+        {
+            sections.remove("quota");
+        }
+        if options.quota && !options.fused {
+            // Where the fused form runs it: after activation.
+            let at = config
+                .filters
+                .iter()
+                .position(|f| f.name == "zerolayer_activation")
+                .map_or(0, |i| i + 1);
+            config.filters.insert(
+                at,
+                crate::ngx::KongFilter {
+                    name: "zerolayer_quota".into(),
+                    config: String::new(),
+                },
+            );
+        }
         // As the Envoy chain (tests/src/chain.rs): the test issuer, quick flushes.
         sections["lazy_auth"]["jwt"]["issuers"] = json!(["https://idp.test"]);
         sections["lazy_auth"]["audit"]["flush_ms"] = json!(200);
@@ -200,6 +224,9 @@ impl KongChain {
             config.set_filter_config("zerolayer_fused", &sections.to_string())?;
         } else {
             for (section, filter) in STAGES {
+                if section == "quota" && !options.quota {
+                    continue;
+                }
                 config.set_filter_config(filter, &sections[section].to_string())?;
             }
         }
@@ -250,6 +277,12 @@ impl KongChain {
         }
         let mut sections = json!({});
         for (section, filter) in STAGES {
+            if section == "quota" {
+                // kong.yml does not ship it: the fused form's section.
+                let fused = KongConfig::shipped("kong-fused.yml")?;
+                sections[section] = fused.filter_json("zerolayer_fused")?["quota"].clone();
+                continue;
+            }
             sections[section] = config.filter_json(filter)?;
         }
         Ok(sections)

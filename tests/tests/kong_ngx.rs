@@ -1161,6 +1161,7 @@ fn tokens_remaining(reply: &Reply, path: &str) -> Option<u64> {
 fn quota_a_tenant_spends_its_budget_then_gets_the_providers_429_and_redis_holds_what_was_used()
 -> Result<()> {
     let options = KongChainOptions {
+        quota: true,
         configure: Some(daily_800_tokens),
         ..KongChainOptions::default()
     };
@@ -1260,7 +1261,11 @@ fn quota_a_tenant_spends_its_budget_then_gets_the_providers_429_and_redis_holds_
 
 #[test]
 fn quota_a_forged_token_claiming_a_tenant_spends_none_of_its_budget() -> Result<()> {
-    both_forms(KongChainOptions::default(), |chain: &mut KongChain| {
+    let options = KongChainOptions {
+        quota: true,
+        ..KongChainOptions::default()
+    };
+    both_forms(options, |chain: &mut KongChain| {
         let bearer = chain.verified_bearer("olga", "acme")?;
         let before = quota_settled(chain)?;
         ensure!(before > 0, "acme's verified warm-ups were not charged");
@@ -1313,6 +1318,7 @@ fn quota_a_tenants_first_requests_wait_for_their_lease_instead_of_a_429() -> Res
             sections["lazy_auth"]["unknown"] = json!("sync");
             sections["lazy_auth"]["jwt"]["keys"] = issuer().jwks()["keys"].clone();
         }),
+        quota: true,
         ..KongChainOptions::default()
     };
     both_forms(options, |chain: &mut KongChain| {
