@@ -892,6 +892,13 @@ fn http_callouts(imports: &mut Imports<'_>) -> Result<()> {
                     "proxy_http_call from a response phase or on_log: ngx_wasm_module traps (Kong profile)",
                 ));
             }
+            if state.world.borrow().profile == Profile::Kong && state.in_configure {
+                // The same refusal: the filter fails to configure and, in
+                // ngx_wasm_module, its worker exits and is not respawned.
+                return Err(wasmtime::Error::msg(
+                    "proxy_http_call from on_vm_start or on_configure: ngx_wasm_module traps (Kong profile)",
+                ));
+            }
             if state.world.borrow().profile == Profile::Kong
                 && state.call_response.is_some()
                 && matches!(state.contexts.get(&state.current), Some(ContextKind::Root))

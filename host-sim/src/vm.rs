@@ -53,6 +53,9 @@ pub(crate) struct VmState {
     pub call_response: Option<CallResponse>,
     /// Whether the current callback is a response-phase one (Kong limits).
     pub in_response_phase: bool,
+    /// Whether the current callback is `on_vm_start` or `on_configure`
+    /// (Kong limits: no callouts).
+    pub in_configure: bool,
     pub memory: Option<Memory>,
     pub allocate: Option<TypedFunc<i32, i32>>,
     pub rng: u64,
@@ -169,6 +172,7 @@ impl Vm {
             current: 0,
             call_response: None,
             in_response_phase: false,
+            in_configure: false,
             memory: None,
             allocate: None,
             rng: 0x9e37_79b9_7f4a_7c15 ^ index as u64,
@@ -251,6 +255,22 @@ impl Vm {
             Some(f) => f.call(&mut vm.store, (id as i32, 0)),
             None => Ok(()),
         })?;
+        // ngx_wasm_module refuses callouts from both (Kong profile).
+        self.store.data_mut().in_configure = true;
+        let configured = self.start_and_configure(id, first, vm_config_size, config_size);
+        self.store.data_mut().in_configure = false;
+        configured?;
+        Ok(id)
+    }
+
+    /// `on_vm_start` (when `first`) and `on_configure` of root `id`.
+    fn start_and_configure(
+        &mut self,
+        id: u32,
+        first: bool,
+        vm_config_size: i32,
+        config_size: i32,
+    ) -> Result<()> {
         if first {
             let ok = self.call_i32(id, |vm| match &vm.exports.vm_start {
                 Some(f) => f.call(&mut vm.store, (id as i32, vm_config_size)),
@@ -267,7 +287,7 @@ impl Vm {
         if ok == 0 {
             return Err(anyhow!("on_configure returned false"));
         }
-        Ok(id)
+        Ok(())
     }
 
     /// Creates the HTTP context for filter `filter` of `stream`.

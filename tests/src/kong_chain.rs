@@ -2,7 +2,8 @@
 //! (or `kong/kong-fused.yml`) and `kong/kong.conf` run by ngx_wasm_module
 //! ([`crate::ngx`]), with every service the filters call on loopback: the
 //! GPU backend stub, the identity provider, the API key introspection
-//! endpoint, the audit sink, ClickHouse and, optionally, Redis + webdis.
+//! endpoint, the audit sink, ClickHouse and, optionally, quota's store
+//! (Redis + webdis) and the post-cache fleet tier (another Redis + webdis).
 //! The callout targets `kong.yml` ships (`127.0.0.1:18091`, …) are pointed
 //! at those services; nothing else of the shipped files is changed but
 //! what a test needs to be quick (flush intervals, the sample rate).
@@ -76,13 +77,18 @@ pub struct KongChainOptions {
     pub sample_percent: f64,
     /// Whether the fleet tier (Redis + webdis) is on.
     pub fleet: bool,
+    /// Whether quota runs, with its store: `kong-fused.yml`'s `quota`
+    /// section kept (it is left out otherwise), and for `kong.yml`, which
+    /// does not ship it (kong/README.md, "quota"), `zerolayer_quota` put
+    /// after activation with that section's configuration.
+    pub quota: bool,
     /// nginx worker processes.
     pub workers: usize,
     /// The separate chain's filters to keep (all when `None`).
     pub only: Option<&'static [&'static str]>,
     /// Changes a test makes to the stage configurations (by section:
-    /// `activation`, `lazy_auth`, `post_cache`, `metering`) after the
-    /// harness's own.
+    /// `activation`, `lazy_auth`, `quota`, `post_cache`, `metering`) after
+    /// the harness's own.
     pub configure: Option<fn(&mut Value)>,
 }
 
@@ -94,6 +100,7 @@ impl Default for KongChainOptions {
             fused: false,
             sample_percent: 100.0,
             fleet: false,
+            quota: false,
             workers: 1,
             only: None,
             configure: None,
@@ -113,18 +120,25 @@ pub struct KongChain {
     pub clickhouse: ClickHouse,
     /// The fleet cache tier, when on.
     pub fleet: Option<RedisFleet>,
+    /// quota's store (Redis + webdis allowing its scripts), when quota is
+    /// in the chain; its keys start with [`QUOTA_PREFIX`].
+    pub quota_store: Option<RedisFleet>,
     client: Client,
     /// Which file the chain came from and which host runs it (named in failures).
     pub form: String,
 }
 
 /// The stage sections of the chain's configuration, by stage.
-const STAGES: [(&str, &str); 4] = [
+const STAGES: [(&str, &str); 5] = [
     ("lazy_auth", "zerolayer_lazy_auth"),
     ("activation", "zerolayer_activation"),
+    ("quota", "zerolayer_quota"),
     ("post_cache", "zerolayer_post_cache"),
     ("metering", "zerolayer_metering"),
 ];
+
+/// The key prefix of quota's store in the tests.
+pub const QUOTA_PREFIX: &str = "zl:kong:";
 
 impl KongChain {
     /// Starts every service, then ngx_wasm_module; returns once the
@@ -135,6 +149,11 @@ impl KongChain {
         let clickhouse = ClickHouse::start()?;
         clickhouse.create_tables()?;
         let fleet = options.fleet.then(RedisFleet::start).transpose()?;
+        let quota_store = options
+            .quota
+            .then(RedisFleet::start_for_quota)
+            .transpose()
+            .context("starting quota's Redis and webdis")?;
         let form = if options.fused {
             "kong/kong-fused.yml"
         } else {
@@ -149,6 +168,26 @@ impl KongChain {
             .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
         config.workers = options.workers;
         let mut sections = Self::sections(&config, options.fused)?;
+        if !options.quota
+            && let Some(sections) = sections.as_object_mut()
+        {
+            sections.remove("quota");
+        }
+        if options.quota && !options.fused {
+            // Where the fused form runs it: after activation.
+            let at = config
+                .filters
+                .iter()
+                .position(|f| f.name == "zerolayer_activation")
+                .map_or(0, |i| i + 1);
+            config.filters.insert(
+                at,
+                crate::ngx::KongFilter {
+                    name: "zerolayer_quota".into(),
+                    config: String::new(),
+                },
+            );
+        }
         // As the Envoy chain (tests/src/chain.rs): the test issuer, quick flushes.
         sections["lazy_auth"]["jwt"]["issuers"] = json!(["https://idp.test"]);
         sections["lazy_auth"]["audit"]["flush_ms"] = json!(200);
@@ -160,6 +199,17 @@ impl KongChain {
                 "path": "/",
                 "timeout_ms": 500,
             });
+        }
+        if let Some(store) = &quota_store {
+            // As tests/tests/quota_envoy.rs: quick syncs, and idle leases
+            // given back soon, so Redis comes to hold exactly what was spent.
+            let store_config = &mut sections["quota"]["store"];
+            store_config["cluster"] = json!(store.webdis().to_string());
+            store_config["key_prefix"] = json!(QUOTA_PREFIX);
+            store_config["sync_interval_ms"] = json!(100);
+            store_config["lease_ttl_ms"] = json!(200);
+            store_config["idle_return_ms"] = json!(300);
+            store_config["expected_gateways"] = json!(options.workers);
         }
         let metering = &mut sections["metering"];
         metering["sampling"] = json!({"percent": options.sample_percent});
@@ -174,6 +224,9 @@ impl KongChain {
             config.set_filter_config("zerolayer_fused", &sections.to_string())?;
         } else {
             for (section, filter) in STAGES {
+                if section == "quota" && !options.quota {
+                    continue;
+                }
                 config.set_filter_config(filter, &sections[section].to_string())?;
             }
         }
@@ -186,6 +239,7 @@ impl KongChain {
                 let mut targets = vec![services.idp.addr(), services.api_keys.addr()];
                 targets.extend([services.audit.addr(), clickhouse.addr()]);
                 targets.extend(fleet.as_ref().map(RedisFleet::webdis));
+                targets.extend(quota_store.as_ref().map(RedisFleet::webdis));
                 KongGateway::HostSim(host_sim_server(&config, stub.addr(), &targets)?)
             }
         };
@@ -195,6 +249,7 @@ impl KongChain {
             services,
             clickhouse,
             fleet,
+            quota_store,
             client: Client::with_timeout(REQUEST_DEADLINE),
             form: format!("{form} in {:?}", options.host),
         };
@@ -222,6 +277,12 @@ impl KongChain {
         }
         let mut sections = json!({});
         for (section, filter) in STAGES {
+            if section == "quota" {
+                // kong.yml does not ship it: the fused form's section.
+                let fused = KongConfig::shipped("kong-fused.yml")?;
+                sections[section] = fused.filter_json("zerolayer_fused")?["quota"].clone();
+                continue;
+            }
             sections[section] = config.filter_json(filter)?;
         }
         Ok(sections)

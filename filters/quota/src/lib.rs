@@ -210,14 +210,20 @@ impl Plan {
         }
         let store = &self.config.store.endpoint;
         for call in to_send {
-            let body = call.command.webdis_body();
+            // `GET <path>/<command>`: the command in the request line, no
+            // body. ngx_wasm_module writes a call's head and body with two
+            // `send`s, and webdis 0.1.9 now and then never answers a POST
+            // whose body comes in a later TCP segment than its head (in
+            // ngx_wasm_module most calls timed out); webdis reads a GET's
+            // path exactly as a POST's body (the scripts' `EVAL` and
+            // `SCRIPT LOAD` make paths of about 3 KB, which it takes).
+            let path = webdis_path(&store.path, &call.command.webdis_body());
             let headers = [
-                (":method", "POST"),
-                (":path", store.path.as_str()),
+                (":method", "GET"),
+                (":path", path.as_str()),
                 (":authority", store.authority()),
-                ("content-type", "text/plain"),
             ];
-            match host.dispatch(&store.cluster, &headers, Some(&body), timeout) {
+            match host.dispatch(&store.cluster, &headers, None, timeout) {
                 Ok(token) => sent.push((token, call)),
                 Err(status) => {
                     log::warn!(
@@ -339,8 +345,10 @@ impl<H: Hosts> RootStage<H> for QuotaRoot {
             )),
             config,
         }));
-        // The first leases are asked for now, not one interval later.
-        self.sync(host);
+        // No store call from here: ngx_wasm_module traps a callout from
+        // `on_configure` (the worker exits and is not respawned). The
+        // scripts are loaded from the first tick; a request before it waits
+        // for its grant, sent as `EVAL`, as any first request does.
         true
     }
 
@@ -383,6 +391,19 @@ impl<H: Hosts> RootStage<H> for QuotaRoot {
     fn stream(&self, _context_id: u32) -> Box<dyn StreamStage<H::Stream>> {
         Box::new(QuotaStream::new(self.plan.clone()))
     }
+}
+
+/// The path of a webdis `GET` running `command` (its webdis encoding:
+/// percent-encoded arguments joined by `/`) under the store's `base` path.
+pub(crate) fn webdis_path(base: &str, command: &[u8]) -> String {
+    let mut path = String::with_capacity(base.len() + 1 + command.len());
+    path.push_str(base);
+    if !path.ends_with('/') {
+        path.push('/');
+    }
+    // Percent-encoded: ASCII only.
+    path.push_str(&String::from_utf8_lossy(command));
+    path
 }
 
 /// A random u64 from the host's WASI `random_get` (or the OS natively);

@@ -23,6 +23,10 @@ use zerolayer_host::{Action, Body, StreamHost, StreamStage};
 
 use crate::{MAX_HELD_BODY, Plan};
 
+/// A waiting request asks the store again only with at least this long
+/// left of its wait (ms).
+const MIN_WAIT_MS: u64 = 10;
+
 /// Who the request is, owned (Envoy keeps a filter's request headers only
 /// until it lets them through).
 #[derive(Default)]
@@ -66,8 +70,13 @@ pub(crate) struct QuotaStream {
     cache_hit: bool,
     response_bytes: u64,
     response_complete: bool,
-    /// Whether the request waited for a grant (once at most).
+    /// Whether the request waited for a grant (one wait at most).
     waited: bool,
+    /// Until when (host ms) it may wait for its grant.
+    wait_until: u64,
+    /// Whether a call it waited for got no answer (a timeout, an error):
+    /// it then asks no more.
+    wait_failed: bool,
     /// The store calls it waits for, by token.
     waiting: Vec<(u32, StoreCall)>,
 }
@@ -91,6 +100,8 @@ impl QuotaStream {
             response_bytes: 0,
             response_complete: false,
             waited: false,
+            wait_until: 0,
+            wait_failed: false,
             waiting: Vec::new(),
         }
     }
@@ -147,6 +158,7 @@ impl QuotaStream {
         };
         if matches!(refusal.kind, RefusalKind::Refilling { .. }) && !self.waited {
             self.waited = true;
+            self.wait_until = host.now_ms() + plan.grant_wait.as_millis() as u64;
             plan.send_due(host, plan.grant_wait, true, &mut self.waiting);
             if !self.waiting.is_empty() {
                 return Action::Pause;
@@ -167,6 +179,7 @@ impl QuotaStream {
         };
         let (_, call) = self.waiting.swap_remove(at);
         let status = host.callout_status();
+        self.wait_failed |= status != Some(200);
         let body = host.callout_body(body_size);
         plan.answered(&call, status, &body, host.now_ms());
         if !self.waiting.is_empty() {
@@ -174,7 +187,24 @@ impl QuotaStream {
         }
         match self.reserve(host, &plan) {
             Ok(()) => host.resume(),
-            Err(refusal) => self.refuse(host, &plan, &refusal),
+            Err(refusal) => {
+                // What answered may not have been the grant: an operation
+                // already out on the lease (a return of its surplus, say)
+                // goes first, and the grant is sent only after it. The
+                // request then asks again, within its one wait.
+                let left = self.wait_until.saturating_sub(host.now_ms());
+                if matches!(refusal.kind, RefusalKind::Refilling { .. })
+                    && !self.wait_failed
+                    && left >= MIN_WAIT_MS
+                {
+                    let timeout = std::time::Duration::from_millis(left);
+                    plan.send_due(host, timeout, true, &mut self.waiting);
+                    if !self.waiting.is_empty() {
+                        return;
+                    }
+                }
+                self.refuse(host, &plan, &refusal)
+            }
         }
     }
 

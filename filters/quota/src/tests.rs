@@ -45,6 +45,12 @@ impl Gateway {
             RootStage::<FakeHost>::configure(&mut root, &mut host, config.to_string().as_bytes()),
             "configuration refused: {config}"
         );
+        assert!(
+            host.dispatched.is_empty(),
+            "no store call from on_configure"
+        );
+        // The first tick loads the scripts.
+        RootStage::<FakeHost>::tick(&mut root, &mut host);
         Gateway {
             host,
             root,
@@ -65,8 +71,11 @@ impl Gateway {
         let now = self.host.clock.as_millis() as u64;
         for call in &calls {
             assert_eq!(call.cluster, "webdis");
-            assert_eq!(call.header(":method"), Some("POST"));
-            let command = from_webdis_body(call.body.as_deref().unwrap_or_default());
+            // The command in the path, no body (see `Plan::send_due`).
+            assert_eq!(call.header(":method"), Some("GET"));
+            assert!(call.body.as_deref().is_none_or(<[u8]>::is_empty));
+            let path = call.header(":path").expect("a path");
+            let command = from_webdis_body(path.strip_prefix('/').expect("under /").as_bytes());
             let reply = self.store.execute(&command, now);
             let body = json!({ command.verb(): webdis_json(&reply) }).to_string();
             self.host.answer_with(Some(200), body.as_bytes());
@@ -177,7 +186,7 @@ const CHAT: &str = r#"{"model":"m","max_tokens":100,"messages":[{"role":"user","
 #[test]
 fn the_first_request_of_a_scope_waits_one_round_trip_for_its_lease_then_settles_exactly() {
     let mut gw = Gateway::new(&daily(100_000));
-    // The scripts are loaded at configuration, before any request.
+    // The scripts are loaded at the first tick, before any request.
     assert_eq!(gw.answer_store(), 2);
 
     // The lease is empty: the request waits for its grant (one call, from
@@ -553,7 +562,7 @@ impl Gateway {
 }
 
 #[test]
-fn the_example_configuration_loads_and_asks_for_its_first_leases() {
+fn the_example_configuration_loads_and_loads_its_scripts_at_the_first_tick() {
     // filters/quota/example.json is the README's and the demo's starting point.
     let example = include_str!("../example.json");
     let mut host = FakeHost::default();
@@ -568,7 +577,10 @@ fn the_example_configuration_loads_and_asks_for_its_first_leases() {
     // Two policies and the unverified budget, last.
     assert_eq!(quota.policies().len(), 3);
     drop(quota);
-    // The scripts are loaded at once, not one sync interval later.
+    // Nothing is sent while configuring (ngx_wasm_module traps a callout
+    // there); the first tick loads both scripts from the store.
+    assert!(host.dispatched.is_empty());
+    RootStage::<FakeHost>::tick(&mut root, &mut host);
     assert!(
         host.dispatched.iter().all(|c| c.cluster == "webdis"),
         "{:?}",

@@ -34,6 +34,8 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
         Form::Fused => "kong-fused.yml",
         Form::Native => bail!("the native module is Envoy's: Kong runs the Wasm forms"),
     };
+    step("starting Redis and webdis (quota's store)");
+    let quota_store = zerolayer_e2e::fleet::RedisFleet::start_for_quota()?;
     step(&format!(
         "starting nginx + ngx_wasm_module (Kong's Proxy-Wasm host) with kong/{file} and kong/kong.conf"
     ));
@@ -42,6 +44,7 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
         .retarget("127.0.0.1:18092", services.api_keys.addr())
         .retarget("127.0.0.1:18093", services.audit.addr())
         .retarget("127.0.0.1:8123", clickhouse.addr())
+        .retarget("127.0.0.1:7379", quota_store.webdis())
         .env("ZEROLAYER_CACHE_SECRET", DEMO_CACHE_SECRET);
     let mut sections = match form {
         Form::Fused | Form::Native => config.filter_json("zerolayer_fused")?,
@@ -79,7 +82,7 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
 
     println!();
     println!(
-        "zerolayer demo: lazy-auth, activation, post-cache and metering (Wasm, wasmtime) inside Kong's"
+        "zerolayer demo: lazy-auth, activation, quota, post-cache and metering (Wasm, wasmtime) inside Kong's"
     );
     println!(
         "Proxy-Wasm host, with each filter's observer verifying credentials and shipping records on tick"
@@ -102,6 +105,10 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
     println!(
         "  usage     ClickHouse {} (real server, every request sampled)",
         clickhouse.url()
+    );
+    println!(
+        "  quota     webdis {} in front of a real Redis (a daily token budget per tenant)",
+        quota_store.webdis()
     );
     println!();
 
