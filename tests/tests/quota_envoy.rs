@@ -168,7 +168,7 @@ fn gateway_with(
 }
 
 /// The forms quota runs in.
-const FORMS: [Form; 3] = [Form::Separate, Form::Fused, Form::Native];
+const FORMS: [Form; 3] = [Form::Native, Form::Separate, Form::Fused];
 
 impl Gateway {
     fn post(&self, bearer: &str, path: &str, body: &str) -> Result<zerolayer_e2e::Reply> {
@@ -1196,6 +1196,47 @@ fn hard_sdks(form: Form) -> Result<()> {
         format!(
             "Redis holds {:?}, billed {billed}",
             fleet.budget_total(PREFIX)
+        )
+    })?;
+    Ok(())
+}
+
+#[test]
+fn a_cache_hit_costs_a_request_and_no_tokens() -> Result<()> {
+    for form in FORMS {
+        cache_hit(form).with_context(|| format!("{form:?}"))?;
+    }
+    Ok(())
+}
+
+fn cache_hit(form: Form) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = Stub::start(StubConfig::default())?;
+    let gw = gateway(form, stub.addr(), fleet.webdis(), daily_tokens(100_000))?;
+    let acme = bearer("alice", "acme");
+    let body = anthropic("the same question twice", false);
+    let first = gw.post(&acme, "/v1/messages", &body)?;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let (input, output) = reported_usage(&first.body)?;
+    // post-cache stores the first after it completed; the second is a hit.
+    let hit = wait::until("a cache hit", Duration::from_secs(10), || {
+        let reply = gw.post(&acme, "/v1/messages", &body)?;
+        Ok((reply.header("x-cache") == Some("HIT")).then_some(reply))
+    })?;
+    assert_eq!(hit.status, 200);
+    assert_eq!(stub.requests().len(), 1, "the hit reached the backend");
+    // The default `cache_hit: request`: one request, no tokens; the idle
+    // lease gives back what it held.
+    wait::until(
+        "Redis to hold the miss's tokens only",
+        Duration::from_secs(10),
+        || Ok((fleet.budget_total(PREFIX)? == (input + output) as i64).then_some(())),
+    )
+    .with_context(|| {
+        format!(
+            "Redis holds {:?}, the miss used {}",
+            fleet.budget_total(PREFIX),
+            input + output
         )
     })?;
     Ok(())

@@ -525,6 +525,18 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         if self.ticket.is_none() {
             return;
         }
+        if self.status == 0 {
+            // Answered locally by a later stage without this stage seeing
+            // the response (natively Envoy runs a local reply past the
+            // module's own response hook): what the client got is still
+            // readable, whole.
+            self.status = host
+                .response_header(":status")
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            self.cache_hit = host.response_header("x-cache").as_deref() == Some("HIT");
+            self.response_complete = self.status != 0;
+        }
         let now = host.now_ms();
         let handed_off = host
             .property(internal::USAGE_PROPERTY)

@@ -244,10 +244,7 @@ pub fn run(args: &[String]) -> Result<()> {
     };
     let (seen, quota) = match host {
         DemoHost::Envoy => session(&backend, keep_running, form)?,
-        DemoHost::NgxWasm => (
-            crate::demo_kong::session(&backend, keep_running, form)?,
-            None,
-        ),
+        DemoHost::NgxWasm => crate::demo_kong::session(&backend, keep_running, form)?,
     };
     let admitted = seen.iter().filter(|s| s.status == 200).count();
     let verified = seen
@@ -573,6 +570,7 @@ fn session(
         .sum();
     let verified = || wait_for_verdicts(&envoy, verifications + 1.0);
     let quota_seen = Some(crate::demo_quota::act(
+        "filters/quota/example.json",
         &envoy.url("/v1/chat/completions"),
         &fleet,
         prior,
@@ -925,7 +923,7 @@ mod tests {
     /// dynamic module.
     #[test]
     fn the_demo_tells_what_it_claims() -> Result<()> {
-        for form in [Form::Separate, Form::Fused, Form::Native] {
+        for form in [Form::Native, Form::Separate, Form::Fused] {
             the_demo_tells_what_it_claims_as(form)?;
         }
         Ok(())
@@ -937,7 +935,18 @@ mod tests {
     fn the_demo_tells_the_same_story_in_ngx_wasm_module() -> Result<()> {
         for form in [Form::Separate, Form::Fused] {
             let backend = Backend::Stub(Stub::start(StubConfig::default())?);
-            let seen = crate::demo_kong::session(&backend, false, form)?;
+            let (seen, quota) = crate::demo_kong::session(&backend, false, form)?;
+            if form == Form::Fused {
+                let q = quota.context("the quota act did not run")?;
+                assert!(q.remaining.len() >= 3, "only {:?}", q);
+                assert_eq!(q.statuses.last(), Some(&429), "{q:?}");
+                assert_eq!(
+                    q.refusal,
+                    Some(("insufficient_quota".into(), "false".into())),
+                    "in ngx_wasm_module"
+                );
+                assert_eq!(q.counter, q.billed, "Redis against the usage billed");
+            }
             let what: Vec<(&str, u16, &str, &str)> = CASES
                 .iter()
                 .zip(&seen)

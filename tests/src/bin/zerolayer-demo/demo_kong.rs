@@ -21,10 +21,15 @@ use crate::demo::{
     Backend, CASES, DEMO_CACHE_SECRET, Form, Seen, credential_header, error_message, introspect,
     or_dash, print_header, print_row, request_body, request_id, summarize,
 };
+use crate::demo_quota::QuotaSeen;
 use zerolayer_layout::step;
 
 /// Runs the demo's requests through ngx_wasm_module in front of `backend`.
-pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Result<Vec<Seen>> {
+pub(crate) fn session(
+    backend: &Backend,
+    keep_running: bool,
+    form: Form,
+) -> Result<(Vec<Seen>, Option<QuotaSeen>)> {
     let services = AuthServices::start(introspect)?;
     step("starting ClickHouse (metering's usage sink)");
     let clickhouse = ClickHouse::start()?;
@@ -62,6 +67,10 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
     // Every request's full record, so the table can show its tokens.
     sections["metering"]["sampling"] = json!({"percent": 100.0});
     sections["metering"]["sink"]["flush_ms"] = json!(200);
+    if form == Form::Fused {
+        // Two workers, each a lease holder.
+        crate::demo_quota::for_demo(&mut sections["quota"], 2);
+    }
     match form {
         Form::Fused | Form::Native => {
             config.set_filter_config("zerolayer_fused", &sections.to_string())?
@@ -240,6 +249,32 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
     println!(
         "   internal  = x-zerolayer-* headers the backend received (none: decisions never leave the gateway;\n               not reached: refused, or answered from the cache)"
     );
+    let quota = if form == Form::Fused {
+        let prior: u64 = seen
+            .iter()
+            .filter(|s| s.identity.starts_with("verified"))
+            .filter_map(|s| s.tokens.split_once('→'))
+            .filter_map(|(i, o)| Some(i.parse::<u64>().ok()? + o.parse::<u64>().ok()?))
+            .sum();
+        // The observer verifies on its tick, with no metrics to ask.
+        let verified = || {
+            std::thread::sleep(Duration::from_millis(800));
+            Ok(())
+        };
+        Some(crate::demo_quota::act(
+            "kong/kong-fused.yml's quota section",
+            &ngx.url("/v1/chat/completions"),
+            &quota_store,
+            prior,
+            &verified,
+        )?)
+    } else {
+        println!();
+        println!(
+            "Quota: kong/kong.yml does not carry the separate quota filter yet (kong/README.md, \"quota\"); --fused runs it."
+        );
+        None
+    };
     println!();
     println!(
         "Audit sink: {} records, shipped by lazy-auth's observer after the responses; usage sink: {} records.",
@@ -263,7 +298,7 @@ pub(crate) fn session(backend: &Backend, keep_running: bool, form: Form) -> Resu
             std::thread::park();
         }
     }
-    Ok(seen)
+    Ok((seen, quota))
 }
 
 /// The separate filters and their sections in the fused configuration.

@@ -29,16 +29,23 @@ pub(crate) fn section(root: &Path) -> Result<Value> {
     let path = root.join("filters/quota/example.json");
     let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
     let mut quota: Value = serde_json::from_str(&text)?;
+    for_demo(&mut quota, 1);
+    Ok(quota)
+}
+
+/// Makes `quota`'s first policy the demo's budget (`tenant-daily`,
+/// [`DAILY_TOKENS`]) and its store quick, for `holders` lease holders.
+pub(crate) fn for_demo(quota: &mut Value, holders: u32) {
     quota["store"]["key_prefix"] = json!(PREFIX);
     quota["store"]["sync_interval_ms"] = json!(100);
-    quota["store"]["expected_gateways"] = json!(1);
+    quota["store"]["expected_gateways"] = json!(holders);
     // Whole leases: a demo-sized budget is granted in one piece.
     quota["store"]["lease"] = json!({"max_percent": 100});
     // Idle leases go back quickly, so Redis shows what was spent.
     quota["store"]["lease_ttl_ms"] = json!(200);
     quota["store"]["idle_return_ms"] = json!(300);
+    quota["policies"][0]["name"] = json!("tenant-daily");
     quota["policies"][0]["limit"]["budget"]["amount"] = json!(DAILY_TOKENS);
-    Ok(quota)
 }
 
 /// What the act saw, for the demo's test.
@@ -60,12 +67,14 @@ pub(crate) struct QuotaSeen {
     pub(crate) billed: i64,
 }
 
-/// Sends `bob@initech`'s requests to `url` (the gateway's OpenAI endpoint)
+/// Sends `bob@initech`'s requests to `url`, quota configured from
+/// `source` with policy `tenant-daily` at [`DAILY_TOKENS`], (the gateway's OpenAI endpoint)
 /// until the budget refuses one, printing each (after the first, a JWT's
 /// first sight, `verified` waits for the observer's verdict); then waits for
 /// Redis to hold what was used: `prior` tokens of the verified requests
 /// before the act (their tenants' budgets) and the act's own.
 pub(crate) fn act(
+    source: &str,
     url: &str,
     fleet: &RedisFleet,
     prior: u64,
@@ -73,7 +82,7 @@ pub(crate) fn act(
 ) -> Result<QuotaSeen> {
     println!();
     println!(
-        "Quota (filters/quota/example.json; demo budget {DAILY_TOKENS} tokens a day per tenant): leases granted by Redis"
+        "Quota ({source}; demo budget {DAILY_TOKENS} tokens a day per tenant): leases granted by Redis"
     );
     println!(
         "through webdis in the background; each request reserves its bound (body bytes + max_tokens) from"
@@ -121,9 +130,9 @@ pub(crate) fn act(
             let (input, output) = zerolayer_e2e::chain::reported_usage(&reply.body)?;
             let outcome = if n == 1 {
                 // lazy-auth admitted it before verification: the unverified
-                // budget's, never the tenant it claims.
+                // budget's where there is one, never the tenant it claims.
                 verified()?;
-                "admitted before verification: the unverified budget's"
+                "admitted before verification: never billed to initech"
             } else {
                 seen.used += input + output;
                 if let Ok(r) = remaining.parse() {
@@ -169,7 +178,21 @@ pub(crate) fn act(
             Ok((total == want).then_some(total))
         },
     )
-    .or_else(|_| total())?;
+    .or_else(|_| {
+        // Not settled: show what each counter holds.
+        if let Ok(zerolayer_core::quota::store::Reply::Array(Some(keys))) =
+            fleet.command(&["KEYS", &format!("{PREFIX}*")])
+        {
+            for key in keys {
+                if let zerolayer_core::quota::store::Reply::Bulk(Some(k)) = key {
+                    let k = String::from_utf8_lossy(&k).into_owned();
+                    let v = fleet.command(&["GET", &k]);
+                    println!("   (not settled) {k} = {v:?}");
+                }
+            }
+        }
+        total()
+    })?;
     println!(
         "   Redis: the tenants' daily counters hold {} tokens: initech's verified {} and {prior} of the verified",
         seen.counter, seen.used
