@@ -188,8 +188,8 @@ pub mod recording {
         pub sent: Vec<LocalResponse>,
         /// Requests continued.
         pub continued: usize,
-        /// Callouts: cluster and body.
-        pub callouts: Vec<(Vec<u8>, Vec<u8>)>,
+        /// Callouts: cluster, `:path` and body.
+        pub callouts: Vec<(Vec<u8>, String, Vec<u8>)>,
     }
 
     /// The recording Envoy (cheap to clone: one shared record).
@@ -286,12 +286,18 @@ pub mod recording {
         fn callout(
             &self,
             cluster: &[u8],
-            _headers: &[(&str, &str)],
+            headers: &[(&str, &str)],
             body: &[u8],
             _timeout_ms: u64,
         ) -> Result<u32, Status> {
             let mut recorded = self.0.borrow_mut();
-            recorded.callouts.push((cluster.to_vec(), body.to_vec()));
+            let path = headers
+                .iter()
+                .find(|(name, _)| *name == ":path")
+                .map_or_else(String::new, |(_, value)| (*value).to_string());
+            recorded
+                .callouts
+                .push((cluster.to_vec(), path, body.to_vec()));
             Ok(recorded.callouts.len() as u32)
         }
 

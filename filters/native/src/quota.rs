@@ -415,9 +415,10 @@ mod tests {
             FakeWebdis { addr, store, calls }
         }
 
-        /// The answer webdis gives to the `POST` of `body`.
-        fn answer(store: &Mutex<ModelStore>, body: &[u8]) -> Vec<u8> {
-            let command = Command::new(body.split(|&b| b == b'/').map(percent_decode));
+        /// The answer webdis gives to `command`: a `POST`'s body, or a
+        /// `GET`'s path after its first `/` (the stage's own calls).
+        fn answer(store: &Mutex<ModelStore>, command: &[u8]) -> Vec<u8> {
+            let command = Command::new(command.split(|&b| b == b'/').map(percent_decode));
             let reply = store.lock().unwrap().execute(&command, now_ms());
             let mut answer = serde_json::Map::new();
             answer.insert(command.verb(), json_of(&reply));
@@ -435,10 +436,15 @@ mod tests {
         let mut stream = stream;
         loop {
             let mut length = 0usize;
+            let mut get = None;
             loop {
                 let mut line = String::new();
                 if reader.read_line(&mut line).unwrap_or(0) == 0 {
                     return;
+                }
+                if let Some(target) = line.strip_prefix("GET ") {
+                    let path = target.split(' ').next().unwrap_or_default();
+                    get = Some(path.trim_start_matches('/').as_bytes().to_vec());
                 }
                 let line = line.trim_end().to_ascii_lowercase();
                 if line.is_empty() {
@@ -453,7 +459,7 @@ mod tests {
                 return;
             }
             calls.fetch_add(1, Ordering::SeqCst);
-            let answer = FakeWebdis::answer(store, &body);
+            let answer = FakeWebdis::answer(store, get.as_deref().unwrap_or(&body));
             let head = format!(
                 "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
                 answer.len()
@@ -595,12 +601,18 @@ mod tests {
         assert_eq!(stream.request_body(true).finish(&envoy), Verdict::Pause);
         let callouts = envoy.0.borrow().callouts.clone();
         assert!(!callouts.is_empty(), "no callout of the request's own");
-        assert!(callouts.iter().all(|(cluster, _)| cluster == b"webdis"));
+        assert!(callouts.iter().all(|(cluster, _, _)| cluster == b"webdis"));
         assert!(envoy.0.borrow().sent.is_empty(), "no 429 while it waits");
-        for (i, (_, call)) in callouts.iter().enumerate() {
+        for (i, (_, path, body)) in callouts.iter().enumerate() {
+            // The stage's own calls are `GET <path>/<command>`.
+            let command = if body.is_empty() {
+                path.trim_start_matches('/').as_bytes()
+            } else {
+                body.as_slice()
+            };
             let answer = CalloutAnswer {
                 status: Some(200),
-                body: FakeWebdis::answer(&webdis.store, call),
+                body: FakeWebdis::answer(&webdis.store, command),
                 retry_after_secs: None,
             };
             let _ = stream.callout_done(i as u32 + 1, answer).finish(&envoy);
