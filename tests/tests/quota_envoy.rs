@@ -15,10 +15,26 @@ use serde_json::{Value, json};
 use zerolayer_e2e::chain::{CACHE_SECRET, Form, anthropic, openai, reported_usage};
 use zerolayer_e2e::fleet::RedisFleet;
 use zerolayer_e2e::tokens::{self, issuer};
-use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, paths, wait};
+use zerolayer_e2e::{Client, Envoy, EnvoyConfig, MockServer, in_every_form, paths, wait};
 use zerolayer_stub::{Stub, StubConfig};
 
 const PREFIX: &str = "zl:e2e:";
+
+// Each scenario runs in every Envoy form: a module named after it, a test
+// per form (`a_cache_hit_costs_a_request_and_no_tokens::native`).
+in_every_form!(
+    a_tenant_spends_its_budget_then_gets_insufficient_quota_and_redis_holds_what_was_used,
+    a_forged_token_claiming_a_tenant_spends_none_of_its_budget,
+    the_official_sdks_spend_a_budget_and_do_not_retry_its_exhaustion,
+    three_envoys_on_one_redis_settle_at_most_the_budget_and_redis_counts_it_once,
+    a_blackholed_redis_adds_no_error_and_its_counter_catches_up_once_back,
+    a_top_up_in_redis_reaches_every_gateway_within_a_sync_interval,
+    a_request_cannot_dodge_its_reservation_nor_choose_its_scope,
+    forged_credentials_admitted_lazily_spend_the_unverified_budget_never_the_tenants,
+    a_hard_budget_cuts_a_long_stream_cleanly_and_redis_holds_what_was_delivered,
+    the_official_sdks_read_a_hard_cut_stream_as_a_length_finish,
+    a_cache_hit_costs_a_request_and_no_tokens,
+);
 
 /// Envoy with quota (policies `policies`) in front of `backend`, its store
 /// `webdis`; JWTs verified synchronously with the test issuer's keys.
@@ -167,9 +183,6 @@ fn gateway_with(
     })
 }
 
-/// The forms quota runs in.
-const FORMS: [Form; 3] = [Form::Native, Form::Separate, Form::Fused];
-
 impl Gateway {
     fn post(&self, bearer: &str, path: &str, body: &str) -> Result<zerolayer_e2e::Reply> {
         self.client.send(
@@ -195,16 +208,9 @@ fn daily_tokens(amount: u64) -> Value {
             "limit": {"budget": {"amount": amount, "window": "day"}}}])
 }
 
-#[test]
-fn a_tenant_spends_its_budget_then_gets_insufficient_quota_and_redis_holds_what_was_used()
--> Result<()> {
-    for form in FORMS {
-        spends_its_budget(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn spends_its_budget(form: Form) -> Result<()> {
+fn a_tenant_spends_its_budget_then_gets_insufficient_quota_and_redis_holds_what_was_used(
+    form: Form,
+) -> Result<()> {
     let fleet = RedisFleet::start_for_quota()?;
     let stub = Stub::start(StubConfig::default())?;
     let gw = gateway(form, stub.addr(), fleet.webdis(), daily_tokens(600))?;
@@ -302,15 +308,7 @@ fn spends_its_budget(form: Form) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn a_forged_token_claiming_a_tenant_spends_none_of_its_budget() -> Result<()> {
-    for form in FORMS {
-        forged_tokens(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn forged_tokens(form: Form) -> Result<()> {
+fn a_forged_token_claiming_a_tenant_spends_none_of_its_budget(form: Form) -> Result<()> {
     let fleet = RedisFleet::start_for_quota()?;
     let stub = Stub::start(StubConfig::default())?;
     let gw = gateway(form, stub.addr(), fleet.webdis(), daily_tokens(100_000))?;
@@ -346,15 +344,7 @@ fn forged_tokens(form: Form) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn the_official_sdks_spend_a_budget_and_do_not_retry_its_exhaustion() -> Result<()> {
-    for form in FORMS {
-        sdks(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn sdks(form: Form) -> Result<()> {
+fn the_official_sdks_spend_a_budget_and_do_not_retry_its_exhaustion(form: Form) -> Result<()> {
     let fleet = RedisFleet::start_for_quota()?;
     let stub = Stub::start(StubConfig::default())?;
     let gw = gateway(form, stub.addr(), fleet.webdis(), daily_tokens(600))?;
@@ -394,15 +384,9 @@ fn sdks(form: Form) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn three_envoys_on_one_redis_settle_at_most_the_budget_and_redis_counts_it_once() -> Result<()> {
-    for form in FORMS {
-        three_envoys(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn three_envoys(form: Form) -> Result<()> {
+fn three_envoys_on_one_redis_settle_at_most_the_budget_and_redis_counts_it_once(
+    form: Form,
+) -> Result<()> {
     const BUDGET: i64 = 100_000;
     const STREAMS: usize = 200;
     let fleet = RedisFleet::start_for_quota()?;
@@ -457,17 +441,12 @@ fn three_envoys(form: Form) -> Result<()> {
     );
     assert!(admitted > 0, "nothing admitted");
     assert!(used <= BUDGET, "settled {used}, over the budget {BUDGET}");
-    wait::until(
+    redis_holds(
+        &fleet,
+        used,
         "Redis to hold what was used",
         Duration::from_secs(10),
-        || Ok((fleet.budget_total(PREFIX)? == used).then_some(())),
-    )
-    .with_context(|| {
-        format!(
-            "Redis holds {:?}, the streams reported {used}",
-            fleet.budget_total(PREFIX)
-        )
-    })?;
+    )?;
     // No drift: Redis holds exactly what the gateways' access logs (metering's
     // exact per-request usage, the reconciliation's truth) bill acme.
     wait::until(
@@ -591,6 +570,15 @@ fn the_native_module_refuses_a_quota_store_its_thread_cannot_reach_naming_the_fi
     Ok(())
 }
 
+/// Waits (at most `timeout`) until the budget counters in Redis add up to
+/// `want`: settled, and idle leases returned.
+fn redis_holds(fleet: &RedisFleet, want: i64, what: &str, timeout: Duration) -> Result<()> {
+    wait::until(what, timeout, || {
+        Ok((fleet.budget_total(PREFIX)? == want).then_some(()))
+    })
+    .with_context(|| format!("Redis holds {:?}, want {want}", fleet.budget_total(PREFIX)))
+}
+
 /// The budget counters of policy `policy` in Redis, summed.
 fn policy_total(fleet: &RedisFleet, policy: &str) -> Result<i64> {
     fleet.budget_total(&format!("{PREFIX}{{{policy}:"))
@@ -603,15 +591,7 @@ fn p99(latencies: &mut [Duration]) -> Duration {
     latencies.get(i).copied().unwrap_or_default()
 }
 
-#[test]
-fn a_blackholed_redis_adds_no_error_and_its_counter_catches_up_once_back() -> Result<()> {
-    for form in FORMS {
-        blackholed(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn blackholed(form: Form) -> Result<()> {
+fn a_blackholed_redis_adds_no_error_and_its_counter_catches_up_once_back(form: Form) -> Result<()> {
     let fleet = RedisFleet::start_for_quota()?;
     let stub = Stub::start(StubConfig::default())?;
     let gw = gateway(form, stub.addr(), fleet.webdis(), daily_tokens(1_000_000))?;
@@ -673,30 +653,16 @@ fn blackholed(form: Form) -> Result<()> {
     eprintln!("{form:?}: {errors} store calls found no answer while blackholed");
     fleet.resume_webdis()?;
     // What was spent without the store reaches it once, exactly.
-    wait::until(
+    redis_holds(
+        &fleet,
+        used,
         "Redis to catch up with what was used",
         Duration::from_secs(15),
-        || Ok((fleet.budget_total(PREFIX)? == used).then_some(())),
-    )
-    .with_context(|| {
-        format!(
-            "Redis holds {:?}, the responses reported {used}; log:\n{}",
-            fleet.budget_total(PREFIX),
-            gw.envoy.log_tail(20)
-        )
-    })?;
+    )?;
     Ok(())
 }
 
-#[test]
-fn a_top_up_in_redis_reaches_every_gateway_within_a_sync_interval() -> Result<()> {
-    for form in FORMS {
-        top_up(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn top_up(form: Form) -> Result<()> {
+fn a_top_up_in_redis_reaches_every_gateway_within_a_sync_interval(form: Form) -> Result<()> {
     const SYNC_MS: u64 = 100;
     let fleet = RedisFleet::start_for_quota()?;
     let stub = Stub::start(StubConfig::default())?;
@@ -769,15 +735,7 @@ fn top_up(form: Form) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn a_request_cannot_dodge_its_reservation_nor_choose_its_scope() -> Result<()> {
-    for form in FORMS {
-        dodges(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn dodges(form: Form) -> Result<()> {
+fn a_request_cannot_dodge_its_reservation_nor_choose_its_scope(form: Form) -> Result<()> {
     let fleet = RedisFleet::start_for_quota()?;
     let stub = Stub::start(StubConfig::default())?;
     // 3,000 tokens a day: less than the 4,096 output tokens a request that
@@ -890,16 +848,9 @@ fn fleet_scopes(fleet: &RedisFleet) -> Result<usize> {
         .count())
 }
 
-#[test]
-fn forged_credentials_admitted_lazily_spend_the_unverified_budget_never_the_tenants() -> Result<()>
-{
-    for form in FORMS {
-        lazily_forged(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn lazily_forged(form: Form) -> Result<()> {
+fn forged_credentials_admitted_lazily_spend_the_unverified_budget_never_the_tenants(
+    form: Form,
+) -> Result<()> {
     let fleet = RedisFleet::start_for_quota()?;
     let stub = Stub::start(StubConfig::default())?;
     // lazy-auth as shipped: a credential's first request is admitted before
@@ -1018,15 +969,9 @@ fn sse_events(body: &str) -> Vec<(String, String)> {
     events
 }
 
-#[test]
-fn a_hard_budget_cuts_a_long_stream_cleanly_and_redis_holds_what_was_delivered() -> Result<()> {
-    for form in FORMS {
-        hard_cut(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn hard_cut(form: Form) -> Result<()> {
+fn a_hard_budget_cuts_a_long_stream_cleanly_and_redis_holds_what_was_delivered(
+    form: Form,
+) -> Result<()> {
     let fleet = RedisFleet::start_for_quota()?;
     let stub = long_streams()?;
     let gw = hard_gateway(form, stub.addr(), fleet.webdis(), HARD_BUDGET)?;
@@ -1127,30 +1072,16 @@ fn hard_cut(form: Form) -> Result<()> {
         );
         billed += (input + output) as i64;
     }
-    wait::until(
+    redis_holds(
+        &fleet,
+        billed,
         "Redis to hold what was delivered",
         Duration::from_secs(10),
-        || Ok((fleet.budget_total(PREFIX)? == billed).then_some(())),
-    )
-    .with_context(|| {
-        format!(
-            "Redis holds {:?}, the clients were billed {billed}; log:\n{}",
-            fleet.budget_total(PREFIX),
-            gw.envoy.log_tail(30)
-        )
-    })?;
+    )?;
     Ok(())
 }
 
-#[test]
-fn the_official_sdks_read_a_hard_cut_stream_as_a_length_finish() -> Result<()> {
-    for form in FORMS {
-        hard_sdks(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn hard_sdks(form: Form) -> Result<()> {
+fn the_official_sdks_read_a_hard_cut_stream_as_a_length_finish(form: Form) -> Result<()> {
     let fleet = RedisFleet::start_for_quota()?;
     let stub = long_streams()?;
     let gw = hard_gateway(form, stub.addr(), fleet.webdis(), HARD_BUDGET)?;
@@ -1187,29 +1118,16 @@ fn hard_sdks(form: Form) -> Result<()> {
         );
         billed += (input + output) as i64;
     }
-    wait::until(
+    redis_holds(
+        &fleet,
+        billed,
         "Redis to hold what the SDKs were billed",
         Duration::from_secs(10),
-        || Ok((fleet.budget_total(PREFIX)? == billed).then_some(())),
-    )
-    .with_context(|| {
-        format!(
-            "Redis holds {:?}, billed {billed}",
-            fleet.budget_total(PREFIX)
-        )
-    })?;
+    )?;
     Ok(())
 }
 
-#[test]
-fn a_cache_hit_costs_a_request_and_no_tokens() -> Result<()> {
-    for form in FORMS {
-        cache_hit(form).with_context(|| format!("{form:?}"))?;
-    }
-    Ok(())
-}
-
-fn cache_hit(form: Form) -> Result<()> {
+fn a_cache_hit_costs_a_request_and_no_tokens(form: Form) -> Result<()> {
     let fleet = RedisFleet::start_for_quota()?;
     let stub = Stub::start(StubConfig::default())?;
     let gw = gateway(form, stub.addr(), fleet.webdis(), daily_tokens(100_000))?;
@@ -1227,17 +1145,11 @@ fn cache_hit(form: Form) -> Result<()> {
     assert_eq!(stub.requests().len(), 1, "the hit reached the backend");
     // The default `cache_hit: request`: one request, no tokens; the idle
     // lease gives back what it held.
-    wait::until(
+    redis_holds(
+        &fleet,
+        (input + output) as i64,
         "Redis to hold the miss's tokens only",
         Duration::from_secs(10),
-        || Ok((fleet.budget_total(PREFIX)? == (input + output) as i64).then_some(())),
-    )
-    .with_context(|| {
-        format!(
-            "Redis holds {:?}, the miss used {}",
-            fleet.budget_total(PREFIX),
-            input + output
-        )
-    })?;
+    )?;
     Ok(())
 }
