@@ -1131,11 +1131,8 @@ fn quota_total(chain: &KongChain) -> Result<i64> {
 /// The total once idle leases have given back what they held (nothing
 /// sent for a while, two readings alike).
 fn quota_settled(chain: &KongChain) -> Result<i64> {
-    let mut last = None;
-    wait::until("quota's Redis to settle", Duration::from_secs(10), || {
-        std::thread::sleep(Duration::from_millis(700));
-        let now = quota_total(chain)?;
-        Ok((last.replace(now) == Some(now)).then_some(now))
+    wait::settled("quota's Redis to settle", Duration::from_secs(10), || {
+        quota_total(chain)
     })
 }
 
@@ -1286,7 +1283,6 @@ fn quota_a_forged_token_claiming_a_tenant_spends_none_of_its_budget() -> Result<
                 "{prefix}: {statuses:?}"
             );
         }
-        std::thread::sleep(Duration::from_millis(500));
         ensure!(
             quota_settled(chain)? == before,
             "the forged tokens spent acme's budget: {before} before, {:?} after",
