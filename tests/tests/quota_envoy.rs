@@ -33,6 +33,7 @@ in_every_form!(
     forged_credentials_admitted_lazily_spend_the_unverified_budget_never_the_tenants,
     a_hard_budget_cuts_a_long_stream_cleanly_and_redis_holds_what_was_delivered,
     the_official_sdks_read_a_hard_cut_stream_as_a_length_finish,
+    a_hard_stream_longer_than_its_lease_refills_as_it_goes_and_is_not_cut,
     a_cache_hit_costs_a_request_and_no_tokens,
 );
 
@@ -1078,6 +1079,63 @@ fn a_hard_budget_cuts_a_long_stream_cleanly_and_redis_holds_what_was_delivered(
         "Redis to hold what was delivered",
         Duration::from_secs(10),
     )?;
+    Ok(())
+}
+
+fn a_hard_stream_longer_than_its_lease_refills_as_it_goes_and_is_not_cut(form: Form) -> Result<()> {
+    // A 100,000-token budget, leases of the default 5 % (5,000), and no
+    // tick during the stream (a 5 s sync interval): a stream of ~12,000
+    // bytes of text must have its lease refilled from the response itself
+    // (before, it was cut where its first lease ran dry).
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = long_streams()?;
+    let policies = json!([{"name": "daily", "scope": ["tenant"], "unit": "tokens", "stream": "hard",
+                           "limit": {"budget": {"amount": 100_000, "window": "day"}}}]);
+    let setup = Setup {
+        quota: json!({"store": {"sync_interval_ms": 5_000, "lease_ttl_ms": 10_000,
+                                "idle_return_ms": 10_000}}),
+        ..Setup::default()
+    };
+    let gw = gateway_with(form, stub.addr(), fleet.webdis(), policies, &setup)?;
+    let body = json!({
+        "model": "gpt-test", "stream": true, "stream_options": {"include_usage": true},
+        "messages": [{"role": "user", "content": "write a long story"}],
+    })
+    .to_string();
+    let reply = gw.post(&bearer("alice", "acme"), "/v1/chat/completions", &body)?;
+    anyhow::ensure!(reply.status == 200, "{} {}", reply.status, reply.body);
+    let events = sse_events(&reply.body);
+    let text: u64 = events
+        .iter()
+        .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            v.pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+                .map(|s| s.len() as u64)
+        })
+        .sum();
+    let finish: Vec<String> = events
+        .iter()
+        .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            v.pointer("/choices/0/finish_reason")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
+        .collect();
+    let (_, output) = reported_usage(&reply.body)?;
+    eprintln!("{form:?}: {text} bytes of text, {output} tokens, finish {finish:?}");
+    assert_eq!(finish, ["stop"], "the backend's own end, not a cut");
+    assert_eq!(output, 2_000, "the whole stream");
+    assert!(text > 2 * 5_000, "{text} bytes: several leases' worth");
+    // Every byte drawn was debited from the fleet's counter before it was
+    // delivered: Redis holds at least the text (the surplus returns when
+    // the lease goes idle).
+    let held = policy_total(&fleet, "daily")?;
+    assert!(
+        held >= text as i64,
+        "Redis holds {held}, the stream drew {text}"
+    );
     Ok(())
 }
 

@@ -406,6 +406,52 @@ fn a_hard_stream_is_cut_when_its_lease_cannot_cover_the_next_chunk() {
 }
 
 #[test]
+fn a_hard_stream_refilled_when_due_is_cut_at_the_budget_not_at_its_lease() {
+    // One holder, a 10,000-token budget, leases of at most 5 % (500): a
+    // stream drawing 16 tokens an event, with the holder syncing whenever
+    // the stream's lease says a refill is due (the stage does so from the
+    // response), runs to the budget; without those syncs it is cut where
+    // its first lease runs dry.
+    let config = json!({
+        "store": {"cluster": "webdis", "path": "/", "expected_gateways": 1},
+        "defaults": {"stream": "hard"},
+        "policies": [{"name": "d", "scope": ["tenant"], "unit": "tokens",
+                      "limit": {"budget": {"amount": 10_000, "window": "day"}}}]
+    });
+    let run = |refill: bool| {
+        let mut q = quota(config.clone());
+        let mut store = ModelStore::new();
+        let bound = RequestBound::new(100, Some(100_000));
+        let _ = q.reserve(&tenant("a"), &bound, true, T0);
+        sync(&mut q, &mut store, T0);
+        let mut t = q.reserve(&tenant("a"), &bound, true, T0 + 1).unwrap();
+        let (mut output, mut syncs) = (0u64, 0);
+        loop {
+            output += 16;
+            if q.draw(&mut t, None, output, T0 + 2) == StreamVerdict::Cut {
+                break;
+            }
+            if refill && q.refill_due(&t, T0 + 2) {
+                syncs += 1;
+                sync(&mut q, &mut store, T0 + 2);
+            }
+            assert!(!q.refill_due(&t, T0 + 2) || !refill, "due after its sync");
+        }
+        (100 + output, syncs)
+    };
+    let (alone, _) = run(false);
+    assert!(alone <= 500 + 16, "cut at its first lease: {alone}");
+    let (refilled, syncs) = run(true);
+    assert!(syncs > 5, "{syncs} refills");
+    // Cut within one event of the budget (the last leases shrink to half
+    // what the fleet has left, down to one token).
+    assert!(
+        (10_000 - 500..=10_000 + 16).contains(&refilled),
+        "billed {refilled} of 10,000"
+    );
+}
+
+#[test]
 fn trusted_headers_scope_but_are_never_shared_across_values() {
     let mut q = quota(json!({
         "trusted_headers": ["x-team"],

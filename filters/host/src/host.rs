@@ -220,6 +220,13 @@ pub trait Host {
         self.platform() == Platform::NgxWasm
     }
 
+    /// Whether a stage may make a callout from a response phase: not in
+    /// ngx_wasm_module, which refuses `proxy_dispatch_http_call` in its
+    /// header and body filter phases.
+    fn can_call_out_from_response(&mut self) -> bool {
+        self.platform() != Platform::NgxWasm
+    }
+
     /// Whether later filters of the chain see a response before this one:
     /// ngx_wasm_module runs every phase in chain order, Envoy runs response
     /// phases in reverse (and the fused filter runs its stages so everywhere).

@@ -241,6 +241,13 @@ impl Plan {
         self.leases.in_flight().remove(&call.target);
         self.quota().on_webdis_response(call, status, body, now);
     }
+
+    /// `call` went with the stream that sent it (the host cancels a
+    /// stream's callouts with it): asked again, not counted as a failure.
+    pub(crate) fn withdrawn(&self, call: &StoreCall) {
+        self.leases.in_flight().remove(&call.target);
+        self.quota().withdrawn(&call.target);
+    }
 }
 
 impl QuotaRoot {

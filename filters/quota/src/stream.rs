@@ -79,6 +79,9 @@ pub(crate) struct QuotaStream {
     wait_failed: bool,
     /// The store calls it waits for, by token.
     waiting: Vec<(u32, StoreCall)>,
+    /// The refills a hard stream asked for as its lease ran low (Envoy):
+    /// it does not wait for them, their answers fill the lease.
+    refills: Vec<(u32, StoreCall)>,
 }
 
 impl QuotaStream {
@@ -103,6 +106,7 @@ impl QuotaStream {
             wait_until: 0,
             wait_failed: false,
             waiting: Vec::new(),
+            refills: Vec::new(),
         }
     }
 
@@ -171,10 +175,17 @@ impl QuotaStream {
     /// The store answered one of the calls this request waits for; with
     /// the last, the request is reserved again and resumed or refused.
     fn store_answered(&mut self, host: &mut impl StreamHost, token: u32, body_size: usize) {
-        let Some(at) = self.waiting.iter().position(|(t, _)| *t == token) else {
+        let Some(plan) = self.plan.clone() else {
             return;
         };
-        let Some(plan) = self.plan.clone() else {
+        if let Some(at) = self.refills.iter().position(|(t, _)| *t == token) {
+            let (_, call) = self.refills.swap_remove(at);
+            let body = host.callout_body(body_size);
+            let status = host.callout_status();
+            plan.answered(&call, status, &body, host.now_ms());
+            return;
+        }
+        let Some(at) = self.waiting.iter().position(|(t, _)| *t == token) else {
             return;
         };
         let (_, call) = self.waiting.swap_remove(at);
@@ -376,7 +387,20 @@ impl QuotaStream {
                 out
             })
         });
+        // A lease this stream drains below its low watermark is refilled
+        // now, not at the holder's next tick: a stream outrunning the ticks
+        // is then cut at the fleet's limit rather than where its lease ran
+        // dry (Envoy; ngx_wasm_module makes no callout from a response).
+        let refill = cut_body.is_none()
+            && self.refills.is_empty()
+            && quota.refill_due(ticket, now)
+            && host.can_call_out_from_response();
         drop(quota);
+        if refill {
+            let timeout =
+                std::time::Duration::from_millis(u64::from(plan.config.store.endpoint.timeout_ms));
+            plan.send_due(host, timeout, false, &mut self.refills);
+        }
         self.response_bytes += passed as u64;
         let Some(out) = cut_body else {
             return;
@@ -552,8 +576,8 @@ impl Drop for QuotaStream {
         let now = self.plan.as_ref().map_or(0, |p| p.last_ms.get());
         if let Some(plan) = &self.plan {
             // Calls whose answers went with the stream are asked again.
-            for (_, call) in self.waiting.drain(..) {
-                plan.answered(&call, None, b"", now);
+            for (_, call) in self.waiting.drain(..).chain(self.refills.drain(..)) {
+                plan.withdrawn(&call);
             }
         }
         if self.ticket.is_some() {

@@ -559,6 +559,24 @@ impl Gateway {
         stream.log(&mut self.host);
         client
     }
+
+    /// [`Gateway::stream`] with the store answering, between two chunks,
+    /// the calls made so far (the stream's own refills among them).
+    fn stream_answered(&mut self, stream: &mut Stream, events: &[u8], split: usize) -> Vec<u8> {
+        self.host
+            .respond_with(&[(":status", "200"), ("content-type", "text/event-stream")]);
+        let _ = stream.response_headers(&mut self.host, false);
+        let mut client = Vec::new();
+        let chunks: Vec<&[u8]> = events.chunks(split).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            self.host.response_body = chunk.to_vec();
+            let _ = stream.response_body(&mut self.host, chunk.len(), i + 1 == chunks.len());
+            client.extend_from_slice(&self.host.response_body);
+            self.answer_store_to(Some(stream));
+        }
+        stream.log(&mut self.host);
+        client
+    }
 }
 
 #[test]
@@ -624,6 +642,8 @@ fn a_hard_openai_stream_is_cut_cleanly_and_billed_what_it_delivered() {
         "metering's record is what was billed"
     );
     drop(quota);
+    // Gone after its log (the refill it asked for is asked again).
+    drop(stream);
     gw.host.advance(Duration::from_millis(61_000));
     gw.sync();
     assert_eq!(gw.counter("daily") as u64, 2 + input + delivered);
@@ -647,6 +667,7 @@ fn a_hard_anthropic_stream_ends_with_max_tokens_and_its_reported_input() {
         &text[text.len() - 400..]
     );
     assert_eq!(text.matches("event: message_stop").count(), 1);
+    drop(stream);
     gw.host.advance(Duration::from_millis(61_000));
     gw.sync();
     // Billed its reported input, not the body's bound.
@@ -698,4 +719,52 @@ fn the_last_callback_metering_already_recorded_is_not_cut() {
     let events = openai_events(500);
     let client = gw.stream(&mut stream, &events, events.len());
     assert_eq!(client, events);
+}
+
+#[test]
+fn a_hard_stream_refills_its_lease_as_it_goes_and_is_cut_at_the_budget() {
+    // Leases of at most 5 % of a 10,000-token budget (500); a stream of
+    // 3,000 four-byte words (12,000 bytes of text) with no tick during it.
+    let mut config = daily(10_000);
+    config["defaults"] = json!({"stream": "hard"});
+    let mut gw = Gateway::new(&config);
+    gw.warm();
+    let (mut stream, _) = gw.ask(OPENAI, ACME, STREAM_CHAT);
+    let input = STREAM_CHAT.len() as u64;
+    let client = gw.stream_answered(&mut stream, &openai_events(3_000), 64);
+    let text = String::from_utf8(client).unwrap();
+    let delivered = 4 * text.matches("abcd").count() as u64;
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    let quota = gw.root.quota().unwrap();
+    assert_eq!(quota.stats(0).cuts, 1);
+    // The stream asked for its refills itself, from the response, and was
+    // cut within a lease's last sliver of the budget (2 went to `warm`).
+    assert!(quota.stats(0).refills > 5, "{:?}", quota.stats(0));
+    let billed = input + delivered;
+    assert!(
+        (10_000 - 500..=10_000 - 2 + 4).contains(&billed),
+        "billed {billed} of 10,000"
+    );
+    assert_eq!(quota.store_unreachable(), 0);
+    drop(quota);
+
+    // Its refills unanswered (a store that answers only ticks), the same
+    // stream is cut where its first lease runs dry; a refill still out
+    // when the stream goes is asked again, not counted as the store's.
+    let mut gw = Gateway::new(&config);
+    gw.warm();
+    let (mut stream, _) = gw.ask(OPENAI, ACME, STREAM_CHAT);
+    let client = gw.stream(&mut stream, &openai_events(3_000), 64);
+    let delivered = 4 * String::from_utf8(client).unwrap().matches("abcd").count() as u64;
+    assert!(input + delivered <= 500 + 4, "{input} + {delivered}");
+    assert!(!gw.host.dispatched.is_empty(), "a refill was asked");
+    drop(stream);
+    gw.host.dispatched.clear();
+    gw.sync();
+    let quota = gw.root.quota().unwrap();
+    assert_eq!(quota.store_unreachable(), 0);
+    drop(quota);
+    gw.host.advance(Duration::from_millis(61_000));
+    gw.sync();
+    assert_eq!(gw.counter("daily") as u64, 2 + input + delivered);
 }

@@ -817,6 +817,23 @@ impl GatewayQuota {
         verdict
     }
 
+    /// Whether a lease `ticket` draws from is below its low watermark (or
+    /// short) with no store operation out: a stream draining it should
+    /// have the holder sync now rather than at its next tick, so that the
+    /// stream is cut at the fleet's limit, not where its lease ran dry
+    /// between two ticks.
+    pub fn refill_due(&self, ticket: &Ticket, now_ms: u64) -> bool {
+        ticket.held().any(|held| {
+            let (Some(policy), Some(entry)) = (
+                self.policies.get(usize::from(held.policy)),
+                self.table.get(held.slot),
+            ) else {
+                return false;
+            };
+            policy.cost.counts_tokens() && entry.lease.needs_refill(now_ms, &policy.params)
+        })
+    }
+
     /// Settles `ticket`: each policy's reservation is replaced by the exact
     /// cost of `settlement` (the difference returns to the lease).
     pub fn settle(
@@ -1136,6 +1153,22 @@ impl GatewayQuota {
                 }
                 Err(e) => failed(self, &e),
             },
+        }
+    }
+
+    /// A call whose answer can no longer arrive though the store may have
+    /// had it (the stream that sent it went away and the host cancelled
+    /// it): asked again at the next sync, with the same sequence number
+    /// (applied once), and not counted as the store's failure.
+    pub fn withdrawn(&mut self, target: &CallTarget) {
+        match *target {
+            CallTarget::Lease { slot, seq, .. } => {
+                if let Some(entry) = self.table.get_mut(slot) {
+                    entry.lease.unanswered(seq);
+                }
+            }
+            CallTarget::Load(script) => self.loading[usize::from(script == Script::Delta)] = false,
+            CallTarget::Orphan { .. } => {}
         }
     }
 
