@@ -270,10 +270,15 @@ pub fn run(args: &[String]) -> Result<()> {
     );
     if let Some(q) = quota {
         println!(
-            "Quota: {} of {} requests admitted within the {}-token budget, then {} ({}); Redis settled {} tokens.",
+            "Quota: {} of {} requests admitted within the {}-token budget (the stream {}), then {} ({}); Redis settled {} tokens.",
             q.remaining.len(),
             q.statuses.len(),
             crate::demo_quota::DAILY_TOKENS,
+            match &q.stream {
+                Some((finish, _)) if finish == "length" => "cut cleanly as its lease ran out",
+                Some(_) => "not cut",
+                None => "not sent",
+            },
             q.statuses.last().copied().unwrap_or_default(),
             q.refusal
                 .as_ref()
@@ -945,6 +950,11 @@ mod tests {
                     Some(("insufficient_quota".into(), "false".into())),
                     "in ngx_wasm_module"
                 );
+                assert_eq!(
+                    q.stream.as_ref().map(|(finish, _)| finish.as_str()),
+                    Some("length"),
+                    "the long stream cut at the budget in ngx_wasm_module: {q:?}"
+                );
                 assert_eq!(q.counter, q.billed, "Redis against the usage billed");
             }
             let what: Vec<(&str, u16, &str, &str)> = CASES
@@ -1011,6 +1021,11 @@ mod tests {
                 q.remaining.windows(2).all(|w| w[1] < w[0]),
                 "{form:?}: remaining must go down: {:?}",
                 q.remaining
+            );
+            assert_eq!(
+                q.stream.as_ref().map(|(finish, _)| finish.as_str()),
+                Some("length"),
+                "{form:?}: the long stream cut at the budget: {q:?}"
             );
             assert_eq!(
                 q.counter, q.billed,

@@ -22,6 +22,11 @@ pub(crate) const DAILY_TOKENS: u64 = 400;
 /// The act's requests at most, should the budget never refuse one.
 const MAX_REQUESTS: usize = 30;
 
+/// The act's request that asks for a long streamed answer (the stub is
+/// asked for 600 words, one every 2 ms; a real model for up to
+/// `max_tokens`).
+const STREAMED: usize = 4;
+
 /// The quota section the demo runs: the shipped example with its store on
 /// the demo's webdis (cluster `webdis`), a quick sync, and demo-sized
 /// budgets.
@@ -45,6 +50,9 @@ pub(crate) fn for_demo(quota: &mut Value, holders: u32) {
     quota["store"]["lease_ttl_ms"] = json!(200);
     quota["store"]["idle_return_ms"] = json!(300);
     quota["policies"][0]["name"] = json!("tenant-daily");
+    // A stream that reaches the budget is ended cleanly, billed what it
+    // delivered (the act's third request).
+    quota["policies"][0]["stream"] = json!("hard");
     quota["policies"][0]["limit"]["budget"]["amount"] = json!(DAILY_TOKENS);
 }
 
@@ -61,6 +69,9 @@ pub(crate) struct QuotaSeen {
     pub(crate) used: u64,
     /// The refusal's `error.code` and `x-should-retry`.
     pub(crate) refusal: Option<(String, String)>,
+    /// The streamed request's finish reason (`length`: cut at the budget)
+    /// and the bytes of text it delivered.
+    pub(crate) stream: Option<(String, u64)>,
     /// What the tenants' daily counters hold in Redis once leases settled.
     pub(crate) counter: i64,
     /// What they should hold: every verified request's reported usage.
@@ -100,45 +111,74 @@ pub(crate) fn act(
     let bearer = format!("Bearer {jwt}");
     let mut seen = QuotaSeen::default();
     for n in 1..=MAX_REQUESTS {
-        let body = json!({
-            "model": "gpt-demo", "max_tokens": 64,
-            "messages": [{"role": "user", "content": format!("Quota demo question {n}: what is a lease?")}],
-        })
+        let streamed = n == STREAMED;
+        let body = if streamed {
+            json!({
+                "model": "gpt-demo", "max_tokens": 2_000, "stream": true,
+                "stream_options": {"include_usage": true},
+                "messages": [{"role": "user", "content": "Quota demo: tell a long story."}],
+            })
+        } else {
+            json!({
+                "model": "gpt-demo", "max_tokens": 64,
+                "messages": [{"role": "user", "content": format!("Quota demo question {n}: what is a lease?")}],
+            })
+        }
         .to_string();
         let id = format!("quota-{n}");
-        let reply = client.send(
-            "POST",
-            url,
-            &[
-                ("authorization", bearer.as_str()),
-                ("content-type", "application/json"),
-                ("x-request-id", id.as_str()),
-            ],
-            &body,
-        )?;
+        let mut headers = vec![
+            ("authorization", bearer.as_str()),
+            ("content-type", "application/json"),
+            ("x-request-id", id.as_str()),
+        ];
+        if streamed {
+            // As a model streams (a token every 2 ms: faster than most), so
+            // the lease's refills, sent from the response, keep up.
+            headers.push(("x-stub-output-tokens", "600"));
+            headers.push(("x-stub-itl-ms", "2"));
+        }
+        let reply = client.send("POST", url, &headers, &body)?;
         seen.statuses.push(reply.status);
         let remaining = reply
             .header("x-ratelimit-remaining-tokens")
             .unwrap_or("-")
             .to_string();
-        let what = if n == 1 {
-            "bob@initech JWT, first sight"
-        } else {
-            "same JWT, verified"
+        let what = match n {
+            1 => "bob@initech JWT, first sight",
+            STREAMED => "same JWT, a long stream",
+            _ => "same JWT, verified",
         };
         if reply.status == 200 {
             let (input, output) = zerolayer_e2e::chain::reported_usage(&reply.body)?;
+            let finish = streamed.then(|| stream_end(&reply.body));
             let outcome = if n == 1 {
                 // lazy-auth admitted it before verification: the unverified
                 // budget's where there is one, never the tenant it claims.
                 verified()?;
-                "admitted before verification: never billed to initech"
+                "admitted before verification: never billed to initech".to_string()
+            } else if let Some((finish, text)) = finish {
+                seen.used += input + output;
+                if let Ok(r) = remaining.parse() {
+                    seen.remaining.push(r);
+                }
+                let told = if finish == "length" {
+                    // Cut where the lease (refilled from the response as it
+                    // drained) ran out: what was left was still being leased.
+                    let left = DAILY_TOKENS.saturating_sub(seen.used);
+                    format!(
+                        "cut cleanly after {text} bytes of text (finish_reason \"length\", then [DONE]) with {left} of the {DAILY_TOKENS} tokens left unleased; billed its input bound and the output it delivered (the usage chunk never came)"
+                    )
+                } else {
+                    format!("not cut: the answer ({text} bytes) ended on its own ({finish})")
+                };
+                seen.stream = Some((finish, text));
+                told
             } else {
                 seen.used += input + output;
                 if let Ok(r) = remaining.parse() {
                     seen.remaining.push(r);
                 }
-                "admitted from initech's lease"
+                "admitted from initech's lease".to_string()
             };
             println!(
                 "{:<4}{:<31}{:>6}  {:<11} {:<10} {outcome}",
@@ -194,11 +234,35 @@ pub(crate) fn act(
         total()
     })?;
     println!(
-        "   Redis: the tenants' daily counters hold {} tokens: initech's verified {} and {prior} of the verified",
+        "   Redis: the tenants' daily counters hold {} tokens: initech's {} here and the {prior} of the first",
         seen.counter, seen.used
     );
     println!(
-        "          requests in the table above; every unit was granted to the gateway before it was spent"
+        "          table's verified requests; every unit was granted to the gateway before it was spent"
     );
     Ok(seen)
+}
+
+/// A streamed OpenAI answer's last finish reason and the bytes of text it
+/// delivered.
+fn stream_end(body: &str) -> (String, u64) {
+    let (mut finish, mut text) = (String::from("-"), 0u64);
+    zerolayer_core::sse::SseParser::new().push(body.as_bytes(), |event| {
+        let Ok(v) = serde_json::from_slice::<Value>(event.data) else {
+            return;
+        };
+        if let Some(piece) = v
+            .pointer("/choices/0/delta/content")
+            .and_then(Value::as_str)
+        {
+            text += piece.len() as u64;
+        }
+        if let Some(reason) = v
+            .pointer("/choices/0/finish_reason")
+            .and_then(Value::as_str)
+        {
+            finish = reason.to_string();
+        }
+    });
+    (finish, text)
 }
