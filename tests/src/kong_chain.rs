@@ -90,6 +90,9 @@ pub struct KongChainOptions {
     /// `activation`, `lazy_auth`, `quota`, `post_cache`, `metering`) after
     /// the harness's own.
     pub configure: Option<fn(&mut Value)>,
+    /// Wasmtime's compilation cache directory in ngx_wasm_module (`None`:
+    /// the one every run shares).
+    pub wasmtime_cache: Option<std::path::PathBuf>,
 }
 
 impl Default for KongChainOptions {
@@ -104,6 +107,7 @@ impl Default for KongChainOptions {
             workers: 1,
             only: None,
             configure: None,
+            wasmtime_cache: None,
         }
     }
 }
@@ -167,6 +171,7 @@ impl KongChain {
             .retarget("127.0.0.1:8123", clickhouse.addr())
             .env("ZEROLAYER_CACHE_SECRET", CACHE_SECRET);
         config.workers = options.workers;
+        config.wasmtime_cache = options.wasmtime_cache.clone();
         let mut sections = Self::sections(&config, options.fused)?;
         if !options.quota
             && let Some(sections) = sections.as_object_mut()

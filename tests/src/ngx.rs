@@ -56,6 +56,9 @@ pub struct KongConfig {
     env: Vec<(String, String)>,
     /// nginx worker processes.
     pub workers: usize,
+    /// Wasmtime's compilation cache directory (`None`: the one every run
+    /// shares, under `target/ngx-wasm-cache`).
+    pub wasmtime_cache: Option<PathBuf>,
 }
 
 /// The Kong declarative files under `kong/`.
@@ -116,6 +119,7 @@ impl KongConfig {
             http: Vec::new(),
             env: Vec::new(),
             workers: 1,
+            wasmtime_cache: None,
         };
         config.read_kong_conf(&kong_file("kong.conf"))?;
         Ok(config)
@@ -273,7 +277,7 @@ impl KongConfig {
         }
         out.push_str(&format!(
             "    wasmtime {{ cache_config {}; }}\n",
-            wasmtime_cache_config()?.display()
+            wasmtime_cache_config(self.wasmtime_cache.as_deref())?.display()
         ));
         out.push_str("}\n\n");
         out.push_str("http {\n");
@@ -338,10 +342,14 @@ fn nginx_quote(text: &str) -> String {
     text.replace('\\', "\\\\").replace('\'', "\\'")
 }
 
-/// Wasmtime's compilation cache, shared by every run (each worker compiles
-/// every module at start: seconds per module without it).
-fn wasmtime_cache_config() -> Result<PathBuf> {
-    let dir = paths::root().join("target/ngx-wasm-cache");
+/// Wasmtime's compilation cache in `dir` (by default one every run shares):
+/// each worker compiles every module at start, seconds per module without
+/// it. Returns its configuration file.
+fn wasmtime_cache_config(dir: Option<&Path>) -> Result<PathBuf> {
+    let dir = dir.map_or_else(
+        || paths::root().join("target/ngx-wasm-cache"),
+        Path::to_path_buf,
+    );
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let config = dir.join("wasmtime-cache.toml");
     let text = format!(
@@ -351,7 +359,46 @@ fn wasmtime_cache_config() -> Result<PathBuf> {
     if std::fs::read_to_string(&config).ok().as_deref() != Some(text.as_str()) {
         std::fs::write(&config, text).with_context(|| format!("writing {}", config.display()))?;
     }
+    // The workers compile the modules and write the cache. Started as root,
+    // nginx runs them as `nobody` (its default `user`), who cannot write a
+    // directory root made: the cache stayed empty and every start and every
+    // reload compiled each module again (seconds per module).
+    let compiled = dir.join("compiled");
+    std::fs::create_dir_all(&compiled)
+        .with_context(|| format!("creating {}", compiled.display()))?;
+    if running_as_root() {
+        let (uid, gid) = worker_user()?;
+        std::os::unix::fs::chown(&compiled, Some(uid), Some(gid)).with_context(|| {
+            format!(
+                "giving {} to nginx's workers (uid {uid})",
+                compiled.display()
+            )
+        })?;
+    }
     Ok(config)
+}
+
+/// Whether this process runs as root (nginx then runs its workers as
+/// `nobody`).
+fn running_as_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// The uid and gid of `nobody`, the user nginx runs its workers as when its
+/// configuration names none (`/etc/passwd`).
+fn worker_user() -> Result<(u32, u32)> {
+    let passwd = std::fs::read_to_string("/etc/passwd").context("reading /etc/passwd")?;
+    passwd
+        .lines()
+        .find_map(|line| {
+            let mut fields = line.split(':');
+            (fields.next()? == "nobody").then_some(())?;
+            let uid = fields.nth(1)?.parse().ok()?;
+            let gid = fields.next()?.parse().ok()?;
+            Some((uid, gid))
+        })
+        .context("no user `nobody` in /etc/passwd: nginx's workers run as it")
 }
 
 /// nginx with ngx_wasm_module: `$ZEROLAYER_NGX_WASM`, else
@@ -382,6 +429,8 @@ pub struct NgxWasm {
     /// Bytes of the error log written before the first request (module
     /// compilation, configuration): failures show what came after.
     ready_at: usize,
+    /// How long after it was spawned the first request was answered.
+    started_in: Duration,
     listen: SocketAddr,
     dir: tempfile::TempDir,
     client: Client,
@@ -399,6 +448,7 @@ impl NgxWasm {
         let conf = dir.path().join("nginx.conf");
         std::fs::write(&conf, config.render(dir.path(), listen, upstream)?)?;
         let stderr = std::fs::File::create(dir.path().join("stderr.log"))?;
+        let spawned = std::time::Instant::now();
         let child = Command::new(&binary)
             .arg("-p")
             .arg(dir.path())
@@ -412,6 +462,7 @@ impl NgxWasm {
         let mut ngx = NgxWasm {
             child,
             ready_at: 0,
+            started_in: Duration::ZERO,
             listen,
             dir,
             client: Client::with_timeout(Duration::from_secs(5)),
@@ -422,7 +473,14 @@ impl NgxWasm {
                 ngx.log_tail(40)
             )
         })?;
+        ngx.started_in = spawned.elapsed();
         Ok(ngx)
+    }
+
+    /// How long after nginx was spawned its first request was answered
+    /// (the workers compile or load every module first).
+    pub fn started_in(&self) -> Duration {
+        self.started_in
     }
 
     /// Polls until a request is answered: any answer means the worker
@@ -474,6 +532,35 @@ impl NgxWasm {
         let since = log.get(self.ready_at..).unwrap_or(&log);
         let all: Vec<&str> = since.lines().collect();
         all[all.len().saturating_sub(lines)..].join("\n")
+    }
+
+    /// Reloads the configuration as `nginx -s reload` does (`SIGHUP` to the
+    /// master), then waits until the old workers have exited and a new one
+    /// answers; returns how long after the signal that first answer came.
+    pub fn reload(&mut self) -> Result<Duration> {
+        let old = children(self.child.id());
+        let signalled = std::time::Instant::now();
+        let status = Command::new("kill")
+            .args(["-HUP", &self.child.id().to_string()])
+            .status()
+            .context("running kill -HUP")?;
+        if !status.success() {
+            bail!("kill -HUP {} failed: {status}", self.child.id());
+        }
+        let (pid, client, child) = (self.child.id(), &self.client, &mut self.child);
+        let url = format!("http://{}/__zerolayer_ready", self.listen);
+        crate::wait::until("nginx answering after a reload", READY_TIMEOUT, || {
+            if let Some(status) = child.try_wait()? {
+                bail!("nginx exited with {status} during a reload");
+            }
+            let now = children(pid);
+            if now.iter().any(|p| old.contains(p)) || now.is_empty() {
+                return Ok(None);
+            }
+            Ok(client.get(&url, &[]).is_ok().then_some(()))
+        })
+        .map_err(|err| anyhow!("{err:#}\n--- error.log (tail) ---\n{}", self.log_tail(40)))?;
+        Ok(signalled.elapsed())
     }
 
     /// Whether the master is still running.

@@ -1346,3 +1346,104 @@ fn quota_a_tenants_first_requests_wait_for_their_lease_instead_of_a_429() -> Res
         quota_holds(chain, used, "Redis to hold the first requests' tokens")
     })
 }
+
+/// Files under `dir`, at any depth.
+fn files_under(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .flatten()
+            .map(|e| match e.file_type() {
+                Ok(t) if t.is_dir() => files_under(&e.path()),
+                Ok(_) => 1,
+                Err(_) => 0,
+            })
+            .sum()
+    })
+}
+
+/// A reload (`nginx -s reload`, SIGHUP) compiles no module again: the
+/// first start's workers fill Wasmtime's cache (as `nobody`, nginx's
+/// default worker user, when nginx starts as root: a directory they cannot
+/// write stays empty and every start and reload compiles every module),
+/// the new workers load them from it, and every request sent through the
+/// reload is answered, served. Prints both times (kong/README.md,
+/// "Restarts and reloads").
+#[test]
+fn a_reload_loads_the_modules_from_wasmtimes_cache_and_answers_every_request() -> Result<()> {
+    for fused in [false, true] {
+        let cache = tempfile::Builder::new()
+            .prefix("zerolayer-wasmtime-cache-")
+            .tempdir()?;
+        let mut chain = KongChain::start(KongChainOptions {
+            fused,
+            wasmtime_cache: Some(cache.path().to_path_buf()),
+            ..KongChainOptions::default()
+        })?;
+        let form = chain.form.clone();
+        let url = chain.gateway.url("/v1/messages");
+        let KongGateway::NgxWasm(ngx) = &mut chain.gateway else {
+            anyhow::bail!("{form}: not ngx_wasm_module");
+        };
+        let compiled = files_under(&cache.path().join("compiled"));
+        ensure!(
+            compiled > 0,
+            "{form}: the workers wrote nothing to Wasmtime's cache ({}): every start and every \
+             reload compiles every module again",
+            cache.path().display()
+        );
+        let cold = ngx.started_in();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let (warm, answers) = std::thread::scope(|scope| -> Result<_> {
+            let load = scope.spawn(|| {
+                let client = zerolayer_e2e::Client::with_timeout(Duration::from_secs(60));
+                let mut answers = Vec::new();
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let id = format!("reload-{n}");
+                    n += 1;
+                    let started = std::time::Instant::now();
+                    let reply = client.send(
+                        "POST",
+                        &url,
+                        &[
+                            ("x-api-key", GOOD_API_KEY),
+                            ("x-request-id", id.as_str()),
+                            ("content-type", "application/json"),
+                            ("cache-control", "no-store"),
+                        ],
+                        &anthropic(&id, false),
+                    );
+                    answers.push((id, reply.map(|r| r.status), started.elapsed()));
+                }
+                answers
+            });
+            std::thread::sleep(Duration::from_millis(300));
+            let warm = ngx.reload();
+            std::thread::sleep(Duration::from_millis(300));
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let answers = load
+                .join()
+                .map_err(|_| anyhow::anyhow!("the load thread panicked"))?;
+            Ok((warm?, answers))
+        })?;
+        let longest = answers.iter().map(|(_, _, t)| *t).max().unwrap_or_default();
+        println!(
+            "{form}: first answer {cold:.2?} after start (compiling {compiled} cache files), \
+             {warm:.2?} after a reload (from the cache); {} requests through the reload, the \
+             longest {longest:.2?}",
+            answers.len()
+        );
+        for (id, status, _) in &answers {
+            match status {
+                Ok(200) => {}
+                Ok(other) => anyhow::bail!("{form}: {id} got {other} across the reload"),
+                Err(err) => anyhow::bail!("{form}: {id} got no answer across the reload: {err:#}"),
+            }
+        }
+        ensure!(
+            answers.len() > 2,
+            "{form}: too few requests across the reload"
+        );
+    }
+    Ok(())
+}
