@@ -21,7 +21,6 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use zerolayer_core::footprint;
-use zerolayer_core::native::NativeSection;
 use zerolayer_fused::{Pipeline, Stage, StageRoots};
 use zerolayer_host::{MetricKind, StreamMap, Wake};
 use zerolayer_quota::{Leases, QuotaRoot};

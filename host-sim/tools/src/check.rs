@@ -181,7 +181,8 @@ type FieldError = (String, String);
 /// for an error about the whole document).
 fn within(section: &str, e: &ConfigError) -> FieldError {
     let field = match e.path() {
-        ROOT => section.to_string(),
+        // `?`: serde_path_to_error's "somewhere" for a syntax error.
+        ROOT | "?" => section.to_string(),
         path => format!("{section}.{path}"),
     };
     (field, e.message().to_string())
@@ -210,9 +211,9 @@ fn load_stage(section: &str, bytes: &[u8]) -> Result<StageConfig, FieldError> {
             check_keys(section, &config)?;
             StageConfig::LazyAuth(Box::new(config))
         }
-        "post_cache" => StageConfig::PostCache(Box::new(
-            PostCacheConfig::from_json(bytes).map_err(err)?,
-        )),
+        "post_cache" => {
+            StageConfig::PostCache(Box::new(PostCacheConfig::from_json(bytes).map_err(err)?))
+        }
         "metering" => {
             StageConfig::Metering(Box::new(MeteringConfig::from_json(bytes).map_err(err)?))
         }
@@ -380,9 +381,7 @@ impl EnvoyPlugin {
     /// `configuration`).
     fn read(config: &Value, at: String, singleton: bool) -> EnvoyPlugin {
         let vm = &config["vm_config"];
-        let filename = vm["code"]["local"]["filename"]
-            .as_str()
-            .map(str::to_string);
+        let filename = vm["code"]["local"]["filename"].as_str().map(str::to_string);
         let stem = filename
             .as_deref()
             .and_then(|f| Path::new(f).file_stem())
@@ -437,9 +436,8 @@ pub fn check_envoy(shown: &str, text: &str, base: &Path, env: Environment<'_>) -
         }
     };
     // Clusters from CDS are not in the file: their names cannot be checked.
-    let clusters: Option<Vec<String>> = doc["dynamic_resources"]["cds_config"]
-        .is_null()
-        .then(|| {
+    let clusters: Option<Vec<String>> =
+        doc["dynamic_resources"]["cds_config"].is_null().then(|| {
             seq(&doc, &["static_resources", "clusters"])
                 .iter()
                 .filter_map(|c| c["name"].as_str().map(str::to_string))
@@ -561,7 +559,9 @@ fn load_envoy_plugin(plugin: &mut EnvoyPlugin, base: &Path, report: &mut Report<
         }
         "fused" => match load_document(&bytes, false) {
             Ok(stages) => plugin.stages = Some(stages),
-            Err(errors) => errors.into_iter().for_each(|e| report.add_in(e, &plugin.at)),
+            Err(errors) => errors
+                .into_iter()
+                .for_each(|e| report.add_in(e, &plugin.at)),
         },
         "observer_service" | "observer" => match load_observer(&bytes) {
             Ok((config, stages)) => {
@@ -715,7 +715,10 @@ fn check_singleton_link(
         return;
     }
     // An observer that did not load is reported already.
-    let loaded: Vec<&ObserverConfig> = observers.iter().filter_map(|p| p.observer.as_ref()).collect();
+    let loaded: Vec<&ObserverConfig> = observers
+        .iter()
+        .filter_map(|p| p.observer.as_ref())
+        .collect();
     if loaded.is_empty() {
         return;
     }
@@ -990,10 +993,9 @@ pub fn check_kong(
         );
     }
     match kong.settings.get("wasm_filters_path") {
-        None if !filters.is_empty() => on_conf.add(
-            "wasm_filters_path",
-            "not set: Kong finds no filter module",
-        ),
+        None if !filters.is_empty() => {
+            on_conf.add("wasm_filters_path", "not set: Kong finds no filter module")
+        }
         None => {}
         Some(dir) => {
             for filter in &filters {
@@ -1001,7 +1003,11 @@ pub fn check_kong(
                 if let Some(problem) = wasm_file_problem(base, &file) {
                     on_conf.add(
                         "wasm_filters_path",
-                        format!("{problem}: Kong has no filter {} ({} in {yml_shown})", quoted(&filter.name), filter.at),
+                        format!(
+                            "{problem}: Kong has no filter {} ({} in {yml_shown})",
+                            quoted(&filter.name),
+                            filter.at
+                        ),
                     );
                 }
             }
@@ -1019,7 +1025,10 @@ pub fn check_kong(
             Some(Value::String(s)) => s.clone().into_bytes(),
             None => {
                 on_yml.add_in(
-                    ("config".to_string(), "missing: the filter needs its JSON configuration".to_string()),
+                    (
+                        "config".to_string(),
+                        "missing: the filter needs its JSON configuration".to_string(),
+                    ),
                     &filter.at,
                 );
                 continue;
@@ -1037,7 +1046,9 @@ pub fn check_kong(
         };
         let stages = match kind {
             "activation" | "lazy_auth" | "post_cache" | "metering" | "quota" => {
-                load_stage(kind, &bytes).map(|s| vec![s]).map_err(|e| vec![e])
+                load_stage(kind, &bytes)
+                    .map(|s| vec![s])
+                    .map_err(|e| vec![e])
             }
             "fused" => load_document(&bytes, false),
             other => {
@@ -1057,12 +1068,22 @@ pub fn check_kong(
         let stages = match stages {
             Ok(stages) => stages,
             Err(errors) => {
-                errors.into_iter().for_each(|e| on_yml.add_in(e, &filter.at));
+                errors
+                    .into_iter()
+                    .for_each(|e| on_yml.add_in(e, &filter.at));
                 continue;
             }
         };
         for stage in &stages {
-            check_kong_stage(stage, filter, &kong, env, yml_shown, &mut on_yml, &mut on_conf);
+            check_kong_stage(
+                stage,
+                filter,
+                &kong,
+                env,
+                yml_shown,
+                &mut on_yml,
+                &mut on_conf,
+            );
         }
     }
     [on_yml.problems, on_conf.problems].concat()

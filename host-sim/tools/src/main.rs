@@ -192,9 +192,8 @@ fn run_check(args: &[String]) -> Result<bool> {
     if envoy.is_empty() && kong.is_empty() {
         bail!("no configuration to check\n{USAGE}");
     }
-    let read = |file: &str| {
-        std::fs::read_to_string(file).with_context(|| format!("reading {file}"))
-    };
+    let read =
+        |file: &str| std::fs::read_to_string(file).with_context(|| format!("reading {file}"));
     let env = |name: &str| std::env::var(name).ok();
     let mut good = true;
     let mut report = |files: &[&str], problems: Vec<Problem>| {
