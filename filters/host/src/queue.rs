@@ -17,6 +17,9 @@ pub struct ObserverQueue {
     id: Cell<Option<u32>>,
     /// The backlog counter's shared-data key (tick mode).
     backlog: Option<String>,
+    /// Whether a failed resolution was logged already (once per queue:
+    /// every post would fail the same way).
+    reported: Cell<bool>,
 }
 
 impl ObserverQueue {
@@ -28,6 +31,7 @@ impl ObserverQueue {
             link,
             id: Cell::new(owned),
             backlog,
+            reported: Cell::new(false),
         }
     }
 
@@ -37,7 +41,18 @@ impl ObserverQueue {
         if let Some(id) = self.id.get() {
             return Some(id);
         }
-        let id = host.resolve_queue(&self.link.vm_id, &self.link.queue)?;
+        let Some(id) = host.resolve_queue(&self.link.vm_id, &self.link.queue) else {
+            // Name what was looked for: an operator matches it against the
+            // observer's `vm_id` and `observer.queue` (`host-sim check`).
+            if !self.reported.replace(true) {
+                log::warn!(
+                    "could not find queue {:?} in vm_id {:?} (observer.queue, observer.vm_id): no observer registered it; jobs are lost until one does",
+                    self.link.queue,
+                    self.link.vm_id
+                );
+            }
+            return None;
+        };
         self.id.set(Some(id));
         Some(id)
     }

@@ -21,13 +21,12 @@ use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use zerolayer_core::footprint;
-use zerolayer_core::native::NativeSection;
-use zerolayer_fused::{Document, Pipeline, Stage, StageRoots};
+use zerolayer_fused::{Pipeline, Stage, StageRoots};
 use zerolayer_host::{MetricKind, StreamMap, Wake};
 use zerolayer_quota::{Leases, QuotaRoot};
 
 use crate::abi::ConfigEnvoy;
-use crate::config::{ObserverSections, quota_store, upstreams};
+use crate::config::Loaded;
 use crate::envoy::StreamEnvoy;
 use crate::host::{EnvoyProcess, EnvoyProxy, NativeHost, NativeRoots};
 use crate::metrics::Metrics;
@@ -90,24 +89,15 @@ impl ChainConfig {
         // Each byte is read once here to find the sections, and each section
         // parsed once more by whoever needs it: its stage, and (lazy-auth,
         // post-cache, metering) the observer's configuration with shared
-        // data's footprint, parsed together ([`ObserverSections`]).
-        let mut document = Document::parse(config)?;
-        let native = match document.take("native") {
-            Some(native) => serde_json::from_str::<NativeSection>(native.get())
-                .map_err(|e| format!("native: {e}"))?,
-            None => NativeSection::default(),
-        };
-        let sections = document.sections()?;
-        let parsed = ObserverSections::parse(&sections)?;
-        let spaces = parsed.key_spaces();
-        let observer_config = parsed.into_observer_config()?;
-        let upstreams = upstreams(&native, observer_config.as_ref())?;
-        // The quota section and its store's address, for the thread that
-        // syncs the process's lease table ([`crate::quota`]).
-        let quota = match sections.iter().find(|(stage, _)| *stage == Stage::Quota) {
-            Some(&(_, section)) => Some((section, quota_store(section, &upstreams)?)),
-            None => None,
-        };
+        // data's footprint, parsed together (`crate::config::load`).
+        let Loaded {
+            native,
+            sections,
+            spaces,
+            observer: observer_config,
+            upstreams,
+            quota,
+        } = crate::config::load(config)?;
         // SAFETY: the caller's contract.
         let metrics = unsafe { Metrics::new(config_envoy) };
         let (queue, jobs) = match &observer_config {
@@ -120,19 +110,6 @@ impl ChainConfig {
         let refused = metrics
             .id(MetricKind::Counter, "zerolayer_native_shared_refused")
             .ok();
-        let (keys, bytes) = footprint::total(&spaces);
-        if let Some(max) = native.shared_max_entries.filter(|&max| max < keys) {
-            return Err(format!(
-                "native.shared_max_entries: {max} is less than the {keys} keys the stages may hold ({})",
-                footprint::describe(&spaces)
-            ));
-        }
-        if let Some(max) = native.shared_max_bytes.filter(|&max| max < bytes) {
-            return Err(format!(
-                "native.shared_max_bytes: {max} is less than the {bytes} bytes the stages may hold ({})",
-                footprint::describe(&spaces)
-            ));
-        }
         log::info!("zerolayer-native: {}", footprint::describe(&spaces));
         let process = Arc::new(Process {
             data: SharedData::new(&spaces),

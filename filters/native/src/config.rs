@@ -8,12 +8,77 @@ use std::net::SocketAddr;
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::config::{Endpoint, ObserverMode, ROOT};
-use zerolayer_core::footprint::KeySpace;
+use zerolayer_core::footprint::{self, KeySpace};
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_core::native::NativeSection;
 use zerolayer_core::quota::config::QuotaConfig;
-use zerolayer_fused::Stage;
+use zerolayer_fused::{Document, Stage};
 use zerolayer_observer::ObserverConfig;
+
+/// The module's configuration as far as it is checked without Envoy: what
+/// [`load`] found. Pure (no thread, no metric, no host call), so the
+/// `host-sim check` command reads it too (`#[path]`-included there).
+pub(crate) struct Loaded<'a> {
+    /// The `native` section (its defaults when absent).
+    pub(crate) native: NativeSection,
+    /// The stages' sections, in chain order, each as its bytes in the document.
+    pub(crate) sections: Vec<(Stage, &'a [u8])>,
+    /// What the stages may hold in shared data, by purpose.
+    pub(crate) spaces: Vec<KeySpace>,
+    /// The observer's configuration, if any stage has work for it.
+    pub(crate) observer: Option<ObserverConfig>,
+    /// The addresses of the clusters the observer's thread calls.
+    pub(crate) upstreams: BTreeMap<String, SocketAddr>,
+    /// The quota section and its store's cluster and address.
+    pub(crate) quota: Option<(&'a [u8], (String, SocketAddr))>,
+}
+
+/// Reads and checks the configuration document: its sections, the `native`
+/// section, the observer's configuration, the upstream addresses, the quota
+/// store and the shared-data caps; `Err` is one line naming the field
+/// (`native.upstreams: …`, `lazy_auth.jwt.issuers: …`). The stages' own
+/// roots check their sections again when they are configured.
+pub(crate) fn load(config: &[u8]) -> Result<Loaded<'_>, String> {
+    let mut document = Document::parse(config)?;
+    let native = match document.take("native") {
+        Some(native) => zerolayer_core::config::from_json::<NativeSection>(native.get().as_bytes())
+            .map_err(|e| match e.path() {
+                ROOT => format!("native: {}", e.message()),
+                path => format!("native.{path}: {}", e.message()),
+            })?,
+        None => NativeSection::default(),
+    };
+    let sections = document.sections()?;
+    let parsed = ObserverSections::parse(&sections)?;
+    let spaces = parsed.key_spaces();
+    let observer = parsed.into_observer_config()?;
+    let upstreams = upstreams(&native, observer.as_ref())?;
+    let quota = match sections.iter().find(|(stage, _)| *stage == Stage::Quota) {
+        Some(&(_, section)) => Some((section, quota_store(section, &upstreams)?)),
+        None => None,
+    };
+    let (keys, bytes) = footprint::total(&spaces);
+    if let Some(max) = native.shared_max_entries.filter(|&max| max < keys) {
+        return Err(format!(
+            "native.shared_max_entries: {max} is less than the {keys} keys the stages may hold ({})",
+            footprint::describe(&spaces)
+        ));
+    }
+    if let Some(max) = native.shared_max_bytes.filter(|&max| max < bytes) {
+        return Err(format!(
+            "native.shared_max_bytes: {max} is less than the {bytes} bytes the stages may hold ({})",
+            footprint::describe(&spaces)
+        ));
+    }
+    Ok(Loaded {
+        native,
+        sections,
+        spaces,
+        observer,
+        upstreams,
+        quota,
+    })
+}
 
 /// The sections the module reads itself besides their stages — lazy-auth,
 /// post-cache and metering, for the observer's configuration and shared

@@ -614,7 +614,7 @@ mod tests {
         );
         assert!(
             refused(r#"{"activation":{},"native":{"threads":2}}"#)
-                .starts_with("zerolayer: native: unknown field `threads`"),
+                .starts_with("zerolayer: native.threads: unknown field `threads`"),
             "{}",
             refused(r#"{"activation":{},"native":{"threads":2}}"#)
         );

@@ -155,7 +155,8 @@ impl ChainFile {
     }
 }
 
-fn seq(value: &Value, path: &[&str]) -> Vec<Value> {
+/// The sequence at `path` under `value` (empty when there is none).
+pub(crate) fn seq(value: &Value, path: &[&str]) -> Vec<Value> {
     let mut v = value;
     for key in path {
         v = &v[*key];
@@ -163,7 +164,8 @@ fn seq(value: &Value, path: &[&str]) -> Vec<Value> {
     v.as_sequence().cloned().unwrap_or_default()
 }
 
-fn type_of(config: &Value) -> String {
+/// A typed config's `@type`.
+pub(crate) fn type_of(config: &Value) -> String {
     config["@type"].as_str().unwrap_or_default().to_string()
 }
 
@@ -184,11 +186,7 @@ fn plugin(config: &Value, base: &Path) -> Result<PluginSpec> {
     } else {
         spec = spec.root_id("");
     }
-    let configuration = match &config["configuration"]["value"] {
-        Value::String(s) => s.clone().into_bytes(),
-        Value::Null => Vec::new(),
-        other => serde_json::to_string(other)?.into_bytes(),
-    };
+    let configuration = string_value(&config["configuration"])?;
     // Envoy: `environment_variables.key_values` are literal, `host_env_keys`
     // come from the proxy's own environment.
     let vars = &vm["environment_variables"];
@@ -212,6 +210,17 @@ fn plugin(config: &Value, base: &Path) -> Result<PluginSpec> {
     Ok(spec
         .configuration(configuration)
         .allow_on_headers_stop_iteration(stop_iteration))
+}
+
+/// The bytes of a `google.protobuf.StringValue` (`{"@type": …, value: …}`)
+/// as a Wasm plugin's or dynamic module's configuration: the string, or any
+/// other YAML value as its JSON text; empty when there is none.
+pub(crate) fn string_value(holder: &Value) -> Result<Vec<u8>, serde_json::Error> {
+    Ok(match &holder["value"] {
+        Value::String(s) => s.clone().into_bytes(),
+        Value::Null => Vec::new(),
+        other => serde_json::to_string(other)?.into_bytes(),
+    })
 }
 
 fn parse_addr(url: &str) -> Result<SocketAddr> {

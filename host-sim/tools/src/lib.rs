@@ -1,10 +1,12 @@
 //! zerolayer's tools around the [`host_sim`] simulator, behind the
 //! `host-sim` binary: the loopback proxy ([`serve`]), replay of recorded
 //! traffic ([`replay`], [`traffic`], [`report`]), the metering sample's
-//! reconciliation ([`reconcile`]) and the rule playground's file server
-//! ([`playground`]). Unlike the simulator they know the product: the
+//! reconciliation ([`reconcile`]), the rule playground's file server
+//! ([`playground`]) and the configuration check run before a deploy
+//! ([`check`]). Unlike the simulator they know the product: the
 //! filters' hand-off properties and metric names.
 
+pub mod check;
 pub mod config_file;
 mod loopback;
 pub mod playground;

@@ -7,6 +7,8 @@
 //! host-sim reconcile --access-log access.log --clickhouse http://127.0.0.1:8123 --out corrections.jsonl
 //! host-sim replay --chain envoy/zerolayer.yaml --traffic traffic.jsonl --upstream stub --report report.html
 //! host-sim import --from har session.har --out traffic.jsonl
+//! host-sim check envoy/zerolayer.yaml envoy/zerolayer-fused.yaml
+//! host-sim check --kong kong/kong.yml kong/kong.conf
 //! ```
 
 use std::io::{BufReader, Write};
@@ -58,6 +60,14 @@ usage:
       observer ships (the metering sample, compared with the truth).
   host-sim import --from envoy|har FILE [--out FILE]
       Turn Envoy's JSON access log or a HAR file into replay traffic.
+  host-sim check [--base DIR] [ENVOY.yaml]... [--kong KONG.yml KONG.conf]...
+      Check configurations before a reload or deploy: each zerolayer filter's
+      configuration loaded by the filters' own loaders, and what the host must
+      provide for it (clusters or callout addresses, the observer's queue and
+      vm_id, secrets' environment variables, Wasm files, Kong's shm zones and
+      queues). One line per problem (`FILE: FIELD: what is wrong`), `OK FILE`
+      for a good file; exits 1 if any problem. Relative Wasm paths resolve
+      against DIR (default: the current directory, as Envoy and Kong do).
 ";
 
 fn main() -> ExitCode {
@@ -69,6 +79,7 @@ fn main() -> ExitCode {
         Some("reconcile") => reconcile(&args[1..]),
         Some("replay") => replay(&args[1..]),
         Some("import") => import(&args[1..]),
+        Some("check") => return check(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             print!("{USAGE}");
             Ok(())
@@ -145,6 +156,66 @@ impl Args {
         text.parse()
             .with_context(|| format!("--{name}: expected IP:PORT, got {text:?}"))
     }
+}
+
+/// `host-sim check`: prints each problem (or `OK FILE`), fails if any.
+fn check(args: &[String]) -> ExitCode {
+    match run_check(args) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(err) => {
+            eprintln!("host-sim check: {err:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Runs the checks; `Ok(false)` when a file has a problem.
+fn run_check(args: &[String]) -> Result<bool> {
+    use host_sim_tools::check::{Problem, check_envoy, check_kong};
+    let mut base = PathBuf::from(".");
+    let mut envoy = Vec::new();
+    let mut kong = Vec::new();
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        match arg.as_str() {
+            "--base" => base = PathBuf::from(iter.next().context("--base needs a directory")?),
+            "--kong" => {
+                let yml = iter.next().context("--kong needs KONG.yml and KONG.conf")?;
+                let conf = iter.next().context("--kong needs KONG.yml and KONG.conf")?;
+                kong.push((yml.clone(), conf.clone()));
+            }
+            other if other.starts_with("--") => bail!("unknown option {other}\n{USAGE}"),
+            file => envoy.push(file.to_string()),
+        }
+    }
+    if envoy.is_empty() && kong.is_empty() {
+        bail!("no configuration to check\n{USAGE}");
+    }
+    let read =
+        |file: &str| std::fs::read_to_string(file).with_context(|| format!("reading {file}"));
+    let env = |name: &str| std::env::var(name).ok();
+    let mut good = true;
+    let mut report = |files: &[&str], problems: Vec<Problem>| {
+        for problem in &problems {
+            println!("{problem}");
+        }
+        for file in files {
+            if !problems.iter().any(|p| p.file == *file) {
+                println!("OK {file}");
+            }
+        }
+        good &= problems.is_empty();
+    };
+    for file in &envoy {
+        let problems = check_envoy(file, &read(file)?, &base, &env);
+        report(&[file], problems);
+    }
+    for (yml, conf) in &kong {
+        let problems = check_kong(yml, &read(yml)?, conf, &read(conf)?, &base, &env);
+        report(&[yml, conf], problems);
+    }
+    Ok(good)
 }
 
 fn serve(args: &[String]) -> Result<()> {
