@@ -605,6 +605,30 @@ pub fn host_sim_chain(sample_percent: f64) -> Result<host_sim_tools::config_file
     Ok(chain)
 }
 
+/// A streamed OpenAI answer's finish reasons, in order, and the bytes of
+/// text it delivered.
+pub fn openai_stream_end(body: &str) -> (Vec<String>, u64) {
+    let (mut finishes, mut text) = (Vec::new(), 0u64);
+    zerolayer_core::sse::SseParser::new().push(body.as_bytes(), |event| {
+        let Ok(v) = serde_json::from_slice::<Value>(event.data) else {
+            return;
+        };
+        if let Some(piece) = v
+            .pointer("/choices/0/delta/content")
+            .and_then(Value::as_str)
+        {
+            text += piece.len() as u64;
+        }
+        if let Some(reason) = v
+            .pointer("/choices/0/finish_reason")
+            .and_then(Value::as_str)
+        {
+            finishes.push(reason.to_string());
+        }
+    });
+    (finishes, text)
+}
+
 /// The usage a response body reports (JSON or SSE, either provider).
 pub fn reported_usage(body: &str) -> Result<(u64, u64)> {
     let mut extractor_events = Vec::new();

@@ -486,17 +486,29 @@ impl NgxWasm {
     /// Polls until a request is answered: any answer means the worker
     /// compiled the modules and configured the filters.
     fn wait_ready(&mut self) -> Result<()> {
-        let client = &self.client;
-        let child = &mut self.child;
+        self.wait_answering("nginx answering", |_| true)?;
+        self.ready_at = self.log().len();
+        Ok(())
+    }
+
+    /// Polls until a request is answered while `workers_ready` (given the
+    /// master's workers) holds; fails if nginx exits meanwhile.
+    fn wait_answering(
+        &mut self,
+        what: &str,
+        mut workers_ready: impl FnMut(&[u32]) -> bool,
+    ) -> Result<()> {
+        let (pid, client, child) = (self.child.id(), &self.client, &mut self.child);
         let url = format!("http://{}/__zerolayer_ready", self.listen);
-        crate::wait::until("nginx answering", READY_TIMEOUT, || {
+        crate::wait::until(what, READY_TIMEOUT, || {
             if let Some(status) = child.try_wait()? {
                 bail!("nginx exited with {status}");
             }
+            if !workers_ready(&children(pid)) {
+                return Ok(None);
+            }
             Ok(client.get(&url, &[]).is_ok().then_some(()))
-        })?;
-        self.ready_at = self.log().len();
-        Ok(())
+        })
     }
 
     /// URL of `path` on the listener.
@@ -547,17 +559,9 @@ impl NgxWasm {
         if !status.success() {
             bail!("kill -HUP {} failed: {status}", self.child.id());
         }
-        let (pid, client, child) = (self.child.id(), &self.client, &mut self.child);
-        let url = format!("http://{}/__zerolayer_ready", self.listen);
-        crate::wait::until("nginx answering after a reload", READY_TIMEOUT, || {
-            if let Some(status) = child.try_wait()? {
-                bail!("nginx exited with {status} during a reload");
-            }
-            let now = children(pid);
-            if now.iter().any(|p| old.contains(p)) || now.is_empty() {
-                return Ok(None);
-            }
-            Ok(client.get(&url, &[]).is_ok().then_some(()))
+        // The old workers gone, a new one answers.
+        self.wait_answering("nginx answering after a reload", |now| {
+            !now.is_empty() && !now.iter().any(|p| old.contains(p))
         })
         .map_err(|err| anyhow!("{err:#}\n--- error.log (tail) ---\n{}", self.log_tail(40)))?;
         Ok(signalled.elapsed())

@@ -1104,25 +1104,7 @@ fn a_hard_stream_longer_than_its_lease_refills_as_it_goes_and_is_not_cut(form: F
     .to_string();
     let reply = gw.post(&bearer("alice", "acme"), "/v1/chat/completions", &body)?;
     anyhow::ensure!(reply.status == 200, "{} {}", reply.status, reply.body);
-    let events = sse_events(&reply.body);
-    let text: u64 = events
-        .iter()
-        .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|v| {
-            v.pointer("/choices/0/delta/content")
-                .and_then(Value::as_str)
-                .map(|s| s.len() as u64)
-        })
-        .sum();
-    let finish: Vec<String> = events
-        .iter()
-        .filter_map(|(_, d)| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|v| {
-            v.pointer("/choices/0/finish_reason")
-                .and_then(Value::as_str)
-                .map(str::to_string)
-        })
-        .collect();
+    let (finish, text) = zerolayer_e2e::chain::openai_stream_end(&reply.body);
     let (_, output) = reported_usage(&reply.body)?;
     eprintln!("{form:?}: {text} bytes of text, {output} tokens, finish {finish:?}");
     assert_eq!(finish, ["stop"], "the backend's own end, not a cut");

@@ -150,7 +150,10 @@ pub(crate) fn act(
         };
         if reply.status == 200 {
             let (input, output) = zerolayer_e2e::chain::reported_usage(&reply.body)?;
-            let finish = streamed.then(|| stream_end(&reply.body));
+            let finish = streamed.then(|| {
+                let (finishes, text) = zerolayer_e2e::chain::openai_stream_end(&reply.body);
+                (finishes.last().cloned().unwrap_or_else(|| "-".into()), text)
+            });
             let outcome = if n == 1 {
                 // lazy-auth admitted it before verification: the unverified
                 // budget's where there is one, never the tenant it claims.
@@ -241,28 +244,4 @@ pub(crate) fn act(
         "          table's verified requests; every unit was granted to the gateway before it was spent"
     );
     Ok(seen)
-}
-
-/// A streamed OpenAI answer's last finish reason and the bytes of text it
-/// delivered.
-fn stream_end(body: &str) -> (String, u64) {
-    let (mut finish, mut text) = (String::from("-"), 0u64);
-    zerolayer_core::sse::SseParser::new().push(body.as_bytes(), |event| {
-        let Ok(v) = serde_json::from_slice::<Value>(event.data) else {
-            return;
-        };
-        if let Some(piece) = v
-            .pointer("/choices/0/delta/content")
-            .and_then(Value::as_str)
-        {
-            text += piece.len() as u64;
-        }
-        if let Some(reason) = v
-            .pointer("/choices/0/finish_reason")
-            .and_then(Value::as_str)
-        {
-            finish = reason.to_string();
-        }
-    });
-    (finish, text)
 }
