@@ -44,6 +44,9 @@ pub struct KongConfig {
     pub paths: Vec<String>,
     /// The route's methods; others get Kong's 404.
     pub methods: Vec<String>,
+    /// The route's `response_buffering` (Kong's default: true); false
+    /// proxies the response as it comes (`proxy_buffering off`).
+    pub response_buffering: bool,
     /// The service's read timeout, milliseconds.
     pub read_timeout_ms: u64,
     /// The service's connect timeout, milliseconds.
@@ -112,6 +115,7 @@ impl KongConfig {
             filters,
             paths: strings(&route["paths"]),
             methods: strings(&route["methods"]),
+            response_buffering: route["response_buffering"].as_bool().unwrap_or(true),
             read_timeout_ms: service["read_timeout"].as_u64().unwrap_or(60_000),
             connect_timeout_ms: service["connect_timeout"].as_u64().unwrap_or(60_000),
             main: Vec::new(),
@@ -317,6 +321,11 @@ impl KongConfig {
                 ));
             }
             out.push_str("            set $zerolayer_usage \"\";\n");
+            if !self.response_buffering {
+                // Kong proxies such a route from its `@unbuffered_response`
+                // location.
+                out.push_str("            proxy_buffering off;\n");
+            }
             for filter in &self.filters {
                 out.push_str(&format!(
                     "            proxy_wasm {} '{}';\n",

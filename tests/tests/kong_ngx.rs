@@ -1347,6 +1347,90 @@ fn quota_a_tenants_first_requests_wait_for_their_lease_instead_of_a_429() -> Res
     })
 }
 
+/// quota's policy in the cut test: 400 tokens a day per tenant under
+/// `stream: hard`, the lease as large as the fleet allows (so a stream is
+/// cut at the budget, not where a 5 % lease runs dry between two ticks:
+/// ngx_wasm_module makes no callout from a response).
+fn hard_daily_400_tokens(sections: &mut Value) {
+    sections["quota"]["policies"] = json!([{
+        "name": "daily", "scope": ["tenant"], "unit": "tokens", "stream": "hard",
+        "limit": {"budget": {"amount": 400, "window": "day"}},
+    }]);
+    sections["quota"]["store"]["lease"]["max_percent"] = json!(100);
+}
+
+/// A stream that outruns its tenant's hard budget ends cleanly in the
+/// provider's format and the response completes: in ngx_wasm_module an
+/// emptied chunk loses its buffers (and the end of the response), and the
+/// worker spun in `ngx_event_pipe` at 100 % CPU, answering nothing more.
+#[test]
+fn quota_a_hard_budget_cuts_a_long_stream_and_the_response_still_ends() -> Result<()> {
+    let options = KongChainOptions {
+        quota: true,
+        configure: Some(hard_daily_400_tokens),
+        ..KongChainOptions::default()
+    };
+    both_forms(options, |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("cora", "umbrella")?;
+        let before = quota_settled(chain)?;
+        let body = json!({
+            "model": "gpt-test", "stream": true, "stream_options": {"include_usage": true},
+            "messages": [{"role": "user", "content": "write a long story"}],
+        })
+        .to_string();
+        let reply = chain.post(
+            "quota-cut",
+            "/v1/chat/completions",
+            &[
+                ("authorization", &bearer),
+                ("x-request-id", "quota-cut"),
+                // 2,000 words, one a millisecond: hundreds of chunks
+                // withheld after the cut.
+                ("x-stub-output-tokens", "2000"),
+                ("x-stub-itl-ms", "1"),
+            ],
+            &body,
+        )?;
+        ensure!(reply.status == 200, "{} {}", reply.status, reply.body);
+        let (finishes, text) = chain::openai_stream_end(&reply.body);
+        ensure!(
+            finishes == ["length"],
+            "finish reasons {finishes:?}: the stream was not cut at the budget"
+        );
+        // After `[DONE]` only SSE comments (what replaces a withheld chunk
+        // in ngx_wasm_module, which cannot send an empty one).
+        let last_data = reply.body.lines().rfind(|l| l.starts_with("data:"));
+        ensure!(
+            last_data == Some("data: [DONE]"),
+            "the stream's last event is {last_data:?}, not [DONE]"
+        );
+        ensure!(text > 0 && text < 2_000, "{text} bytes of text delivered");
+        let (input, output) = chain::reported_usage(&reply.body)?;
+        eprintln!(
+            "{}: cut after {text} bytes of text, billed {input} + {output} of 400",
+            chain.form
+        );
+        // The worker still answers.
+        let after = chain.post(
+            "quota-after-cut",
+            "/v1/messages",
+            &[("x-request-id", "quota-after-cut")],
+            &anthropic("after the cut", false),
+        )?;
+        ensure!(
+            after.status == 401,
+            "the next request: {} {}",
+            after.status,
+            after.body
+        );
+        quota_holds(
+            chain,
+            before + (input + output) as i64,
+            "Redis to hold what the cut stream was billed",
+        )
+    })
+}
+
 /// Files under `dir`, at any depth.
 fn files_under(dir: &std::path::Path) -> usize {
     std::fs::read_dir(dir).map_or(0, |entries| {

@@ -227,6 +227,14 @@ pub trait Host {
         self.platform() != Platform::NgxWasm
     }
 
+    /// Whether a response chunk may be replaced with nothing: not in
+    /// ngx_wasm_module, which drops an emptied chunk's buffers and its end
+    /// of stream, so the worker spins in `ngx_event_pipe` and the response
+    /// never ends. There a withheld chunk becomes an SSE comment line.
+    fn can_empty_response_chunks(&mut self) -> bool {
+        self.platform() != Platform::NgxWasm
+    }
+
     /// Whether later filters of the chain see a response before this one:
     /// ngx_wasm_module runs every phase in chain order, Envoy runs response
     /// phases in reverse (and the fused filter runs its stages so everywhere).

@@ -23,6 +23,10 @@ use zerolayer_host::{Action, Body, StreamHost, StreamStage};
 
 use crate::{MAX_HELD_BODY, Plan};
 
+/// What replaces a withheld chunk after a cut where a host cannot send an
+/// empty one: an SSE comment line, which event parsers skip.
+const WITHHELD_CHUNK: &[u8] = b":\n\n";
+
 /// A waiting request asks the store again only with at least this long
 /// left of its wait (ms).
 const MIN_WAIT_MS: u64 = 10;
@@ -353,8 +357,16 @@ impl QuotaStream {
             return;
         };
         if cut.is_cut() {
+            // What follows the provider's end is withheld: emptied, or an
+            // SSE comment every client's event parser skips where a host
+            // cannot send an empty chunk.
+            let withheld: &[u8] = if host.can_empty_response_chunks() {
+                b""
+            } else {
+                WITHHELD_CHUNK
+            };
             if body_size > 0
-                && let Err(status) = host.set_body(Body::Response, body_size, &[])
+                && let Err(status) = host.set_body(Body::Response, body_size, withheld)
             {
                 log::warn!("quota: could not withhold a cut stream's chunk: {status:?}");
             }

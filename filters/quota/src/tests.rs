@@ -650,6 +650,26 @@ fn a_hard_openai_stream_is_cut_cleanly_and_billed_what_it_delivered() {
 }
 
 #[test]
+fn in_ngx_wasm_module_a_cut_streams_later_chunks_become_sse_comments_never_empty() {
+    // That host drops an emptied chunk with the response's end (and under
+    // buffered proxying spins): each withheld chunk is a comment there.
+    let mut gw = Gateway::new(&hard(400, "enforce"));
+    gw.warm();
+    let (mut stream, _) = gw.ask(OPENAI, ACME, STREAM_CHAT);
+    gw.host.platform = zerolayer_host::Platform::NgxWasm;
+    let client = gw.stream(&mut stream, &openai_events(500), 37);
+    let text = String::from_utf8(client).unwrap();
+    let (kept, withheld) = text.split_once("data: [DONE]\n\n").unwrap();
+    assert!(kept.contains("\"finish_reason\":\"length\""));
+    assert!(!withheld.is_empty(), "chunks followed the cut");
+    assert_eq!(
+        withheld.replace(":\n\n", ""),
+        "",
+        "only comments after [DONE]"
+    );
+}
+
+#[test]
 fn a_hard_anthropic_stream_ends_with_max_tokens_and_its_reported_input() {
     let mut gw = Gateway::new(&hard(400, "enforce"));
     gw.warm();

@@ -25,7 +25,7 @@ use zerolayer_core::cache::config::PostCacheConfig;
 use zerolayer_core::config::{Endpoint, ObserverLink, ObserverMode, ROOT, quoted};
 use zerolayer_core::metering::MeteringConfig;
 use zerolayer_core::quota::GatewayQuota;
-use zerolayer_core::quota::config::QuotaConfig;
+use zerolayer_core::quota::config::{QuotaConfig, StreamMode};
 use zerolayer_fused::Document;
 use zerolayer_observer::ObserverConfig;
 
@@ -918,25 +918,67 @@ struct KongFilter {
     /// Where it is, for messages: `filter NAME`.
     at: String,
     config: Option<Value>,
+    /// The routes it runs on that buffer responses (`response_buffering`
+    /// not false), as `routes[NAME]`.
+    buffered_routes: Vec<String>,
 }
 
-/// Every enabled filter of every filter chain (top level, on services, on routes).
+/// A route's name for messages and whether it buffers responses (Kong's
+/// default).
+fn kong_route(route: &Value, at: String) -> (String, bool) {
+    let name = route["name"]
+        .as_str()
+        .map_or(at, |name| format!("routes[{name}]"));
+    (name, route["response_buffering"].as_bool() != Some(false))
+}
+
+/// Every enabled filter of every filter chain (top level, on services, on
+/// routes), with the routes each runs on.
 fn kong_filters(doc: &Value) -> Vec<KongFilter> {
-    let mut chains = seq(doc, &["filter_chains"]);
-    for service in seq(doc, &["services"]) {
-        chains.extend(seq(&service, &["filter_chains"]));
-        for route in seq(&service, &["routes"]) {
-            chains.extend(seq(&route, &["filter_chains"]));
+    let top_routes: Vec<(String, bool)> = seq(doc, &["routes"])
+        .iter()
+        .enumerate()
+        .map(|(i, r)| kong_route(r, format!("routes[{i}]")))
+        .collect();
+    let mut every_route = top_routes.clone();
+    let mut chains: Vec<(Value, Vec<(String, bool)>)> = Vec::new();
+    for (s, service) in seq(doc, &["services"]).iter().enumerate() {
+        let routes: Vec<(Value, (String, bool))> = seq(service, &["routes"])
+            .into_iter()
+            .enumerate()
+            .map(|(r, route)| {
+                let named = kong_route(&route, format!("services[{s}].routes[{r}]"));
+                (route, named)
+            })
+            .collect();
+        let named: Vec<(String, bool)> = routes.iter().map(|(_, n)| n.clone()).collect();
+        every_route.extend(named.iter().cloned());
+        for chain in seq(service, &["filter_chains"]) {
+            chains.push((chain, named.clone()));
+        }
+        for (route, named) in routes {
+            for chain in seq(&route, &["filter_chains"]) {
+                chains.push((chain, vec![named.clone()]));
+            }
         }
     }
-    for route in seq(doc, &["routes"]) {
-        chains.extend(seq(&route, &["filter_chains"]));
+    for (route, named) in seq(doc, &["routes"]).iter().zip(&top_routes) {
+        for chain in seq(route, &["filter_chains"]) {
+            chains.push((chain, vec![named.clone()]));
+        }
+    }
+    for chain in seq(doc, &["filter_chains"]) {
+        chains.push((chain, every_route.clone()));
     }
     let mut out = Vec::new();
-    for chain in chains {
+    for (chain, routes) in chains {
         if chain["enabled"].as_bool() == Some(false) {
             continue;
         }
+        let buffered_routes: Vec<String> = routes
+            .into_iter()
+            .filter_map(|(name, buffered)| buffered.then_some(name))
+            .collect();
         for filter in seq(&chain, &["filters"]) {
             if filter["enabled"].as_bool() == Some(false) {
                 continue;
@@ -946,6 +988,7 @@ fn kong_filters(doc: &Value) -> Vec<KongFilter> {
                 at: format!("filter {name}"),
                 name,
                 config: (!filter["config"].is_null()).then(|| filter["config"].clone()),
+                buffered_routes: buffered_routes.clone(),
             });
         }
     }
@@ -1161,6 +1204,22 @@ fn check_kong_stage(
             );
         }
         check_env_var(stage, &field, var, env, &filter.at, on_yml);
+    }
+    if let StageConfig::Quota(c) = stage
+        && let Some(hard) = c
+            .policies
+            .iter()
+            .position(|p| p.stream.unwrap_or(c.defaults.stream) == StreamMode::Hard)
+    {
+        for route in &filter.buffered_routes {
+            on_yml.add(
+                format!("{route}.response_buffering"),
+                format!(
+                    "true (Kong's default) where quota cuts streams ({s}.policies[{hard}].stream \"hard\" of {}): ngx_wasm_module loses a replaced chunk under buffered proxying and the worker spins; set it to false",
+                    filter.at
+                ),
+            );
+        }
     }
     if let StageConfig::PostCache(c) = stage
         && let Some(Some(zone)) = kong.kv_zones.get("*")

@@ -188,6 +188,27 @@ const CASES: &[Case] = &[
         ],
     },
     Case {
+        name: "a hard stream on a route that buffers responses",
+        edits: &[
+            (
+                "kong/kong-fused.yml",
+                "        response_buffering: false\n",
+                "",
+            ),
+            (
+                "kong/kong-fused.yml",
+                r#""unit":"tokens","limit""#,
+                r#""unit":"tokens","stream":"hard","limit""#,
+            ),
+        ],
+        module: None,
+        secret: Some(SECRET),
+        args: &["--kong", "kong/kong-fused.yml", "kong/kong.conf"],
+        lines: &[
+            "kong/kong-fused.yml: routes[llm-inference].response_buffering: true (Kong's default) where quota cuts streams (quota.policies[0].stream \"hard\" of filter zerolayer_fused): ngx_wasm_module loses a replaced chunk under buffered proxying and the worker spins; set it to false",
+        ],
+    },
+    Case {
         name: "no cluster for the JWKS",
         edits: &[(
             "envoy/zerolayer.yaml",
