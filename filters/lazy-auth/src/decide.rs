@@ -15,13 +15,14 @@ use zerolayer_core::auth::exposure::{
 use zerolayer_core::auth::identity::Identity;
 use zerolayer_core::auth::introspection;
 use zerolayer_core::auth::jwt;
+use zerolayer_core::auth::jwt::KeySet;
 use zerolayer_core::auth::policy::{Admission, Route, SyncCheck, SyncReason, Unknown};
 use zerolayer_core::auth::verdict::{self, Verdict, VerdictView};
 use zerolayer_core::event::{AuditRecord, Job, VerifyJob, VerifyOutcome};
 use zerolayer_core::internal;
 use zerolayer_core::metrics::Label;
 use zerolayer_host::{Action, StreamHost};
-use zerolayer_observer::auth::{VERIFIER_DOWN_KEY, throttle, throttled};
+use zerolayer_observer::auth::{JWKS_KEY, VERIFIER_DOWN_KEY, throttle, throttled};
 
 use crate::Plan;
 use crate::metrics::Outcome;
@@ -60,6 +61,16 @@ struct Introspection {
     hash: TokenHash,
 }
 
+/// A JWKS fetch a JWT waits for: no key was at hand.
+struct JwksWait {
+    /// Its callout.
+    callout: u32,
+    /// Why the JWT is verified now.
+    reason: SyncReason,
+    /// The JWT.
+    credential: Credential,
+}
+
 /// One request's state.
 pub(crate) struct Stream {
     plan: Rc<Plan>,
@@ -78,8 +89,10 @@ pub(crate) struct Stream {
     introspection: Option<Introspection>,
     /// Deciding in the introspection's answer (the body may be unread).
     in_answer: bool,
-    /// ngx_wasm_module: a synchronous introspection of this credential
-    /// waits for the body step (see [`Stream::introspect`]).
+    /// A JWKS fetch this request's JWT waits for.
+    jwks_wait: Option<JwksWait>,
+    /// ngx_wasm_module: a synchronous check of this credential that needs
+    /// a callout waits for the body step (see [`Stream::introspect`]).
     deferred: Option<(SyncReason, Credential)>,
 }
 
@@ -98,6 +111,7 @@ impl Stream {
             decided_us: 0,
             introspection: None,
             in_answer: false,
+            jwks_wait: None,
             deferred: None,
         }
     }
@@ -347,17 +361,128 @@ impl Stream {
         let plan = self.plan.clone();
         plan.metrics.sync(reason);
         match c.kind {
-            CredentialKind::Jwt => {
-                if !plan.keys.available(host) {
-                    return self.unavailable(host);
+            CredentialKind::Jwt if !plan.keys.available(host) => {
+                if self.defers_callout(host) {
+                    self.deferred = Some((reason, c));
+                    return Action::Continue;
                 }
-                let result = plan.keys.with(host, |keys| {
-                    jwt::verify(&c.token, keys, &plan.validation, now)
-                });
-                let verdict = verdict::of_jwt(&plan.config, &c.hash, now, result);
-                self.concluded(host, verdict, reason)
+                self.fetch_keys(host, c, reason)
             }
+            CredentialKind::Jwt => self.verify_inline(host, &c, reason, now),
             CredentialKind::ApiKey => self.introspect(host, c, reason),
+        }
+    }
+
+    /// Verifies a JWT with the keys at hand.
+    fn verify_inline(
+        &mut self,
+        host: &mut impl StreamHost,
+        c: &Credential,
+        reason: SyncReason,
+        now: u64,
+    ) -> Action {
+        let plan = self.plan.clone();
+        let result = plan.keys.with(host, |keys| {
+            jwt::verify(&c.token, keys, &plan.validation, now)
+        });
+        let verdict = verdict::of_jwt(&plan.config, &c.hash, now, result);
+        self.concluded(host, verdict, reason)
+    }
+
+    /// Whether a check that needs a callout waits for the body step
+    /// (ngx_wasm_module, a request with a body: see [`Stream::introspect`]).
+    fn defers_callout(&self, host: &mut impl StreamHost) -> bool {
+        !host.can_hold_headers_for_body() && declares_body(host)
+    }
+
+    /// No key at hand (a restart or reload, before the observer's first
+    /// JWKS fetch): this request fetches the JWKS itself and waits for it,
+    /// at most `jwt.jwks.timeout_ms`, rather than refusing a JWT that was
+    /// valid before; bounded per VM ([`crate::inline::RequestJwksFetches`]).
+    fn fetch_keys(
+        &mut self,
+        host: &mut impl StreamHost,
+        c: Credential,
+        reason: SyncReason,
+    ) -> Action {
+        let plan = self.plan.clone();
+        let Some(jwks) = &plan.config.jwt.jwks else {
+            return self.unavailable(host);
+        };
+        let now_ms = host.now_ms();
+        if !plan.jwks_fetches.start(now_ms) {
+            return self.unavailable(host);
+        }
+        let headers = [
+            (":method", "GET"),
+            (":path", jwks.endpoint.path.as_str()),
+            (":authority", jwks.endpoint.authority()),
+        ];
+        match host.dispatch(
+            &jwks.endpoint.cluster,
+            &headers,
+            None,
+            Duration::from_millis(u64::from(jwks.endpoint.timeout_ms)),
+        ) {
+            Ok(callout) => {
+                self.jwks_wait = Some(JwksWait {
+                    callout,
+                    reason,
+                    credential: c,
+                });
+                Action::Pause
+            }
+            Err(_) => {
+                plan.jwks_fetches.finished(false, now_ms);
+                self.unavailable(host)
+            }
+        }
+    }
+
+    /// A callout of this request answered.
+    pub(crate) fn callout_answered(
+        &mut self,
+        host: &mut impl StreamHost,
+        token: u32,
+        body_size: usize,
+    ) {
+        if self.jwks_wait.as_ref().is_some_and(|w| w.callout == token) {
+            self.jwks_answered(host, body_size);
+        } else {
+            self.introspection_answered(host, token, body_size);
+        }
+    }
+
+    /// The JWKS this request fetched answered: kept for every request (and
+    /// the observer, until its own fetch), then the JWT is verified.
+    fn jwks_answered(&mut self, host: &mut impl StreamHost, body_size: usize) {
+        let Some(wait) = self.jwks_wait.take() else {
+            return;
+        };
+        let plan = self.plan.clone();
+        let answer = host.callout_answer(body_size);
+        let usable = answer.status == Some(200)
+            && KeySet::from_jwks(&answer.body).is_ok_and(|jwks| !jwks.keys.is_empty());
+        plan.jwks_fetches.finished(usable, host.now_ms());
+        if usable && !plan.keys.available(host) {
+            host.shared_put(JWKS_KEY, &answer.body);
+            log::info!("lazy-auth: no JWKS yet: fetched it for a request");
+        } else if !usable {
+            log::warn!(
+                "lazy-auth: JWKS fetched for a request unusable (status {:?})",
+                answer.status
+            );
+        }
+        self.in_answer = true;
+        let action = if plan.keys.available(host) {
+            let now = host.now_secs();
+            self.verify_inline(host, &wait.credential, wait.reason, now)
+        } else {
+            self.unavailable(host)
+        };
+        self.in_answer = false;
+        if action == Action::Continue {
+            host.resume();
         }
     }
 
@@ -376,7 +501,7 @@ impl Stream {
         // contacts the upstream; nothing goes on before that. (The fused
         // filter keeps the body for the stages after this one, which run
         // from the callout's answer there.)
-        if !host.can_hold_headers_for_body() && declares_body(host) {
+        if self.defers_callout(host) {
             self.deferred = Some((reason, c));
             return Action::Continue;
         }
@@ -386,6 +511,14 @@ impl Stream {
     /// The request body step: a deferred check is made now.
     pub(crate) fn on_request_body(&mut self, host: &mut impl StreamHost) -> Action {
         match self.deferred.take() {
+            Some((reason, c)) if c.kind == CredentialKind::Jwt => {
+                if self.plan.keys.available(host) {
+                    let now = host.now_secs();
+                    self.verify_inline(host, &c, reason, now)
+                } else {
+                    self.fetch_keys(host, c, reason)
+                }
+            }
             Some((reason, c)) => self.dispatch_introspection(host, &c, reason),
             None => Action::Continue,
         }
@@ -709,6 +842,15 @@ fn take_from(
         None => (None, false),
     })
     .unwrap_or(false)
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // A request gone while its JWKS fetch is out gives its slot back.
+        if self.jwks_wait.take().is_some() {
+            self.plan.jwks_fetches.finished(true, 0);
+        }
+    }
 }
 
 /// Routing and exposure counting on the recording fake: each test drives
@@ -1227,6 +1369,81 @@ mod tests {
         assert_eq!(call.header("x-api-key"), Some("sk-live-1"));
         assert!(verify_jobs(&host).is_empty());
         assert_eq!(counter(&mut root, &mut host, &sync_reason("policy")), 1);
+    }
+
+    /// JWTs checked on the path (`unknown: sync`), keys from a JWKS
+    /// endpoint the observer has not fetched yet (a restart or reload).
+    fn jwks_not_fetched_yet() -> String {
+        jwts(json!({"unknown": "sync", "jwt": {"jwks": {"cluster": "idp", "path": "/jwks.json"}}}))
+    }
+
+    #[test]
+    fn with_no_key_at_hand_a_jwt_waits_for_the_jwks_it_fetches_instead_of_a_503() {
+        let mut host = host_with_observer();
+        let mut root = configured(&mut host, &jwks_not_fetched_yet());
+        let key = ec_key(3);
+        let bearer = format!("Bearer {}", jwt(&key, "k1", claims("acme")));
+        let (mut stream, action) = request(&root, &mut host, &[("authorization", &bearer)]);
+        assert_eq!(action, Action::Pause);
+        let fetch = host.last_dispatched().expect("a JWKS fetch").clone();
+        assert_eq!(fetch.cluster, "idp");
+        let jwks = json!({"keys": [jwk(&key, "k1")]}).to_string();
+        host.answer_with(Some(200), jwks.as_bytes());
+        stream.call_answered(&mut host, fetch.token, jwks.len());
+        assert!(host.sent.is_empty(), "not refused: {:?}", host.sent);
+        assert_eq!(host.resumes.len(), 1);
+        assert_eq!(
+            identity(&host).as_deref(),
+            Some("verified tenant=acme subject=user-1")
+        );
+        assert_eq!(counter(&mut root, &mut host, &outcome("sync_valid")), 1);
+        // Kept for every request: the next JWT verifies inline, no fetch.
+        assert_eq!(
+            host.shared_value(zerolayer_observer::auth::JWKS_KEY),
+            Some(jwks.as_bytes())
+        );
+        let other = format!("Bearer {}", jwt(&key, "k1", claims("globex")));
+        let (_, action) = request(&root, &mut host, &[("authorization", &other)]);
+        assert_eq!(action, Action::Continue);
+        assert_eq!(host.dispatched.len(), 1);
+    }
+
+    #[test]
+    fn request_jwks_fetches_are_bounded_per_vm_and_pause_after_a_failure() {
+        use crate::inline::{MAX_REQUEST_JWKS_FETCHES, REQUEST_JWKS_RETRY_MS};
+        let mut host = host_with_observer();
+        let root = configured(&mut host, &jwks_not_fetched_yet());
+        let key = ec_key(3);
+        // Fresh JWTs, as a sprayer mints them: only so many fetches at once.
+        let mut waiting = Vec::new();
+        for n in 0..MAX_REQUEST_JWKS_FETCHES + 3 {
+            let bearer = format!("Bearer {}", jwt(&key, "k1", claims(&format!("t{n}"))));
+            let (stream, action) = request(&root, &mut host, &[("authorization", &bearer)]);
+            waiting.push((stream, action));
+        }
+        assert_eq!(host.dispatched.len() as u32, MAX_REQUEST_JWKS_FETCHES);
+        assert_eq!(host.sent.len(), 3, "the rest refused 503 at once");
+        assert!(host.sent.iter().all(|s| s.status == 503));
+        // A request gone gives its slot back; a failed answer closes
+        // fetching for a while: 503 without a call.
+        waiting.truncate(MAX_REQUEST_JWKS_FETCHES as usize);
+        let (mut first, _) = waiting.remove(0);
+        let token = host.dispatched[0].token;
+        host.answer_with(Some(500), b"");
+        first.call_answered(&mut host, token, 0);
+        assert_eq!(host.sent.len(), 4);
+        drop(waiting);
+        let bearer = format!("Bearer {}", jwt(&key, "k1", claims("late")));
+        let _ = request(&root, &mut host, &[("authorization", &bearer)]);
+        assert_eq!(host.dispatched.len() as u32, MAX_REQUEST_JWKS_FETCHES);
+        assert_eq!(host.sent.len(), 5);
+        host.advance(std::time::Duration::from_millis(REQUEST_JWKS_RETRY_MS));
+        let _ = request(&root, &mut host, &[("authorization", &bearer)]);
+        assert_eq!(
+            host.dispatched.len() as u32,
+            MAX_REQUEST_JWKS_FETCHES + 1,
+            "open again, every slot free"
+        );
     }
 
     #[test]

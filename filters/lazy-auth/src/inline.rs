@@ -2,7 +2,7 @@
 //! plus the JWKS the observer last fetched (read from shared data, parsed
 //! again only when it changed).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use zerolayer_core::auth::config::LazyAuthConfig;
 use zerolayer_core::auth::jwt::KeySet;
@@ -57,6 +57,43 @@ impl InlineKeys {
     }
 }
 
+/// JWKS fetches made from requests while no key is at hand (a restart or
+/// reload, before the observer's first fetch): at most
+/// [`MAX_REQUEST_JWKS_FETCHES`] in flight per VM, and none for
+/// [`REQUEST_JWKS_RETRY_MS`] after one failed, so a down identity provider
+/// sees at most that many calls per VM per interval.
+#[derive(Default)]
+pub(crate) struct RequestJwksFetches {
+    in_flight: Cell<u32>,
+    closed_until_ms: Cell<u64>,
+}
+
+/// JWKS fetches a VM's requests may have in flight at once.
+pub(crate) const MAX_REQUEST_JWKS_FETCHES: u32 = 4;
+
+/// After a failed request-path fetch, the VM's requests wait this long
+/// before fetching again (refused 503 meanwhile, as without keys).
+pub(crate) const REQUEST_JWKS_RETRY_MS: u64 = 1_000;
+
+impl RequestJwksFetches {
+    /// Takes a slot for one fetch, if one is free and fetching is open.
+    pub(crate) fn start(&self, now_ms: u64) -> bool {
+        if now_ms < self.closed_until_ms.get() || self.in_flight.get() >= MAX_REQUEST_JWKS_FETCHES {
+            return false;
+        }
+        self.in_flight.set(self.in_flight.get() + 1);
+        true
+    }
+
+    /// Gives the slot back; a failure closes fetching for a while.
+    pub(crate) fn finished(&self, ok: bool, now_ms: u64) {
+        self.in_flight.set(self.in_flight.get().saturating_sub(1));
+        if !ok {
+            self.closed_until_ms.set(now_ms + REQUEST_JWKS_RETRY_MS);
+        }
+    }
+}
+
 /// Inline verification keys: the JWKS the observer stores in shared data.
 #[cfg(test)]
 mod tests {
@@ -85,10 +122,13 @@ mod tests {
     }
 
     #[test]
-    fn without_a_fetched_jwks_a_jwt_cannot_be_verified_inline() {
+    fn without_a_fetched_jwks_a_jwt_is_refused_503_when_it_cannot_fetch_one() {
         let mut host = host_with_observer();
         let root = configured(&mut host, &config(json!([])));
         let token = bearer(&jwt(&ec_key(1), "k1", claims("acme")));
+        // The request fetches the JWKS itself (decide.rs's tests); here the
+        // identity provider's cluster is unknown.
+        host.refuse_dispatch = true;
         let (_, action) = request(&root, &mut host, &[("authorization", &token)]);
         assert_eq!(action, Action::Pause);
         assert_eq!(host.sent[0].status, 503);

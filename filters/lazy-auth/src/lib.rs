@@ -45,6 +45,8 @@ pub(crate) struct Plan {
     pub validation: Validation,
     pub trusted: Vec<regex::bytes::Regex>,
     pub keys: InlineKeys,
+    /// The JWKS fetches this VM's requests have in flight.
+    pub jwks_fetches: inline::RequestJwksFetches,
     /// The observer's job queue.
     pub queue: ObserverQueue,
     pub metrics: Metrics,
@@ -148,6 +150,7 @@ impl<H: Hosts> RootStage<H> for AuthRoot {
             validation: zerolayer_observer::auth::validation(&config),
             trusted,
             keys,
+            jwks_fetches: inline::RequestJwksFetches::default(),
             queue: self.observer.queue(&config.observer, "lazy-auth"),
             metrics: Metrics::define(host),
             audit_batch: std::cell::RefCell::new(Vec::new()),
@@ -241,7 +244,7 @@ impl<H: StreamHost> StreamStage<H> for AuthStream {
 
     fn call_answered(&mut self, host: &mut H, token: u32, body_size: usize) {
         if let Some(stream) = &mut self.stream {
-            stream.introspection_answered(host, token, body_size);
+            stream.callout_answered(host, token, body_size);
         }
     }
 
