@@ -490,7 +490,7 @@ fn a_bad_section_is_refused_naming_the_stage_and_the_field() -> Result<()> {
         (
             json!({"activation": {}, "native": {"queue": 1}}),
             "zerolayer: invalid configuration: native: unknown stage",
-            "zerolayer-native: invalid configuration: zerolayer: native: unknown field `queue`",
+            "zerolayer-native: invalid configuration: zerolayer: native.queue: unknown field `queue`",
         ),
     ] {
         for (file, want) in [
