@@ -450,9 +450,15 @@ impl NgxWasm {
     /// waits until a worker answers.
     pub fn start(config: &KongConfig, upstream: SocketAddr) -> Result<NgxWasm> {
         let binary = binary()?;
+        // `ZEROLAYER_KEEP_NGX=1` keeps the prefix (config, logs) for a look.
+        let keep = std::env::var_os("ZEROLAYER_KEEP_NGX").is_some();
         let dir = tempfile::Builder::new()
             .prefix("zerolayer-ngx-")
+            .disable_cleanup(keep)
             .tempdir()?;
+        if keep {
+            eprintln!("ngx_wasm_module's prefix kept: {}", dir.path().display());
+        }
         let listen = free_port()?;
         let conf = dir.path().join("nginx.conf");
         std::fs::write(&conf, config.render(dir.path(), listen, upstream)?)?;

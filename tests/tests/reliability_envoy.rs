@@ -13,6 +13,7 @@ use serde_json::Value;
 use zerolayer_e2e::chain::{
     self, Chain, ChainOptions, Form, GOOD_API_KEY, anthropic, logged_usage, openai,
 };
+use zerolayer_e2e::tokens::issuer;
 use zerolayer_e2e::wait;
 
 fn backend_errors_reach_the_client_unchanged_and_are_neither_cached_nor_lost(
@@ -342,13 +343,25 @@ fn without_the_observer_requests_are_served_and_lost_work_is_counted(form: Form)
         &anthropic("no observer, bad key", false),
     )?;
     assert_eq!(refused.status, 401, "{}", refused.body);
-    // JWTs need the keys the observer fetches: a clear 503, never open.
+    // JWTs are verified on the request path too, with the JWKS the first
+    // of them fetched itself (no observer fetches it): served, never open.
     let jwt = chain.post(
         "/v1/messages",
         &[("authorization", &Chain::bearer("alice", "acme"))],
         &anthropic("no observer, jwt", false),
     )?;
-    assert_eq!(jwt.status, 503, "{}", jwt.body);
+    assert_eq!(jwt.status, 200, "{}", jwt.body);
+    let claims =
+        zerolayer_e2e::tokens::claims("mallory", "acme", zerolayer_e2e::tokens::now(), 3600);
+    let forged = chain.post(
+        "/v1/messages",
+        &[(
+            "authorization",
+            &format!("Bearer {}", issuer().forged(&claims, 1)),
+        )],
+        &anthropic("no observer, forged jwt", false),
+    )?;
+    assert_eq!(forged.status, 401, "{}", forged.body);
     // Every usage record that had nowhere to go is counted.
     chain
         .envoy

@@ -7,7 +7,7 @@
 //! `Continue` and touch nothing.
 
 use zerolayer_host::timing::Span;
-use zerolayer_host::{Action, Callback, DoneWith, StageHost, StreamStage};
+use zerolayer_host::{Action, Body, Callback, DoneWith, StageHost, StreamStage};
 
 /// One stage's part of the request.
 pub struct StageStream<H> {
@@ -191,14 +191,16 @@ impl<H: StageHost> Pipeline<H> {
                     }
                 }
             }
-            if let Some((size, eos)) = self.body
-                && stage.request_body(host, size, eos) == Action::Pause
-            {
-                self.stopped = Some(Stop::Body(i));
-                if i + 1 < self.stages.len() {
-                    host.hold_request_body(size);
+            if let Some((size, eos)) = self.body {
+                if stage.request_body(host, size, eos) == Action::Pause {
+                    self.stopped = Some(Stop::Body(i));
+                    if i + 1 < self.stages.len() {
+                        let held = host.body_size_after(Body::Request, size);
+                        host.hold_request_body(held);
+                    }
+                    return Action::Pause;
                 }
-                return Action::Pause;
+                self.body = Some((host.body_size_after(Body::Request, size), eos));
             }
         }
         self.stopped = None;
@@ -221,10 +223,14 @@ impl<H: StageHost> Pipeline<H> {
 
     /// Response body: back through the stages that saw the request.
     pub fn response_body(&mut self, host: &mut H, body_size: usize, end_of_stream: bool) -> Action {
+        let mut size = body_size;
         for i in (0..self.decoded).rev() {
-            if self.stages[i].response_body(host, body_size, end_of_stream) == Action::Pause {
+            if self.stages[i].response_body(host, size, end_of_stream) == Action::Pause {
                 return Action::Pause;
             }
+            // What a stage put in the chunk's place is what the next reads
+            // (metering releasing held bytes in an empty last chunk, say).
+            size = host.body_size_after(Body::Response, size);
         }
         Action::Continue
     }

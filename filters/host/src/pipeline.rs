@@ -97,6 +97,9 @@ pub struct PipelineHost<P> {
     handoffs: Vec<(String, Vec<u8>)>,
     /// The body the current callback's stages read.
     body: Option<(Body, Vec<u8>)>,
+    /// A stage replaced the callback's body: which, and its new length
+    /// (the stages after read that much, not the callback's size).
+    replaced: Option<(Body, usize)>,
     /// The request body kept past a pause in the body step, for the stages
     /// that run from a callout's answer (ngx_wasm_module).
     held_request: Option<Vec<u8>>,
@@ -117,6 +120,7 @@ impl<P: Proxy> PipelineHost<P> {
             response_headers: None,
             handoffs: Vec::new(),
             body: None,
+            replaced: None,
             held_request: None,
             answered: false,
             resumed: false,
@@ -210,10 +214,18 @@ impl<R: Host + 'static, S: Proxy + 'static> Hosts for Chain<R, S> {
 }
 
 impl<P: Proxy> StageHost for PipelineHost<P> {
+    fn body_size_after(&mut self, body: Body, size: usize) -> usize {
+        match self.replaced {
+            Some((replaced, len)) if replaced == body => len,
+            _ => size,
+        }
+    }
+
     fn begin_callback(&mut self) {
         // The body read in the last callback may have changed (a new
         // chunk, more buffered).
         self.body = None;
+        self.replaced = None;
         self.proxy.begin_callback();
     }
 
@@ -415,9 +427,15 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
             // From a callout's answer the host takes no body back.
             return Err(Status::BadArgument);
         }
-        // The stages after this one read the proxy's new body.
-        self.body = None;
-        self.proxy.set_body(body, size, bytes)
+        // The stages after this one read the proxy's new body, of its new
+        // length: `[0, size)` replaced (a stage replaces the whole chunk).
+        let old_len = match self.body.take() {
+            Some((kept, bytes)) if kept == body => bytes.len(),
+            _ => size,
+        };
+        self.proxy.set_body(body, size, bytes)?;
+        self.replaced = Some((body, bytes.len() + old_len.saturating_sub(size)));
+        Ok(())
     }
 
     fn property(&mut self, path: &str) -> Option<Vec<u8>> {

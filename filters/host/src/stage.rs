@@ -11,7 +11,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 #[cfg(feature = "wasm")]
 use proxy_wasm::types::ContextType;
 
-use crate::host::{Action, Callback, RootHost, StreamHost};
+use crate::host::{Action, Body, Callback, RootHost, StreamHost};
 #[cfg(feature = "wasm")]
 use crate::wasm::WasmHost;
 
@@ -126,6 +126,11 @@ pub trait StageHost: StreamHost {
     /// not hand a request body over (ngx_wasm_module traps): keep it for
     /// them. Hosts that can, need not.
     fn hold_request_body(&mut self, _size: usize) {}
+    /// The size of `body` for the next stage of this callback: a stage's
+    /// replacement's length, else `size` (the callback's).
+    fn body_size_after(&mut self, _body: Body, size: usize) -> usize {
+        size
+    }
 }
 
 /// `stage` as a filter of its own: the root context a module crate

@@ -221,3 +221,30 @@ fn roots_record_what_they_did_to_each_stream_in_order() {
     assert_eq!(host.take_tick(), Some(Duration::from_millis(200)));
     assert_eq!(host.take_tick(), None);
 }
+
+#[test]
+fn a_replaced_body_is_handed_to_the_next_stage_at_its_new_length() {
+    let mut fake = request();
+    fake.response_body = Vec::new();
+    let mut host = stream(fake);
+    host.begin_callback();
+    // The last chunk of a stream, empty: a stage releases what it held.
+    assert_eq!(host.body_size_after(Body::Response, 0), 0);
+    assert_eq!(
+        host.set_body(Body::Response, 0, b"data: [DONE]\n\n"),
+        Ok(())
+    );
+    let size = host.body_size_after(Body::Response, 0);
+    assert_eq!(size, 14, "the next stage reads what was put there");
+    assert_eq!(
+        host.with_body(Body::Response, size, <[u8]>::to_vec),
+        b"data: [DONE]\n\n"
+    );
+    assert_eq!(
+        host.body_size_after(Body::Request, 7),
+        7,
+        "the other body is as it came"
+    );
+    host.begin_callback();
+    assert_eq!(host.body_size_after(Body::Response, 3), 3, "a new chunk");
+}
