@@ -116,6 +116,23 @@ impl Client {
     }
 }
 
+/// Whether `err` is the peer closing or resetting the connection before
+/// answering: what a client meets when a server closes an idle keep-alive
+/// connection as it sends (RFC 9112 §9.3.1), and retries.
+pub fn is_connection_reset(err: &anyhow::Error) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset, UnexpectedEof};
+    let closed = |io: &std::io::Error| {
+        matches!(
+            io.kind(),
+            ConnectionReset | ConnectionAborted | BrokenPipe | UnexpectedEof
+        )
+    };
+    err.chain().any(|cause| {
+        cause.downcast_ref::<std::io::Error>().is_some_and(closed)
+            || matches!(cause.downcast_ref::<ureq::Error>(), Some(ureq::Error::Io(io)) if closed(io))
+    })
+}
+
 /// A response whose body may have been cut off.
 #[derive(Debug, Clone)]
 pub struct Partial {
@@ -198,5 +215,35 @@ fn reply(response: ureq::http::Response<ureq::Body>) -> Result<Reply> {
     match partial.cut {
         Some(err) => Err(anyhow::anyhow!("reading the body: {err}")),
         None => Ok(partial.reply),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server that closes the connection with the request unread (as an
+    /// nginx worker closing an idle keep-alive connection at a reload) is
+    /// recognised as a reset; an answer, even an error status, is not.
+    #[test]
+    fn a_connection_closed_unread_is_a_reset_and_an_answer_is_not() -> Result<()> {
+        use std::io::Read;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let url = format!("http://{}/v1/messages", listener.local_addr()?);
+        let server = std::thread::spawn(move || -> std::io::Result<()> {
+            let (mut socket, _) = listener.accept()?;
+            let mut first = [0u8; 1];
+            // Unread bytes left in the socket make the close a reset.
+            socket.read_exact(&mut first)?;
+            Ok(())
+        });
+        let err = Client::new()
+            .send("POST", &url, &[], &"x".repeat(64 * 1024))
+            .expect_err("the server answered nothing");
+        server.join().expect("server thread")?;
+        assert!(is_connection_reset(&err), "{err:#}");
+        let refused = anyhow::anyhow!("429 Too Many Requests");
+        assert!(!is_connection_reset(&refused));
+        Ok(())
     }
 }

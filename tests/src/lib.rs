@@ -27,7 +27,7 @@ pub mod upstream;
 pub mod wait;
 pub mod wrk;
 
-pub use client::{Client, Reply};
+pub use client::{Client, Reply, is_connection_reset};
 pub use envoy::{Envoy, EnvoyConfig};
 pub use mock::MockServer;
 pub use model::ModelServer;
