@@ -1,0 +1,44 @@
+//! hello_world: a root context alone (no HTTP contexts), as the SDK's
+//! `hello_world` example: it greets from `on_vm_start`, then logs on every
+//! tick. Envoy runs it as a singleton service; the tick period is 5 s, or
+//! the plugin configuration's number of milliseconds.
+// The SDK's entry-point macro defines an undocumented `_initialize`.
+#![allow(missing_docs)]
+
+use std::time::Duration;
+
+use log::info;
+use proxy_wasm::traits::{Context, RootContext};
+use proxy_wasm::types::LogLevel;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Trace);
+    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(HelloWorld { ticks: 0 }) });
+}}
+
+struct HelloWorld {
+    ticks: u64,
+}
+
+impl Context for HelloWorld {}
+
+impl RootContext for HelloWorld {
+    fn on_vm_start(&mut self, _: usize) -> bool {
+        info!("Hello, World!");
+        self.set_tick_period(Duration::from_secs(5));
+        true
+    }
+
+    fn on_configure(&mut self, _: usize) -> bool {
+        if let Some(config) = self.get_plugin_configuration() {
+            let millis: u64 = String::from_utf8(config).unwrap().trim().parse().unwrap();
+            self.set_tick_period(Duration::from_millis(millis));
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        self.ticks += 1;
+        info!("It's tick {}, there is no lucky number.", self.ticks);
+    }
+}
