@@ -64,6 +64,10 @@ pub struct CallResponse {
     pub body: Vec<u8>,
     /// Trailers.
     pub trailers: Headers,
+    /// Why the call got no answer, where the host says so (ngx_wasm_module's
+    /// `:dispatch_status`: `timeout`, `broken connection`, `resolver
+    /// failure`); `None` for an answer or a silent failure.
+    pub failure: Option<String>,
 }
 
 impl CallResponse {
@@ -73,6 +77,7 @@ impl CallResponse {
             headers: vec![(":status".into(), status.to_string().into_bytes())],
             body: body.into(),
             trailers: vec![],
+            failure: None,
         }
     }
 
@@ -87,6 +92,15 @@ impl CallResponse {
     /// no headers, no body.
     pub fn failure() -> Self {
         CallResponse::default()
+    }
+
+    /// A failed call with the host's reason for it (under the Kong profile
+    /// the module reads it as `:dispatch_status`).
+    pub fn failed(reason: &str) -> Self {
+        CallResponse {
+            failure: Some(reason.to_string()),
+            ..CallResponse::default()
+        }
     }
 }
 
@@ -142,6 +156,11 @@ pub struct LocalResponse {
     pub headers: Headers,
     /// Body.
     pub body: Vec<u8>,
+    /// The gRPC status the filter asked for (`proxy_send_local_response`'s
+    /// last argument, when not negative). Envoy answers a gRPC request's
+    /// local response in gRPC form, with this status or one mapped from
+    /// `status`.
+    pub grpc_status: Option<u32>,
 }
 
 /// Facts about a stream's connection and timing (Envoy attributes).
@@ -265,6 +284,9 @@ pub struct World {
     pub(crate) kong_body_buffer_bytes: Option<usize>,
     /// Host calls by plugin and function, while counting is on.
     pub(crate) host_calls: Option<BTreeMap<(String, &'static str), u64>>,
+    /// Envoy: the per-stream buffer limit a filter's buffered body may not
+    /// exceed (`HostOptions::buffer_limit_bytes`).
+    pub(crate) buffer_limit: Option<usize>,
 }
 
 impl World {
@@ -288,6 +310,7 @@ impl World {
             kong_queue_bytes: usize::MAX,
             kong_body_buffer_bytes: None,
             host_calls: None,
+            buffer_limit: None,
         }
     }
 

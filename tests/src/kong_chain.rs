@@ -427,7 +427,7 @@ pub fn host_sim_server(
         filters,
         singletons: Vec::new(),
         clusters: targets.iter().map(|a| (a.to_string(), *a)).collect(),
-        route_request_headers: Vec::new(),
+        ..Default::default()
     };
     host_sim_tools::serve::Server::start(host_sim_tools::serve::ServeOptions {
         chain,

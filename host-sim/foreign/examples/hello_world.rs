@@ -1,7 +1,9 @@
 //! hello_world: a root context alone (no HTTP contexts), as the SDK's
 //! `hello_world` example: it greets from `on_vm_start`, then logs on every
 //! tick. Envoy runs it as a singleton service; the tick period is 5 s, or
-//! the plugin configuration's number of milliseconds.
+//! the plugin configuration's number of milliseconds. It is set once, in
+//! `on_configure`: ngx_wasm_module traps a second non-zero
+//! `set_tick_period` ("tick_period already set").
 // The SDK's entry-point macro defines an undocumented `_initialize`.
 #![allow(missing_docs)]
 
@@ -25,15 +27,17 @@ impl Context for HelloWorld {}
 impl RootContext for HelloWorld {
     fn on_vm_start(&mut self, _: usize) -> bool {
         info!("Hello, World!");
-        self.set_tick_period(Duration::from_secs(5));
         true
     }
 
     fn on_configure(&mut self, _: usize) -> bool {
-        if let Some(config) = self.get_plugin_configuration() {
-            let millis: u64 = String::from_utf8(config).unwrap().trim().parse().unwrap();
-            self.set_tick_period(Duration::from_millis(millis));
-        }
+        let period = match self.get_plugin_configuration() {
+            Some(config) => {
+                Duration::from_millis(String::from_utf8(config).unwrap().trim().parse().unwrap())
+            }
+            None => Duration::from_secs(5),
+        };
+        self.set_tick_period(period);
         true
     }
 
