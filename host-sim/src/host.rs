@@ -327,6 +327,9 @@ const MAIN_THREAD: usize = usize::MAX;
 /// The VM index a configuration canary runs under (never in `Host::vms`).
 const CANARY_VM: VmIndex = usize::MAX;
 
+/// nginx's `Server` header (the build of `../shared/ngx-wasm`).
+pub const NGINX_SERVER: &str = "nginx/1.27.4";
+
 /// nginx 1.27.4's own `500 Internal Server Error` page: what a request
 /// whose filter trapped gets from ngx_wasm_module.
 pub const NGINX_500_PAGE: &str = "<html>\r\n<head><title>500 Internal Server Error</title></head>\r\n\
@@ -1247,17 +1250,26 @@ impl Host {
         };
         run.local = Some(local.clone());
         let n = run.filters.len();
-        let mut headers: Headers = vec![(":status".into(), local.status.to_string().into_bytes())];
-        headers.extend(local.headers.iter().cloned());
-        if !local.body.is_empty() {
-            headers.push((
-                "content-length".into(),
-                local.body.len().to_string().into_bytes(),
-            ));
-            if !local.headers.iter().any(|(k, _)| k == "content-type") {
-                headers.push(("content-type".into(), b"text/plain".to_vec()));
+        let headers = if run.responses_in_chain_order {
+            self.kong_local_headers(id, &local)
+        } else {
+            let mut headers: Headers =
+                vec![(":status".into(), local.status.to_string().into_bytes())];
+            headers.extend(local.headers.iter().cloned());
+            if !local.body.is_empty() {
+                headers.push((
+                    "content-length".into(),
+                    local.body.len().to_string().into_bytes(),
+                ));
+                if !local.headers.iter().any(|(k, _)| k == "content-type") {
+                    headers.push(("content-type".into(), b"text/plain".to_vec()));
+                }
             }
-        }
+            headers
+        };
+        let Some(run) = self.streams.get_mut(&id) else {
+            return;
+        };
         // Encoder filters that never saw the request are skipped (Envoy;
         // ngx_wasm_module runs the response phases of the whole chain, in
         // order: a filter that saw only the request headers sees the
@@ -1313,6 +1325,46 @@ impl Host {
         run.local = Some(local);
         self.maybe_finish(id);
         self.run_events();
+    }
+
+    /// The headers of a local response as ngx_wasm_module shows them to
+    /// the filters: `:status`, `Content-Type` (`text/plain` for a body
+    /// without one) and `Connection` (its "shim" headers), the filter's
+    /// own, then `Content-Length`, `Server` and `Date` as nginx sends them.
+    fn kong_local_headers(&self, id: StreamId, local: &LocalResponse) -> Headers {
+        let world = self.world.borrow();
+        let close = world.streams.get(&id).is_some_and(|d| {
+            d.request_headers.iter().any(|(k, v)| {
+                k.eq_ignore_ascii_case("connection") && v.eq_ignore_ascii_case(b"close")
+            })
+        });
+        let mut headers: Headers = vec![(":status".into(), local.status.to_string().into_bytes())];
+        match local.headers.iter().find(|(k, _)| k == "content-type") {
+            Some((_, v)) => headers.push(("content-type".into(), v.clone())),
+            None if !local.body.is_empty() => {
+                headers.push(("content-type".into(), b"text/plain".to_vec()));
+            }
+            None => {}
+        }
+        let connection: &[u8] = if close { b"close" } else { b"keep-alive" };
+        headers.push(("connection".into(), connection.to_vec()));
+        headers.extend(
+            local
+                .headers
+                .iter()
+                .filter(|(k, _)| k != "content-type")
+                .cloned(),
+        );
+        headers.push((
+            "content-length".into(),
+            local.body.len().to_string().into_bytes(),
+        ));
+        headers.push(("server".into(), NGINX_SERVER.as_bytes().to_vec()));
+        headers.push((
+            "date".into(),
+            crate::world::http_date(world.clock.now_ns()).into_bytes(),
+        ));
+        headers
     }
 
     /// Whether stream `id`'s request is gRPC as Envoy tells it: its

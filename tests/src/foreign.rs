@@ -329,12 +329,14 @@ impl ForeignPair {
     }
 
     /// What the filters logged so far on `side`, messages only, in order:
-    /// context ids (`#12`) made `#`, the gateway's address `<gateway>`,
+    /// context ids (`#12`) made `#`, the gateway's address `<gateway>` (its
+    /// port after any host name `:<port>`),
     /// header names lower-case and the values of headers that differ by
     /// nature (dates, request ids, timings) masked; panics' continuation
     /// lines left out.
     pub fn logs(&self, side: Side) -> Result<Vec<String>> {
         let gateway = self.listener(side).to_string();
+        let port = self.listener(side).port();
         let raw: Vec<String> = match (side, &self.real) {
             (Side::Real, RealHost::Envoy(envoy)) => envoy
                 .log()
@@ -362,7 +364,13 @@ impl ForeignPair {
         };
         Ok(raw
             .into_iter()
-            .map(|m| normalize_log(&m.replace(&gateway, "<gateway>")))
+            .map(|m| {
+                // ngx_wasm_module's `:authority` is the server's name and port.
+                let m = m
+                    .replace(&gateway, "<gateway>")
+                    .replace(&format!(":{port}"), ":<port>");
+                normalize_log(&m)
+            })
             .collect())
     }
 

@@ -134,7 +134,8 @@ impl KongConfig {
 
     /// A plain ngx_wasm_module configuration, without Kong's files: the
     /// modules (name, `.wasm`), the chain on `paths`, any method, Kong's
-    /// default timeouts, one worker, nothing declared in `wasm{}`.
+    /// default timeouts and body size limit (none), one worker, nothing
+    /// declared in `wasm{}`.
     pub fn plain(
         modules: Vec<(String, PathBuf)>,
         filters: Vec<KongFilter>,
@@ -149,7 +150,9 @@ impl KongConfig {
             connect_timeout_ms: 60_000,
             main: Vec::new(),
             wasm: Vec::new(),
-            http: Vec::new(),
+            // Kong's default (`nginx_http_client_max_body_size = 0`): no
+            // limit on request bodies (nginx's own is 1 MiB).
+            http: vec!["client_max_body_size 0;".into()],
             env: Vec::new(),
             workers: 1,
             wasmtime_cache: None,

@@ -732,40 +732,65 @@ impl Proxy {
             Profile::Kong if no_host => return Ok(nginx_bad_request()),
             _ => None,
         };
-        // The request as Envoy's filters see it: pseudo-headers first,
-        // lower-case names, hop-by-hop headers gone, x-forwarded-proto and
-        // x-request-id added.
-        let authority = parts
-            .headers
-            .get("host")
-            .and_then(|h| h.to_str().ok())
-            .map(str::to_string)
-            .unwrap_or_else(|| self.listener.to_string());
-        let mut headers: Headers = vec![
-            (":authority".into(), authority.into_bytes()),
-            (
-                ":path".into(),
-                parts
-                    .uri
-                    .path_and_query()
-                    .map(|p| p.to_string())
-                    .unwrap_or("/".into())
-                    .into_bytes(),
-            ),
-            (":method".into(), parts.method.as_str().as_bytes().to_vec()),
-            (":scheme".into(), b"http".to_vec()),
-        ];
+        let path = parts
+            .uri
+            .path_and_query()
+            .map(|p| p.to_string())
+            .unwrap_or("/".into())
+            .into_bytes();
+        let method = parts.method.as_str().as_bytes().to_vec();
+        let mut headers: Headers = match self.profile {
+            // The request as Envoy's filters see it: pseudo-headers first,
+            // lower-case names, hop-by-hop headers gone, x-forwarded-proto
+            // and x-request-id added.
+            Profile::Envoy => {
+                let authority = parts
+                    .headers
+                    .get("host")
+                    .and_then(|h| h.to_str().ok())
+                    .map(str::to_string)
+                    .unwrap_or_else(|| self.listener.to_string());
+                vec![
+                    (":authority".into(), authority.into_bytes()),
+                    (":path".into(), path),
+                    (":method".into(), method),
+                    (":scheme".into(), b"http".to_vec()),
+                ]
+            }
+            // As ngx_wasm_module presents it: `:path`, `:method`,
+            // `:scheme`, then `:authority`, which is the server's name (the
+            // machine's host name here) and port, not the client's `Host`;
+            // the client's headers as they came, `Host` among them; nothing
+            // added, none taken away (`Connection` too). (Names are
+            // lower-case here; nginx keeps the client's case.)
+            Profile::Kong => vec![
+                (":path".into(), path),
+                (":method".into(), method),
+                (":scheme".into(), b"http".to_vec()),
+                (
+                    ":authority".into(),
+                    format!("{}:{}", host_name(), self.listener.port()).into_bytes(),
+                ),
+            ],
+        };
         for (name, value) in &parts.headers {
             let name = name.as_str().to_ascii_lowercase();
-            if name == "host" || HOP_BY_HOP.contains(&name.as_str()) {
+            let envoy = self.profile == Profile::Envoy;
+            if envoy && (name == "host" || HOP_BY_HOP.contains(&name.as_str())) {
                 continue;
             }
             headers.push((name, value.as_bytes().to_vec()));
         }
-        headers.push(("x-forwarded-proto".into(), b"http".to_vec()));
-        if !headers.iter().any(|(k, _)| k == "x-request-id") {
-            headers.push(("x-request-id".into(), request_id().into_bytes()));
+        if self.profile == Profile::Envoy {
+            headers.push(("x-forwarded-proto".into(), b"http".to_vec()));
+            if !headers.iter().any(|(k, _)| k == "x-request-id") {
+                headers.push(("x-request-id".into(), request_id().into_bytes()));
+            }
         }
+        let client_close = parts
+            .headers
+            .get("connection")
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
         let end = hyper::body::Body::is_end_stream(&body);
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let (reply_tx, reply_rx) = oneshot::channel();
@@ -816,7 +841,7 @@ impl Proxy {
                         (Some(tx), body)
                     };
                     upstream_body = tx;
-                    self.spawn_upstream(id, headers, body);
+                    self.spawn_upstream(id, headers, body, client_close);
                 }
                 StreamEvent::UpstreamData(data, end) => {
                     if let Some(tx) = &upstream_body
@@ -853,7 +878,7 @@ impl Proxy {
         response.ok_or_else(|| anyhow!("the stream was reset before a response"))
     }
 
-    fn spawn_upstream(&self, id: StreamId, headers: Headers, body: Body) {
+    fn spawn_upstream(&self, id: StreamId, headers: Headers, body: Body, client_close: bool) {
         let client = self.client.clone();
         let commands = self.commands.clone();
         let upstream = self.upstream;
@@ -871,11 +896,16 @@ impl Proxy {
             let mut builder = Request::builder()
                 .method(method.as_str())
                 .uri(format!("http://{upstream}{path}"));
-            if let Some(authority) = get(":authority") {
+            // The map's own `host` (Kong keeps the client's), else `:authority`.
+            if let Some(authority) = get(":authority")
+                && get("host").is_none()
+            {
                 builder = builder.header("host", authority);
             }
             for (name, value) in &headers {
-                if !name.starts_with(':') {
+                // A proxy never forwards hop-by-hop headers (under Kong the
+                // filters' map has the client's).
+                if !name.starts_with(':') && !HOP_BY_HOP.contains(&name.as_str()) {
                     builder = builder.header(name.as_str(), value.as_slice());
                 }
             }
@@ -890,12 +920,33 @@ impl Proxy {
                         ":status".into(),
                         parts.status.as_u16().to_string().into_bytes(),
                     )];
+                    if profile == Profile::Kong {
+                        kong_response_shims(&mut headers, &parts.headers, client_close);
+                    }
                     for (name, value) in &parts.headers {
                         let name = name.as_str().to_ascii_lowercase();
                         if HOP_BY_HOP.contains(&name.as_str()) {
                             continue;
                         }
+                        if profile == Profile::Kong
+                            && matches!(
+                                name.as_str(),
+                                "content-type" | "content-length" | "server" | "date"
+                            )
+                        {
+                            continue;
+                        }
                         headers.push((name, value.as_bytes().to_vec()));
+                    }
+                    if profile == Profile::Kong {
+                        // nginx's own, after the upstream's (its proxy
+                        // hides the upstream's `Server` and `Date`).
+                        headers.push(("server".into(), host_sim::NGINX_SERVER.as_bytes().to_vec()));
+                        let now = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map(|d| d.as_nanos() as u64)
+                            .unwrap_or(0);
+                        headers.push(("date".into(), host_sim::http_date(now).into_bytes()));
                     }
                     if profile == Profile::Envoy {
                         // Envoy's router says how long the upstream took,
@@ -1024,6 +1075,33 @@ async fn forward_request_body(
             }
         }
     }
+}
+
+/// ngx_wasm_module's "shim" response headers, which come first in the map
+/// the filters see: `Content-Type`, `Content-Length` (or `Transfer-Encoding:
+/// chunked`) and `Connection` as nginx will send them.
+fn kong_response_shims(headers: &mut Headers, upstream: &hyper::HeaderMap, client_close: bool) {
+    if let Some(value) = upstream.get("content-type") {
+        headers.push(("content-type".into(), value.as_bytes().to_vec()));
+    }
+    match upstream.get("content-length") {
+        Some(value) => headers.push(("content-length".into(), value.as_bytes().to_vec())),
+        None => headers.push(("transfer-encoding".into(), b"chunked".to_vec())),
+    }
+    let connection: &[u8] = if client_close {
+        b"close"
+    } else {
+        b"keep-alive"
+    };
+    headers.push(("connection".into(), connection.to_vec()));
+}
+
+/// The machine's host name, as nginx names a server without
+/// `server_name` (`gethostname`).
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
 }
 
 /// nginx 1.27.4's answer to an HTTP/1.1 request without `Host`.
