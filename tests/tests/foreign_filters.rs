@@ -618,3 +618,18 @@ fn read_one_response(connection: &mut std::net::TcpStream) -> Result<String> {
         bytes.extend_from_slice(&chunk[..n]);
     }
 }
+
+#[test]
+fn every_foreign_envoy_file_is_valid_for_envoy_and_loads_in_host_sim() -> Result<()> {
+    // As the SDK's CI validates its examples' files against the built
+    // modules (Envoy runs their `on_vm_start` and `on_configure`).
+    for name in host_sim_foreign::FILTERS {
+        zerolayer_e2e::foreign::wasm(name)?;
+        let path = zerolayer_e2e::foreign::envoy_file(name);
+        let validation = zerolayer_e2e::Envoy::validate_file(&path)?;
+        ensure!(validation.ok, "{name}: {}", validation.output);
+        host_sim_tools::config_file::ChainFile::load(&path, &zerolayer_e2e::paths::root())
+            .with_context(|| format!("{name}: host-sim refused {}", path.display()))?;
+    }
+    Ok(())
+}
