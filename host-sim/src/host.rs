@@ -228,7 +228,18 @@ pub struct HostOptions {
     /// (`proxy_get_buffer_bytes` fails, logged as ngx_wasm_module does);
     /// the upstream still gets it whole. `None`: every body in memory.
     pub kong_body_buffer_bytes: Option<usize>,
+    /// Envoy: the per-stream buffer limit ([`ENVOY_BUFFER_LIMIT`] by default,
+    /// Envoy's `per_connection_buffer_limit_bytes`). A body a filter buffers
+    /// (`Pause` from a body callback) past it ends the stream as Envoy
+    /// does: a request with `413 Payload Too Large`; a response with `500`
+    /// if its headers have not left yet, else a reset (the client has the
+    /// headers and no body). `None`: no limit. Not applied under Kong
+    /// (ngx_wasm_module buffered 5 MB).
+    pub buffer_limit_bytes: Option<usize>,
 }
+
+/// Envoy's default buffer limit: 1 MiB.
+pub const ENVOY_BUFFER_LIMIT: usize = 1024 * 1024;
 
 impl Default for HostOptions {
     fn default() -> Self {
@@ -242,6 +253,7 @@ impl Default for HostOptions {
             kong_gateway: false,
             kong_queue_bytes: 4 * 1024 * 1024,
             kong_body_buffer_bytes: None,
+            buffer_limit_bytes: Some(ENVOY_BUFFER_LIMIT),
         }
     }
 }
@@ -295,9 +307,34 @@ pub struct Host {
     clusters: HashMap<String, ClusterTarget>,
     /// (plugin, callback) → (calls, time spent in the module).
     timings: HashMap<(usize, &'static str), (u64, Duration)>,
+    /// Per VM: what it was made from, to make it again (Kong replaces a
+    /// trapped instance).
+    vm_origins: Vec<VmOrigin>,
+    /// Envoy: the plugins whose configuration canary ran.
+    canaries: std::collections::HashSet<(String, String, String, PathBuf, Vec<u8>)>,
+}
+
+/// What a VM was instantiated from.
+#[derive(Clone)]
+struct VmOrigin {
+    wasm: PathBuf,
+    vm_id: String,
+    env: Vec<(String, String)>,
 }
 
 const MAIN_THREAD: usize = usize::MAX;
+
+/// The VM index a configuration canary runs under (never in `Host::vms`).
+const CANARY_VM: VmIndex = usize::MAX;
+
+/// nginx's `Server` header (the build of `../shared/ngx-wasm`).
+pub const NGINX_SERVER: &str = "nginx/1.27.4";
+
+/// nginx 1.27.4's own `500 Internal Server Error` page: what a request
+/// whose filter trapped gets from ngx_wasm_module.
+pub const NGINX_500_PAGE: &str = "<html>\r\n<head><title>500 Internal Server Error</title></head>\r\n\
+<body>\r\n<center><h1>500 Internal Server Error</h1></center>\r\n\
+<hr><center>nginx/1.27.4</center>\r\n</body>\r\n</html>\r\n";
 
 impl Host {
     /// A host with default options (Envoy profile, one worker, virtual time).
@@ -323,6 +360,10 @@ impl Host {
         world.kong_gateway = options.kong_gateway;
         world.kong_queue_bytes = options.kong_queue_bytes;
         world.kong_body_buffer_bytes = options.kong_body_buffer_bytes;
+        world.buffer_limit = match options.profile {
+            Profile::Envoy => options.buffer_limit_bytes,
+            Profile::Kong => None,
+        };
         Ok(Host {
             _epochs: epochs,
             engine,
@@ -338,6 +379,8 @@ impl Host {
             next_stream: 1,
             clusters: HashMap::new(),
             timings: HashMap::new(),
+            vm_origins: Vec::new(),
+            canaries: std::collections::HashSet::new(),
         })
     }
 
@@ -352,10 +395,77 @@ impl Host {
         Ok(module)
     }
 
+    /// Envoy's configuration canary (proxy-wasm-cpp-host's
+    /// `WasmHandleBase::canary`): once per plugin, a throwaway clone of the
+    /// VM runs `on_vm_start` and `on_configure`, and a refusal refuses the
+    /// plugin; then it is killed (no `on_done`, its timers and callouts
+    /// gone). What it logged and wrote to shared data stays, as in Envoy.
+    fn canary(&mut self, spec: &PluginSpec) -> Result<()> {
+        let key = (
+            spec.name.clone(),
+            spec.root_id.clone(),
+            spec.vm_id.clone(),
+            spec.wasm.clone(),
+            spec.configuration.clone(),
+        );
+        if self.world.borrow().profile != Profile::Envoy || self.canaries.contains(&key) {
+            return Ok(());
+        }
+        let module = self.module(&spec.wasm)?;
+        let mut vm = Vm::new(
+            &self.engine,
+            &module,
+            self.world.clone(),
+            CANARY_VM,
+            &spec.vm_id,
+            spec.env.clone(),
+        )
+        .with_context(|| format!("starting the configuration canary of plugin {}", spec.name))?;
+        let logged_before = self.world.borrow().logs.len();
+        let result = vm.add_root(RootInfo {
+            plugin_name: spec.name.clone(),
+            root_id: spec.root_id.clone(),
+            configuration: spec.configuration.clone(),
+            vm_configuration: spec.vm_configuration.clone(),
+            tick_period_ms: 0,
+            next_tick_ns: 0,
+        });
+        {
+            let mut world = self.world.borrow_mut();
+            world.callouts.retain(|_, c| c.vm != CANARY_VM);
+            world
+                .events
+                .retain(|e| !matches!(e, Event::QueueReady { vm, .. } if *vm == CANARY_VM));
+        }
+        result.with_context(|| self.refusal(spec, logged_before))?;
+        self.canaries.insert(key);
+        Ok(())
+    }
+
+    /// Why plugin `spec` refused its configuration, as Envoy's log would
+    /// say: the module's own error lines since `logged_before`.
+    fn refusal(&self, spec: &PluginSpec, logged_before: usize) -> String {
+        let why: Vec<String> = self.world.borrow().logs[logged_before..]
+            .iter()
+            .filter(|l| l.level >= LogLevel::Error)
+            .map(|l| l.message.clone())
+            .collect();
+        if why.is_empty() {
+            format!("plugin {} refused its configuration", spec.name)
+        } else {
+            format!(
+                "plugin {} refused its configuration: {}",
+                spec.name,
+                why.join("; ")
+            )
+        }
+    }
+
     fn place(&mut self, spec: &PluginSpec, placement: usize) -> Result<usize> {
+        self.canary(spec)?;
         let key = (placement, spec.vm_id.clone(), spec.wasm.clone());
-        let (vm, first) = match self.vm_keys.get(&key) {
-            Some(vm) => (*vm, false),
+        let vm = match self.vm_keys.get(&key) {
+            Some(vm) => *vm,
             None => {
                 let module = self.module(&spec.wasm)?;
                 let index = self.vms.len();
@@ -369,8 +479,13 @@ impl Host {
                 )
                 .with_context(|| format!("starting a VM for plugin {}", spec.name))?;
                 self.vms.push(vm);
+                self.vm_origins.push(VmOrigin {
+                    wasm: spec.wasm.clone(),
+                    vm_id: spec.vm_id.clone(),
+                    env: spec.env.clone(),
+                });
                 self.vm_keys.insert(key, index);
-                (index, true)
+                index
             }
         };
         let info = RootInfo {
@@ -383,23 +498,9 @@ impl Host {
         };
         let plugin = self.plugins.len();
         let logged_before = self.world.borrow().logs.len();
-        let root = self.vms[vm].add_root(info, first).with_context(|| {
-            // Say why, as Envoy's log would: the module's own error lines.
-            let why: Vec<String> = self.world.borrow().logs[logged_before..]
-                .iter()
-                .filter(|l| l.level >= LogLevel::Error)
-                .map(|l| l.message.clone())
-                .collect();
-            if why.is_empty() {
-                format!("plugin {} refused its configuration", spec.name)
-            } else {
-                format!(
-                    "plugin {} refused its configuration: {}",
-                    spec.name,
-                    why.join("; ")
-                )
-            }
-        })?;
+        let root = self.vms[vm]
+            .add_root(info)
+            .with_context(|| self.refusal(spec, logged_before))?;
         self.plugins.push(PluginInstance {
             name: spec.name.clone(),
             stop_iteration: spec.allow_on_headers_stop_iteration,
@@ -505,6 +606,14 @@ impl Host {
                 ..Default::default()
             },
         );
+        if self.world.borrow().profile == Profile::Kong {
+            for plugin in &plugins {
+                let vm = self.plugins[*plugin].vm;
+                if self.vms[vm].failed.is_some() {
+                    self.revive(vm);
+                }
+            }
+        }
         let mut filters = Vec::with_capacity(plugins.len());
         let stop_iteration = plugins
             .iter()
@@ -541,6 +650,68 @@ impl Host {
             },
         );
         Ok(id)
+    }
+
+    /// Kong: ngx_wasm_module replaces a trapped instance at its next use
+    /// with a fresh one whose root contexts start again (`on_vm_start`,
+    /// `on_configure`; their tick periods unset until they set them). The
+    /// old instance's callouts are dropped; context ids go on from where
+    /// the old instance stopped.
+    fn revive(&mut self, index: VmIndex) {
+        let origin = self.vm_origins[index].clone();
+        let Ok(module) = self.module(&origin.wasm) else {
+            return;
+        };
+        let mut roots: Vec<(u32, RootInfo)> = self.vms[index]
+            .store
+            .data()
+            .roots
+            .iter()
+            .map(|(id, info)| (*id, info.clone()))
+            .collect();
+        roots.sort_by_key(|(id, _)| *id);
+        let vm = Vm::new(
+            &self.engine,
+            &module,
+            self.world.clone(),
+            index,
+            &origin.vm_id,
+            origin.env,
+        );
+        let mut vm = match vm {
+            Ok(vm) => vm,
+            Err(err) => {
+                self.log_host(&format!("replacing a trapped instance failed: {err:#}"));
+                return;
+            }
+        };
+        vm.continue_context_ids(&self.vms[index]);
+        self.world
+            .borrow_mut()
+            .callouts
+            .retain(|_, c| c.vm != index);
+        let mut renamed = HashMap::new();
+        for (old, mut info) in roots {
+            info.tick_period_ms = 0;
+            info.next_tick_ns = 0;
+            match vm.add_root(info) {
+                Ok(new) => {
+                    renamed.insert(old, new);
+                }
+                Err(err) => self.log_host(&format!(
+                    "a replaced instance's root context refused to start: {err:#}"
+                )),
+            }
+        }
+        self.vms[index] = vm;
+        for plugin in &mut self.plugins {
+            if plugin.vm == index
+                && let Some(root) = renamed.get(&plugin.root)
+            {
+                plugin.root = *root;
+            }
+        }
+        self.run_events();
     }
 
     /// Whether new data for a direction is moot: the stream ended, or a
@@ -625,17 +796,30 @@ impl Host {
                 return Step::Continue;
             }
             Err(err) => {
-                // A trapped VM fails its streams closed, as Envoy does.
+                // A trapped VM fails its streams closed: Envoy answers 503
+                // (and keeps the VM failed), ngx_wasm_module its 500 page
+                // (and replaces the instance at its next use, `revive`).
                 self.log_host(&format!(
                     "stream {id}: filter {chain_index} failed: {err:#}"
                 ));
-                if let Some(data) = self.world.borrow_mut().streams.get_mut(&id) {
-                    data.local_response = Some(LocalResponse {
+                let local = match self.world.borrow().profile {
+                    Profile::Envoy => LocalResponse {
                         status: 503,
                         details: "wasm_fail_stream".into(),
                         headers: vec![],
                         body: Vec::new(),
-                    });
+                        grpc_status: None,
+                    },
+                    Profile::Kong => LocalResponse {
+                        status: 500,
+                        details: "instance trapped".into(),
+                        headers: vec![("content-type".into(), b"text/html".to_vec())],
+                        body: NGINX_500_PAGE.as_bytes().to_vec(),
+                        grpc_status: None,
+                    },
+                };
+                if let Some(data) = self.world.borrow_mut().streams.get_mut(&id) {
+                    data.local_response = Some(local);
                 }
                 None
             }
@@ -859,13 +1043,24 @@ impl Host {
                 .get_mut(&id)
                 .map(|r| std::mem::take(&mut Self::dir(r, response).held[position]))
                 .unwrap_or_default();
+            let buffering = !buffer.is_empty();
             buffer.extend_from_slice(&data);
+            if buffering && self.over_buffer_limit(buffer.len()) {
+                // Envoy adds the data to the filter's buffer and fails the
+                // stream without calling the filter again.
+                self.buffer_limit_exceeded(id, response);
+                return;
+            }
             let size = buffer.len();
             self.set_body(id, response, buffer);
             let step = self.call(id, response, position, callback, size, eos);
             let buffer = self.take_body(id, response);
             match step {
                 Step::Stop => return,
+                Step::Pause if self.over_buffer_limit(buffer.len()) => {
+                    self.buffer_limit_exceeded(id, response);
+                    return;
+                }
                 Step::Pause => {
                     if let Some(run) = self.streams.get_mut(&id) {
                         let d = Self::dir(run, response);
@@ -912,6 +1107,38 @@ impl Host {
             }
         }
         self.maybe_finish(id);
+    }
+
+    /// Whether a filter's buffered body of `len` bytes is past Envoy's
+    /// buffer limit.
+    fn over_buffer_limit(&self, len: usize) -> bool {
+        self.world
+            .borrow()
+            .buffer_limit
+            .is_some_and(|limit| len > limit)
+    }
+
+    /// A filter buffered past the limit: Envoy answers a request `413
+    /// Payload Too Large`; a response `500` while its headers have not
+    /// left, else it resets the stream (the client has the headers, no body).
+    fn buffer_limit_exceeded(&mut self, id: StreamId, response: bool) {
+        self.log_host(&format!(
+            "stream {id}: a filter buffered a {} body past the buffer limit",
+            if response { "response" } else { "request" }
+        ));
+        let (status, text, details) = if response {
+            (500, "Internal Server Error", "response_payload_too_large")
+        } else {
+            (413, "Payload Too Large", "request_payload_too_large")
+        };
+        let local = LocalResponse {
+            status,
+            details: details.into(),
+            headers: vec![],
+            body: text.as_bytes().to_vec(),
+            grpc_status: None,
+        };
+        self.send_local(id, local, response);
     }
 
     fn set_body(&self, id: StreamId, response: bool, body: Vec<u8>) {
@@ -1016,19 +1243,33 @@ impl Host {
             self.finish(id);
             return;
         }
+        let grpc = self.world.borrow().profile == Profile::Envoy && self.is_grpc_request(id);
+        let local = if grpc { grpc_local_reply(local) } else { local };
+        let Some(run) = self.streams.get_mut(&id) else {
+            return;
+        };
         run.local = Some(local.clone());
         let n = run.filters.len();
-        let mut headers: Headers = vec![(":status".into(), local.status.to_string().into_bytes())];
-        headers.extend(local.headers.iter().cloned());
-        if !local.body.is_empty() {
-            headers.push((
-                "content-length".into(),
-                local.body.len().to_string().into_bytes(),
-            ));
-            if !local.headers.iter().any(|(k, _)| k == "content-type") {
-                headers.push(("content-type".into(), b"text/plain".to_vec()));
+        let headers = if run.responses_in_chain_order {
+            self.kong_local_headers(id, &local)
+        } else {
+            let mut headers: Headers =
+                vec![(":status".into(), local.status.to_string().into_bytes())];
+            headers.extend(local.headers.iter().cloned());
+            if !local.body.is_empty() {
+                headers.push((
+                    "content-length".into(),
+                    local.body.len().to_string().into_bytes(),
+                ));
+                if !local.headers.iter().any(|(k, _)| k == "content-type") {
+                    headers.push(("content-type".into(), b"text/plain".to_vec()));
+                }
             }
-        }
+            headers
+        };
+        let Some(run) = self.streams.get_mut(&id) else {
+            return;
+        };
         // Encoder filters that never saw the request are skipped (Envoy;
         // ngx_wasm_module runs the response phases of the whole chain, in
         // order: a filter that saw only the request headers sees the
@@ -1056,6 +1297,89 @@ impl Host {
         if !local.body.is_empty() && self.streams.get(&id).is_some_and(|r| !r.reset) {
             self.run_data(id, true, skip, local.body, true);
         }
+    }
+
+    /// Answers stream `id` before any filter saw it, as Envoy's connection
+    /// manager answers a request it refuses (HTTP/1.1 without `Host`: 400;
+    /// HTTP/1.0: 426): the client gets `local` as it is (`content-length`
+    /// added, and `content-type: text/plain` for a body without one), and
+    /// the filters see only `on_log` (then `on_done`, `on_delete`).
+    pub fn refuse(&mut self, id: StreamId, local: LocalResponse) {
+        let Some(run) = self.streams.get_mut(&id) else {
+            return;
+        };
+        let mut headers: Headers = vec![(":status".into(), local.status.to_string().into_bytes())];
+        headers.extend(local.headers.iter().cloned());
+        headers.push((
+            "content-length".into(),
+            local.body.len().to_string().into_bytes(),
+        ));
+        if !local.body.is_empty() && !local.headers.iter().any(|(k, _)| k == "content-type") {
+            headers.push(("content-type".into(), b"text/plain".to_vec()));
+        }
+        run.response.out = Output {
+            headers: Some(headers),
+            body: local.body.clone(),
+            complete: true,
+        };
+        run.local = Some(local);
+        self.maybe_finish(id);
+        self.run_events();
+    }
+
+    /// The headers of a local response as ngx_wasm_module shows them to
+    /// the filters: `:status`, `Content-Type` (`text/plain` for a body
+    /// without one) and `Connection` (its "shim" headers), the filter's
+    /// own, then `Content-Length`, `Server` and `Date` as nginx sends them.
+    fn kong_local_headers(&self, id: StreamId, local: &LocalResponse) -> Headers {
+        let world = self.world.borrow();
+        let close = world.streams.get(&id).is_some_and(|d| {
+            d.request_headers.iter().any(|(k, v)| {
+                k.eq_ignore_ascii_case("connection") && v.eq_ignore_ascii_case(b"close")
+            })
+        });
+        let mut headers: Headers = vec![(":status".into(), local.status.to_string().into_bytes())];
+        match local.headers.iter().find(|(k, _)| k == "content-type") {
+            Some((_, v)) => headers.push(("content-type".into(), v.clone())),
+            None if !local.body.is_empty() => {
+                headers.push(("content-type".into(), b"text/plain".to_vec()));
+            }
+            None => {}
+        }
+        let connection: &[u8] = if close { b"close" } else { b"keep-alive" };
+        headers.push(("connection".into(), connection.to_vec()));
+        headers.extend(
+            local
+                .headers
+                .iter()
+                .filter(|(k, _)| k != "content-type")
+                .cloned(),
+        );
+        headers.push((
+            "content-length".into(),
+            local.body.len().to_string().into_bytes(),
+        ));
+        headers.push(("server".into(), NGINX_SERVER.as_bytes().to_vec()));
+        headers.push((
+            "date".into(),
+            crate::world::http_date(world.clock.now_ns()).into_bytes(),
+        ));
+        headers
+    }
+
+    /// Whether stream `id`'s request is gRPC as Envoy tells it: its
+    /// `content-type` is `application/grpc` or `application/grpc+…`
+    /// (`application/grpc-web` is not).
+    fn is_grpc_request(&self, id: StreamId) -> bool {
+        let world = self.world.borrow();
+        let Some(data) = world.streams.get(&id) else {
+            return false;
+        };
+        data.request_headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+            .and_then(|(_, v)| v.strip_prefix(b"application/grpc"))
+            .is_some_and(|rest| rest.is_empty() || rest[0] == b'+')
     }
 
     fn maybe_finish(&mut self, id: StreamId) {
@@ -1235,10 +1559,20 @@ impl Host {
         let Some(callout) = self.world.borrow().callouts.get(&token).cloned() else {
             return;
         };
+        let profile = self.world.borrow().profile;
         let response = match self.clusters.get_mut(&callout.cluster) {
             Some(ClusterTarget::Handler(handler)) => Some(handler(&callout)),
-            Some(ClusterTarget::Http(addr)) => Some(crate::callout::blocking_http(*addr, &callout)),
-            Some(ClusterTarget::Manual) | None => None,
+            Some(ClusterTarget::Http(addr)) => {
+                Some(crate::callout::blocking_http(*addr, &callout, profile))
+            }
+            Some(ClusterTarget::Manual) => None,
+            // Only Kong dispatches to a target it was not given: ngx_wasm_module
+            // connects to an `IP:port` and resolves anything else (with no
+            // resolver configured here, that fails).
+            None => Some(match callout.cluster.parse::<SocketAddr>() {
+                Ok(addr) => crate::callout::blocking_http(addr, &callout, profile),
+                Err(_) => CallResponse::failed("resolver failure"),
+            }),
         };
         if let Some(response) = response {
             self.deliver_callout(token, response);
@@ -1263,12 +1597,31 @@ impl Host {
     /// Completes callout `token` with `response`; an unknown token is
     /// ignored (the callout was cancelled or already answered), unlike
     /// [`Host::respond`].
-    pub fn deliver_callout(&mut self, token: u32, response: CallResponse) {
+    pub fn deliver_callout(&mut self, token: u32, mut response: CallResponse) {
         let callout = self.world.borrow_mut().callouts.remove(&token);
         let Some(callout) = callout else {
             return;
         };
         let kong = self.world.borrow().profile == Profile::Kong;
+        if kong
+            && !response
+                .headers
+                .iter()
+                .any(|(k, _)| k == ":dispatch_status")
+        {
+            // ngx_wasm_module says how the call went in `:dispatch_status`:
+            // after `:status` for an answer, alone for a failure.
+            let answered = response.headers.iter().any(|(k, _)| k == ":status");
+            let status = match (&response.failure, answered) {
+                (_, true) => "ok".to_string(),
+                (Some(reason), false) => reason.clone(),
+                (None, false) => "timeout".to_string(),
+            };
+            let at = usize::from(answered);
+            response
+                .headers
+                .insert(at, (":dispatch_status".into(), status.into_bytes()));
+        }
         let mut resume = None;
         if let Some(vm) = self.vms.get_mut(callout.vm) {
             // Envoy cancels a stream's callouts when the stream ends.
@@ -1500,6 +1853,45 @@ impl Host {
     /// Whether any VM trapped.
     pub fn failed_vms(&self) -> Vec<String> {
         self.vms.iter().filter_map(|vm| vm.failed.clone()).collect()
+    }
+}
+
+/// Envoy's local reply to a gRPC request (`Utility::sendLocalReply`): HTTP
+/// 200, headers only, the status in `grpc-status` (the filter's, or mapped
+/// from the HTTP status) and the body, percent-encoded, in `grpc-message`.
+fn grpc_local_reply(local: LocalResponse) -> LocalResponse {
+    let code = local.grpc_status.unwrap_or(match local.status {
+        400 => 13,
+        401 => 16,
+        403 => 7,
+        404 => 12,
+        429 | 502..=504 => 14,
+        _ => 2,
+    });
+    let mut headers: Headers = local
+        .headers
+        .into_iter()
+        .filter(|(k, _)| k != "content-type" && k != "grpc-status" && k != "grpc-message")
+        .collect();
+    headers.push(("content-type".into(), b"application/grpc".to_vec()));
+    headers.push(("grpc-status".into(), code.to_string().into_bytes()));
+    if !local.body.is_empty() {
+        let mut message = String::new();
+        for byte in &local.body {
+            if (b' '..=b'~').contains(byte) && *byte != b'%' {
+                message.push(char::from(*byte));
+            } else {
+                message.push_str(&format!("%{byte:02X}"));
+            }
+        }
+        headers.push(("grpc-message".into(), message.into_bytes()));
+    }
+    LocalResponse {
+        status: 200,
+        details: local.details,
+        headers,
+        body: Vec::new(),
+        grpc_status: Some(code),
     }
 }
 

@@ -33,6 +33,11 @@ mod properties;
 mod vm;
 pub mod world;
 
-pub use host::{ChainId, ClusterTarget, Host, HostOptions, Output, PluginSpec, StreamHandle};
+pub use host::{
+    ChainId, ClusterTarget, ENVOY_BUFFER_LIMIT, Host, HostOptions, NGINX_500_PAGE, NGINX_SERVER,
+    Output, PluginSpec, StreamHandle,
+};
 pub use imports::IMPLEMENTED;
-pub use world::{CallResponse, Callout, LocalResponse, LogLine, Profile, StreamId, StreamInfo};
+pub use world::{
+    CallResponse, Callout, LocalResponse, LogLine, Profile, StreamId, StreamInfo, http_date,
+};

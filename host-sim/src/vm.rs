@@ -236,16 +236,24 @@ impl Vm {
         Ok(vm)
     }
 
+    /// Numbers this VM's contexts on from where `old` stopped, so that no
+    /// id of a stream still in flight on `old` names a context here.
+    pub(crate) fn continue_context_ids(&mut self, old: &Vm) {
+        self.next_context = self.next_context.max(old.next_context);
+    }
+
     fn next_id(&mut self) -> u32 {
         let id = self.next_context;
         self.next_context += 1;
         id
     }
 
-    /// Creates a root context for plugin `plugin`, runs `on_vm_start` (first
-    /// root only, as Envoy does per VM) and `on_configure`. Returns the root
-    /// context id, or the reason configuration was refused.
-    pub(crate) fn add_root(&mut self, info: RootInfo, first: bool) -> Result<u32> {
+    /// Creates a root context for a plugin, runs `on_vm_start` and
+    /// `on_configure`. Returns the root context id, or the reason
+    /// configuration was refused. `on_vm_start` runs for every root context
+    /// a VM starts, as both hosts do (proxy-wasm-cpp-host's
+    /// `ContextBase::onStart`; ngx_wasm_module's root start), not once per VM.
+    pub(crate) fn add_root(&mut self, info: RootInfo) -> Result<u32> {
         let id = self.next_id();
         let config_size = info.configuration.len() as i32;
         let vm_config_size = info.vm_configuration.len() as i32;
@@ -257,28 +265,25 @@ impl Vm {
         })?;
         // ngx_wasm_module refuses callouts from both (Kong profile).
         self.store.data_mut().in_configure = true;
-        let configured = self.start_and_configure(id, first, vm_config_size, config_size);
+        let configured = self.start_and_configure(id, vm_config_size, config_size);
         self.store.data_mut().in_configure = false;
         configured?;
         Ok(id)
     }
 
-    /// `on_vm_start` (when `first`) and `on_configure` of root `id`.
+    /// `on_vm_start` and `on_configure` of root `id`.
     fn start_and_configure(
         &mut self,
         id: u32,
-        first: bool,
         vm_config_size: i32,
         config_size: i32,
     ) -> Result<()> {
-        if first {
-            let ok = self.call_i32(id, |vm| match &vm.exports.vm_start {
-                Some(f) => f.call(&mut vm.store, (id as i32, vm_config_size)),
-                None => Ok(1),
-            })?;
-            if ok == 0 {
-                return Err(anyhow!("on_vm_start returned false"));
-            }
+        let ok = self.call_i32(id, |vm| match &vm.exports.vm_start {
+            Some(f) => f.call(&mut vm.store, (id as i32, vm_config_size)),
+            None => Ok(1),
+        })?;
+        if ok == 0 {
+            return Err(anyhow!("on_vm_start returned false"));
         }
         let ok = self.call_i32(id, |vm| match &vm.exports.configure {
             Some(f) => f.call(&mut vm.store, (id as i32, config_size)),

@@ -64,6 +64,10 @@ pub struct CallResponse {
     pub body: Vec<u8>,
     /// Trailers.
     pub trailers: Headers,
+    /// Why the call got no answer, where the host says so (ngx_wasm_module's
+    /// `:dispatch_status`: `timeout`, `broken connection`, `resolver
+    /// failure`); `None` for an answer or a silent failure.
+    pub failure: Option<String>,
 }
 
 impl CallResponse {
@@ -73,6 +77,7 @@ impl CallResponse {
             headers: vec![(":status".into(), status.to_string().into_bytes())],
             body: body.into(),
             trailers: vec![],
+            failure: None,
         }
     }
 
@@ -87,6 +92,15 @@ impl CallResponse {
     /// no headers, no body.
     pub fn failure() -> Self {
         CallResponse::default()
+    }
+
+    /// A failed call with the host's reason for it (under the Kong profile
+    /// the module reads it as `:dispatch_status`).
+    pub fn failed(reason: &str) -> Self {
+        CallResponse {
+            failure: Some(reason.to_string()),
+            ..CallResponse::default()
+        }
     }
 }
 
@@ -142,6 +156,11 @@ pub struct LocalResponse {
     pub headers: Headers,
     /// Body.
     pub body: Vec<u8>,
+    /// The gRPC status the filter asked for (`proxy_send_local_response`'s
+    /// last argument, when not negative). Envoy answers a gRPC request's
+    /// local response in gRPC form, with this status or one mapped from
+    /// `status`.
+    pub grpc_status: Option<u32>,
 }
 
 /// Facts about a stream's connection and timing (Envoy attributes).
@@ -265,6 +284,9 @@ pub struct World {
     pub(crate) kong_body_buffer_bytes: Option<usize>,
     /// Host calls by plugin and function, while counting is on.
     pub(crate) host_calls: Option<BTreeMap<(String, &'static str), u64>>,
+    /// Envoy: the per-stream buffer limit a filter's buffered body may not
+    /// exceed (`HostOptions::buffer_limit_bytes`).
+    pub(crate) buffer_limit: Option<usize>,
 }
 
 impl World {
@@ -288,6 +310,7 @@ impl World {
             kong_queue_bytes: usize::MAX,
             kong_body_buffer_bytes: None,
             host_calls: None,
+            buffer_limit: None,
         }
     }
 
@@ -432,6 +455,35 @@ impl World {
     }
 }
 
+/// An HTTP date (`Sat, 05 Dec 2026 09:08:51 GMT`) for `ns` since the epoch.
+pub fn http_date(ns: u64) -> String {
+    let secs = ns / 1_000_000_000;
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    const WEEKDAYS: [&str; 7] = ["Thu", "Fri", "Sat", "Sun", "Mon", "Tue", "Wed"];
+    const MONTHS: [&str; 12] = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    format!(
+        "{}, {day:02} {} {year} {:02}:{:02}:{:02} GMT",
+        WEEKDAYS[days.rem_euclid(7) as usize],
+        MONTHS[(month - 1) as usize],
+        rem / 3_600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
 /// Queue ids start at 1 so that 0 never names a queue.
 fn queue_id(index: usize) -> u32 {
     (index + 1) as u32
@@ -440,6 +492,15 @@ fn queue_id(index: usize) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn http_dates() {
+        assert_eq!(http_date(0), "Thu, 01 Jan 1970 00:00:00 GMT");
+        assert_eq!(
+            http_date(1_796_461_731_000_000_000),
+            "Sat, 05 Dec 2026 09:08:51 GMT"
+        );
+    }
 
     #[test]
     fn shared_data_cas_follows_envoy() {

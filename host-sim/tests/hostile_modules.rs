@@ -1,7 +1,7 @@
 //! The host never panics on what a module does: bad pointers, unknown
 //! imports, traps. Hand-written modules (WAT) do what no SDK would.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use host_sim::{Host, PluginSpec};
 
 const ABUSIVE: &str = r#"
@@ -50,10 +50,11 @@ fn bad_arguments_get_statuses_not_panics() -> Result<()> {
         "abusive",
         module(&dir, "abusive.wat", ABUSIVE)?,
     )])?;
-    // The statuses, two digits each, as the module logged them.
+    // The statuses, two digits each, as the module logged them: from
+    // Envoy's configuration canary, then from the worker's VM.
     assert_eq!(
         host.logs_containing("0612520602").len(),
-        1,
+        2,
         "{:?}",
         host.logs()
     );
@@ -137,5 +138,42 @@ fn a_module_stuck_in_a_loop_traps_instead_of_hanging_the_host() -> Result<()> {
         .map(|e| format!("{e:#}"))
         .unwrap_or_default();
     assert!(err.contains("interrupt"), "{err}");
+    Ok(())
+}
+
+/// Sets a tick period in `on_vm_start` and again in `on_configure`.
+const TICK_TWICE: &str = r#"
+(module
+  (import "env" "proxy_set_tick_period_milliseconds" (func $tick (param i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "proxy_on_memory_allocate") (param i32) (result i32) (i32.const 1024))
+  (func (export "proxy_on_context_create") (param i32 i32))
+  (func (export "proxy_on_vm_start") (param i32 i32) (result i32)
+    (drop (call $tick (i32.const 5000)))
+    (i32.const 1))
+  (func (export "proxy_on_configure") (param i32 i32) (result i32)
+    (drop (call $tick (i32.const 200)))
+    (i32.const 1))
+)
+"#;
+
+#[test]
+fn a_second_tick_period_is_fine_in_envoy_and_traps_in_kong() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = module(&dir, "tick.wat", TICK_TWICE)?;
+    let mut envoy = Host::new()?;
+    envoy.add_singleton(PluginSpec::new("tick", &path))?;
+    let mut kong = Host::with_options(host_sim::HostOptions {
+        profile: host_sim::Profile::Kong,
+        ..Default::default()
+    })?;
+    let err = kong
+        .add_chain(vec![PluginSpec::new("tick", &path)])
+        .err()
+        .context("ngx_wasm_module refuses a second tick period")?;
+    assert!(
+        format!("{err:#}").contains("tick_period already set"),
+        "{err:#}"
+    );
     Ok(())
 }

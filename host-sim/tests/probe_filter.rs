@@ -128,10 +128,11 @@ fn the_singleton_drains_its_queue_under_envoy_and_resolving_it_kills_the_vm_unde
             }
             Profile::Kong => {
                 // ngx_wasm_module has no resolve_shared_queue; the SDK panics
-                // on its status and the VM fails closed. This is why
+                // on its status and the instance traps: nginx's 500 (the
+                // next request gets a fresh instance). This is why
                 // zerolayer's observer is reached through a queue the filter
                 // registers itself and drained on tick where Kong runs it.
-                assert_eq!(s.client().status(), Some(503));
+                assert_eq!(s.client().status(), Some(500));
                 assert_eq!(host.failed_vms().len(), 1);
             }
         }
@@ -230,5 +231,53 @@ fn the_trivial_role_adds_two_request_headers_and_nothing_else() -> Result<()> {
         .map(|(_, f, n)| (*f, *n))
         .collect();
     assert_eq!(calls, [("proxy_add_header_map_value", 2)]);
+    Ok(())
+}
+
+#[test]
+fn a_body_buffered_past_envoys_limit_gets_413_unless_the_limit_is_off() -> Result<()> {
+    for (limit, past_limit) in [
+        (Some(host_sim::ENVOY_BUFFER_LIMIT), Some(413)),
+        (None, Some(200)),
+    ] {
+        let mut host = Host::with_options(HostOptions {
+            buffer_limit_bytes: limit,
+            ..Default::default()
+        })?;
+        let chain = host.add_chain(vec![
+            filter(r#"{"role":"filter"}"#)?.allow_on_headers_stop_iteration(true),
+        ])?;
+        for (size, status) in [
+            (host_sim::ENVOY_BUFFER_LIMIT, Some(200)),
+            (host_sim::ENVOY_BUFFER_LIMIT + 1, past_limit),
+        ] {
+            let mut s = host.stream(chain)?;
+            s.request_headers(&with_action("body-size"), false);
+            // In two pieces: the filter buffers the first (`Pause`).
+            let body = vec![b'x'; size];
+            s.request_body(&body[..size / 2], false);
+            s.request_body(&body[size / 2..], true);
+            if s.upstream().complete {
+                s.response_headers(&[(":status", "200")], true);
+            }
+            assert_eq!(s.client().status(), status, "limit {limit:?}, {size} bytes");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_grpc_client_gets_envoys_grpc_form_of_a_local_response() -> Result<()> {
+    let mut host = Host::new()?;
+    let chain = host.add_chain(vec![filter(r#"{"role":"filter"}"#)?])?;
+    let mut s = host.stream(chain)?;
+    let mut headers = with_action("local-403");
+    headers.push(("content-type", "application/grpc"));
+    s.request_headers(&headers, true);
+    let client = s.client();
+    assert_eq!(client.status(), Some(200));
+    assert_eq!(client.header("grpc-status"), Some("7"));
+    assert_eq!(client.header("content-type"), Some("application/grpc"));
+    assert!(client.body.is_empty());
     Ok(())
 }

@@ -60,27 +60,24 @@ impl EnvoyConfig {
             &["admin", "address", "socket_address", "port_value"],
             Value::from(0),
         )?;
-        for listener in seq_mut(&mut self.doc, &["static_resources", "listeners"])? {
+        for listener in listeners_mut(&mut self.doc) {
             set_path(
                 listener,
                 &["address", "socket_address", "port_value"],
                 Value::from(0),
             )?;
         }
-        for cluster in seq_mut(&mut self.doc, &["static_resources", "clusters"])? {
-            point_endpoints(cluster, upstream)?;
+        if let Some(clusters) = lookup_mut(&mut self.doc, &["static_resources", "clusters"])
+            .and_then(Value::as_sequence_mut)
+        {
+            for cluster in clusters {
+                point_endpoints(cluster, upstream)?;
+            }
         }
         let root = paths::root();
-        let filename = [
-            "typed_config",
-            "config",
-            "vm_config",
-            "code",
-            "local",
-            "filename",
-        ];
+        let filename = ["vm_config", "code", "local", "filename"];
         for filter in self.wasm_filters_mut()? {
-            if let Some(file) = lookup_mut(filter, &filename)
+            if let Some(file) = wasm_config_mut(filter).and_then(|c| lookup_mut(c, &filename))
                 && let Some(rel) = file.as_str()
             {
                 let abs = root.join(rel);
@@ -289,7 +286,7 @@ impl EnvoyConfig {
             .wasm_filters_mut()?
             .into_iter()
             .find(|f| f.get("name").and_then(Value::as_str) == Some(filter))
-            .and_then(|f| lookup_mut(f, &["typed_config", "config"]))
+            .and_then(wasm_config_mut)
             .and_then(Value::as_mapping_mut)
             .ok_or_else(|| anyhow!("{name}: no Wasm filter named {filter}"))?;
         match value {
@@ -396,7 +393,7 @@ impl EnvoyConfig {
 
     fn http_connection_managers_mut(&mut self) -> Result<Vec<&mut Value>> {
         let mut out = vec![];
-        for listener in seq_mut(&mut self.doc, &["static_resources", "listeners"])? {
+        for listener in listeners_mut(&mut self.doc) {
             for chain in listener
                 .get_mut("filter_chains")
                 .and_then(Value::as_sequence_mut)
@@ -460,11 +457,16 @@ impl EnvoyConfig {
                 .into_iter()
                 .flatten()
             {
-                let is_wasm = filter
-                    .get("typed_config")
-                    .and_then(|t| t.get("@type"))
-                    .and_then(Value::as_str)
-                    .is_some_and(|t| t.ends_with("envoy.extensions.filters.http.wasm.v3.Wasm"));
+                // Directly, or wrapped in a `TypedStruct` (`type_url`).
+                let typed = filter.get("typed_config");
+                let is_wasm = [
+                    typed.and_then(|t| t.get("@type")),
+                    typed.and_then(|t| t.get("type_url")),
+                ]
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .any(|t| t.ends_with("envoy.extensions.filters.http.wasm.v3.Wasm"));
                 if is_wasm {
                     out.push(filter);
                 }
@@ -493,7 +495,8 @@ impl EnvoyConfig {
         self.wasm_filters_mut()?
             .into_iter()
             .find(|f| f.get("name").and_then(Value::as_str) == Some(filter))
-            .and_then(|f| lookup_mut(f, &["typed_config", "config", "configuration", "value"]))
+            .and_then(wasm_config_mut)
+            .and_then(|c| lookup_mut(c, &["configuration", "value"]))
             .ok_or_else(|| {
                 anyhow!("{name}: no Wasm filter named {filter} with a configuration value")
             })
@@ -527,6 +530,26 @@ fn point_endpoints(cluster: &mut Value, addr: SocketAddr) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A Wasm filter's `config` (the `PluginConfig`), under its typed config or
+/// under a `TypedStruct`'s `value`.
+fn wasm_config_mut(filter: &mut Value) -> Option<&mut Value> {
+    let typed = filter.get_mut("typed_config")?;
+    if typed.get("type_url").is_some() {
+        return lookup_mut(typed, &["value", "config"]);
+    }
+    typed.get_mut("config")
+}
+
+/// The static listeners: a list, or (as Envoy also takes it) a single
+/// listener given as a mapping.
+fn listeners_mut(doc: &mut Value) -> Vec<&mut Value> {
+    match lookup_mut(doc, &["static_resources", "listeners"]) {
+        Some(Value::Sequence(list)) => list.iter_mut().collect(),
+        Some(single @ Value::Mapping(_)) => vec![single],
+        _ => Vec::new(),
+    }
 }
 
 fn lookup_mut<'a>(mut value: &'a mut Value, path: &[&str]) -> Option<&'a mut Value> {

@@ -415,7 +415,7 @@ pub fn host_sim_server(
 ) -> Result<host_sim_tools::serve::Server> {
     let mut filters = Vec::new();
     for filter in &config.filters {
-        let wasm = crate::paths::wasm(filter.name.trim_start_matches("zerolayer_"))?;
+        let wasm = config.module_file(&filter.name)?;
         let mut spec = host_sim::PluginSpec::new(&filter.name, wasm)
             .configuration(filter.config.as_bytes().to_vec());
         for (key, value) in config.environment() {
@@ -427,7 +427,7 @@ pub fn host_sim_server(
         filters,
         singletons: Vec::new(),
         clusters: targets.iter().map(|a| (a.to_string(), *a)).collect(),
-        route_request_headers: Vec::new(),
+        ..Default::default()
     };
     host_sim_tools::serve::Server::start(host_sim_tools::serve::ServeOptions {
         chain,

@@ -12,6 +12,7 @@ pub mod client;
 pub mod differential;
 pub mod envoy;
 pub mod fleet;
+pub mod foreign;
 pub mod kong_chain;
 pub mod litellm;
 pub mod mock;

@@ -62,6 +62,8 @@ pub struct KongConfig {
     /// Wasmtime's compilation cache directory (`None`: the one every run
     /// shares, under `target/ngx-wasm-cache`).
     pub wasmtime_cache: Option<PathBuf>,
+    /// Modules by name that are not zerolayer's (`zerolayer_<stage>.wasm`).
+    module_files: Vec<(String, PathBuf)>,
 }
 
 /// The Kong declarative files under `kong/`.
@@ -124,9 +126,47 @@ impl KongConfig {
             env: Vec::new(),
             workers: 1,
             wasmtime_cache: None,
+            module_files: Vec::new(),
         };
         config.read_kong_conf(&kong_file("kong.conf"))?;
         Ok(config)
+    }
+
+    /// A plain ngx_wasm_module configuration, without Kong's files: the
+    /// modules (name, `.wasm`), the chain on `paths`, any method, Kong's
+    /// default timeouts and body size limit (none), one worker, nothing
+    /// declared in `wasm{}`.
+    pub fn plain(
+        modules: Vec<(String, PathBuf)>,
+        filters: Vec<KongFilter>,
+        paths: Vec<String>,
+    ) -> KongConfig {
+        KongConfig {
+            filters,
+            paths,
+            methods: Vec::new(),
+            response_buffering: true,
+            read_timeout_ms: 60_000,
+            connect_timeout_ms: 60_000,
+            main: Vec::new(),
+            wasm: Vec::new(),
+            // Kong's default (`nginx_http_client_max_body_size = 0`): no
+            // limit on request bodies (nginx's own is 1 MiB).
+            http: vec!["client_max_body_size 0;".into()],
+            env: Vec::new(),
+            workers: 1,
+            wasmtime_cache: None,
+            module_files: modules,
+        }
+    }
+
+    /// The `.wasm` of module `name`: one given to [`KongConfig::plain`], or
+    /// zerolayer's `zerolayer_<stage>.wasm`.
+    pub fn module_file(&self, name: &str) -> Result<PathBuf> {
+        match self.module_files.iter().find(|(n, _)| n == name) {
+            Some((_, path)) => Ok(path.clone()),
+            None => paths::wasm(name.trim_start_matches("zerolayer_")),
+        }
     }
 
     /// Takes `kong.conf`'s injected nginx directives as Kong renders them.
@@ -273,7 +313,7 @@ impl KongConfig {
         let mut modules: Vec<&str> = self.filters.iter().map(|f| f.name.as_str()).collect();
         modules.dedup();
         for name in modules {
-            let wasm = paths::wasm(name.trim_start_matches("zerolayer_"))?;
+            let wasm = self.module_file(name)?;
             out.push_str(&format!("    module {name} {};\n", wasm.display()));
         }
         for line in &self.wasm {

@@ -42,6 +42,19 @@ impl EchoUpstream {
         Ok(EchoUpstream(MockServer::start(echo)?))
     }
 
+    /// Starts one that answers with `handler` (recording what it got all
+    /// the same), e.g. an upstream that is also a callout target.
+    pub fn with_handler(
+        handler: impl Fn(&SeenRequest) -> MockReply + Send + Sync + 'static,
+    ) -> Result<Self> {
+        Ok(EchoUpstream(MockServer::start(handler)?))
+    }
+
+    /// The echo answer to `request` (for handlers that echo most requests).
+    pub fn echo(request: &SeenRequest) -> MockReply {
+        echo(request)
+    }
+
     /// Where it listens.
     pub fn addr(&self) -> SocketAddr {
         self.0.addr()

@@ -13,7 +13,8 @@
 //!   filter): shared data increments and a stale CAS, enqueue to the
 //!   singleton and its drain, local responses (alone and after other
 //!   actions), a callout pausing and resuming the request, body buffering
-//!   behind paused headers (3000 bytes and none), properties
+//!   behind paused headers (3000 bytes and none; 1 MiB, and one byte past
+//!   Envoy's buffer limit: 413), properties
 //!   (`request.path`, `.method`, `.url_path`, `.id`, `response.code`,
 //!   `plugin_name`), filter state read back, response body replacement,
 //!   unknown actions; metrics per action, queue items; ticks in both.
@@ -119,6 +120,12 @@ fn probe_host_features_behave_the_same_in_envoy_and_host_sim() -> Result<()> {
         probe("callout-and-more", "shared-incr,callout,set-state"),
         // Body buffering with headers paused (StopIteration semantics).
         Scenario::post("body", "/probe", &"x".repeat(3000)).header("x-probe-action", "body-size"),
+        // A filter buffering a request body past Envoy's buffer limit
+        // (1 MiB): 413 from Envoy, through the filter's response callbacks.
+        Scenario::post("body at the buffer limit", "/probe", &"x".repeat(1024 * 1024))
+            .header("x-probe-action", "body-size"),
+        Scenario::post("body past the buffer limit", "/probe", &"x".repeat(1024 * 1024 + 1))
+            .header("x-probe-action", "body-size"),
         Scenario::post("callout-with-body", "/probe", &"y".repeat(5000)).header("x-probe-action", "callout"),
         probe("body-empty", "body-size"),
         // Properties and filter state.
@@ -139,6 +146,10 @@ fn probe_host_features_behave_the_same_in_envoy_and_host_sim() -> Result<()> {
     for scenario in &scenarios {
         let (envoy, sim) = pair.run(scenario)?;
         assert_eq!(envoy, sim, "scenario {}", scenario.name);
+        if scenario.name == "body past the buffer limit" {
+            assert_eq!(envoy.status, 413, "{envoy:?}");
+            assert_eq!(envoy.client_body, "Payload Too Large");
+        }
     }
     // The singleton drained both enqueued items in each host.
     pair.wait_metric_agree("probe_queue_items", 2.0)?;

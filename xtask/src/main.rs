@@ -30,7 +30,8 @@ usage: cargo xtask <command>
                          the Debian packages the tests use (Redis, ClickHouse, Chromium…)
   setup-peers            install LiteLLM's proxy (pinned, tools/requirements-peers.txt)
                          into .venv-peers, for the peers bench only (bench does it)
-  build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/)
+  build-wasm             build every filter as .wasm (target/wasm32-wasip1/wasm/), and
+                         host-sim's foreign filters (…/wasm/examples/, host-sim/foreign)
   build-native [--probes]
                          build the native Envoy module (target/release/libzerolayer_native.so;
                          --probes: the bench's build with the floor probes, feature
@@ -60,6 +61,10 @@ pub const MODULES: &[&str] = &[
     "zerolayer-observer-service",
     "zerolayer-probe",
 ];
+
+/// The crate whose examples are the foreign filters of host-sim's
+/// differential suite (filters zerolayer did not design).
+pub const FOREIGN_FILTERS: &str = "host-sim-foreign";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -170,7 +175,20 @@ fn build_wasm() -> Result<()> {
     for module in MODULES {
         args.extend(["--package", module]);
     }
-    cargo(&args)
+    cargo(&args)?;
+    // The foreign filters (host-sim/foreign): examples, each its own module,
+    // in target/wasm32-wasip1/wasm/examples/.
+    cargo(&[
+        "build",
+        "--locked",
+        "--target",
+        "wasm32-wasip1",
+        "--profile",
+        "wasm",
+        "--package",
+        FOREIGN_FILTERS,
+        "--examples",
+    ])
 }
 
 /// The native form: the Envoy dynamic module (`filters/native`), built for

@@ -5,7 +5,7 @@
 //! host-sim stub --listen 127.0.0.1:18080 --ttft-ms 150 --itl-ms 20
 //! host-sim playground --listen 127.0.0.1:8787 --dir target/playground
 //! host-sim reconcile --access-log access.log --clickhouse http://127.0.0.1:8123 --out corrections.jsonl
-//! host-sim replay --chain envoy/zerolayer.yaml --traffic traffic.jsonl --upstream stub --report report.html
+//! host-sim replay --chain envoy/zerolayer.yaml --skip-filter envoy.filters.http.compressor --traffic traffic.jsonl --upstream stub --report report.html
 //! host-sim import --from har session.har --out traffic.jsonl
 //! host-sim check envoy/zerolayer.yaml envoy/zerolayer-fused.yaml
 //! host-sim check --kong kong/kong.yml kong/kong.conf
@@ -30,10 +30,12 @@ const USAGE: &str = "\
 usage:
   host-sim serve --chain FILE --upstream URL|stub [--listen ADDR] [--admin ADDR]
                                   [--profile envoy|kong] [--kong-queues NAME,NAME…]
-                                  [--kong-body-buffer BYTES] [--logs]
+                                  [--kong-body-buffer BYTES] [--skip-filter NAME,NAME…] [--logs]
       Run the chain in FILE (an Envoy bootstrap .yaml: its Wasm http_filters,
-      bootstrap singletons and static clusters; or a JSON chain file) as a
-      loopback proxy in front of URL (or a built-in GPU backend stub).
+      bootstrap singletons, static clusters and routes; or a JSON chain file) as
+      a loopback proxy in front of URL (or a built-in GPU backend stub). An HTTP
+      filter that is neither Wasm nor the router is an error unless named in
+      --skip-filter (then left out on purpose).
       Admin: GET /stats/prometheus, /logs, /ready.
   host-sim stub [--listen ADDR] [--ttft-ms N] [--itl-ms N] [--cache-control V] [--fault F]
       Run the GPU inference backend stub (Anthropic /v1/messages, OpenAI
@@ -51,6 +53,7 @@ usage:
                   [--speed F] [--concurrency N] [--no-baseline] [--out FILE] [--report FILE]
                   [--cluster NAME=IP:PORT]... [--capture CLUSTER]... [--title TEXT]
                   [--profile envoy|kong] [--kong-queues NAME,NAME…] [--no-progress]
+                  [--skip-filter NAME,NAME…]
       Replay recorded traffic (JSON Lines, host-sim/tools/REPLAY.md) through the chain
       at its recorded arrival times divided by F (0: no waiting), at most N in
       flight (default 16), then once more straight to the upstream for the
@@ -222,7 +225,14 @@ fn serve(args: &[String]) -> Result<()> {
     let args = Args::parse(args, &["logs"])?;
     let chain_path = PathBuf::from(args.get("chain").context("--chain FILE is required")?);
     let base = std::env::current_dir()?;
-    let chain = ChainFile::load(&chain_path, &base)?;
+    let skip: Vec<String> = args
+        .get("skip-filter")
+        .map(|list| list.split(',').map(str::to_string).collect())
+        .unwrap_or_default();
+    let chain = ChainFile::load_skipping(&chain_path, &base, &skip)?;
+    for name in &chain.skipped {
+        eprintln!("host-sim: HTTP filter {name} left out (--skip-filter)");
+    }
     let _stub;
     let upstream = match args
         .get("upstream")
@@ -420,11 +430,17 @@ fn replay(args: &[String]) -> Result<()> {
             "profile",
             "kong-queues",
             "no-progress",
+            "skip-filter",
         ],
         &["cluster", "capture"],
     )?;
     let chain_path = args.get("chain").context("--chain FILE is required")?;
-    let chain = ChainFile::load(&PathBuf::from(chain_path), &std::env::current_dir()?)?;
+    let skip: Vec<String> = args
+        .get("skip-filter")
+        .map(|list| list.split(',').map(str::to_string).collect())
+        .unwrap_or_default();
+    let chain =
+        ChainFile::load_skipping(&PathBuf::from(chain_path), &std::env::current_dir()?, &skip)?;
     let traffic_path = args.get("traffic").context("--traffic FILE is required")?;
     let file =
         std::fs::File::open(traffic_path).with_context(|| format!("opening {traffic_path}"))?;

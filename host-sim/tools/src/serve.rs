@@ -32,10 +32,11 @@ use zerolayer_core::internal;
 
 use host_sim::abi::Headers;
 use host_sim::{
-    CallResponse, Callout, ChainId, ClusterTarget, Host, HostOptions, Profile, StreamId, StreamInfo,
+    CallResponse, Callout, ChainId, ClusterTarget, Host, HostOptions, LocalResponse, Profile,
+    StreamId, StreamInfo,
 };
 
-use crate::config_file::ChainFile;
+use crate::config_file::{ChainFile, Route, RouteAction};
 
 /// What `serve` runs and where.
 #[derive(Debug, Clone)]
@@ -101,6 +102,9 @@ enum Command {
         info: StreamInfo,
         headers: Headers,
         end: bool,
+        /// Answered before any filter sees it (Envoy's 400 and 426): the
+        /// filters get only `on_log`.
+        refuse: Option<LocalResponse>,
         events: mpsc::UnboundedSender<StreamEvent>,
         reply: oneshot::Sender<StreamId>,
     },
@@ -150,10 +154,11 @@ impl Server {
             .context("binding the admin listener")?;
         let addr = listener.local_addr()?;
         let admin = admin_listener.local_addr()?;
-        let client: Client<HttpConnector, BoxBody<Bytes, Infallible>> =
+        let client: Client<HttpConnector, Body> =
             Client::builder(TokioExecutor::new()).build(crate::replay::connector());
         let proxy = Proxy {
             commands: commands.clone(),
+            profile: options.profile,
             upstream: options.upstream,
             client,
             listener: addr,
@@ -219,6 +224,9 @@ struct Open {
     upstream_sent: Option<Instant>,
     /// When the upstream response's end reached the chain.
     upstream_done: Option<Instant>,
+    /// The router answered the request itself (a direct response, or no
+    /// route): nothing goes upstream.
+    answered: bool,
 }
 
 fn wasm_thread(
@@ -244,6 +252,10 @@ fn wasm_thread(
             // Callouts are performed on the runtime, not on this thread.
             host.set_cluster(name, ClusterTarget::Manual);
             clusters.insert(name.clone(), *addr);
+        }
+        for name in &options.chain.unresolved_clusters {
+            // Known to Envoy, with no host: `start_callouts` answers.
+            host.set_cluster(name, ClusterTarget::Manual);
         }
         for singleton in &options.chain.singletons {
             host.add_singleton(singleton.clone())?;
@@ -274,6 +286,7 @@ fn wasm_thread(
                 info,
                 headers,
                 end,
+                refuse,
                 events,
                 reply,
             }) => match host.open_stream(chain, info) {
@@ -292,9 +305,13 @@ fn wasm_thread(
                             request_id,
                             upstream_sent: None,
                             upstream_done: None,
+                            answered: false,
                         },
                     );
-                    host.deliver_headers(id, false, headers, end);
+                    match refuse {
+                        Some(local) => host.refuse(id, local),
+                        None => host.deliver_headers(id, false, headers, end),
+                    }
                 }
                 Err(err) => {
                     eprintln!("host-sim: cannot open a stream: {err:#}");
@@ -336,11 +353,19 @@ fn wasm_thread(
             Err(std_mpsc::RecvTimeoutError::Timeout) => {}
         }
         host.fire_due(host.now_ns());
-        start_callouts(&host, &clusters, &mut started_callouts, &commands, &runtime);
+        start_callouts(
+            &host,
+            &clusters,
+            options.profile,
+            &mut started_callouts,
+            &commands,
+            &runtime,
+        );
         sync_streams(
             &mut host,
             &mut open,
-            &options.chain.route_request_headers,
+            &options.chain,
+            options.profile,
             options.records.as_ref(),
         );
     }
@@ -373,6 +398,7 @@ fn stream_record(host: &Host, id: StreamId, stream: &Open) -> StreamRecord {
 fn start_callouts(
     host: &Host,
     clusters: &HashMap<String, SocketAddr>,
+    profile: Profile,
     started: &mut std::collections::HashSet<u32>,
     commands: &std_mpsc::Sender<Command>,
     runtime: &tokio::runtime::Handle,
@@ -382,22 +408,40 @@ fn start_callouts(
             continue;
         }
         let commands = commands.clone();
-        match clusters.get(&callout.cluster).copied() {
+        // A cluster's address; under Kong any `IP:port` the module names
+        // (ngx_wasm_module connects to it).
+        let addr = clusters.get(&callout.cluster).copied().or_else(|| {
+            (profile == Profile::Kong)
+                .then(|| callout.cluster.parse::<SocketAddr>().ok())
+                .flatten()
+        });
+        match addr {
             Some(addr) => {
                 runtime.spawn_blocking(move || {
-                    let response = blocking(addr, &callout);
+                    let response = blocking(addr, &callout, profile);
                     let _ = commands.send(Command::CalloutDone(callout.token, response));
                 });
             }
             None => {
-                let _ = commands.send(Command::CalloutDone(callout.token, CallResponse::failure()));
+                let response = match profile {
+                    // A cluster whose name did not resolve: no healthy host.
+                    Profile::Envoy => CallResponse::new(503, NO_HEALTHY_UPSTREAM)
+                        .header("content-length", &NO_HEALTHY_UPSTREAM.len().to_string())
+                        .header("content-type", "text/plain"),
+                    // ngx_wasm_module resolves any other name (none here).
+                    Profile::Kong => CallResponse::failed("resolver failure"),
+                };
+                let _ = commands.send(Command::CalloutDone(callout.token, response));
             }
         }
     }
 }
 
-fn blocking(addr: SocketAddr, callout: &Callout) -> CallResponse {
-    host_sim::callout::blocking_http(addr, callout)
+/// Envoy's answer for a cluster without a healthy host.
+const NO_HEALTHY_UPSTREAM: &str = "no healthy upstream";
+
+fn blocking(addr: SocketAddr, callout: &Callout, profile: Profile) -> CallResponse {
+    host_sim::callout::blocking_http(addr, callout, profile)
 }
 
 /// Sends each open stream's news (what newly left either end of the chain)
@@ -405,32 +449,72 @@ fn blocking(addr: SocketAddr, callout: &Callout) -> CallResponse {
 fn sync_streams(
     host: &mut Host,
     open: &mut HashMap<StreamId, Open>,
-    route_headers: &[(String, String)],
+    chain: &ChainFile,
+    profile: Profile,
     records: Option<&std_mpsc::Sender<StreamRecord>>,
 ) {
     let mut done = vec![];
+    // Requests the router answers itself: (stream, status, body).
+    let mut answers: Vec<(StreamId, u16, Vec<u8>)> = vec![];
     for (id, stream) in open.iter_mut() {
         let e = &mut stream.emitted;
         if let Some(up) = host.upstream_output(*id) {
             if let (false, Some(headers)) = (e.up_headers, &up.headers) {
                 e.up_headers = true;
-                stream.upstream_sent = Some(Instant::now());
-                let end = up.complete && up.body.is_empty();
-                e.up_end = end;
-                // Envoy's router adds the route's headers after the filters.
-                let mut headers = headers.clone();
-                for (name, format) in route_headers {
-                    let value = crate::config_file::expand_format(format, |key| {
-                        host.filter_state(*id, key)
-                    });
-                    headers.retain(|(k, _)| k != name);
-                    headers.push((name.clone(), value.into_bytes()));
+                let path = headers
+                    .iter()
+                    .find(|(k, _)| k == ":path")
+                    .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+                    .unwrap_or_default();
+                match chain.route_for(&path) {
+                    None => {
+                        // Envoy's router: no route, 404.
+                        stream.answered = true;
+                        answers.push((*id, 404, Vec::new()));
+                    }
+                    Some(Route {
+                        action: RouteAction::Direct { status, body },
+                        ..
+                    }) => {
+                        stream.answered = true;
+                        answers.push((*id, status, body));
+                    }
+                    Some(Route {
+                        action: RouteAction::Proxy { timeout_ms },
+                        request_headers,
+                        ..
+                    }) => {
+                        stream.upstream_sent = Some(Instant::now());
+                        let end = up.complete && up.body.is_empty();
+                        e.up_end = end;
+                        // Envoy's router adds the route's headers after the
+                        // filters, then announces the route's timeout.
+                        let mut headers = headers.clone();
+                        for (name, format) in &request_headers {
+                            let value = crate::config_file::expand_format(format, |key| {
+                                host.filter_state(*id, key)
+                            });
+                            headers.retain(|(k, _)| k != name);
+                            headers.push((name.clone(), value.into_bytes()));
+                        }
+                        if profile == Profile::Envoy && timeout_ms > 0 {
+                            headers.retain(|(k, _)| k != "x-envoy-expected-rq-timeout-ms");
+                            headers.push((
+                                "x-envoy-expected-rq-timeout-ms".into(),
+                                timeout_ms.to_string().into_bytes(),
+                            ));
+                        }
+                        let _ = stream
+                            .events
+                            .send(StreamEvent::UpstreamHeaders(headers, end));
+                    }
                 }
-                let _ = stream
-                    .events
-                    .send(StreamEvent::UpstreamHeaders(headers, end));
             }
-            if e.up_headers && !e.up_end && (up.body.len() > e.up_body || up.complete) {
+            if e.up_headers
+                && !stream.answered
+                && !e.up_end
+                && (up.body.len() > e.up_body || up.complete)
+            {
                 let chunk = up.body[e.up_body..].to_vec();
                 e.up_body = up.body.len();
                 e.up_end = up.complete;
@@ -468,6 +552,23 @@ fn sync_streams(
             done.push(*id);
         }
     }
+    for (id, status, body) in answers {
+        // The router's own answer goes back through the filters, as an
+        // upstream's would.
+        upstream_done(open, id);
+        let mut headers: Headers = vec![
+            (":status".into(), status.to_string().into_bytes()),
+            ("content-length".into(), body.len().to_string().into_bytes()),
+        ];
+        if !body.is_empty() {
+            headers.push(("content-type".into(), b"text/plain".to_vec()));
+        }
+        let end = body.is_empty();
+        host.deliver_headers(id, true, headers, end);
+        if !end {
+            host.deliver_data(id, true, body, true);
+        }
+    }
     for id in done {
         if let Some(stream) = open.remove(&id)
             && let Some(records) = records
@@ -483,24 +584,34 @@ fn sync_streams(
 #[derive(Clone)]
 struct Proxy {
     commands: std_mpsc::Sender<Command>,
+    profile: Profile,
     upstream: SocketAddr,
-    client: Client<HttpConnector, BoxBody<Bytes, Infallible>>,
+    client: Client<HttpConnector, Body>,
     listener: SocketAddr,
 }
 
-type Body = BoxBody<Bytes, Infallible>;
+/// A body that can break off: a stream reset after its headers left ends
+/// the body with an error, so the peer sees the connection cut (as from
+/// Envoy), not a complete message.
+type Body = BoxBody<Bytes, BodyError>;
+type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
-fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).boxed()
+/// What a cut body ends with.
+fn reset_error() -> BodyError {
+    "the stream was reset".into()
 }
 
-/// A body fed by a channel of chunks.
-fn channel_body() -> (mpsc::UnboundedSender<Bytes>, Body) {
-    let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
+fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// A body fed by a channel of chunks (an `Err` cuts it).
+fn channel_body() -> (mpsc::UnboundedSender<Result<Bytes, BodyError>>, Body) {
+    let (tx, rx) = mpsc::unbounded_channel::<Result<Bytes, BodyError>>();
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv()
-            .await
-            .map(|chunk| (Ok::<_, Infallible>(Frame::data(chunk)), rx))
+        rx.recv().await.map(|chunk| (chunk.map(Frame::data), rx))
     });
     (tx, StreamBody::new(stream).boxed())
 }
@@ -596,40 +707,90 @@ impl Proxy {
 
     async fn run(&self, req: Request<Incoming>, peer: SocketAddr) -> Result<Response<Body>> {
         let (parts, body) = req.into_parts();
-        // The request as Envoy's filters see it: pseudo-headers first,
-        // lower-case names, hop-by-hop headers gone, x-forwarded-proto and
-        // x-request-id added.
-        let authority = parts
-            .headers
-            .get("host")
-            .and_then(|h| h.to_str().ok())
-            .map(str::to_string)
-            .unwrap_or_else(|| self.listener.to_string());
-        let mut headers: Headers = vec![
-            (":authority".into(), authority.into_bytes()),
-            (
-                ":path".into(),
-                parts
-                    .uri
-                    .path_and_query()
-                    .map(|p| p.to_string())
-                    .unwrap_or("/".into())
-                    .into_bytes(),
-            ),
-            (":method".into(), parts.method.as_str().as_bytes().to_vec()),
-            (":scheme".into(), b"http".to_vec()),
-        ];
+        // What the real host answers before any filter runs.
+        let no_host =
+            parts.version == hyper::Version::HTTP_11 && !parts.headers.contains_key("host");
+        let refuse = match self.profile {
+            // Envoy's connection manager: HTTP/1.0 is not accepted, and an
+            // HTTP/1.1 request needs a Host; the filters see only `on_log`.
+            Profile::Envoy if parts.version == hyper::Version::HTTP_10 => Some(LocalResponse {
+                status: 426,
+                details: "low_version".into(),
+                headers: vec![],
+                body: b"Upgrade Required".to_vec(),
+                grpc_status: None,
+            }),
+            Profile::Envoy if no_host => Some(LocalResponse {
+                status: 400,
+                details: "missing_host_header".into(),
+                headers: vec![],
+                body: Vec::new(),
+                grpc_status: None,
+            }),
+            // nginx refuses an HTTP/1.1 request without Host itself: no
+            // filter runs at all.
+            Profile::Kong if no_host => return Ok(nginx_bad_request()),
+            _ => None,
+        };
+        let path = parts
+            .uri
+            .path_and_query()
+            .map(|p| p.to_string())
+            .unwrap_or("/".into())
+            .into_bytes();
+        let method = parts.method.as_str().as_bytes().to_vec();
+        let mut headers: Headers = match self.profile {
+            // The request as Envoy's filters see it: pseudo-headers first,
+            // lower-case names, hop-by-hop headers gone, x-forwarded-proto
+            // and x-request-id added.
+            Profile::Envoy => {
+                let authority = parts
+                    .headers
+                    .get("host")
+                    .and_then(|h| h.to_str().ok())
+                    .map(str::to_string)
+                    .unwrap_or_else(|| self.listener.to_string());
+                vec![
+                    (":authority".into(), authority.into_bytes()),
+                    (":path".into(), path),
+                    (":method".into(), method),
+                    (":scheme".into(), b"http".to_vec()),
+                ]
+            }
+            // As ngx_wasm_module presents it: `:path`, `:method`,
+            // `:scheme`, then `:authority`, which is the server's name (the
+            // machine's host name here) and port, not the client's `Host`;
+            // the client's headers as they came, `Host` among them; nothing
+            // added, none taken away (`Connection` too). (Names are
+            // lower-case here; nginx keeps the client's case.)
+            Profile::Kong => vec![
+                (":path".into(), path),
+                (":method".into(), method),
+                (":scheme".into(), b"http".to_vec()),
+                (
+                    ":authority".into(),
+                    format!("{}:{}", host_name(), self.listener.port()).into_bytes(),
+                ),
+            ],
+        };
         for (name, value) in &parts.headers {
             let name = name.as_str().to_ascii_lowercase();
-            if name == "host" || HOP_BY_HOP.contains(&name.as_str()) {
+            let envoy = self.profile == Profile::Envoy;
+            if envoy && (name == "host" || HOP_BY_HOP.contains(&name.as_str())) {
                 continue;
             }
             headers.push((name, value.as_bytes().to_vec()));
         }
-        headers.push(("x-forwarded-proto".into(), b"http".to_vec()));
-        if !headers.iter().any(|(k, _)| k == "x-request-id") {
-            headers.push(("x-request-id".into(), request_id().into_bytes()));
+        if self.profile == Profile::Envoy {
+            headers.push(("x-forwarded-proto".into(), b"http".to_vec()));
+            if !headers.iter().any(|(k, _)| k == "x-request-id") {
+                headers.push(("x-request-id".into(), request_id().into_bytes()));
+            }
         }
+        let client_close = parts
+            .headers
+            .get("connection")
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
         let end = hyper::body::Body::is_end_stream(&body);
         let (events_tx, mut events) = mpsc::unbounded_channel();
         let (reply_tx, reply_rx) = oneshot::channel();
@@ -638,11 +799,13 @@ impl Proxy {
             destination: self.listener,
             ..StreamInfo::default()
         };
+        let refused = refuse.clone();
         self.commands
             .send(Command::Open {
                 info,
                 headers,
                 end,
+                refuse,
                 events: events_tx,
                 reply: reply_tx,
             })
@@ -650,12 +813,23 @@ impl Proxy {
         let id = reply_rx
             .await
             .map_err(|_| anyhow!("the chain could not open a stream"))?;
+        if let Some(local) = refused {
+            // Envoy answers and closes the connection.
+            let mut response = Response::new(full(local.body.clone()));
+            *response.status_mut() = hyper::StatusCode::from_u16(local.status)?;
+            let headers = response.headers_mut();
+            if !local.body.is_empty() {
+                headers.insert("content-type", "text/plain".parse()?);
+            }
+            headers.insert("connection", "close".parse()?);
+            return Ok(response);
+        }
         if !end {
             let commands = self.commands.clone();
             tokio::spawn(forward_request_body(id, body, commands));
         }
 
-        let mut upstream_body: Option<mpsc::UnboundedSender<Bytes>> = None;
+        let mut upstream_body: Option<mpsc::UnboundedSender<Result<Bytes, BodyError>>> = None;
         let mut response: Option<Response<Body>> = None;
         while let Some(event) = events.recv().await {
             match event {
@@ -667,13 +841,13 @@ impl Proxy {
                         (Some(tx), body)
                     };
                     upstream_body = tx;
-                    self.spawn_upstream(id, headers, body);
+                    self.spawn_upstream(id, headers, body, client_close);
                 }
                 StreamEvent::UpstreamData(data, end) => {
                     if let Some(tx) = &upstream_body
                         && !data.is_empty()
                     {
-                        let _ = tx.send(Bytes::from(data));
+                        let _ = tx.send(Ok(Bytes::from(data)));
                     }
                     if end {
                         upstream_body = None;
@@ -704,11 +878,13 @@ impl Proxy {
         response.ok_or_else(|| anyhow!("the stream was reset before a response"))
     }
 
-    fn spawn_upstream(&self, id: StreamId, headers: Headers, body: Body) {
+    fn spawn_upstream(&self, id: StreamId, headers: Headers, body: Body, client_close: bool) {
         let client = self.client.clone();
         let commands = self.commands.clone();
         let upstream = self.upstream;
+        let profile = self.profile;
         tokio::spawn(async move {
+            let sent = Instant::now();
             let get = |name: &str| {
                 headers
                     .iter()
@@ -720,11 +896,16 @@ impl Proxy {
             let mut builder = Request::builder()
                 .method(method.as_str())
                 .uri(format!("http://{upstream}{path}"));
-            if let Some(authority) = get(":authority") {
+            // The map's own `host` (Kong keeps the client's), else `:authority`.
+            if let Some(authority) = get(":authority")
+                && get("host").is_none()
+            {
                 builder = builder.header("host", authority);
             }
             for (name, value) in &headers {
-                if !name.starts_with(':') {
+                // A proxy never forwards hop-by-hop headers (under Kong the
+                // filters' map has the client's).
+                if !name.starts_with(':') && !HOP_BY_HOP.contains(&name.as_str()) {
                     builder = builder.header(name.as_str(), value.as_slice());
                 }
             }
@@ -739,12 +920,41 @@ impl Proxy {
                         ":status".into(),
                         parts.status.as_u16().to_string().into_bytes(),
                     )];
+                    if profile == Profile::Kong {
+                        kong_response_shims(&mut headers, &parts.headers, client_close);
+                    }
                     for (name, value) in &parts.headers {
                         let name = name.as_str().to_ascii_lowercase();
                         if HOP_BY_HOP.contains(&name.as_str()) {
                             continue;
                         }
+                        if profile == Profile::Kong
+                            && matches!(
+                                name.as_str(),
+                                "content-type" | "content-length" | "server" | "date"
+                            )
+                        {
+                            continue;
+                        }
                         headers.push((name, value.as_bytes().to_vec()));
+                    }
+                    if profile == Profile::Kong {
+                        // nginx's own, after the upstream's (its proxy
+                        // hides the upstream's `Server` and `Date`).
+                        headers.push(("server".into(), host_sim::NGINX_SERVER.as_bytes().to_vec()));
+                        let now = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map(|d| d.as_nanos() as u64)
+                            .unwrap_or(0);
+                        headers.push(("date".into(), host_sim::http_date(now).into_bytes()));
+                    }
+                    if profile == Profile::Envoy {
+                        // Envoy's router says how long the upstream took,
+                        // before the filters see the response.
+                        headers.push((
+                            "x-envoy-upstream-service-time".into(),
+                            sent.elapsed().as_millis().to_string().into_bytes(),
+                        ));
                     }
                     let end = hyper::body::Body::is_end_stream(&body);
                     let _ = commands.send(Command::ResponseHeaders(id, headers, end));
@@ -775,7 +985,7 @@ impl Proxy {
                 }
                 Err(_) => {
                     // What Envoy's router answers when the upstream is unreachable.
-                    let body = b"upstream connect error or disconnect/reset before headers. reset reason: connection failure".to_vec();
+                    let body = host_sim::callout::ENVOY_CONNECT_FAILURE.as_bytes().to_vec();
                     let headers = vec![
                         (":status".into(), b"503".to_vec()),
                         ("content-length".into(), body.len().to_string().into_bytes()),
@@ -792,8 +1002,8 @@ impl Proxy {
 /// Forwards the rest of a stream after the client's response headers left.
 struct ForwardClient {
     events: mpsc::UnboundedReceiver<StreamEvent>,
-    client_body: Option<mpsc::UnboundedSender<Bytes>>,
-    upstream_body: Option<mpsc::UnboundedSender<Bytes>>,
+    client_body: Option<mpsc::UnboundedSender<Result<Bytes, BodyError>>>,
+    upstream_body: Option<mpsc::UnboundedSender<Result<Bytes, BodyError>>>,
 }
 
 impl ForwardClient {
@@ -804,7 +1014,7 @@ impl ForwardClient {
                     if let Some(tx) = &self.client_body
                         && !data.is_empty()
                     {
-                        let _ = tx.send(Bytes::from(data));
+                        let _ = tx.send(Ok(Bytes::from(data)));
                     }
                     if end {
                         self.client_body = None;
@@ -814,13 +1024,22 @@ impl ForwardClient {
                     if let Some(tx) = &self.upstream_body
                         && !data.is_empty()
                     {
-                        let _ = tx.send(Bytes::from(data));
+                        let _ = tx.send(Ok(Bytes::from(data)));
                     }
                     if end {
                         self.upstream_body = None;
                     }
                 }
-                StreamEvent::Reset => return,
+                StreamEvent::Reset => {
+                    // Cut both bodies: the peers see the connection broken.
+                    for tx in [&self.client_body, &self.upstream_body]
+                        .into_iter()
+                        .flatten()
+                    {
+                        let _ = tx.send(Err(reset_error()));
+                    }
+                    return;
+                }
                 StreamEvent::UpstreamHeaders(..) | StreamEvent::ClientHeaders(..) => {}
             }
             if self.client_body.is_none() && self.upstream_body.is_none() {
@@ -856,6 +1075,51 @@ async fn forward_request_body(
             }
         }
     }
+}
+
+/// ngx_wasm_module's "shim" response headers, which come first in the map
+/// the filters see: `Content-Type`, `Content-Length` (or `Transfer-Encoding:
+/// chunked`) and `Connection` as nginx will send them.
+fn kong_response_shims(headers: &mut Headers, upstream: &hyper::HeaderMap, client_close: bool) {
+    if let Some(value) = upstream.get("content-type") {
+        headers.push(("content-type".into(), value.as_bytes().to_vec()));
+    }
+    match upstream.get("content-length") {
+        Some(value) => headers.push(("content-length".into(), value.as_bytes().to_vec())),
+        None => headers.push(("transfer-encoding".into(), b"chunked".to_vec())),
+    }
+    let connection: &[u8] = if client_close {
+        b"close"
+    } else {
+        b"keep-alive"
+    };
+    headers.push(("connection".into(), connection.to_vec()));
+}
+
+/// The machine's host name, as nginx names a server without
+/// `server_name` (`gethostname`).
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "localhost".into())
+}
+
+/// nginx 1.27.4's answer to an HTTP/1.1 request without `Host`.
+fn nginx_bad_request() -> Response<Body> {
+    const PAGE: &str = "<html>\r\n<head><title>400 Bad Request</title></head>\r\n<body>\r\n\
+<center><h1>400 Bad Request</h1></center>\r\n<hr><center>nginx/1.27.4</center>\r\n</body>\r\n</html>\r\n";
+    let mut response = Response::new(full(PAGE));
+    *response.status_mut() = hyper::StatusCode::BAD_REQUEST;
+    let headers = response.headers_mut();
+    headers.insert(
+        "content-type",
+        hyper::header::HeaderValue::from_static("text/html"),
+    );
+    headers.insert(
+        "connection",
+        hyper::header::HeaderValue::from_static("close"),
+    );
+    response
 }
 
 fn client_response(headers: &Headers, body: Body) -> Result<Response<Body>> {
