@@ -353,8 +353,12 @@ impl KongConfig {
              return 404 '{\"message\":\"no Route matched with those values\"}'; }\n",
         );
         let methods = self.methods.join("|");
-        for path in &self.paths {
-            out.push_str(&format!("        location {path} {{\n"));
+        // One location for the route, as Kong attaches one filter chain per
+        // route: each `proxy_wasm` line is a filter of its own (its own
+        // configuration, root and observer), so one location per path
+        // configured every filter once per path.
+        if let Some(location) = route_location(&self.paths) {
+            out.push_str(&format!("        location {location} {{\n"));
             if !methods.is_empty() {
                 out.push_str(&format!(
                     "            if ($request_method !~ ^({methods})$) {{ return 404; }}\n"
@@ -384,6 +388,38 @@ impl KongConfig {
         out.push_str("    }\n}\n");
         Ok(out)
     }
+}
+
+/// The `location` argument matching any of a route's `paths` as Kong does
+/// (a prefix match; `~` marks a regex, anchored at the path's start): the
+/// path itself when it is one prefix, else one regex of them all.
+fn route_location(paths: &[String]) -> Option<String> {
+    match paths {
+        [] => None,
+        [path] if !path.starts_with('~') => Some(path.clone()),
+        paths => {
+            let alternatives: Vec<String> = paths
+                .iter()
+                .map(|path| match path.strip_prefix('~') {
+                    Some(regex) => regex.trim_start_matches('^').to_string(),
+                    None => regex_literal(path),
+                })
+                .collect();
+            Some(format!("~ \"^(?:{})\"", alternatives.join("|")))
+        }
+    }
+}
+
+/// `text` matched literally in a PCRE pattern.
+fn regex_literal(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if "\\.^$|?*+()[]{}".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// Escapes a configuration string for nginx's single-quoted argument.
@@ -696,4 +732,29 @@ pub fn send(
                 ngx.log_tail(20)
             )
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A route's paths become one location (its filters configured once):
+    /// one prefix as itself, several as one anchored regex, literal but for
+    /// Kong's `~` regex paths.
+    #[test]
+    fn a_routes_paths_make_one_location() {
+        assert_eq!(route_location(&[]), None);
+        assert_eq!(
+            route_location(&["/v1/messages".into()]).as_deref(),
+            Some("/v1/messages")
+        );
+        assert_eq!(
+            route_location(&["/v1/messages".into(), "/v1/chat.completions".into()]).as_deref(),
+            Some(r#"~ "^(?:/v1/messages|/v1/chat\.completions)""#)
+        );
+        assert_eq!(
+            route_location(&["~^/v1/models/[a-z]+$".into()]).as_deref(),
+            Some(r#"~ "^(?:/v1/models/[a-z]+$)""#)
+        );
+    }
 }

@@ -555,6 +555,7 @@ fn session(
     println!(
         "               observer in the background; the next request gets the cached verdict)"
     );
+    print_activation_legend();
     print_cache_legend();
     println!(
         "   tokens    = metering's input→output tokens, from the access log (every request); * = in the"
@@ -710,7 +711,23 @@ pub(crate) fn print_row(
     tokens: &str,
     leak: &str,
 ) {
-    println!("{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<22} {cache:<7} {tokens:<11} {leak}");
+    println!("{n:<3}{what:<31}{status:>6}  {auth:<46} {obs:<27} {cache:<7} {tokens:<11} {leak}");
+}
+
+/// What the table's activation column and its `rules:` line say (both
+/// hosts' demos).
+pub(crate) fn print_activation_legend() {
+    println!(
+        "   observers = what activation turned on for the request (each observer decided by the highest-"
+    );
+    println!(
+        "               priority matching rule naming it, else its default), from its x-zerolayer-debug header"
+    );
+    println!("               (-: refused before activation ran)");
+    println!(
+        "   rules:    = the activation rules the request matched, in configuration order (-: none), then"
+    );
+    println!("               what the client got: the reply's text or the error's message");
 }
 
 /// What the table's cache column says (both hosts' demos).

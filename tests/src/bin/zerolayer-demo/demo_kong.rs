@@ -242,6 +242,7 @@ pub(crate) fn session(
     println!(
         "               verified by the observer on tick; the next request gets the cached verdict)"
     );
+    crate::demo::print_activation_legend();
     crate::demo::print_cache_legend();
     println!(
         "   tokens    = metering's input→output tokens, from its record in ClickHouse (-: refused or cached)"
