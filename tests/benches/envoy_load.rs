@@ -32,6 +32,8 @@
 //! runs is copied).
 #![allow(missing_docs)]
 
+mod common;
+
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -934,7 +936,7 @@ impl Shipped {
             .and_then(|v| v.get_mut("value"))
             .ok_or_else(|| anyhow!("fused: no configuration value"))?;
         let mut sections: Json = serde_json::from_str(value.as_str().unwrap_or("{}"))?;
-        sections["quota"] = quota_section();
+        sections["quota"] = common::quota_section();
         *value = Yaml::from(sections.to_string());
         Ok(filter)
     }
@@ -1200,7 +1202,7 @@ impl Shipped {
             )
             .native({
                 let mut sections = self.sections();
-                sections["quota"] = quota_section();
+                sections["quota"] = common::quota_section();
                 sections
             })
             .request(Request::NoStore),
@@ -1292,32 +1294,6 @@ impl Shipped {
         std::fs::write(&path, serde_yaml::to_string(&doc)?)?;
         Ok(path)
     }
-}
-
-/// quota with eight policies, every one scoping each bench request, none
-/// ever refusing one (limits far above what a run spends): what holding,
-/// reserving and settling eight leases per request costs, leases granted by
-/// Redis through webdis in the background.
-fn quota_section() -> Json {
-    let budget =
-        |window: &str| json!({"budget": {"amount": 1_000_000_000_000u64, "window": window}});
-    let rate = json!({"rate": {"amount": 10_000_000_000u64, "per": "minute"}});
-    let weights =
-        json!({"weighted_tokens": {"default": {"input": 1000, "output": 4000, "cache_read": 100}}});
-    let prices = json!({"currency": {"default": {"input": 3_000_000, "output": 15_000_000, "cache_read": 300_000}}});
-    json!({
-        "store": {"cluster": "webdis", "path": "/", "expected_gateways": 1, "key_prefix": "zl:bench:"},
-        "policies": [
-            {"name": "tenant-day", "scope": ["tenant"], "unit": "tokens", "limit": budget("day")},
-            {"name": "tenant-minute", "scope": ["tenant"], "unit": "tokens", "limit": rate},
-            {"name": "tenant-requests", "scope": ["tenant"], "unit": "requests", "limit": rate},
-            {"name": "subject-month", "scope": ["subject"], "unit": "tokens", "limit": budget("month")},
-            {"name": "model-hour", "scope": ["model"], "unit": "tokens", "limit": budget("hour")},
-            {"name": "tenant-model", "scope": ["tenant", "model"], "unit": weights, "limit": budget("day")},
-            {"name": "tenant-spend", "scope": ["tenant"], "unit": prices, "limit": budget("month")},
-            {"name": "fleet", "scope": [], "unit": "tokens", "limit": rate},
-        ],
-    })
 }
 
 /// Envoy's `jwt_authn` verifying the test issuer's RS256 tokens against its

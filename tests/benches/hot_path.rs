@@ -8,11 +8,14 @@
 //! the shipped configurations: every callback of every stage per request.
 #![allow(missing_docs)]
 
+mod common;
+
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use host_sim::{CallResponse, ChainId, ClusterTarget, Host, PluginSpec};
 use serde_json::{Value, json};
+use zerolayer_core::quota::store::ModelStore;
 use zerolayer_e2e::chain::{CACHE_SECRET, anthropic, openai};
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{EnvoyConfig, paths};
@@ -331,16 +334,39 @@ fn chain_stages() -> Value {
     })
 }
 
+/// A webdis in front of the model of quota's Redis scripts: the store
+/// quota's leases come from, answered in host-sim.
+fn model_webdis() -> ClusterTarget {
+    let mut store = ModelStore::new();
+    let started = std::time::Instant::now();
+    ClusterTarget::Handler(Box::new(move |call| {
+        let path = call
+            .headers
+            .iter()
+            .find(|(name, _)| name == ":path")
+            .map_or(&b"/"[..], |(_, value)| value.as_slice());
+        let now_ms = NOW * 1000 + started.elapsed().as_millis() as u64;
+        let answer = store.answer_webdis(path.strip_prefix(b"/").unwrap_or(path), now_ms);
+        CallResponse::new(200, String::from_utf8_lossy(&answer).into_owned())
+    }))
+}
+
 /// The chain as four filters (`fused: false`) or one, with the observer
-/// singleton and its clusters; JWKS fetched.
-fn chain_gateway(fused: bool) -> (Host, ChainId) {
-    let stages = chain_stages();
+/// singleton and its clusters; JWKS fetched. `quota` adds the fused
+/// filter's `quota` section with eight policies (envoy_load's
+/// `c-fused-quota`), its store answered by [`model_webdis`].
+fn chain_gateway(fused: bool, quota: bool) -> (Host, ChainId) {
+    let mut stages = chain_stages();
+    if quota {
+        stages["quota"] = common::quota_section();
+    }
     let mut host = Host::new().unwrap_or_else(|e| panic!("{e:#}"));
     let jwks = issuer().jwks().to_string();
     host.set_cluster(
         "idp",
         ClusterTarget::Handler(Box::new(move |_| CallResponse::new(200, jwks.clone()))),
     );
+    host.set_cluster("webdis", model_webdis());
     for sink in ["audit", "clickhouse", "api_keys"] {
         host.set_cluster(
             sink,
@@ -555,7 +581,10 @@ fn chain(c: &mut Criterion) {
             },
         ),
     ];
-    let mut gateways = [(false, chain_gateway(false)), (true, chain_gateway(true))];
+    let mut gateways = [
+        (false, chain_gateway(false, false)),
+        (true, chain_gateway(true, false)),
+    ];
     let mut group = c.benchmark_group("chain");
     for (name, case) in &cases {
         for (fused, (host, chain)) in &mut gateways {
@@ -579,5 +608,112 @@ fn chain(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, lazy_auth, baselines, metering, post_cache, chain);
+/// Time per request in each callback of the chain's filters (the
+/// observer's excluded), µs, the largest first: where a stage's cost lands.
+fn callback_profile(
+    host: &mut Host,
+    chain: ChainId,
+    case: &ChainCase,
+    start: u64,
+    n: u64,
+) -> String {
+    time_in_chain(host, chain, case, start, n);
+    let mut rows: Vec<(String, f64)> = host
+        .callback_times()
+        .into_iter()
+        .filter(|(name, _, _, _)| name != "observer")
+        .map(|(_, callback, _, t)| {
+            (
+                callback.trim_start_matches("proxy_on_").to_string(),
+                t.as_secs_f64() * 1e6 / n as f64,
+            )
+        })
+        .collect();
+    rows.sort_by(|a, b| b.1.total_cmp(&a.1));
+    rows.iter()
+        .map(|(callback, us)| format!("{callback} {us:.1}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// What quota (eight policies, every one scoping each request) adds to the
+/// fused filter per request, in one run: a JSON answer and an OpenAI stream,
+/// both kept out of the cache (`no-store`) so every request reserves and
+/// settles; per callback and per host function, printed, to say where it goes.
+fn chain_quota(c: &mut Criterion) {
+    let bearer = format!(
+        "Bearer {}",
+        issuer().es256(&tokens::claims("alice", "acme", NOW, 3600))
+    );
+    let headers = || {
+        vec![
+            ("authorization", bearer.clone()),
+            ("cache-control", "no-store".to_string()),
+        ]
+    };
+    let json_reply = r#"{"id":"msg_1","type":"message","model":"claude-test","content":[{"type":"text","text":"hello there, how can I help you today?"}],"usage":{"input_tokens":11,"output_tokens":64}}"#;
+    let cases = [
+        (
+            "json",
+            ChainCase {
+                path: "/v1/messages",
+                headers: headers(),
+                body: |i| anthropic(&format!("bench quota {i}"), false),
+                response_headers: [(":status", "200"), ("content-type", "application/json")],
+                response: vec![json_reply.to_string()],
+            },
+        ),
+        (
+            "openai_sse_66_chunks",
+            ChainCase {
+                path: "/v1/chat/completions",
+                headers: headers(),
+                body: |i| openai(&format!("bench quota stream {i}"), true),
+                response_headers: [(":status", "200"), ("content-type", "text/event-stream")],
+                response: openai_sse(64),
+            },
+        ),
+    ];
+    let mut gateways = [
+        ("fused", chain_gateway(true, false)),
+        ("fused_quota", chain_gateway(true, true)),
+    ];
+    let mut group = c.benchmark_group("chain_quota");
+    for (name, case) in &cases {
+        for (form, (host, chain)) in &mut gateways {
+            // The token admitted and verified, quota's first grants answered.
+            time_in_chain(host, *chain, case, 0, 2);
+            host.advance(Duration::from_millis(300));
+            eprintln!(
+                "chain_quota/{name}/{form}: {}",
+                host_calls_per_request(host, *chain, case, 2, 100)
+            );
+            eprintln!(
+                "chain_quota/{name}/{form}: µs per request by callback: {}",
+                callback_profile(host, *chain, case, 102, 200)
+            );
+            let mut next = 302;
+            group.bench_function(format!("{name}/{form}"), |b| {
+                b.iter_custom(|n| {
+                    // Leases refill on the root's ticks, outside the timing.
+                    host.advance(Duration::from_millis(200));
+                    let t = time_in_chain(host, *chain, case, next, n);
+                    next += n;
+                    t
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    lazy_auth,
+    baselines,
+    metering,
+    post_cache,
+    chain,
+    chain_quota
+);
 criterion_main!(benches);

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use zerolayer_core::internal;
-use zerolayer_core::quota::store::{Command, ModelStore, Reply};
+use zerolayer_core::quota::store::ModelStore;
 use zerolayer_host::{Action, FakeHost, RootStage, StreamStage};
 
 use crate::QuotaRoot;
@@ -75,10 +75,10 @@ impl Gateway {
             assert_eq!(call.header(":method"), Some("GET"));
             assert!(call.body.as_deref().is_none_or(<[u8]>::is_empty));
             let path = call.header(":path").expect("a path");
-            let command = from_webdis_body(path.strip_prefix('/').expect("under /").as_bytes());
-            let reply = self.store.execute(&command, now);
-            let body = json!({ command.verb(): webdis_json(&reply) }).to_string();
-            self.host.answer_with(Some(200), body.as_bytes());
+            let body = self
+                .store
+                .answer_webdis(path.strip_prefix('/').expect("under /").as_bytes(), now);
+            self.host.answer_with(Some(200), &body);
             // Each ignores tokens it did not dispatch.
             if let Some(stream) = stream.as_deref_mut() {
                 stream.call_answered(&mut self.host, call.token, body.len());
@@ -145,38 +145,6 @@ impl Gateway {
             .filter(|(k, _)| k.contains(needle) && !k.contains(":i:"))
             .map(|(_, v)| v)
             .sum()
-    }
-}
-
-/// webdis's `POST /` body back into its arguments.
-fn from_webdis_body(body: &[u8]) -> Command {
-    let text = std::str::from_utf8(body).expect("webdis bodies are ASCII");
-    Command::new(text.split('/').map(|arg| {
-        let mut out = Vec::new();
-        let bytes = arg.as_bytes();
-        let mut i = 0;
-        while i < bytes.len() {
-            if bytes[i] == b'%' {
-                out.push(u8::from_str_radix(&arg[i + 1..i + 3], 16).expect("hex"));
-                i += 3;
-            } else {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-        out
-    }))
-}
-
-/// A reply as webdis writes it in JSON.
-fn webdis_json(reply: &Reply) -> Value {
-    match reply {
-        Reply::Integer(n) => json!(n),
-        Reply::Bulk(None) | Reply::Array(None) => Value::Null,
-        Reply::Bulk(Some(b)) => json!(String::from_utf8_lossy(b)),
-        Reply::Status(s) => json!([true, s]),
-        Reply::Error(e) => json!([false, e]),
-        Reply::Array(Some(items)) => Value::Array(items.iter().map(webdis_json).collect()),
     }
 }
 

@@ -68,3 +68,27 @@ pub fn start(
 pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
+
+/// quota with eight policies, every one scoping each bench request, none
+/// ever refusing one (limits far above what a run spends): what holding,
+/// reserving and settling eight leases per request costs, leases granted by
+/// Redis through webdis in the background.
+pub fn quota_section() -> serde_json::Value {
+    let budget = |window: &str| serde_json::json!({"budget": {"amount": 1_000_000_000_000u64, "window": window}});
+    let rate = serde_json::json!({"rate": {"amount": 10_000_000_000u64, "per": "minute"}});
+    let weights = serde_json::json!({"weighted_tokens": {"default": {"input": 1000, "output": 4000, "cache_read": 100}}});
+    let prices = serde_json::json!({"currency": {"default": {"input": 3_000_000, "output": 15_000_000, "cache_read": 300_000}}});
+    serde_json::json!({
+        "store": {"cluster": "webdis", "path": "/", "expected_gateways": 1, "key_prefix": "zl:bench:"},
+        "policies": [
+            {"name": "tenant-day", "scope": ["tenant"], "unit": "tokens", "limit": budget("day")},
+            {"name": "tenant-minute", "scope": ["tenant"], "unit": "tokens", "limit": rate},
+            {"name": "tenant-requests", "scope": ["tenant"], "unit": "requests", "limit": rate},
+            {"name": "subject-month", "scope": ["subject"], "unit": "tokens", "limit": budget("month")},
+            {"name": "model-hour", "scope": ["model"], "unit": "tokens", "limit": budget("hour")},
+            {"name": "tenant-model", "scope": ["tenant", "model"], "unit": weights, "limit": budget("day")},
+            {"name": "tenant-spend", "scope": ["tenant"], "unit": prices, "limit": budget("month")},
+            {"name": "fleet", "scope": [], "unit": "tokens", "limit": rate},
+        ],
+    })
+}

@@ -251,6 +251,29 @@ impl Command {
         }
         out.into_bytes()
     }
+
+    /// The command in a webdis request's path after the store's prefix
+    /// (the inverse of [`Command::webdis_body`]); `None` when an escape is
+    /// not two hex digits.
+    pub fn from_webdis(path: &[u8]) -> Option<Command> {
+        let mut args = Vec::new();
+        for arg in path.split(|&b| b == b'/') {
+            let mut out = Vec::with_capacity(arg.len());
+            let mut i = 0;
+            while i < arg.len() {
+                if arg[i] == b'%' {
+                    let hex = std::str::from_utf8(arg.get(i + 1..i + 3)?).ok()?;
+                    out.push(u8::from_str_radix(hex, 16).ok()?);
+                    i += 3;
+                } else {
+                    out.push(arg[i]);
+                    i += 1;
+                }
+            }
+            args.push(out);
+        }
+        Some(Command::new(args))
+    }
 }
 
 /// A counter's two keys.
@@ -427,6 +450,23 @@ pub enum Reply {
     Error(String),
     /// `*n` (`None`: the nil array).
     Array(Option<Vec<Reply>>),
+}
+
+impl Reply {
+    /// The reply as webdis writes it in its JSON answer.
+    pub fn webdis_json(&self) -> serde_json::Value {
+        use serde_json::{Value, json};
+        match self {
+            Reply::Integer(n) => json!(n),
+            Reply::Bulk(None) | Reply::Array(None) => Value::Null,
+            Reply::Bulk(Some(b)) => json!(String::from_utf8_lossy(b)),
+            Reply::Status(s) => json!([true, s]),
+            Reply::Error(e) => json!([false, e]),
+            Reply::Array(Some(items)) => {
+                Value::Array(items.iter().map(Reply::webdis_json).collect())
+            }
+        }
+    }
 }
 
 /// Why a store answer could not be used.
@@ -868,6 +908,21 @@ impl ModelStore {
             remaining,
             status: Applied::Now,
         }
+    }
+
+    /// Answers a webdis request whose path after the store's prefix is
+    /// `path` as webdis in front of this model would: `{"VERB": reply}`
+    /// (a fake store for host-sim and the stage's tests).
+    pub fn answer_webdis(&mut self, path: &[u8], now_ms: u64) -> Vec<u8> {
+        let Some(command) = Command::from_webdis(path) else {
+            return serde_json::json!({"ERR": [false, "bad escape"]})
+                .to_string()
+                .into_bytes();
+        };
+        let reply = self.execute(&command, now_ms);
+        let mut answer = serde_json::Map::new();
+        answer.insert(command.verb(), reply.webdis_json());
+        serde_json::Value::Object(answer).to_string().into_bytes()
     }
 
     /// Answers `command` as Redis would with the scripts (time `now_ms`):
