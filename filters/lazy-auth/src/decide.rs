@@ -44,10 +44,15 @@ struct Credential {
 
 /// Whether the request declares a body that is not empty (a length, or
 /// chunks): nginx then reads it, and runs the body step, before it
-/// contacts the upstream.
+/// contacts the upstream. A chunked request has no `content-length`; taken
+/// for one without a body, it was checked from the request headers and a
+/// refusal from the answer left its body unread, and ngx_wasm_module
+/// closed that request twice (nginx's "http request count is zero while
+/// closing request" alert: kong/README.md, "What is verified and what is not").
 fn declares_body(host: &mut impl StreamHost) -> bool {
     host.request_header("content-length")
         .is_some_and(|l| l.trim_ascii() != b"0")
+        || host.request_header("transfer-encoding").is_some()
 }
 
 /// A synchronous introspection in flight.
@@ -1562,6 +1567,24 @@ mod tests {
         host.answer_with(Some(200), br#"{"active":false}"#);
         stream.call_answered(&mut host, token, 16);
         assert_eq!(host.sent[0].status, 401, "refused from the answer");
+    }
+
+    #[test]
+    fn ngx_wasm_module_checks_a_chunked_request_from_its_body_step() {
+        let mut host = host_with_observer();
+        host.platform = zerolayer_host::Platform::NgxWasm;
+        let root = configured(&mut host, &sync_api_keys());
+        let headers = [("x-api-key", "sk-live-1"), ("transfer-encoding", "chunked")];
+        let (mut stream, action) = request(&root, &mut host, &headers);
+        // No content-length, but a body: the check waits for the body step.
+        assert_eq!(action, Action::Continue);
+        assert!(host.dispatched.is_empty());
+        host.request_body = b"{}".to_vec();
+        assert_eq!(stream.request_body(&mut host, 2, true), Action::Pause);
+        assert!(
+            host.last_dispatched().is_some(),
+            "the check, from the body step"
+        );
     }
 
     #[test]
