@@ -113,6 +113,8 @@ pub struct Chain {
     pub fleet: Option<RedisFleet>,
     /// A client for the listener.
     pub client: Client,
+    /// The configuration Envoy runs, to start it again.
+    config: EnvoyConfig,
 }
 
 /// Where metering's records go.
@@ -308,7 +310,20 @@ impl Chain {
             usage,
             fleet,
             client: Client::new(),
+            config,
         })
+    }
+
+    /// Stops Envoy (SIGKILL: what a crash or a plain restart loses, the
+    /// process's memory) and starts it again on the same configuration and
+    /// ports; returns once its admin answers ready, without waiting for the
+    /// observer's first JWKS fetch. Returns how long the start took.
+    pub fn restart(&mut self) -> Result<std::time::Duration> {
+        let started = std::time::Instant::now();
+        // The old process goes first: its listener's port may be the new one's.
+        self.envoy.stop();
+        self.envoy = Envoy::start(&self.config)?;
+        Ok(started.elapsed())
     }
 
     /// The ClickHouse metering ships to; an error unless the chain was

@@ -813,6 +813,15 @@ impl Envoy {
     }
 }
 
+impl Envoy {
+    /// Kills the process (SIGKILL) and waits for it: everything in its
+    /// memory is gone, as after a crash or a restart.
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for Envoy {
     fn drop(&mut self) {
         let _ = self.child.kill();

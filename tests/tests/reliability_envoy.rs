@@ -369,7 +369,90 @@ fn without_the_observer_requests_are_served_and_lost_work_is_counted(form: Form)
     Ok(())
 }
 
+/// Sends `bearer` until the gateway refuses it (401), 100 ms apart, for at
+/// most 10 s; returns how many times it was served before that.
+fn served_until_refused(chain: &Chain, bearer: &str, label: &str) -> Result<usize> {
+    let mut served = 0;
+    for n in 0..100 {
+        let id = format!("{label}-{n}");
+        let reply = chain.post(
+            "/v1/messages",
+            &[("authorization", bearer), ("x-request-id", &id)],
+            &anthropic(&id, false),
+        )?;
+        match reply.status {
+            401 => return Ok(served),
+            200 => served += 1,
+            other => anyhow::bail!("{id}: {other} {}", reply.body),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    anyhow::bail!("{label}: a forged JWT still served after 10 s ({served} times)")
+}
+
+/// A restart (the process killed and started again on the same
+/// configuration: a crash, or a deploy without hot restart) keeps nothing
+/// of the process's memory: verdicts, cache, JWKS and exposure counts
+/// start empty. Credentials valid before it are served from its first
+/// request (an API key admitted lazily, then verified; a JWT whose key is
+/// not at hand fetches the JWKS itself), and a forged JWT refused before it
+/// is admitted at most once more (its per-credential bound,
+/// `max_unverified_per_token` 1), then refused again. Prints the times
+/// (RELIABILITY.md, "Restarts and reloads").
+fn a_restart_serves_credentials_valid_before_it_and_a_refused_forgery_at_most_once_more(
+    form: Form,
+) -> Result<()> {
+    let mut chain = Chain::start(ChainOptions {
+        form,
+        ..ChainOptions::default()
+    })?;
+    let jwt = chain.verified_bearer("rita", "acme")?;
+    let claims =
+        zerolayer_e2e::tokens::claims("mallory", "acme", zerolayer_e2e::tokens::now(), 3600);
+    let forged = format!("Bearer {}", issuer().forged(&claims, 7));
+    let before = served_until_refused(&chain, &forged, "forged-before")?;
+    let ready = chain.restart()?;
+    let first = Instant::now();
+    let mut refused = Vec::new();
+    for n in 0..20 {
+        let id = format!("after-restart-{n}");
+        let credential = if n % 2 == 0 {
+            ("authorization", jwt.as_str())
+        } else {
+            ("x-api-key", GOOD_API_KEY)
+        };
+        let reply = chain.post(
+            "/v1/messages",
+            &[credential, ("x-request-id", &id)],
+            &anthropic(&id, false),
+        )?;
+        if reply.status != 200 {
+            refused.push(format!("{id} {} {}", reply.status, reply.body));
+        }
+    }
+    let twenty = first.elapsed();
+    let after = served_until_refused(&chain, &forged, "forged-after")?;
+    println!(
+        "{form:?}: ready {ready:.2?} after the restart began; 20 requests with a JWT and an API key \
+         valid before it in {twenty:.2?}, {} refused; a forged JWT served {before} time(s) before \
+         its refusal, {after} after the restart",
+        refused.len()
+    );
+    anyhow::ensure!(
+        refused.is_empty(),
+        "{form:?}: credentials valid before the restart refused after it: {refused:?}\n{}",
+        chain.envoy.log_tail(20)
+    );
+    anyhow::ensure!(
+        before <= 1 && after <= 1,
+        "{form:?}: a forged JWT served {before} time(s) before its refusal and {after} after the \
+         restart (bound: 1 each)"
+    );
+    Ok(())
+}
+
 zerolayer_e2e::in_every_form!(
+    a_restart_serves_credentials_valid_before_it_and_a_refused_forgery_at_most_once_more,
     backend_errors_reach_the_client_unchanged_and_are_neither_cached_nor_lost,
     a_backend_that_disconnects_mid_stream_is_neither_cached_nor_billed_as_complete,
     a_stalled_backend_is_cut_at_the_route_timeout_for_the_holder_and_its_followers,
