@@ -523,18 +523,26 @@ fn openai_sse(tokens: usize) -> Vec<String> {
     sse
 }
 
+/// A verified JWT (alice of acme) as the chain benches send it.
+fn alice_bearer() -> String {
+    format!(
+        "Bearer {}",
+        issuer().es256(&tokens::claims("alice", "acme", NOW, 3600))
+    )
+}
+
+/// The chain benches' JSON answer (Anthropic, with its usage).
+const JSON_REPLY: &str = r#"{"id":"msg_1","type":"message","model":"claude-test","content":[{"type":"text","text":"hello there, how can I help you today?"}],"usage":{"input_tokens":11,"output_tokens":64}}"#;
+/// The response headers of a JSON answer and of a stream.
+const JSON_HEADERS: [(&str, &str); 2] = [(":status", "200"), ("content-type", "application/json")];
+const SSE_HEADERS: [(&str, &str); 2] = [(":status", "200"), ("content-type", "text/event-stream")];
+
 /// The whole chain per request, separate and fused, in one run: a miss
 /// that is stored (JSON), a hit, an OpenAI stream that metering rewrites
 /// and post-cache keys, and a `no-store` stream post-cache stays out of.
 fn chain(c: &mut Criterion) {
-    let bearer = format!(
-        "Bearer {}",
-        issuer().es256(&tokens::claims("alice", "acme", NOW, 3600))
-    );
+    let bearer = alice_bearer();
     let auth = || vec![("authorization", bearer.clone())];
-    let json_reply = r#"{"id":"msg_1","type":"message","model":"claude-test","content":[{"type":"text","text":"hello there, how can I help you today?"}],"usage":{"input_tokens":11,"output_tokens":64}}"#;
-    let json_headers = [(":status", "200"), ("content-type", "application/json")];
-    let sse_headers = [(":status", "200"), ("content-type", "text/event-stream")];
     let cases = [
         (
             "json_miss_stored",
@@ -542,8 +550,8 @@ fn chain(c: &mut Criterion) {
                 path: "/v1/messages",
                 headers: auth(),
                 body: |i| anthropic(&format!("bench miss {i}"), false),
-                response_headers: json_headers,
-                response: vec![json_reply.to_string()],
+                response_headers: JSON_HEADERS,
+                response: vec![JSON_REPLY.to_string()],
             },
         ),
         (
@@ -552,8 +560,8 @@ fn chain(c: &mut Criterion) {
                 path: "/v1/messages",
                 headers: auth(),
                 body: |_| anthropic("bench hit", false),
-                response_headers: json_headers,
-                response: vec![json_reply.to_string()],
+                response_headers: JSON_HEADERS,
+                response: vec![JSON_REPLY.to_string()],
             },
         ),
         (
@@ -562,7 +570,7 @@ fn chain(c: &mut Criterion) {
                 path: "/v1/chat/completions",
                 headers: auth(),
                 body: |i| openai(&format!("bench stream {i}"), true),
-                response_headers: sse_headers,
+                response_headers: SSE_HEADERS,
                 response: openai_sse(64),
             },
         ),
@@ -576,7 +584,7 @@ fn chain(c: &mut Criterion) {
                     h
                 },
                 body: |i| anthropic(&format!("bench no-store {i}"), true),
-                response_headers: sse_headers,
+                response_headers: SSE_HEADERS,
                 response: anthropic_sse(64),
             },
         ),
@@ -641,17 +649,13 @@ fn callback_profile(
 /// both kept out of the cache (`no-store`) so every request reserves and
 /// settles; per callback and per host function, printed, to say where it goes.
 fn chain_quota(c: &mut Criterion) {
-    let bearer = format!(
-        "Bearer {}",
-        issuer().es256(&tokens::claims("alice", "acme", NOW, 3600))
-    );
+    let bearer = alice_bearer();
     let headers = || {
         vec![
             ("authorization", bearer.clone()),
             ("cache-control", "no-store".to_string()),
         ]
     };
-    let json_reply = r#"{"id":"msg_1","type":"message","model":"claude-test","content":[{"type":"text","text":"hello there, how can I help you today?"}],"usage":{"input_tokens":11,"output_tokens":64}}"#;
     let cases = [
         (
             "json",
@@ -659,8 +663,8 @@ fn chain_quota(c: &mut Criterion) {
                 path: "/v1/messages",
                 headers: headers(),
                 body: |i| anthropic(&format!("bench quota {i}"), false),
-                response_headers: [(":status", "200"), ("content-type", "application/json")],
-                response: vec![json_reply.to_string()],
+                response_headers: JSON_HEADERS,
+                response: vec![JSON_REPLY.to_string()],
             },
         ),
         (
@@ -669,7 +673,7 @@ fn chain_quota(c: &mut Criterion) {
                 path: "/v1/chat/completions",
                 headers: headers(),
                 body: |i| openai(&format!("bench quota stream {i}"), true),
-                response_headers: [(":status", "200"), ("content-type", "text/event-stream")],
+                response_headers: SSE_HEADERS,
                 response: openai_sse(64),
             },
         ),

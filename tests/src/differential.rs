@@ -55,6 +55,16 @@ impl Scenario {
         self.headers.push((name.into(), value.into()));
         self
     }
+
+    /// The request's headers, with `x-test-case: case` (how the upstream's
+    /// view of it is found again).
+    pub fn headers_for<'a>(&'a self, case: &'a str) -> Vec<(&'a str, &'a str)> {
+        self.headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.as_str()))
+            .chain([("x-test-case", case)])
+            .collect()
+    }
 }
 
 /// What one host did with a scenario, reduced to comparable parts.
@@ -153,12 +163,7 @@ impl Pair {
 
     fn observe(&self, base: &str, tag: &str, scenario: &Scenario) -> Result<Observed> {
         let case = format!("{}@{tag}", scenario.name);
-        let mut headers: Vec<(&str, &str)> = scenario
-            .headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
-            .collect();
-        headers.push(("x-test-case", &case));
+        let headers = scenario.headers_for(&case);
         let url = format!("{base}{}", scenario.path);
         let reply = self
             .client

@@ -824,7 +824,6 @@ impl Envoy {
 
 impl Drop for Envoy {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.stop();
     }
 }

@@ -224,12 +224,7 @@ impl ForeignPair {
     /// host-sim/README.md), which host-sim does not reproduce.
     pub fn observe(&self, side: Side, scenario: &Scenario) -> Result<Observed> {
         let case = format!("{}@{}", scenario.name, Self::tag(side));
-        let mut headers: Vec<(&str, &str)> = scenario
-            .headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
-            .collect();
-        headers.push(("x-test-case", &case));
+        let mut headers = scenario.headers_for(&case);
         if self.is_kong() {
             headers.push(("connection", "close"));
         }
@@ -240,10 +235,9 @@ impl ForeignPair {
             .send_partial(&scenario.method, &url, &headers, &scenario.body)
             .with_context(|| format!("{} via {}", scenario.name, Self::tag(side)))?;
         let mut client_body = reply.reply.body;
-        if let Some(cut) = reply.cut {
+        if reply.cut.is_some() {
             // What a client sees of a cut response: the bytes before it.
             client_body.push_str(&format!("[cut after {} bytes]", reply.reply.raw.len()));
-            let _ = cut;
         }
         let seen = self.backend.upstream.find("x-test-case", &case);
         let normalize = |v: &str| v.replace(&gateway, "<gateway>");

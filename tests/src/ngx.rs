@@ -402,24 +402,12 @@ fn route_location(paths: &[String]) -> Option<String> {
                 .iter()
                 .map(|path| match path.strip_prefix('~') {
                     Some(regex) => regex.trim_start_matches('^').to_string(),
-                    None => regex_literal(path),
+                    None => regex::escape(path),
                 })
                 .collect();
             Some(format!("~ \"^(?:{})\"", alternatives.join("|")))
         }
     }
-}
-
-/// `text` matched literally in a PCRE pattern.
-fn regex_literal(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        if "\\.^$|?*+()[]{}".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
 }
 
 /// Escapes a configuration string for nginx's single-quoted argument.

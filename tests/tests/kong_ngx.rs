@@ -1590,8 +1590,9 @@ fn a_reload_loads_the_modules_from_wasmtimes_cache_and_answers_every_request() -
 /// body and checked it from the request headers: the refusal left its body
 /// unread and ngx_wasm_module closed the request twice, nginx logging
 /// `[alert] http request count is zero while closing request` in 3 to 10
-/// of 20 rounds (kong/README.md, "What is verified and what is not"). It is checked from
-/// the body step now: the right 401s, every request logged, no such alert.
+/// of 20 rounds (kong/README.md, "What is verified and what is not"). It
+/// is checked from the body step now: the right 401s, every request
+/// logged, no such alert.
 #[test]
 fn a_chunked_request_refused_on_the_introspection_answer_is_closed_once() -> Result<()> {
     const ROUNDS: usize = 20;

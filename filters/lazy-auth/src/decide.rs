@@ -48,7 +48,8 @@ struct Credential {
 /// for one without a body, it was checked from the request headers and a
 /// refusal from the answer left its body unread, and ngx_wasm_module
 /// closed that request twice (nginx's "http request count is zero while
-/// closing request" alert: kong/README.md, "What is verified and what is not").
+/// closing request" alert: kong/README.md, "What is verified and what is
+/// not").
 fn declares_body(host: &mut impl StreamHost) -> bool {
     host.request_header("content-length")
         .is_some_and(|l| l.trim_ascii() != b"0")

@@ -567,23 +567,8 @@ fn hour_of(at_ms: u64) -> u64 {
 
 /// An hour since the unix epoch as `YYYY-MM-DDTHH:00:00Z`.
 pub fn hour_label(hour: u64) -> String {
-    let (y, m, d) = civil_from_days((hour / 24) as i64);
+    let (y, m, d) = zerolayer_core::quota::window::civil_from_days((hour / 24) as i64);
     format!("{y:04}-{m:02}-{d:02}T{:02}:00:00Z", hour % 24)
-}
-
-/// The proleptic Gregorian date of a day count since 1970-01-01 (Howard
-/// Hinnant's `civil_from_days`), to keep the crate free of a date library.
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m as u32, d as u32)
 }
 
 /// The usage record in one access-log line, or `None` when the line has no
