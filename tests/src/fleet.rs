@@ -101,15 +101,23 @@ impl RedisFleet {
             .with_context(|| format!("starting webdis ({INSTALL_HINT})"))?;
         let addr = self.webdis_addr;
         let ready = wait_tcp(addr.port(), &mut webdis).and_then(|()| {
-            let reply = Client::new().get(&format!("http://{addr}/PING"), &[])?;
-            if reply.status != 200 {
-                bail!(
-                    "webdis answered /PING with {}: {}",
-                    reply.status,
-                    reply.body
-                );
-            }
-            Ok(())
+            // webdis listens before its own connection to Redis is up and
+            // answers 503 until it is: asked again until it says PONG.
+            let mut last = None;
+            let pinged = wait::until("webdis answering /PING", READY_TIMEOUT, || {
+                let reply = Client::new().get(&format!("http://{addr}/PING"), &[])?;
+                if reply.status == 200 {
+                    return Ok(Some(()));
+                }
+                last = Some((reply.status, reply.body));
+                Ok(None)
+            });
+            pinged.map_err(|err| match last {
+                Some((status, body)) => {
+                    err.context(format!("webdis last answered /PING with {status}: {body}"))
+                }
+                None => err,
+            })
         });
         self.webdis = Some(webdis);
         if let Err(err) = ready {
