@@ -146,7 +146,7 @@ fn unverified_requests_never_spend_the_tenant_they_claim() {
             Err(r) => {
                 assert_eq!(q.policy(r.policy).unwrap().name, "unverified");
                 // Refilling while the lease is small, exhausted once the fleet is.
-                if let RefusalKind::BudgetExhausted { reset_at } = r.kind {
+                if let RefusalKind::BudgetExhausted { reset_at, .. } = r.kind {
                     assert_eq!(reset_at, ((T0 + DAY_MS) / 1000) as i64);
                 }
             }
@@ -577,4 +577,37 @@ fn remaining_does_not_dip_while_a_surplus_return_is_on_its_way() {
         .expect("a request of no tokens fits");
     let during = q.shown(&ticket, T0 + 61_800).tokens.unwrap().remaining;
     assert_eq!(during, before - 12, "only what was used is gone");
+}
+
+#[test]
+fn a_budget_too_short_for_the_request_says_what_is_left_and_what_it_may_cost() {
+    let mut q = quota(daily(10_000));
+    let mut store = ModelStore::new();
+    // 100 body bytes + 150 max_tokens: 250 reserved; each spends 230.
+    let bound = RequestBound::new(100, Some(150));
+    let who = tenant("acme");
+    let mut spent = 0;
+    let mut now = T0;
+    let refusal = loop {
+        now += 10;
+        match q.reserve(&who, &bound, false, now) {
+            Ok(ticket) => {
+                q.settle(ticket, Some("m"), usage(100, 130), now);
+                spent += 230;
+            }
+            Err(r) if matches!(r.kind, RefusalKind::Refilling { .. }) => {}
+            Err(r) => break r,
+        }
+        sync(&mut q, &mut store, now);
+        assert!(spent <= 10_000, "never past the budget");
+    };
+    assert_eq!(spent, 43 * 230, "admitted while 250 fit");
+    assert_eq!(
+        refusal.kind,
+        RefusalKind::BudgetExhausted {
+            reset_at: ((T0 + DAY_MS) / 1000) as i64,
+            remaining: 10_000 - 43 * 230,
+            amount: 250,
+        }
+    );
 }

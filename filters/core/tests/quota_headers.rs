@@ -169,6 +169,8 @@ fn an_exhausted_budget_is_a_429_not_to_retry() {
         policy: 0,
         kind: RefusalKind::BudgetExhausted {
             reset_at: 1_796_342_400,
+            remaining: 0,
+            amount: 1_300,
         },
     };
     let openai = refusal_reply(
@@ -197,6 +199,31 @@ fn an_exhausted_budget_is_a_429_not_to_retry() {
     );
     assert_eq!(body(&anthropic)["error"]["type"], "rate_limit_error");
     assert_eq!(header(&anthropic.headers, "x-should-retry"), Some("false"));
+    // Some of it left, less than this request may cost: both are said.
+    let short = Refusal {
+        policy: 0,
+        kind: RefusalKind::BudgetExhausted {
+            reset_at: 1_796_342_400,
+            remaining: 217,
+            amount: 1_300,
+        },
+    };
+    let r = refusal_reply(
+        Some(Provider::OpenAi),
+        &short,
+        "monthly",
+        true,
+        None,
+        vec![],
+    );
+    assert_eq!(
+        body(&r)["error"]["message"],
+        "Budget of policy \"monthly\" has 217 left until 2026-12-04T00:00:00Z; this request may cost 1300: lower max_tokens or the input."
+    );
+    assert_eq!(
+        (r.status, header(&r.headers, "x-should-retry")),
+        (429, Some("false"))
+    );
     let too_large = Refusal {
         policy: 0,
         kind: RefusalKind::TooLarge {

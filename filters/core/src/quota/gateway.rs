@@ -19,7 +19,7 @@ use super::store::{
     PendingDelta, Reply, Script, ScriptShas, StoreError, delta_command, grant_command,
     parse_webdis, sha_from_reply,
 };
-use super::table::{LeaseTable, ScopeKey, SlotRef, TableFull};
+use super::table::{Entry, LeaseTable, ScopeKey, SlotRef, TableFull};
 use super::window::{WindowSpan, ceil_secs};
 use crate::config::ConfigError;
 
@@ -135,10 +135,17 @@ pub enum RefusalKind {
         /// Seconds until enough has refilled.
         retry_after_secs: u64,
     },
-    /// A budget is spent until its window resets at `reset_at` (Unix s).
+    /// A budget cannot cover the request until its window resets at
+    /// `reset_at` (Unix s): `remaining` is left of it, the request may cost
+    /// `amount` (a smaller request may still fit).
     BudgetExhausted {
         /// Unix seconds of the next window's start.
         reset_at: i64,
+        /// What the fleet has left of the budget, as the rate-limit
+        /// headers show it.
+        remaining: u64,
+        /// What the request would reserve (its upper bound).
+        amount: u64,
     },
     /// The request alone costs more than the limit can ever hold.
     TooLarge {
@@ -662,7 +669,11 @@ impl GatewayQuota {
                     Shortfall::Exhausted {
                         retry_after_secs: None,
                     } => match span {
-                        Some(s) => RefusalKind::BudgetExhausted { reset_at: s.end },
+                        Some(s) => RefusalKind::BudgetExhausted {
+                            reset_at: s.end,
+                            remaining: Self::remaining_of(entry, params.limit),
+                            amount,
+                        },
                         // A rate short of more than it can hold at once.
                         None => RefusalKind::TooLarge {
                             amount,
@@ -924,19 +935,7 @@ impl GatewayQuota {
         let policy = self.policies.get(index)?;
         let entry = self.table.get(held.slot)?;
         let limit = policy.params.limit;
-        let fleet = entry.lease.fleet_remaining().map_or(
-            i128::from(limit) - i128::from(entry.lease.granted()),
-            i128::from,
-        );
-        // A return on its way to the store left the lease but is not yet in
-        // the fleet's remainder: still this holder's until answered.
-        let returning = match entry.lease.in_flight().map(|f| f.op) {
-            Some(LeaseOp::Return { amount }) => i128::from(amount),
-            _ => 0,
-        };
-        let unspent = entry.lease.available() + i128::from(entry.lease.reserved()) + returning;
-        let remaining = (fleet + unspent).clamp(0, i128::from(limit));
-        let remaining = u64::try_from(remaining).unwrap_or(0);
+        let remaining = Self::remaining_of(entry, limit);
         let reset_at_ms = match (policy.limit, policy.window(now_ms)) {
             (Limit::Budget(_), Some(span)) => u64::try_from(span.end).unwrap_or(0) * 1000,
             (Limit::Rate(r), _) => {
@@ -951,6 +950,25 @@ impl GatewayQuota {
             reset_at_ms,
             counts_tokens: policy.cost.counts_tokens(),
         })
+    }
+
+    /// What the fleet has left of `limit` as this holder knows it: the
+    /// store's last remainder (or the limit less what it granted) plus what
+    /// this lease holds unspent, reserved or on its way back.
+    fn remaining_of(entry: &Entry, limit: u64) -> u64 {
+        let fleet = entry.lease.fleet_remaining().map_or(
+            i128::from(limit) - i128::from(entry.lease.granted()),
+            i128::from,
+        );
+        // A return on its way to the store left the lease but is not yet in
+        // the fleet's remainder: still this holder's until answered.
+        let returning = match entry.lease.in_flight().map(|f| f.op) {
+            Some(LeaseOp::Return { amount }) => i128::from(amount),
+            _ => 0,
+        };
+        let unspent = entry.lease.available() + i128::from(entry.lease.reserved()) + returning;
+        let remaining = (fleet + unspent).clamp(0, i128::from(limit));
+        u64::try_from(remaining).unwrap_or(0)
     }
 
     /// The states the rate-limit headers show for `ticket`: its tightest

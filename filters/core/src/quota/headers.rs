@@ -170,16 +170,29 @@ pub fn refusal_reply(
             format!("Quota of policy {policy:?} is being refilled; retry in {retry_after_secs}s."),
             RetryHint::After(secs(retry_after_secs)),
         ),
-        RefusalKind::BudgetExhausted { reset_at } => (
-            429,
-            exhausted,
-            Some("insufficient_quota"),
-            format!(
-                "Budget of policy {policy:?} is exhausted until {}.",
-                rfc3339(u64::try_from(reset_at).unwrap_or(0))
-            ),
-            RetryHint::Never,
-        ),
+        RefusalKind::BudgetExhausted {
+            reset_at,
+            remaining,
+            amount,
+        } => {
+            let until = rfc3339(u64::try_from(reset_at).unwrap_or(0));
+            // With some of it left, a smaller request may still fit: say
+            // how much, and what this one may cost.
+            let message = if remaining == 0 {
+                format!("Budget of policy {policy:?} is exhausted until {until}.")
+            } else {
+                format!(
+                    "Budget of policy {policy:?} has {remaining} left until {until}; this request may cost {amount}: lower max_tokens or the input."
+                )
+            };
+            (
+                429,
+                exhausted,
+                Some("insufficient_quota"),
+                message,
+                RetryHint::Never,
+            )
+        }
         RefusalKind::TooLarge { amount, limit } => (
             429,
             exhausted,
