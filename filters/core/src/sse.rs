@@ -72,7 +72,7 @@ impl SseParser {
                 rest = stripped;
             }
         }
-        while let Some(end) = rest.iter().position(|&b| b == b'\n' || b == b'\r') {
+        while let Some(end) = memchr::memchr2(b'\n', b'\r', rest) {
             let (head, tail) = rest.split_at(end);
             let is_cr = tail.first() == Some(&b'\r');
             rest = tail.get(1..).unwrap_or_default();

@@ -74,21 +74,9 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
 /// reserving and settling eight leases per request costs, leases granted by
 /// Redis through webdis in the background.
 pub fn quota_section() -> serde_json::Value {
-    let budget = |window: &str| serde_json::json!({"budget": {"amount": 1_000_000_000_000u64, "window": window}});
-    let rate = serde_json::json!({"rate": {"amount": 10_000_000_000u64, "per": "minute"}});
-    let weights = serde_json::json!({"weighted_tokens": {"default": {"input": 1000, "output": 4000, "cache_read": 100}}});
-    let prices = serde_json::json!({"currency": {"default": {"input": 3_000_000, "output": 15_000_000, "cache_read": 300_000}}});
-    serde_json::json!({
-        "store": {"cluster": "webdis", "path": "/", "expected_gateways": 1, "key_prefix": "zl:bench:"},
-        "policies": [
-            {"name": "tenant-day", "scope": ["tenant"], "unit": "tokens", "limit": budget("day")},
-            {"name": "tenant-minute", "scope": ["tenant"], "unit": "tokens", "limit": rate},
-            {"name": "tenant-requests", "scope": ["tenant"], "unit": "requests", "limit": rate},
-            {"name": "subject-month", "scope": ["subject"], "unit": "tokens", "limit": budget("month")},
-            {"name": "model-hour", "scope": ["model"], "unit": "tokens", "limit": budget("hour")},
-            {"name": "tenant-model", "scope": ["tenant", "model"], "unit": weights, "limit": budget("day")},
-            {"name": "tenant-spend", "scope": ["tenant"], "unit": prices, "limit": budget("month")},
-            {"name": "fleet", "scope": [], "unit": "tokens", "limit": rate},
-        ],
-    })
+    // One file for every bench that measures quota (filters/quota's too).
+    serde_json::from_str(include_str!(
+        "../../../filters/quota/benches/eight_policies.json"
+    ))
+    .expect("eight_policies.json is JSON")
 }

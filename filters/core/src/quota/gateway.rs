@@ -7,6 +7,8 @@
 //! own tick) calls [`GatewayQuota::sync`] every `sync_interval_ms` and hands
 //! each answer to [`GatewayQuota::on_reply`].
 
+use std::cell::Cell;
+
 use super::config::{
     CacheHitCharge, Limit, MAX_POLICIES, Mode, QuotaConfig, ScopeField, StreamMode,
     UNVERIFIED_POLICY, Unit,
@@ -80,6 +82,9 @@ pub struct PolicySpec {
     pub shown: bool,
     /// The lease parameters.
     pub params: LeaseParams,
+    /// The budget's last window: the calendar is read again only once the
+    /// clock leaves it (every request asks, each policy several times).
+    last_span: Cell<Option<WindowSpan>>,
 }
 
 impl PolicySpec {
@@ -95,13 +100,20 @@ impl PolicySpec {
     }
 
     fn window(&self, now_ms: u64) -> Option<WindowSpan> {
-        match self.limit {
-            Limit::Budget(b) => Some(
-                b.window
-                    .span_at((now_ms / 1000) as i64, b.utc_offset_minutes),
-            ),
-            Limit::Rate(_) => None,
+        let Limit::Budget(b) = self.limit else {
+            return None;
+        };
+        let now = (now_ms / 1000) as i64;
+        // Windows partition time: the one holding `now` is the one
+        // `span_at` would compute.
+        if let Some(span) = self.last_span.get()
+            && (span.start..span.end).contains(&now)
+        {
+            return Some(span);
         }
+        let span = b.window.span_at(now, b.utc_offset_minutes);
+        self.last_span.set(Some(span));
+        Some(span)
     }
 
     fn counter_kind(&self, span: Option<WindowSpan>) -> CounterKind {
@@ -414,6 +426,7 @@ impl GatewayQuota {
                 unverified: false,
                 shown: !matches!(policy.unit, Unit::Currency(_)),
                 params: params(&policy.limit),
+                last_span: Cell::new(None),
             });
         }
         if let Some(u) = &config.unverified {
@@ -437,6 +450,7 @@ impl GatewayQuota {
                 unverified: true,
                 shown: !matches!(u.unit, Unit::Currency(_)),
                 params: params(&u.limit),
+                last_span: Cell::new(None),
             });
         }
         let n = policies.len();
