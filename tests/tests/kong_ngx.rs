@@ -1469,6 +1469,16 @@ fn a_reload_loads_the_modules_from_wasmtimes_cache_and_answers_every_request() -
         // A JWT verified before the reload: the new workers start with no
         // verdict and no JWKS (shared memory does not survive a reload).
         let jwt = chain.verified_bearer("rita", "acme")?;
+        // A forged JWT, refused before the reload: the new workers' shared
+        // memory has forgotten it, so it may be admitted once more (its
+        // per-credential bound), then refused (RELIABILITY.md, "Restarts
+        // and reloads").
+        let forged = format!(
+            "Bearer {}",
+            issuer().forged(&tokens::claims("mallory", "acme", tokens::now(), 3600), 7)
+        );
+        let forged_before =
+            statuses_until_refused(&chain, "reload-forged-before", ("authorization", &forged))?;
         let KongGateway::NgxWasm(ngx) = &mut chain.gateway else {
             anyhow::bail!("{form}: not ngx_wasm_module");
         };
@@ -1579,6 +1589,24 @@ fn a_reload_loads_the_modules_from_wasmtimes_cache_and_answers_every_request() -
         ensure!(
             answers.len() > 2,
             "{form}: too few requests across the reload"
+        );
+        let forged_after =
+            statuses_until_refused(&chain, "reload-forged-after", ("authorization", &forged))?;
+        let served = |statuses: &[u16]| statuses.iter().filter(|s| **s == 200).count();
+        println!(
+            "{form}: a forged JWT answered {forged_before:?} before the reload, \
+             {forged_after:?} after it"
+        );
+        ensure!(
+            served(&forged_before) <= 1 && served(&forged_after) <= 1,
+            "{form}: a forged JWT served {} time(s) before the reload and {} after it: the bound \
+             is one per credential per reload",
+            served(&forged_before),
+            served(&forged_after)
+        );
+        ensure!(
+            chain.backend_requests("reload-forged-") <= 2,
+            "{form}: the forged JWT reached the backend more than once per side of the reload"
         );
     }
     Ok(())
