@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::metrics::{MetricName, SharedCounter};
+use zerolayer_core::usage::{Missing, Usage};
 
 use crate::host::{
     Body, Callback, CalloutAnswer, Headers, Host, MetricKind, Platform, Respond, RootHost, Status,
@@ -140,6 +141,9 @@ pub struct FakeHost {
     /// native module does: the stage adds to them directly and
     /// [`FakeHost::report_shared`] takes them into `metrics`.
     pub shared_counters: bool,
+    /// The usage an earlier stage shared, as a chain's host keeps it
+    /// (`Some` makes this host one that shares, as the fused chain does).
+    pub shared_usage: Option<Result<Usage, Missing>>,
     /// The counters handed out as cells, by metric id.
     cells: Vec<(u32, SharedCounter)>,
     /// `done_with` calls not yet taken by a pipeline ([`StageHost`]).
@@ -177,6 +181,7 @@ impl Default for FakeHost {
             body_reads: 0,
             shared_counters: false,
             cells: Vec::new(),
+            shared_usage: None,
             done_pending: DoneWith::default(),
             resumes_taken: 0,
             next_token: 1,
@@ -561,6 +566,16 @@ impl StreamHost for FakeHost {
     fn set_property(&mut self, path: &str, value: &[u8]) -> Result<(), Status> {
         self.properties.insert(path.to_string(), value.to_vec());
         Ok(())
+    }
+
+    fn share_usage(&mut self, usage: Result<Usage, Missing>) {
+        if self.fused {
+            self.shared_usage = Some(usage);
+        }
+    }
+
+    fn shared_usage(&mut self) -> Option<Result<Usage, Missing>> {
+        self.shared_usage
     }
 
     fn done_with(&mut self, callback: Callback) {

@@ -12,6 +12,7 @@ use std::time::Duration;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::reply::{self, RetryHint};
+use zerolayer_core::usage::{Missing, Usage};
 
 #[cfg(feature = "wasm")]
 pub use proxy_wasm::types::{Action, Status};
@@ -394,6 +395,18 @@ pub trait StreamHost: Respond {
     /// The current stream's stage will do nothing in `callback` from now
     /// on: in the fused filter it is no longer called for it.
     fn done_with(&mut self, _callback: Callback) {}
+
+    /// Shares the usage this stage read from the response so far with the
+    /// stages that see the response after it, where the chain runs in one
+    /// filter (fused, native); separate filters keep nothing (each reads
+    /// the body itself).
+    fn share_usage(&mut self, _usage: Result<Usage, Missing>) {}
+
+    /// The usage an earlier stage of this chain shared for this response
+    /// ([`share_usage`](Self::share_usage)); `None`: read it yourself.
+    fn shared_usage(&mut self) -> Option<Result<Usage, Missing>> {
+        None
+    }
     // === provided ===================================================================
 
     /// A request header's value.

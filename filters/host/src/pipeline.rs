@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal;
+use zerolayer_core::usage::{Missing, Usage};
 
 use std::marker::PhantomData;
 
@@ -109,6 +110,9 @@ pub struct PipelineHost<P> {
     resumed: bool,
     /// What the stage running now said it is done with.
     done: DoneWith,
+    /// The response's usage as the stage that reads it (metering) last
+    /// shared it: the stages after it need not parse the body again.
+    usage: Option<Result<Usage, Missing>>,
 }
 
 impl<P: Proxy> PipelineHost<P> {
@@ -125,6 +129,7 @@ impl<P: Proxy> PipelineHost<P> {
             answered: false,
             resumed: false,
             done: DoneWith::default(),
+            usage: None,
         }
     }
 
@@ -461,6 +466,14 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
 
     fn done_with(&mut self, callback: Callback) {
         self.done.insert(callback);
+    }
+
+    fn share_usage(&mut self, usage: Result<Usage, Missing>) {
+        self.usage = Some(usage);
+    }
+
+    fn shared_usage(&mut self) -> Option<Result<Usage, Missing>> {
+        self.usage
     }
 }
 

@@ -15,8 +15,8 @@ use zerolayer_core::metering::labels::UNKNOWN as UNKNOWN_TENANT;
 use zerolayer_core::metrics::Label;
 use zerolayer_core::quota::cut::parse_billed;
 use zerolayer_core::usage::{
-    INCLUDE_USAGE_MEMBER, Injection, RequestScan, ResponseFormat, SkipReason, StreamedInjection,
-    UsageChunkStripper, UsageExtractor, inject_include_usage,
+    INCLUDE_USAGE_MEMBER, Injection, Missing, RequestScan, ResponseFormat, SkipReason,
+    StreamedInjection, UsageChunkStripper, UsageExtractor, inject_include_usage,
 };
 use zerolayer_host::{Action, Body, Callback, Headers, StreamHost, StreamStage};
 
@@ -481,6 +481,7 @@ impl MeteredStream {
             let decoded = host.with_body(Body::Response, body_size, |chunk| {
                 decoder.push(chunk, |bytes| extractor.push(bytes))
             });
+            host.share_usage(extractor.usage());
             if let Err(error) = decoded {
                 log::warn!(
                     "metering: response {:?}: {error}: usage recorded as missing",
@@ -488,6 +489,7 @@ impl MeteredStream {
                 );
                 self.decoder = None;
                 self.extractor = None;
+                host.share_usage(Err(Missing::Malformed));
                 if let Some(plan) = &self.plan {
                     plan.meters.encoded(false);
                 }
@@ -549,7 +551,11 @@ impl<H: StreamHost> StreamStage<H> for MeteredStream {
             // Nothing to strip from a JSON body (the client asked no stream).
             self.stripper = None;
         }
-        self.extractor = Some(UsageExtractor::new(provider, format));
+        let extractor = UsageExtractor::new(provider, format);
+        // The stages after this one (quota) read the usage from here
+        // rather than parsing the body again, where the chain shares it.
+        host.share_usage(extractor.usage());
+        self.extractor = Some(extractor);
         let coding = ContentCoding::from_header(
             host.response_header("content-encoding")
                 .as_deref()
@@ -584,6 +590,7 @@ impl<H: StreamHost> StreamStage<H> for MeteredStream {
             }
             (out != chunk).then_some(out)
         });
+        host.share_usage(extractor.usage());
         if let Some(out) = stripped
             && let Err(status) = host.set_body(Body::Response, body_size, &out)
         {

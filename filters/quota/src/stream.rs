@@ -67,6 +67,12 @@ pub(crate) struct QuotaStream {
     model: Option<String>,
     output_bound: u64,
     extractor: Option<UsageExtractor>,
+    /// The usage an earlier stage of the chain (metering) reads from this
+    /// response and shares (fused, native): read from there, not parsed
+    /// again here.
+    reads_shared: bool,
+    /// That usage as last shared.
+    shared_usage: Option<Result<Usage, Missing>>,
     /// A `stream: hard` response: its output drawn event by event, and
     /// ended cleanly when a draw is not covered.
     cut: Option<StreamCut>,
@@ -101,6 +107,8 @@ impl QuotaStream {
             model: None,
             output_bound: 0,
             extractor: None,
+            reads_shared: false,
+            shared_usage: None,
             cut: None,
             status: 0,
             cache_hit: false,
@@ -296,8 +304,11 @@ impl QuotaStream {
     /// usage chunk it asked an OpenAI stream for).
     fn settlement(&self, handed_off: Option<Usage>) -> Settlement {
         let provider = self.provider.unwrap_or(Provider::OpenAi);
-        let extracted = self.extractor.as_ref().map(UsageExtractor::finish);
-        let usage = match (extracted.map(|e| e.usage), handed_off) {
+        let extracted = match &self.extractor {
+            Some(extractor) => Some(extractor.usage()),
+            None => self.shared_usage,
+        };
+        let usage = match (extracted, handed_off) {
             (Some(Ok(u)), _) => Some(Ok(u)),
             (_, Some(u)) => Some(Ok(u)),
             (other, None) => other,
@@ -516,7 +527,6 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
             .map_or(ResponseFormat::Json, |t| {
                 ResponseFormat::from_content_type(&t)
             });
-        self.extractor = Some(UsageExtractor::new(provider, format));
         let now = host.now_ms();
         let quota = plan.quota();
         if format == ResponseFormat::EventStream
@@ -526,6 +536,14 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         {
             let asked = self.scan.injection() == StreamedInjection::ClientAsked;
             self.cut = Some(StreamCut::new(provider, asked));
+        }
+        // Metering, before this stage in the response, shares what it
+        // reads where the chain runs in one filter: no second parse. A
+        // hard stream still reads each event itself, to draw as it goes.
+        self.shared_usage = host.shared_usage();
+        self.reads_shared = self.shared_usage.is_some() && self.cut.is_none();
+        if !self.reads_shared {
+            self.extractor = Some(UsageExtractor::new(provider, format));
         }
         let shown = quota.shown(ticket, now);
         drop(quota);
@@ -545,6 +563,9 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         }
         if let Some(extractor) = &mut self.extractor {
             host.with_body(Body::Response, body_size, |chunk| extractor.push(chunk));
+            self.response_bytes += body_size as u64;
+        } else if self.reads_shared {
+            self.shared_usage = host.shared_usage();
             self.response_bytes += body_size as u64;
         }
         if end_of_stream {
@@ -572,6 +593,9 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
                 .unwrap_or(0);
             self.cache_hit = host.response_header("x-cache").as_deref() == Some("HIT");
             self.response_complete = self.status != 0;
+        }
+        if self.reads_shared {
+            self.shared_usage = host.shared_usage();
         }
         let now = host.now_ms();
         let handed_off = host

@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use zerolayer_core::internal;
 use zerolayer_core::quota::store::ModelStore;
+use zerolayer_core::usage::{Missing, PartialUsage, Usage};
 use zerolayer_host::{Action, FakeHost, RootStage, StreamStage};
 
 use crate::QuotaRoot;
@@ -229,6 +230,68 @@ fn a_request_waits_for_a_grant_the_root_already_asked_for() {
         12,
         "granted once, used 12, the rest back"
     );
+}
+
+/// In a chain that runs in one filter, metering (before quota in the
+/// response) shares the usage it reads: quota settles from it and reads no
+/// body itself; a stream cut short settles what was shared so far.
+#[test]
+fn in_a_chain_quota_settles_from_the_usage_metering_shares_without_reading_the_body() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    for (complete, shared, expected) in [
+        (
+            true,
+            Ok(Usage {
+                input_tokens: 7,
+                output_tokens: 5,
+                ..Usage::default()
+            }),
+            12,
+        ),
+        // The client went away after the input was reported: its input,
+        // and the bytes delivered (bounded by max_tokens 100).
+        (
+            false,
+            Err(Missing::Incomplete(PartialUsage {
+                input_tokens: Some(9),
+                output_tokens: Some(1),
+                ..PartialUsage::default()
+            })),
+            9 + 1,
+        ),
+    ] {
+        let before = {
+            gw.host.advance(Duration::from_millis(61_000));
+            gw.sync();
+            gw.counter("daily")
+        };
+        let (mut stream, action) = gw.ask(OPENAI, ACME, CHAT);
+        if action == Action::Pause {
+            gw.answer_store_to(Some(&mut stream));
+        }
+        gw.host
+            .respond_with(&[(":status", "200"), ("content-type", "text/event-stream")]);
+        // Metering made its extractor at its response headers.
+        gw.host.shared_usage = Some(Err(Missing::NotReported));
+        let _ = stream.response_headers(&mut gw.host, false);
+        // A body whose own usage would say otherwise: it is not parsed.
+        let body = openai_events(3);
+        gw.host.response_body = body.clone();
+        gw.host.shared_usage = Some(shared);
+        let reads = gw.host.body_reads;
+        let _ = stream.response_body(&mut gw.host, body.len(), complete);
+        assert_eq!(gw.host.body_reads, reads, "quota read the body again");
+        stream.log(&mut gw.host);
+        gw.host.shared_usage = None;
+        gw.host.advance(Duration::from_millis(61_000));
+        gw.sync();
+        assert_eq!(
+            gw.counter("daily") - before,
+            expected,
+            "complete: {complete}"
+        );
+    }
 }
 
 #[test]

@@ -230,8 +230,17 @@ impl UsageExtractor {
 
     /// The usage and model found in the chunks fed so far.
     pub fn finish(&self) -> Extracted {
+        Extracted {
+            usage: self.usage(),
+            model: self.seen.model.clone(),
+        }
+    }
+
+    /// The usage found in the chunks fed so far, or why there is none
+    /// ([`finish`](Self::finish) without the model: nothing to allocate).
+    pub fn usage(&self) -> Result<Usage, Missing> {
         let seen = &self.seen;
-        let usage = match seen.usage {
+        match seen.usage {
             PartialUsage {
                 input_tokens: Some(input_tokens),
                 output_tokens: Some(output_tokens),
@@ -248,10 +257,6 @@ impl UsageExtractor {
             _ if seen.malformed => Err(Missing::Malformed),
             _ if seen.oversized => Err(Missing::Oversized),
             _ => Err(Missing::NotReported),
-        };
-        Extracted {
-            usage,
-            model: seen.model.clone(),
         }
     }
 }
