@@ -582,6 +582,39 @@ pub struct Validation {
     pub output: String,
 }
 
+/// `host-sim check`, the operator's gate before a deploy, run on every file
+/// a test has Envoy validate: where Envoy refuses a zerolayer filter's
+/// configuration the check must refuse it too, and where Envoy accepts a
+/// file the check must not refuse it.
+fn agrees_with_check(path: &Path, env: &[(String, String)], envoy: &Validation) -> Result<()> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let lookup = |name: &str| {
+        env.iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var(name).ok())
+    };
+    let shown = path.display().to_string();
+    let problems = host_sim_tools::check::check_envoy(&shown, &text, &paths::root(), &lookup);
+    let listed = problems
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("\n");
+    if envoy.ok && !problems.is_empty() {
+        bail!("Envoy accepts {shown} but host-sim check refuses it:\n{listed}");
+    }
+    if !envoy.ok && envoy.output.contains("invalid configuration") && problems.is_empty() {
+        bail!(
+            "Envoy refuses {shown} for a filter's configuration but host-sim check passes it; \
+             Envoy said:\n{}",
+            envoy.output
+        );
+    }
+    Ok(())
+}
+
 /// A running Envoy; killed when dropped.
 pub struct Envoy {
     child: Child,
@@ -626,14 +659,16 @@ impl Envoy {
             .envs(env.iter().map(|(k, v)| (k, v)))
             .output()
             .context("running envoy --mode validate")?;
-        Ok(Validation {
+        let validation = Validation {
             ok: output.status.success(),
             output: format!(
                 "{}{}",
                 String::from_utf8_lossy(&output.stdout),
                 String::from_utf8_lossy(&output.stderr)
             ),
-        })
+        };
+        agrees_with_check(path, env, &validation)?;
+        Ok(validation)
     }
 
     /// Starts Envoy with `config` (see [`EnvoyConfig::for_run`]) and waits
