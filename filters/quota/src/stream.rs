@@ -304,11 +304,7 @@ impl QuotaStream {
     /// usage chunk it asked an OpenAI stream for).
     fn settlement(&self, handed_off: Option<Usage>) -> Settlement {
         let provider = self.provider.unwrap_or(Provider::OpenAi);
-        let extracted = match &self.extractor {
-            Some(extractor) => Some(extractor.usage()),
-            None => self.shared_usage,
-        };
-        let usage = match (extracted, handed_off) {
+        let usage = match (self.read_usage(), handed_off) {
             (Some(Ok(u)), _) => Some(Ok(u)),
             (_, Some(u)) => Some(Ok(u)),
             (other, None) => other,
@@ -356,6 +352,15 @@ impl QuotaStream {
                 delivered_output: delivered(None),
             },
             _ => Settlement::Unknown,
+        }
+    }
+
+    /// The usage read from the response: by this stage, or by the chain's
+    /// metering and shared.
+    fn read_usage(&self) -> Option<Result<Usage, Missing>> {
+        match &self.extractor {
+            Some(extractor) => Some(extractor.usage()),
+            None => self.shared_usage,
         }
     }
 
@@ -598,9 +603,15 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
             self.shared_usage = host.shared_usage();
         }
         let now = host.now_ms();
-        let handed_off = host
-            .property(internal::USAGE_PROPERTY)
-            .and_then(|entry| logged_usage(&entry));
+        // Metering's record is read (and parsed) only when the response's
+        // own usage is not at hand (a usage chunk metering removed from a
+        // stream before this stage saw it, in separate filters).
+        let handed_off = if matches!(self.read_usage(), Some(Ok(_))) {
+            None
+        } else {
+            host.property(internal::USAGE_PROPERTY)
+                .and_then(|entry| logged_usage(&entry))
+        };
         self.settle(now, handed_off);
     }
 }
