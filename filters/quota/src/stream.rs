@@ -68,10 +68,8 @@ pub(crate) struct QuotaStream {
     output_bound: u64,
     extractor: Option<UsageExtractor>,
     /// The usage an earlier stage of the chain (metering) reads from this
-    /// response and shares (fused, native): read from there, not parsed
-    /// again here.
-    reads_shared: bool,
-    /// That usage as last shared.
+    /// response and shares (fused, native), as last shared: read from
+    /// there, with no `extractor` of this stage's own.
     shared_usage: Option<Result<Usage, Missing>>,
     /// A `stream: hard` response: its output drawn event by event, and
     /// ended cleanly when a draw is not covered.
@@ -107,7 +105,6 @@ impl QuotaStream {
             model: None,
             output_bound: 0,
             extractor: None,
-            reads_shared: false,
             shared_usage: None,
             cut: None,
             status: 0,
@@ -545,9 +542,8 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         // Metering, before this stage in the response, shares what it
         // reads where the chain runs in one filter: no second parse. A
         // hard stream still reads each event itself, to draw as it goes.
-        self.shared_usage = host.shared_usage();
-        self.reads_shared = self.shared_usage.is_some() && self.cut.is_none();
-        if !self.reads_shared {
+        self.shared_usage = host.shared_usage().filter(|_| self.cut.is_none());
+        if self.shared_usage.is_none() {
             self.extractor = Some(UsageExtractor::new(provider, format));
         }
         let shown = quota.shown(ticket, now);
@@ -569,7 +565,8 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         if let Some(extractor) = &mut self.extractor {
             host.with_body(Body::Response, body_size, |chunk| extractor.push(chunk));
             self.response_bytes += body_size as u64;
-        } else if self.reads_shared {
+        } else if self.shared_usage.is_some() {
+            // Metering saw this chunk first: its usage is current.
             self.shared_usage = host.shared_usage();
             self.response_bytes += body_size as u64;
         }
@@ -598,9 +595,6 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
                 .unwrap_or(0);
             self.cache_hit = host.response_header("x-cache").as_deref() == Some("HIT");
             self.response_complete = self.status != 0;
-        }
-        if self.reads_shared {
-            self.shared_usage = host.shared_usage();
         }
         let now = host.now_ms();
         // Metering's record is read (and parsed) only when the response's
