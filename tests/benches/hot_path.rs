@@ -9,6 +9,8 @@
 #![allow(missing_docs)]
 
 mod common;
+#[path = "../../filters/quota/benches/replies/mod.rs"]
+mod replies;
 
 use std::time::Duration;
 
@@ -19,6 +21,8 @@ use zerolayer_core::quota::store::ModelStore;
 use zerolayer_e2e::chain::{CACHE_SECRET, anthropic, openai};
 use zerolayer_e2e::tokens::{self, issuer};
 use zerolayer_e2e::{EnvoyConfig, paths};
+
+use replies::openai_sse;
 
 const NOW: u64 = 1_795_953_600;
 
@@ -510,16 +514,6 @@ fn anthropic_sse(tokens: usize) -> Vec<String> {
         sse.push(format!("event: content_block_delta\ndata: {{\"type\":\"content_block_delta\",\"index\":0,\"delta\":{{\"type\":\"text_delta\",\"text\":\"token{i} \"}}}}\n\n"));
     }
     sse.push(format!("event: message_delta\ndata: {{\"type\":\"message_delta\",\"usage\":{{\"output_tokens\":{tokens}}}}}\n\nevent: message_stop\ndata: {{\"type\":\"message_stop\"}}\n\n"));
-    sse
-}
-
-/// An OpenAI stream of `tokens` deltas and the usage chunk.
-fn openai_sse(tokens: usize) -> Vec<String> {
-    let mut sse: Vec<String> = (0..tokens)
-        .map(|i| format!("data: {{\"id\":\"c1\",\"model\":\"gpt-test\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"token{i} \"}}}}],\"usage\":null}}\n\n"))
-        .collect();
-    sse.push(format!("data: {{\"id\":\"c1\",\"model\":\"gpt-test\",\"choices\":[],\"usage\":{{\"prompt_tokens\":11,\"completion_tokens\":{tokens},\"total_tokens\":{}}}}}\n\n", tokens + 11));
-    sse.push("data: [DONE]\n\n".to_string());
     sse
 }
 

@@ -17,22 +17,15 @@ use zerolayer_core::quota::store::ModelStore;
 use zerolayer_host::{FakeHost, RootStage, StreamStage};
 use zerolayer_quota::QuotaRoot;
 
+mod replies;
+use replies::openai_sse;
+
 /// 2026-12-03T00:00:00Z.
 const T0_MS: u64 = 1_796_256_000_000;
 
 const IDENTITY: &str = "verified tenant=acme subject=u1";
 const REQUEST: &str = r#"{"model":"gpt-test","max_tokens":256,"stream":false,"messages":[{"role":"user","content":"bench quota: how long is a piece of string?"}]}"#;
 const JSON_REPLY: &str = r#"{"id":"c1","object":"chat.completion","model":"gpt-test","choices":[{"index":0,"message":{"role":"assistant","content":"hello there, how can I help you today?"},"finish_reason":"stop"}],"usage":{"prompt_tokens":11,"completion_tokens":64,"total_tokens":75}}"#;
-
-/// An OpenAI stream of `tokens` content chunks, the usage chunk and `[DONE]`.
-fn openai_sse(tokens: usize) -> Vec<String> {
-    let mut sse: Vec<String> = (0..tokens)
-        .map(|i| format!("data: {{\"id\":\"c1\",\"model\":\"gpt-test\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"token{i} \"}}}}],\"usage\":null}}\n\n"))
-        .collect();
-    sse.push(format!("data: {{\"id\":\"c1\",\"model\":\"gpt-test\",\"choices\":[],\"usage\":{{\"prompt_tokens\":11,\"completion_tokens\":{tokens},\"total_tokens\":{}}}}}\n\n", tokens + 11));
-    sse.push("data: [DONE]\n\n".to_string());
-    sse
-}
 
 /// The stage's root on the fake host, its store answered by the Rust model
 /// of Redis behind webdis.
