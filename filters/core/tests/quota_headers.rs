@@ -50,12 +50,12 @@ fn shown() -> Shown {
 #[test]
 fn openai_names_and_durations() {
     let h = rate_limit_headers(Some(Provider::OpenAi), &shown(), NOW_MS);
-    assert_eq!(header(&h, "x-ratelimit-limit-requests"), Some("100"));
-    assert_eq!(header(&h, "x-ratelimit-remaining-requests"), Some("40"));
-    assert_eq!(header(&h, "x-ratelimit-reset-requests"), Some("6s"));
-    assert_eq!(header(&h, "x-ratelimit-limit-tokens"), Some("10000"));
-    assert_eq!(header(&h, "x-ratelimit-remaining-tokens"), Some("1000"));
-    assert_eq!(header(&h, "x-ratelimit-reset-tokens"), Some("7h13m20s"));
+    assert_eq!(h.get("x-ratelimit-limit-requests"), Some("100"));
+    assert_eq!(h.get("x-ratelimit-remaining-requests"), Some("40"));
+    assert_eq!(h.get("x-ratelimit-reset-requests"), Some("6s"));
+    assert_eq!(h.get("x-ratelimit-limit-tokens"), Some("10000"));
+    assert_eq!(h.get("x-ratelimit-remaining-tokens"), Some("1000"));
+    assert_eq!(h.get("x-ratelimit-reset-tokens"), Some("7h13m20s"));
     assert_eq!(h.len(), 6);
     assert_eq!(
         rate_limit_headers(None, &shown(), NOW_MS),
@@ -78,29 +78,50 @@ fn openai_names_and_durations() {
 #[test]
 fn anthropic_names_and_times() {
     let h = rate_limit_headers(Some(Provider::Anthropic), &shown(), NOW_MS);
+    assert_eq!(h.get("anthropic-ratelimit-requests-limit"), Some("100"));
+    assert_eq!(h.get("anthropic-ratelimit-requests-remaining"), Some("40"));
     assert_eq!(
-        header(&h, "anthropic-ratelimit-requests-limit"),
-        Some("100")
-    );
-    assert_eq!(
-        header(&h, "anthropic-ratelimit-requests-remaining"),
-        Some("40")
-    );
-    assert_eq!(
-        header(&h, "anthropic-ratelimit-requests-reset"),
+        h.get("anthropic-ratelimit-requests-reset"),
         Some("2026-12-03T16:34:00Z")
     );
+    assert_eq!(h.get("anthropic-ratelimit-tokens-limit"), Some("10000"));
     assert_eq!(
-        header(&h, "anthropic-ratelimit-tokens-limit"),
-        Some("10000")
-    );
-    assert_eq!(
-        header(&h, "anthropic-ratelimit-tokens-reset"),
+        h.get("anthropic-ratelimit-tokens-reset"),
         Some("2026-12-03T23:47:14Z")
     );
     assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
     assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
     assert!(rate_limit_headers(Some(Provider::Anthropic), &Shown::default(), NOW_MS).is_empty());
+}
+
+#[test]
+fn the_largest_values_are_written_whole() {
+    for provider in [Provider::OpenAi, Provider::Anthropic] {
+        let mut s = Shown::default();
+        for counts_tokens in [false, true] {
+            s.add(LimitState {
+                limit: u64::MAX,
+                remaining: u64::MAX,
+                reset_at_ms: u64::MAX,
+                counts_tokens,
+            });
+        }
+        let h = rate_limit_headers(Some(provider), &s, 0);
+        assert_eq!(h.len(), 6);
+        let reset = if provider == Provider::Anthropic {
+            rfc3339(u64::MAX / 1000)
+        } else {
+            duration(u64::MAX)
+        };
+        for (name, value) in h.iter() {
+            let expected = if name.ends_with("reset") || name.contains("-reset-") {
+                reset.clone()
+            } else {
+                u64::MAX.to_string()
+            };
+            assert_eq!(value, expected, "{name}");
+        }
+    }
 }
 
 fn body(reply: &ErrorReply) -> Value {

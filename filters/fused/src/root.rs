@@ -77,6 +77,7 @@ fn resume(chain: &RefCell<StreamChain>) {
     let go = {
         let mut chain = chain.borrow_mut();
         let chain = &mut *chain;
+        chain.host.refresh_clock();
         chain.pipeline.resume(&mut chain.host)
     };
     if go {

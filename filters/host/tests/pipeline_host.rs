@@ -55,6 +55,24 @@ fn a_header_map_is_read_once_for_every_stage_and_sees_their_changes() {
 }
 
 #[test]
+fn the_clock_is_read_once_per_callback_and_afresh_after() {
+    let mut host = stream(request());
+    let start = host.now_ms();
+    host.proxy().advance(Duration::from_millis(40));
+    assert_eq!(host.now_ms(), start, "one reading serves the callback");
+    assert_eq!(host.now_us(), start * 1000);
+    host.begin_callback();
+    assert_eq!(host.now_ms(), start + 40, "a new callback reads it again");
+    host.proxy().advance(Duration::from_millis(250));
+    host.refresh_clock();
+    assert_eq!(
+        host.now_ms(),
+        start + 290,
+        "so do stages a root resumes outside the stream's callbacks"
+    );
+}
+
+#[test]
 fn without_a_copy_header_reads_go_to_the_proxy() {
     let mut host = stream(request());
     assert_eq!(

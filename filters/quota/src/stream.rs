@@ -548,8 +548,8 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         }
         let shown = quota.shown(ticket, now);
         drop(quota);
-        for (name, value) in rate_limit_headers(Some(provider), &shown, now) {
-            host.set_response_header(name, &value);
+        for (name, value) in rate_limit_headers(Some(provider), &shown, now).iter() {
+            host.set_response_header(name, value);
         }
         Action::Continue
     }

@@ -51,14 +51,118 @@ impl Shown {
     }
 }
 
+/// Room for the longest header value written: a `u64` (20 digits), a
+/// duration of `u64` milliseconds (`5124095576030h25m52s`, 20), an RFC
+/// 3339 time (20 until the year 9999; 25 at `u64::MAX` ms).
+const MAX_VALUE: usize = 32;
+
+/// The rate-limit headers of one response, formatted in place: written on
+/// every response a policy scopes, so no allocation per header.
+#[derive(Clone, Copy)]
+pub struct RateLimitHeaders {
+    names: [&'static str; 6],
+    values: [[u8; MAX_VALUE]; 6],
+    lens: [u8; 6],
+    count: usize,
+}
+
+impl RateLimitHeaders {
+    fn new() -> RateLimitHeaders {
+        RateLimitHeaders {
+            names: [""; 6],
+            values: [[0; MAX_VALUE]; 6],
+            lens: [0; 6],
+            count: 0,
+        }
+    }
+
+    /// Appends header `name` with the value `write` formats (cut at
+    /// [`MAX_VALUE`] bytes, which no value reaches).
+    fn push(&mut self, name: &'static str, write: impl FnOnce(&mut ValueBuf<'_>)) {
+        let Some(value) = self.values.get_mut(self.count) else {
+            return;
+        };
+        let mut buf = ValueBuf {
+            bytes: value,
+            len: 0,
+        };
+        write(&mut buf);
+        let len = buf.len;
+        if let (Some(n), Some(l)) = (
+            self.names.get_mut(self.count),
+            self.lens.get_mut(self.count),
+        ) {
+            *n = name;
+            *l = len as u8;
+            self.count += 1;
+        }
+    }
+
+    /// The headers, in order: name and value.
+    pub fn iter(&self) -> impl Iterator<Item = (&'static str, &str)> + '_ {
+        self.names
+            .iter()
+            .zip(self.values.iter().zip(self.lens.iter()))
+            .take(self.count)
+            .map(|(name, (value, len))| {
+                let bytes = value.get(..usize::from(*len)).unwrap_or_default();
+                // Only ASCII is written.
+                (*name, std::str::from_utf8(bytes).unwrap_or_default())
+            })
+    }
+
+    /// How many headers there are.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    /// Whether there are none (no policy of a unit scopes the request).
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// The value of header `name`, if written.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.iter().find(|(n, _)| *n == name).map(|(_, v)| v)
+    }
+}
+
+impl std::fmt::Debug for RateLimitHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
+
+impl PartialEq for RateLimitHeaders {
+    fn eq(&self, other: &RateLimitHeaders) -> bool {
+        self.iter().eq(other.iter())
+    }
+}
+
+/// One header value being formatted, on the stack.
+struct ValueBuf<'a> {
+    bytes: &'a mut [u8; MAX_VALUE],
+    len: usize,
+}
+
+impl std::fmt::Write for ValueBuf<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let end = self.len + s.len();
+        let slot = self.bytes.get_mut(self.len..end).ok_or(std::fmt::Error)?;
+        slot.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
+
 /// The rate-limit headers for `shown` in `provider`'s naming (`None`: any
 /// other path, OpenAI's).
 pub fn rate_limit_headers(
     provider: Option<Provider>,
     shown: &Shown,
     now_ms: u64,
-) -> Vec<(&'static str, String)> {
-    let mut out = Vec::with_capacity(6);
+) -> RateLimitHeaders {
+    let mut out = RateLimitHeaders::new();
     let anthropic = provider == Some(Provider::Anthropic);
     for (state, tokens) in [(shown.requests, false), (shown.tokens, true)] {
         let Some(state) = state else {
@@ -86,14 +190,20 @@ pub fn rate_limit_headers(
                 "x-ratelimit-reset-tokens",
             ],
         };
-        let reset = if anthropic {
-            rfc3339(state.reset_at_ms / 1000)
-        } else {
-            duration(state.reset_at_ms.saturating_sub(now_ms))
-        };
-        out.push((names[0], state.limit.to_string()));
-        out.push((names[1], state.remaining.to_string()));
-        out.push((names[2], reset));
+        let [limit, remaining, reset] = names;
+        out.push(limit, |b| {
+            let _ = b.write_str(itoa::Buffer::new().format(state.limit));
+        });
+        out.push(remaining, |b| {
+            let _ = b.write_str(itoa::Buffer::new().format(state.remaining));
+        });
+        out.push(reset, |b| {
+            if anthropic {
+                let _ = write_rfc3339(b, state.reset_at_ms / 1000);
+            } else {
+                let _ = write_duration(b, state.reset_at_ms.saturating_sub(now_ms));
+            }
+        });
     }
     out
 }
@@ -101,27 +211,38 @@ pub fn rate_limit_headers(
 /// `ms` as OpenAI writes a reset (Go's duration style, whole seconds):
 /// `20ms`, `1s`, `6m0s`, `1h2m3s`.
 pub fn duration(ms: u64) -> String {
+    let mut out = String::new();
+    let _ = write_duration(&mut out, ms);
+    out
+}
+
+fn write_duration(out: &mut impl std::fmt::Write, ms: u64) -> std::fmt::Result {
     if ms < 1000 {
-        return format!("{ms}ms");
+        return write!(out, "{ms}ms");
     }
     let secs = ms.div_ceil(1000);
     let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
-    let mut out = String::new();
     if h > 0 {
-        let _ = write!(out, "{h}h{m}m");
+        write!(out, "{h}h{m}m")?;
     } else if m > 0 {
-        let _ = write!(out, "{m}m");
+        write!(out, "{m}m")?;
     }
-    let _ = write!(out, "{s}s");
-    out
+    write!(out, "{s}s")
 }
 
 /// Unix seconds as an RFC 3339 UTC time (`2026-12-03T16:00:00Z`).
 pub fn rfc3339(unix_secs: u64) -> String {
+    let mut out = String::new();
+    let _ = write_rfc3339(&mut out, unix_secs);
+    out
+}
+
+fn write_rfc3339(out: &mut impl std::fmt::Write, unix_secs: u64) -> std::fmt::Result {
     let secs = i64::try_from(unix_secs).unwrap_or(i64::MAX / 2);
     let (y, mo, d) = civil_from_days(secs.div_euclid(86_400));
     let t = secs.rem_euclid(86_400);
-    format!(
+    write!(
+        out,
         "{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}Z",
         t / 3600,
         t / 60 % 60,
