@@ -34,9 +34,29 @@ pub enum HeaderBlockError {
 pub struct HeaderBlock {
     bytes: Vec<u8>,
     count: usize,
-    /// Set (`Some`) or removed (`None`) headers, by lower-case name, in the
-    /// order they were changed.
-    changes: Vec<(String, Option<Vec<u8>>)>,
+    /// Set (`value` `Some`) or removed headers, at most one per name, in
+    /// the order they were changed.
+    changes: Vec<Change>,
+    /// The changed names (lower case) and values, in one buffer: a response
+    /// gets six rate-limit headers, which would be twelve allocations.
+    /// Replaced changes leave their bytes until the map is dropped (a
+    /// stream's stages set each header a few times at most).
+    changed: Vec<u8>,
+}
+
+/// One change: where its name and value are in [`HeaderBlock::changed`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Change {
+    name: (usize, usize),
+    value: Option<(usize, usize)>,
+}
+
+/// Room made for the changes at the first one (bytes, changes).
+const CHANGED_ROOM: (usize, usize) = (512, 8);
+
+/// The bytes of `span` in `buffer`.
+fn span(buffer: &[u8], (start, end): (usize, usize)) -> &[u8] {
+    buffer.get(start..end).unwrap_or_default()
 }
 
 /// Reads the `i`th little-endian u32 at `at`.
@@ -78,7 +98,7 @@ impl HeaderBlock {
         Ok(HeaderBlock {
             bytes,
             count,
-            changes: Vec::new(),
+            ..HeaderBlock::default()
         })
     }
 
@@ -127,7 +147,7 @@ impl HeaderBlock {
         HeaderBlock {
             bytes,
             count: pairs.len(),
-            changes: Vec::new(),
+            ..HeaderBlock::default()
         }
     }
 
@@ -149,24 +169,25 @@ impl HeaderBlock {
     /// Every header, in order: those read from the host and not changed
     /// since, then those set since, in the order they were set.
     pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
-        let read = self
-            .read()
-            .filter(|(key, _)| !self.changes.iter().any(|(n, _)| eq(n.as_bytes(), key)));
-        let set = self
-            .changes
-            .iter()
-            .filter_map(|(n, v)| v.as_deref().map(|v| (n.as_bytes(), v)));
+        let read = self.read().filter(|(key, _)| self.change_of(key).is_none());
+        let set = self.changes.iter().filter_map(|c| {
+            c.value
+                .map(|v| (span(&self.changed, c.name), span(&self.changed, v)))
+        });
         read.chain(set)
+    }
+
+    /// The change made to header `name`, if any.
+    fn change_of(&self, name: &[u8]) -> Option<&Change> {
+        self.changes
+            .iter()
+            .find(|c| eq(span(&self.changed, c.name), name))
     }
 
     /// The first value of header `name` (any case).
     pub fn get(&self, name: &str) -> Option<&[u8]> {
-        if let Some((_, value)) = self
-            .changes
-            .iter()
-            .find(|(n, _)| eq(n.as_bytes(), name.as_bytes()))
-        {
-            return value.as_deref();
+        if let Some(change) = self.change_of(name.as_bytes()) {
+            return change.value.map(|v| span(&self.changed, v));
         }
         self.read()
             .find(|(key, _)| eq(key, name.as_bytes()))
@@ -175,7 +196,7 @@ impl HeaderBlock {
 
     /// Header `name` now has the one value `value`.
     pub fn set(&mut self, name: &str, value: &[u8]) {
-        self.change(name, Some(value.to_vec()));
+        self.change(name, Some(value));
     }
 
     /// Header `name` is gone.
@@ -183,10 +204,24 @@ impl HeaderBlock {
         self.change(name, None);
     }
 
-    fn change(&mut self, name: &str, value: Option<Vec<u8>>) {
+    fn change(&mut self, name: &str, value: Option<&[u8]>) {
+        let changed = &self.changed;
         self.changes
-            .retain(|(n, _)| !eq(n.as_bytes(), name.as_bytes()));
-        self.changes.push((name.to_ascii_lowercase(), value));
+            .retain(|c| !eq(span(changed, c.name), name.as_bytes()));
+        if self.changes.capacity() == 0 {
+            self.changed.reserve(CHANGED_ROOM.0);
+            self.changes.reserve(CHANGED_ROOM.1);
+        }
+        let start = self.changed.len();
+        self.changed
+            .extend(name.bytes().map(|b| b.to_ascii_lowercase()));
+        let name = (start, self.changed.len());
+        let value = value.map(|v| {
+            let start = self.changed.len();
+            self.changed.extend_from_slice(v);
+            (start, self.changed.len())
+        });
+        self.changes.push(Change { name, value });
     }
 }
 
@@ -264,6 +299,49 @@ mod tests {
             ]
             .map(|(k, v)| (k.to_string(), v.to_string()))
         );
+    }
+
+    proptest! {
+        /// Any sequence of sets and removes reads back as a plain list of
+        /// changes on top of the map would (each name changed moves last).
+        #[test]
+        fn changes_read_back_as_a_list_of_them_would(
+            pairs in proptest::collection::vec(("[a-cA-C]{1,2}", "[ -~]{0,8}"), 0..6),
+            ops in proptest::collection::vec(("[a-cA-C]{1,2}", proptest::option::of("[ -~]{0,8}")), 0..24),
+        ) {
+            let mut block = HeaderBlock::parse(HeaderBlock::serialize(
+                pairs.iter().map(|(k, v)| (k.as_str(), v.as_bytes())),
+            ))
+            .expect("well-formed");
+            let mut model: Vec<(String, Option<String>)> = Vec::new();
+            for (name, value) in &ops {
+                match value {
+                    Some(v) => block.set(name, v.as_bytes()),
+                    None => block.remove(name),
+                }
+                let lower = name.to_ascii_lowercase();
+                model.retain(|(n, _)| *n != lower);
+                model.push((lower, value.clone()));
+            }
+            let changed = |k: &str| model.iter().any(|(n, _)| n.eq_ignore_ascii_case(k));
+            let expected: Vec<(String, String)> = pairs
+                .iter()
+                .filter(|(k, _)| !changed(k))
+                .cloned()
+                .chain(model.iter().filter_map(|(n, v)| v.clone().map(|v| (n.clone(), v))))
+                .collect();
+            prop_assert_eq!(all(&block), expected);
+            for (name, _) in &ops {
+                let want = match model.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)) {
+                    Some((_, v)) => v.clone(),
+                    None => pairs
+                        .iter()
+                        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                        .map(|(_, v)| v.clone()),
+                };
+                prop_assert_eq!(block.get(name).map(|v| String::from_utf8_lossy(v).into_owned()), want);
+            }
+        }
     }
 
     #[test]

@@ -19,7 +19,7 @@ use zerolayer_core::quota::{
 use zerolayer_core::usage::{
     Missing, RequestScan, ResponseFormat, StreamedInjection, Usage, UsageExtractor,
 };
-use zerolayer_host::{Action, Body, StreamHost, StreamStage};
+use zerolayer_host::{Action, Body, Headers, StreamHost, StreamStage};
 
 use crate::{MAX_HELD_BODY, Plan};
 
@@ -519,16 +519,19 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
             return Action::Continue;
         };
         self.response_complete = end_of_stream;
-        self.status = host
-            .response_header(":status")
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        self.cache_hit = host.response_header("x-cache").as_deref() == Some("HIT");
-        let format = host
-            .response_header("content-type")
-            .map_or(ResponseFormat::Json, |t| {
-                ResponseFormat::from_content_type(&t)
-            });
+        // One look at the map (no copy of each value; one host call in a
+        // filter of its own).
+        let (status, cache_hit, format) = host.with_headers(Headers::Response, |h| {
+            let text = |name| h.get(name).and_then(|v| std::str::from_utf8(v).ok());
+            (
+                text(":status").and_then(|s| s.parse().ok()).unwrap_or(0),
+                text("x-cache") == Some("HIT"),
+                text("content-type")
+                    .map_or(ResponseFormat::Json, ResponseFormat::from_content_type),
+            )
+        });
+        self.status = status;
+        self.cache_hit = cache_hit;
         let now = host.now_ms();
         let quota = plan.quota();
         if format == ResponseFormat::EventStream
