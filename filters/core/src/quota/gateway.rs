@@ -348,6 +348,9 @@ pub struct GatewayQuota {
     policies: Vec<PolicySpec>,
     prefix: String,
     table: LeaseTable,
+    /// The scope key being looked up, kept between lookups: each request
+    /// builds one per policy, and a fresh key zero-fills its 528 bytes.
+    scope_key: ScopeKey,
     instance: u64,
     next_seq: u64,
     failing_since: Option<u64>,
@@ -458,6 +461,7 @@ impl GatewayQuota {
             policies,
             prefix: store.key_prefix.clone(),
             table: LeaseTable::new(store.max_leases as usize, seed),
+            scope_key: ScopeKey::new(),
             instance,
             next_seq: 1,
             failing_since: None,
@@ -522,8 +526,8 @@ impl GatewayQuota {
         policy.unverified != who.verified
     }
 
-    fn scope_key(policy: &PolicySpec, who: &Identity<'_>) -> ScopeKey {
-        let mut key = ScopeKey::new();
+    fn fill_scope_key(key: &mut ScopeKey, policy: &PolicySpec, who: &Identity<'_>) {
+        key.clear();
         for part in &policy.scope {
             let (tag, value) = match *part {
                 ScopePart::Tenant => (1, who.tenant.map(str::as_bytes)),
@@ -539,7 +543,6 @@ impl GatewayQuota {
             };
             key.push(tag, value);
         }
-        key
     }
 
     /// Finds (or makes) the lease of `policy` for `who`, moved to the
@@ -553,14 +556,18 @@ impl GatewayQuota {
         let Some(policy) = self.policies.get(index) else {
             return Err(TableFull);
         };
-        let key = Self::scope_key(policy, who);
+        Self::fill_scope_key(&mut self.scope_key, policy, who);
         let span = policy.window(now_ms);
         let label = span.map_or(0, |s| s.label);
-        // Disjoint fields: the name is borrowed, not copied (this runs on
-        // every request).
-        let slot =
-            self.table
-                .find_or_insert(index as u8, &policy.name, key.as_bytes(), now_ms, label)?;
+        // Disjoint fields: the name and key are borrowed, not copied (this
+        // runs on every request).
+        let slot = self.table.find_or_insert(
+            index as u8,
+            &policy.name,
+            self.scope_key.as_bytes(),
+            now_ms,
+            label,
+        )?;
         self.roll(index, slot, label, now_ms);
         Ok(slot)
     }

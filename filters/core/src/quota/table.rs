@@ -67,32 +67,30 @@ impl ScopeKey {
     /// Appends part `tag` with `value` (`None`: absent). Parts beyond
     /// [`MAX_SCOPE_FIELDS`] are ignored (configuration refuses them).
     pub fn push(&mut self, tag: u8, value: Option<&[u8]>) {
-        let room = MAX_SCOPE_KEY - self.len;
-        let mut part = [0u8; 2 + MAX_SCOPE_PART];
-        let n = match value {
-            None => {
-                part[0] = tag;
-                part[1] = ABSENT;
-                2
-            }
-            Some(v) if v.len() <= MAX_SCOPE_PART => {
-                part[0] = tag;
-                part[1] = v.len() as u8;
-                part[2..2 + v.len()].copy_from_slice(v);
-                2 + v.len()
-            }
+        let digest;
+        let (len, bytes): (u8, &[u8]) = match value {
+            None => (ABSENT, &[]),
+            Some(v) if v.len() <= MAX_SCOPE_PART => (v.len() as u8, v),
             Some(v) => {
                 use sha2::{Digest, Sha256};
-                part[0] = tag;
-                part[1] = DIGESTED;
-                part[2..34].copy_from_slice(&Sha256::digest(v));
-                34
+                digest = Sha256::digest(v);
+                (DIGESTED, digest.as_slice())
             }
         };
-        if n <= room {
-            self.bytes[self.len..self.len + n].copy_from_slice(&part[..n]);
-            self.len += n;
+        let end = self.len + 2 + bytes.len();
+        // Written in place (no part built aside): this runs per policy per
+        // request.
+        if let Some(part) = self.bytes.get_mut(self.len..end) {
+            part[0] = tag;
+            part[1] = len;
+            part[2..].copy_from_slice(bytes);
+            self.len = end;
         }
+    }
+
+    /// Empties the key, to build another in its place.
+    pub fn clear(&mut self) {
+        self.len = 0;
     }
 
     /// The key's bytes.
