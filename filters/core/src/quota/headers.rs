@@ -60,55 +60,28 @@ const MAX_VALUE: usize = 32;
 /// every response a policy scopes, so no allocation per header.
 #[derive(Clone, Copy)]
 pub struct RateLimitHeaders {
-    names: [&'static str; 6],
-    values: [[u8; MAX_VALUE]; 6],
-    lens: [u8; 6],
+    headers: [FormattedHeader; 6],
     count: usize,
 }
 
 impl RateLimitHeaders {
-    fn new() -> RateLimitHeaders {
-        RateLimitHeaders {
-            names: [""; 6],
-            values: [[0; MAX_VALUE]; 6],
-            lens: [0; 6],
-            count: 0,
-        }
-    }
-
     /// Appends header `name` with the value `write` formats (cut at
     /// [`MAX_VALUE`] bytes, which no value reaches).
-    fn push(&mut self, name: &'static str, write: impl FnOnce(&mut ValueBuf<'_>)) {
-        let Some(value) = self.values.get_mut(self.count) else {
-            return;
-        };
-        let mut buf = ValueBuf {
-            bytes: value,
-            len: 0,
-        };
-        write(&mut buf);
-        let len = buf.len;
-        if let (Some(n), Some(l)) = (
-            self.names.get_mut(self.count),
-            self.lens.get_mut(self.count),
-        ) {
-            *n = name;
-            *l = len as u8;
+    fn push(&mut self, name: &'static str, write: impl FnOnce(&mut FormattedHeader)) {
+        if let Some(header) = self.headers.get_mut(self.count) {
+            header.name = name;
+            write(header);
             self.count += 1;
         }
     }
 
     /// The headers, in order: name and value.
     pub fn iter(&self) -> impl Iterator<Item = (&'static str, &str)> + '_ {
-        self.names
-            .iter()
-            .zip(self.values.iter().zip(self.lens.iter()))
-            .take(self.count)
-            .map(|(name, (value, len))| {
-                let bytes = value.get(..usize::from(*len)).unwrap_or_default();
-                // Only ASCII is written.
-                (*name, std::str::from_utf8(bytes).unwrap_or_default())
-            })
+        self.headers.iter().take(self.count).map(|h| {
+            let bytes = h.bytes.get(..h.len).unwrap_or_default();
+            // Only ASCII is written.
+            (h.name, std::str::from_utf8(bytes).unwrap_or_default())
+        })
     }
 
     /// How many headers there are.
@@ -139,13 +112,15 @@ impl PartialEq for RateLimitHeaders {
     }
 }
 
-/// One header value being formatted, on the stack.
-struct ValueBuf<'a> {
-    bytes: &'a mut [u8; MAX_VALUE],
+/// One header, its value formatted on the stack.
+#[derive(Clone, Copy)]
+struct FormattedHeader {
+    name: &'static str,
+    bytes: [u8; MAX_VALUE],
     len: usize,
 }
 
-impl std::fmt::Write for ValueBuf<'_> {
+impl std::fmt::Write for FormattedHeader {
     fn write_str(&mut self, s: &str) -> std::fmt::Result {
         let end = self.len + s.len();
         let slot = self.bytes.get_mut(self.len..end).ok_or(std::fmt::Error)?;
@@ -162,7 +137,15 @@ pub fn rate_limit_headers(
     shown: &Shown,
     now_ms: u64,
 ) -> RateLimitHeaders {
-    let mut out = RateLimitHeaders::new();
+    let empty = FormattedHeader {
+        name: "",
+        bytes: [0; MAX_VALUE],
+        len: 0,
+    };
+    let mut out = RateLimitHeaders {
+        headers: [empty; 6],
+        count: 0,
+    };
     let anthropic = provider == Some(Provider::Anthropic);
     for (state, tokens) in [(shown.requests, false), (shown.tokens, true)] {
         let Some(state) = state else {
