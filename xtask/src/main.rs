@@ -436,6 +436,9 @@ fn bench() -> Result<()> {
     };
     bench("zerolayer-core", "*", &criterion)?;
     bench("zerolayer-e2e", "hot_path", &criterion)?;
+    // Quota's own cost, and the chain's natively with and without it.
+    bench("zerolayer-quota", "quota_stage", &criterion)?;
+    bench("zerolayer-fused", "chain_native", &criterion)?;
     for target in [
         "envoy_auth",
         "envoy_cache",
