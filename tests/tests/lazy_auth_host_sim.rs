@@ -117,7 +117,7 @@ impl Gateway {
             status: s.client().status(),
             upstream,
             body: s.client().text(),
-            auth: identity.as_ref().map(|i| i.state.clone()),
+            auth: identity.as_ref().map(|i| i.state.to_string()),
             tenant: identity.and_then(|i| i.verified_tenant().map(str::to_string)),
         })
     }

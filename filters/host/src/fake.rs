@@ -516,6 +516,15 @@ impl StreamHost for FakeHost {
         find(self.map(map), name).map(<[u8]>::to_vec)
     }
 
+    fn with_header<T>(
+        &mut self,
+        map: Headers,
+        name: &str,
+        f: impl FnOnce(Option<&[u8]>) -> T,
+    ) -> T {
+        f(find(self.map(map), name))
+    }
+
     fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
         let pairs = self
             .map(map)

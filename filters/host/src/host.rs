@@ -358,6 +358,18 @@ pub trait StreamHost: Respond {
     /// Header `name` of `map`.
     fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>>;
 
+    /// Runs `f` on header `name` of `map`, borrowed where the host keeps
+    /// the map (the chain's host: no copy per stage), else one host call.
+    fn with_header<T>(
+        &mut self,
+        map: Headers,
+        name: &str,
+        f: impl FnOnce(Option<&[u8]>) -> T,
+    ) -> T {
+        let value = self.header(map, name);
+        f(value.as_deref())
+    }
+
     /// Runs `f` on the whole of `map` (an empty map if the host has none
     /// to give). `f` cannot reach the host: change headers after it returns.
     fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T;
@@ -453,8 +465,12 @@ pub trait StreamHost: Respond {
     /// identity`) unless the request already does: a stage that reads the
     /// response body (usage, the cache entry) needs the bytes as sent.
     fn ask_identity_encoding(&mut self) {
-        let accept = self.request_header("accept-encoding");
-        if !zerolayer_core::encoding::asks_identity(accept.as_deref()) {
+        let asks = self.with_header(
+            Headers::Request,
+            "accept-encoding",
+            zerolayer_core::encoding::asks_identity,
+        );
+        if !asks {
             self.set_request_header("accept-encoding", zerolayer_core::encoding::IDENTITY);
         }
     }
@@ -484,8 +500,9 @@ pub trait StreamHost: Respond {
 
     /// The API of this request's path (`None`: not an LLM API the stages know).
     fn provider(&mut self) -> Option<Provider> {
-        let path = self.request_header(":path")?;
-        Provider::for_path(std::str::from_utf8(&path).ok()?)
+        self.with_header(Headers::Request, ":path", |path| {
+            Provider::for_path(std::str::from_utf8(path?).ok()?)
+        })
     }
 
     /// Answers the request with an error in the format of its API

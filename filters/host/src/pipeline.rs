@@ -405,6 +405,18 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
         }
     }
 
+    fn with_header<T>(
+        &mut self,
+        map: Headers,
+        name: &str,
+        f: impl FnOnce(Option<&[u8]>) -> T,
+    ) -> T {
+        match self.headers(map) {
+            Some(headers) => f(headers.get(name)),
+            None => self.proxy.with_header(map, name, f),
+        }
+    }
+
     fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
         match self.headers(map) {
             Some(headers) => f(headers),

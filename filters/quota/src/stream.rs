@@ -62,18 +62,21 @@ pub(crate) struct QuotaStream {
     hold: Hold,
     scan: RequestScan,
     body_bytes: u64,
-    /// The reservation, until settled.
-    ticket: Option<Ticket>,
+    /// The reservation, until settled. The ticket (~800 bytes for up to
+    /// 16 policies), a hard stream's cut and an own extractor are boxed:
+    /// inline they made this state a large allocation (~1.9 KB, past the
+    /// allocator's per-thread cache) on every request.
+    ticket: Option<Box<Ticket>>,
     model: Option<String>,
     output_bound: u64,
-    extractor: Option<UsageExtractor>,
+    extractor: Option<Box<UsageExtractor>>,
     /// The usage an earlier stage of the chain (metering) reads from this
     /// response and shares (fused, native), as last shared: read from
     /// there, with no `extractor` of this stage's own.
     shared_usage: Option<Result<Usage, Missing>>,
     /// A `stream: hard` response: its output drawn event by event, and
     /// ended cleanly when a draw is not covered.
-    cut: Option<StreamCut>,
+    cut: Option<Box<StreamCut>>,
     status: u16,
     cache_hit: bool,
     response_bytes: u64,
@@ -128,7 +131,7 @@ impl QuotaStream {
             .property(internal::AUTH_PROPERTY)
             .and_then(|v| ParsedIdentity::parse(&v));
         if let Some(id) = identity {
-            match id.state.as_str() {
+            match id.state {
                 "verified" => {
                     self.who.verified = true;
                     self.who.tenant = id.tenant;
@@ -249,7 +252,7 @@ impl QuotaStream {
         let streams = self.scan.streams();
         let ticket = plan.quota().reserve(&who, &bound, streams, now)?;
         self.output_bound = bound.output_tokens(0);
-        self.ticket = Some(ticket);
+        self.ticket = Some(Box::new(ticket));
         Ok(())
     }
 
@@ -453,7 +456,7 @@ impl QuotaStream {
         };
         let settlement = self.settlement(handed_off);
         plan.quota()
-            .settle(ticket, self.model.as_deref(), settlement, now_ms);
+            .settle(*ticket, self.model.as_deref(), settlement, now_ms);
     }
 }
 
@@ -462,7 +465,7 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         let Some(plan) = self.plan.clone() else {
             return Action::Continue;
         };
-        if host.request_header(":method").as_deref() != Some(b"POST") {
+        if !host.with_header(Headers::Request, ":method", |m| m == Some(b"POST")) {
             return Action::Continue;
         }
         self.provider = host.provider();
@@ -475,9 +478,9 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         if end_of_stream {
             return self.admit(host, &plan);
         }
-        let declared = host
-            .request_header("content-length")
-            .and_then(|l| std::str::from_utf8(&l).ok()?.trim().parse::<usize>().ok());
+        let declared = host.with_header(Headers::Request, "content-length", |l| {
+            std::str::from_utf8(l?).ok()?.trim().parse::<usize>().ok()
+        });
         if host.can_hold_headers_for_body() && declared.is_none_or(|n| n <= MAX_HELD_BODY) {
             self.hold = Hold::Whole;
             return Action::Pause;
@@ -540,14 +543,14 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
             && quota.draws(ticket)
         {
             let asked = self.scan.injection() == StreamedInjection::ClientAsked;
-            self.cut = Some(StreamCut::new(provider, asked));
+            self.cut = Some(Box::new(StreamCut::new(provider, asked)));
         }
         // Metering, before this stage in the response, shares what it
         // reads where the chain runs in one filter: no second parse. A
         // hard stream still reads each event itself, to draw as it goes.
         self.shared_usage = host.shared_usage().filter(|_| self.cut.is_none());
         if self.shared_usage.is_none() {
-            self.extractor = Some(UsageExtractor::new(provider, format));
+            self.extractor = Some(Box::new(UsageExtractor::new(provider, format)));
         }
         let shown = quota.shown(ticket, now);
         drop(quota);

@@ -84,7 +84,7 @@ impl Identity<'_> {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParsedIdentity {
     /// `verified`, `unverified` or `public`.
-    pub state: String,
+    pub state: &'static str,
     /// Tenant (verified, or claimed when unverified).
     pub tenant: Option<String>,
     /// Subject (verified only).
@@ -96,10 +96,12 @@ impl ParsedIdentity {
     pub fn parse(value: &[u8]) -> Option<ParsedIdentity> {
         let text = std::str::from_utf8(value).ok()?;
         let mut parts = text.split(' ');
-        let state = parts.next()?.to_string();
-        if !matches!(state.as_str(), "verified" | "unverified" | "public") {
-            return None;
-        }
+        let state = match parts.next()? {
+            "verified" => "verified",
+            "unverified" => "unverified",
+            "public" => "public",
+            _ => return None,
+        };
         let (mut tenant, mut subject) = (None, None);
         for part in parts {
             let (key, raw) = part.split_once('=')?;
