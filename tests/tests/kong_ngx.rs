@@ -1256,6 +1256,64 @@ fn quota_a_tenant_spends_its_budget_then_gets_the_providers_429_and_redis_holds_
     })
 }
 
+/// 100,000 tokens a day (a lease covers many requests: they do not wait
+/// for a grant), `inject_max_tokens` and a 30-token default cap.
+fn daily_tokens_capped(sections: &mut Value) {
+    sections["quota"]["inject_max_tokens"] = json!(true);
+    sections["quota"]["policies"] = json!([{
+        "name": "daily", "scope": ["tenant"], "unit": "tokens", "default_max_output_tokens": 30,
+        "limit": {"budget": {"amount": 100_000, "window": "day"}},
+    }]);
+}
+
+/// `inject_max_tokens`: a body naming no cap reaches the backend with the
+/// one it was reserved at. Not the tenant's first request: that one waits
+/// for its lease, and ngx_wasm_module takes no body back from a callout's
+/// answer (it goes on uncapped, counted; kong/README.md).
+#[test]
+fn quota_a_body_without_a_cap_reaches_the_backend_with_the_reserved_one() -> Result<()> {
+    let options = KongChainOptions {
+        quota: true,
+        configure: Some(daily_tokens_capped),
+        // One worker, one lease: the second request finds it filled.
+        workers: 1,
+        ..KongChainOptions::default()
+    };
+    both_forms(options, |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("rita", "initrode")?;
+        let mut body = json!({"model": "gpt-test", "messages": []});
+        for n in 0..2 {
+            let id = format!("quota-cap-{n}");
+            // Another prompt each time: the same one would be a cache hit.
+            body["messages"] = json!([{"role": "user", "content": format!("go on, {n}")}]);
+            let reply = chain.post(
+                &id,
+                "/v1/chat/completions",
+                &[("authorization", &bearer), ("x-request-id", &id)],
+                &body.to_string(),
+            )?;
+            ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
+        }
+        let requests = chain.stub.requests();
+        let seen = requests
+            .iter()
+            .find(|r| r.header("x-request-id") == Some("quota-cap-1"))
+            .context("the backend never saw quota-cap-1")?;
+        let sent: Value = serde_json::from_slice(&seen.body)?;
+        ensure!(
+            sent["max_completion_tokens"] == 30,
+            "{}: {sent}",
+            chain.form
+        );
+        ensure!(
+            sent["messages"] == body["messages"],
+            "{}: {sent}",
+            chain.form
+        );
+        Ok(())
+    })
+}
+
 #[test]
 fn quota_a_forged_token_claiming_a_tenant_spends_none_of_its_budget() -> Result<()> {
     let options = KongChainOptions {

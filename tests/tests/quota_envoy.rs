@@ -35,6 +35,7 @@ in_every_form!(
     the_official_sdks_read_a_hard_cut_stream_as_a_length_finish,
     a_hard_stream_longer_than_its_lease_refills_as_it_goes_and_is_not_cut,
     a_cache_hit_costs_a_request_and_no_tokens,
+    a_body_without_a_cap_reaches_the_backend_with_the_reserved_one,
 );
 
 /// Envoy with quota (policies `policies`) in front of `backend`, its store
@@ -806,6 +807,59 @@ fn a_request_cannot_dodge_its_reservation_nor_choose_its_scope(form: Form) -> Re
             fleet.budget_total(PREFIX)
         )
     })?;
+    Ok(())
+}
+
+/// `inject_max_tokens`: the backend (the stub, answering 2,000 tokens when
+/// nothing stops it) gets the cap the request was reserved at, so the
+/// response stays within the reservation; an escaped cap name is read as
+/// the backend reads it (reserved at its value: here more than the budget).
+fn a_body_without_a_cap_reaches_the_backend_with_the_reserved_one(form: Form) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = Stub::start(StubConfig {
+        output_tokens: Some(2_000),
+        ..StubConfig::default()
+    })?;
+    let policies = json!([{"name": "daily", "scope": ["tenant"], "unit": "tokens",
+                           "default_max_output_tokens": 40,
+                           "limit": {"budget": {"amount": 10_000, "window": "day"}}}]);
+    let setup = Setup {
+        quota: json!({"inject_max_tokens": true}),
+        ..Setup::default()
+    };
+    let gw = gateway_with(form, stub.addr(), fleet.webdis(), policies, &setup)?;
+    let acme = bearer("alice", "acme");
+    let openai = json!({"model": "gpt-test", "messages": [{"role": "user", "content": "go on"}]});
+    let reply = gw.post(&acme, "/v1/chat/completions", &openai.to_string())?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let answer: Value = serde_json::from_str(&reply.body)?;
+    assert_eq!(answer["usage"]["completion_tokens"], 40, "{}", reply.body);
+    assert_eq!(answer["choices"][0]["finish_reason"], "length");
+    let anthropic =
+        json!({"model": "claude-test", "messages": [{"role": "user", "content": "go on"}]});
+    let reply = gw.post(&acme, "/v1/messages", &anthropic.to_string())?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let answer: Value = serde_json::from_str(&reply.body)?;
+    assert_eq!(answer["usage"]["output_tokens"], 40, "{}", reply.body);
+    let seen: Vec<Value> = stub
+        .requests()
+        .iter()
+        .map(|r| serde_json::from_slice(&r.body))
+        .collect::<Result<_, _>>()?;
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0]["max_completion_tokens"], 40, "{}", seen[0]);
+    assert_eq!(seen[0]["messages"], openai["messages"]);
+    assert_eq!(seen[1]["max_tokens"], 40, "{}", seen[1]);
+    // Written with an escape, the cap is still read: 20,000 tokens is more
+    // than the budget, refused before the backend sees it.
+    let escaped = r#"{"model":"gpt-test","max_t\u006fkens":20000,"messages":[{"role":"user","content":"x"}]}"#;
+    let reply = gw.post(&acme, "/v1/chat/completions", escaped)?;
+    assert_eq!(reply.status, 429, "{}", reply.body);
+    assert_eq!(
+        stub.requests().len(),
+        2,
+        "the backend saw the refused request"
+    );
     Ok(())
 }
 

@@ -611,3 +611,32 @@ fn a_budget_too_short_for_the_request_says_what_is_left_and_what_it_may_cost() {
         }
     );
 }
+
+#[test]
+fn the_injected_cap_is_the_smallest_enforcing_token_policys_default() {
+    let mut q = quota(json!({
+        "store": {"cluster": "webdis", "path": "/"},
+        "defaults": {"default_max_output_tokens": 2048},
+        "inject_max_tokens": true,
+        "policies": [
+            {"name": "month", "unit": "tokens", "limit": {"budget": {"amount": 1_000_000, "window": "month"}}},
+            {"name": "team", "scope": ["tenant"], "unit": "tokens", "default_max_output_tokens": 300,
+             "limit": {"budget": {"amount": 1_000_000, "window": "day"}}},
+            {"name": "watch", "scope": ["tenant"], "unit": "tokens", "mode": "shadow",
+             "default_max_output_tokens": 10, "limit": {"budget": {"amount": 1_000_000, "window": "day"}}},
+            {"name": "rpm", "scope": ["tenant"], "unit": "requests", "default_max_output_tokens": 20,
+             "limit": {"rate": {"amount": 100, "per": "minute"}}}
+        ]
+    }));
+    let mut store = ModelStore::new();
+    let bound = RequestBound::new(10, None);
+    let _ = q.reserve(&tenant("a"), &bound, false, T0);
+    sync(&mut q, &mut store, T0);
+    let ticket = q.reserve(&tenant("a"), &bound, false, T0 + 1).unwrap();
+    // `team` (300) wins; `month` (2048) is covered by it; the shadow
+    // policy and the requests policy limit nothing.
+    assert_eq!(q.output_cap(&ticket), Some(300));
+    // Its reservation covers what the backend will then produce.
+    assert_eq!(ticket.reserved(1), Some(10 + 300));
+    q.settle(ticket, None, usage(5, 5), T0 + 2);
+}

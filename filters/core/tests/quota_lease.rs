@@ -6,7 +6,7 @@ use proptest::prelude::*;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::quota::config::{Fallback, Rates, Unit, WeightTable};
 use zerolayer_core::quota::lease::{Draw, Lease, LeaseOp, LeaseParams, Shortfall};
-use zerolayer_core::quota::reserve::{CostModel, RequestBound, TokenCounts};
+use zerolayer_core::quota::reserve::{CostModel, RequestBound, TokenCounts, with_output_cap};
 use zerolayer_core::quota::table::{LeaseTable, MAX_SCOPE_PART, ScopeKey, TableFull};
 use zerolayer_core::usage::{RequestScan, Usage};
 
@@ -384,7 +384,7 @@ fn the_output_bound_is_the_clients_cap_or_the_default() {
     let scan = |body: &[u8]| {
         let mut s = RequestScan::new();
         s.push(body);
-        RequestBound::new(body.len() as u64, s.max_output_tokens())
+        RequestBound::scanned(body.len() as u64, &s)
     };
     assert_eq!(scan(br#"{"max_tokens":100}"#).output_tokens(4096), 100);
     assert_eq!(
@@ -398,6 +398,46 @@ fn the_output_bound_is_the_clients_cap_or_the_default() {
         "larger: its own value"
     );
     assert_eq!(scan(br#"{"max_tokens":"lots"}"#).output_tokens(512), 512);
+    // Written to slip past a scan (escaped, a string) or beside an unread
+    // one: the larger of what the backend may read.
+    assert_eq!(
+        scan(br#"{"max_t\u006fkens":9000}"#).output_tokens(512),
+        9000
+    );
+    assert_eq!(scan(br#"{"max_tokens":"9000"}"#).output_tokens(512), 9000);
+    assert_eq!(
+        scan(br#"{"max_tokens":100,"max_completion_tokens":-1}"#).output_tokens(512),
+        512
+    );
+}
+
+#[test]
+fn a_body_without_a_cap_gets_the_reserved_one_and_nothing_else_changes() {
+    let cases = [
+        (
+            Provider::OpenAi,
+            "{\"model\":\"m\",\"messages\":[{\"content\":\"}\"}]} \n",
+            "{\"model\":\"m\",\"messages\":[{\"content\":\"}\"}],\"max_completion_tokens\":512} \n",
+        ),
+        (Provider::Anthropic, "{ }", "{ \"max_tokens\":512}"),
+    ];
+    for (provider, body, want) in cases {
+        let mut scan = RequestScan::new();
+        scan.push(body.as_bytes());
+        let out =
+            with_output_cap(provider, body.as_bytes(), scan.root_end().unwrap(), 512).unwrap();
+        assert_eq!(std::str::from_utf8(&out).unwrap(), want);
+        // Read back, it names exactly the reserved cap.
+        let mut again = RequestScan::new();
+        again.push(&out);
+        assert_eq!(again.max_output_tokens(), Some(512));
+        assert!(!again.backend_default_applies());
+        let parsed: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert!(parsed.is_object());
+    }
+    // Not the closing brace: nothing.
+    assert_eq!(with_output_cap(Provider::OpenAi, b"{}", 0, 5), None);
+    assert_eq!(with_output_cap(Provider::OpenAi, b"{}", 9, 5), None);
 }
 
 #[test]

@@ -108,12 +108,6 @@ fn requests_that_could_stream_without_usage_are_refused() {
             r#"{"stream":true,"stream_options":[]}"#,
             Injection::Refused("request body field `stream_options` is not an object".into()),
         ),
-        (
-            r#"{"stream":true,"stream_\u006fptions":{}}"#,
-            Injection::Refused(
-                "request body field `stream_options` cannot be rewritten (escaped name)".into(),
-            ),
-        ),
     ];
     for (body, expected) in cases {
         assert_eq!(
@@ -122,6 +116,18 @@ fn requests_that_could_stream_without_usage_are_refused() {
             "{body}"
         );
     }
+}
+
+#[test]
+fn a_member_named_with_escapes_is_rewritten_in_place() {
+    let body = br#"{"stream":true,"stream_\u006fptions":{"x":1}}"#;
+    let Injection::Rewritten(rewritten) = inject_include_usage(Provider::OpenAi, body) else {
+        panic!("not rewritten");
+    };
+    assert_eq!(
+        std::str::from_utf8(&rewritten).unwrap(),
+        r#"{"stream":true,"stream_\u006fptions":{"include_usage":true,"x":1}}"#
+    );
 }
 
 #[test]

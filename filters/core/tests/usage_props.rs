@@ -326,6 +326,65 @@ proptest! {
     }
 
     #[test]
+    fn the_scanner_reads_escaped_keys_as_serde_json_does(
+        object in json_object(),
+        escapes in prop::collection::vec(0u8..4, 64),
+        points in prop::collection::vec(any::<Index>(), 0..6),
+    ) {
+        // Every key written with some of its characters escaped (`\uXXXX`
+        // lower or upper case, or their short form); values as serde writes them.
+        let mut body = b"{".to_vec();
+        let mut n = 0;
+        for (i, (key, value)) in object.iter().enumerate() {
+            if i > 0 {
+                body.push(b',');
+            }
+            body.push(b'"');
+            for c in key.chars() {
+                let how = escapes[n % escapes.len()];
+                n += 1;
+                let mut units = [0u16; 2];
+                match (how, c) {
+                    (1, _) => {
+                        for unit in c.encode_utf16(&mut units) {
+                            body.extend_from_slice(format!("\\u{unit:04x}").as_bytes());
+                        }
+                    }
+                    (2, _) => {
+                        for unit in c.encode_utf16(&mut units) {
+                            body.extend_from_slice(format!("\\u{unit:04X}").as_bytes());
+                        }
+                    }
+                    (3, '"' | '\\' | '/') => body.extend_from_slice(format!("\\{c}").as_bytes()),
+                    (3, '\n') => body.extend_from_slice(b"\\n"),
+                    (3, '\t') => body.extend_from_slice(b"\\t"),
+                    _ => {
+                        let quoted = serde_json::to_string(&c.to_string()).unwrap();
+                        body.extend_from_slice(&quoted.as_bytes()[1..quoted.len() - 1]);
+                    }
+                }
+            }
+            body.extend_from_slice(b"\":");
+            body.extend_from_slice(&serde_json::to_vec(value).unwrap());
+        }
+        body.push(b'}');
+        prop_assert_eq!(&serde_json::from_slice::<Map<String, Value>>(&body).unwrap(), &object);
+        let (values, root_end) = scan(&split(&body, &points));
+        prop_assert_eq!(root_end, Some(body.len() - 1));
+        let found: Vec<usize> = values.iter().map(|v| v.0).collect();
+        let expected: Vec<usize> = (0..WANTED.len())
+            .filter(|&i| object.contains_key(std::str::from_utf8(WANTED[i].key).unwrap()))
+            .collect();
+        let mut sorted = found.clone();
+        sorted.sort_unstable();
+        prop_assert_eq!(sorted, expected);
+        for (index, _, span) in values {
+            let key = std::str::from_utf8(WANTED[index].key).unwrap();
+            prop_assert_eq!(&serde_json::from_slice::<Value>(&body[span]).unwrap(), &object[key]);
+        }
+    }
+
+    #[test]
     fn usage_in_a_random_json_body_is_found(
         mut object in json_object(),
         input in any::<u32>(),

@@ -221,6 +221,13 @@ pub trait Host {
         self.platform() == Platform::NgxWasm
     }
 
+    /// Whether a request's body may be read and replaced from a callout's
+    /// answer while the request waits: not in ngx_wasm_module, which
+    /// traps a body read outside `on_request_body` (the instance dies).
+    fn can_rewrite_request_body_from_callout(&mut self) -> bool {
+        self.platform() != Platform::NgxWasm
+    }
+
     /// Whether a stage may make a callout from a response phase: not in
     /// ngx_wasm_module, which refuses `proxy_dispatch_http_call` in its
     /// header and body filter phases.

@@ -351,14 +351,24 @@ impl StreamHost for EnvoyProxy {
     fn set_body(&mut self, body: Body, _size: usize, bytes: &[u8]) -> Result<(), Status> {
         let kinds = self.body_kinds(body);
         let envoy = self.envoy();
-        // The new body goes where the last of it is; the rest is emptied.
-        for (i, kind) in kinds.iter().enumerate() {
-            let replacement = if i + 1 == kinds.len() { bytes } else { &[] };
-            if !envoy.replace_body(*kind, replacement) {
-                return Err(Status::InternalFailure);
-            }
+        let Some((last, rest)) = kinds.split_last() else {
+            return Err(Status::InternalFailure);
+        };
+        // The new body goes where the last of it is (the chunk of the hook
+        // being run) and the buffer is emptied. Outside a body hook (a
+        // callout's answer to a paused request) Envoy has no chunk to
+        // append to: it all goes in the buffer.
+        if envoy.replace_body(*last, bytes) {
+            return rest
+                .iter()
+                .all(|kind| envoy.replace_body(*kind, &[]))
+                .then_some(())
+                .ok_or(Status::InternalFailure);
         }
-        Ok(())
+        match rest.last() {
+            Some(buffered) if envoy.replace_body(*buffered, bytes) => Ok(()),
+            _ => Err(Status::InternalFailure),
+        }
     }
 
     fn property(&mut self, path: &str) -> Option<Vec<u8>> {

@@ -8,7 +8,10 @@
 //! asked), `_cuts` (streams ended), and without a label
 //! `zerolayer_quota_store_errors` (answers that were errors),
 //! `zerolayer_quota_store_unreachable` (calls that found no store: no
-//! answer in time, webdis failing), `zerolayer_quota_deltas_dropped`.
+//! answer in time, webdis failing), `zerolayer_quota_deltas_dropped`,
+//! `zerolayer_quota_max_tokens_injected` and `_max_tokens_not_injected`
+//! (`inject_max_tokens`: bodies given the reserved cap, and those that
+//! could not be given it).
 
 use zerolayer_core::quota::GatewayQuota;
 use zerolayer_core::quota::gateway::{PolicySpec, PolicyStats};
@@ -38,10 +41,13 @@ pub(crate) struct Metrics {
     store_errors: Counter,
     unreachable: Counter,
     dropped: Counter,
+    /// `[injected, not injected]`.
+    caps: [Counter; 2],
     exported: Vec<PolicyStats>,
     exported_errors: u64,
     exported_unreachable: u64,
     exported_dropped: u64,
+    exported_caps: [u64; 2],
 }
 
 impl Metrics {
@@ -55,10 +61,15 @@ impl Metrics {
             store_errors: Counter::define(host, WHO, "zerolayer_quota_store_errors"),
             unreachable: Counter::define(host, WHO, "zerolayer_quota_store_unreachable"),
             dropped: Counter::define(host, WHO, "zerolayer_quota_deltas_dropped"),
+            caps: [
+                Counter::define(host, WHO, "zerolayer_quota_max_tokens_injected"),
+                Counter::define(host, WHO, "zerolayer_quota_max_tokens_not_injected"),
+            ],
             exported: vec![PolicyStats::default(); policies.len()],
             exported_errors: 0,
             exported_unreachable: 0,
             exported_dropped: 0,
+            exported_caps: [0; 2],
         }
     }
 
@@ -86,11 +97,19 @@ impl Metrics {
         self.dropped
             .add(dropped.saturating_sub(self.exported_dropped));
         self.exported_dropped = dropped;
+        let caps = quota.caps();
+        for ((counter, now), exported) in self.caps.iter().zip(caps).zip(&mut self.exported_caps) {
+            counter.add(now.saturating_sub(*exported));
+            *exported = now;
+        }
         for counters in &self.per_policy {
             counters.flush(host);
         }
         self.store_errors.flush(host);
         self.unreachable.flush(host);
         self.dropped.flush(host);
+        for counter in &self.caps {
+            counter.flush(host);
+        }
     }
 }

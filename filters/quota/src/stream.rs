@@ -12,6 +12,7 @@ use zerolayer_core::internal;
 use zerolayer_core::metering::logged_usage;
 use zerolayer_core::quota::cut::encode_billed;
 use zerolayer_core::quota::headers::{rate_limit_headers, refusal_reply};
+use zerolayer_core::quota::reserve::with_output_cap;
 use zerolayer_core::quota::{
     Identity, Refusal, RefusalKind, RequestBound, Settlement, StoreCall, StreamCut, StreamVerdict,
     Ticket, TokenCounts,
@@ -62,6 +63,9 @@ pub(crate) struct QuotaStream {
     hold: Hold,
     scan: RequestScan,
     body_bytes: u64,
+    /// The size of the body as held when the admitting callback read it
+    /// whole (nothing of it forwarded yet): it can still be rewritten.
+    whole_body: Option<usize>,
     /// The reservation, until settled. The ticket (~800 bytes for up to
     /// 16 policies), a hard stream's cut and an own extractor are boxed:
     /// inline they made this state a large allocation (~1.9 KB, past the
@@ -104,6 +108,7 @@ impl QuotaStream {
             hold: Hold::Passing,
             scan: RequestScan::new(),
             body_bytes: 0,
+            whole_body: None,
             ticket: None,
             model: None,
             output_bound: 0,
@@ -169,7 +174,10 @@ impl QuotaStream {
     /// own context, `Pause`); any other refusal is answered now.
     fn admit(&mut self, host: &mut impl StreamHost, plan: &Plan) -> Action {
         let refusal = match self.reserve(host, plan) {
-            Ok(()) => return Action::Continue,
+            Ok(()) => {
+                self.cap_output(host, plan);
+                return Action::Continue;
+            }
             Err(refusal) => refusal,
         };
         if matches!(refusal.kind, RefusalKind::Refilling { .. }) && !self.waited {
@@ -209,7 +217,15 @@ impl QuotaStream {
             return;
         }
         match self.reserve(host, &plan) {
-            Ok(()) => host.resume(),
+            Ok(()) => {
+                if !host.can_rewrite_request_body_from_callout() {
+                    // The body goes on as it is (counted): a read from here
+                    // would trap the instance.
+                    self.whole_body = None;
+                }
+                self.cap_output(host, &plan);
+                host.resume();
+            }
             Err(refusal) => {
                 // What answered may not have been the grant: an operation
                 // already out on the lease (a return of its surplus, say)
@@ -235,7 +251,7 @@ impl QuotaStream {
     fn reserve(&mut self, host: &mut impl StreamHost, plan: &Plan) -> Result<(), Refusal> {
         let now = host.now_ms();
         plan.last_ms.set(now);
-        let bound = RequestBound::new(self.body_bytes, self.scan.max_output_tokens());
+        let bound = RequestBound::scanned(self.body_bytes, &self.scan);
         if self.model.is_none() {
             self.model = self.scan.model().map(str::to_string);
         }
@@ -254,6 +270,58 @@ impl QuotaStream {
         self.output_bound = bound.output_tokens(0);
         self.ticket = Some(Box::new(ticket));
         Ok(())
+    }
+
+    /// `inject_max_tokens`: a body that names no output cap gets the one
+    /// its reservation covers, so a backend whose own default is larger
+    /// (llama.cpp's: until the context is full) stops within it. Only a body
+    /// still held whole can be given it; any other is counted and logged.
+    fn cap_output(&mut self, host: &mut impl StreamHost, plan: &Plan) {
+        if !plan.config.inject_max_tokens || self.scan.names_output_cap() || self.body_bytes == 0 {
+            return;
+        }
+        let (Some(provider), Some(ticket)) = (self.provider, &self.ticket) else {
+            return;
+        };
+        let Some(cap) = plan.quota().output_cap(ticket) else {
+            return;
+        };
+        let rewritten = match (self.whole_body, self.scan.root_end()) {
+            (Some(size), Some(end)) => host
+                .with_body(Body::Request, size, |body| {
+                    (body.len() == size)
+                        .then(|| with_output_cap(provider, body, end, cap))
+                        .flatten()
+                })
+                .map(|bytes| (size, bytes)),
+            _ => None,
+        };
+        let added = match rewritten {
+            Some((size, bytes)) => match host.set_body(Body::Request, size, &bytes) {
+                Ok(()) => {
+                    host.set_request_header("content-length", bytes.len().to_string().as_bytes());
+                    true
+                }
+                Err(status) => {
+                    log::warn!("quota: the host took no new request body ({status:?})");
+                    false
+                }
+            },
+            None => false,
+        };
+        if added {
+            log::debug!("quota: added an output cap of {cap} tokens to the request body");
+        } else {
+            // Counted (`zerolayer_quota_max_tokens_not_injected`); per request
+            // only at debug, as a large body is not rare enough to warn about.
+            log::debug!(
+                "quota: request {:?} names no output cap and none could be added (its body went \
+                 on unheld or unread): its output may settle above its reservation",
+                host.request_id()
+                    .map(|id| String::from_utf8_lossy(&id).into_owned())
+            );
+        }
+        plan.quota().count_cap(added);
     }
 
     /// Answers the request with `refusal`, in its provider's format.
@@ -510,6 +578,9 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         self.scan_body(host, body_size);
         if !end_of_stream {
             return Action::Continue;
+        }
+        if self.body_bytes == body_size as u64 {
+            self.whole_body = Some(body_size);
         }
         self.admit(host, &plan)
     }

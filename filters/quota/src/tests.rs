@@ -432,6 +432,100 @@ fn a_request_without_max_tokens_reserves_the_default_cap() {
     assert_eq!(quota.stats(0).reserved, body.len() as u64 + 4096);
 }
 
+/// `inject_max_tokens`: a body without a cap is given the reserved one
+/// (and its new length), one with a cap, however written, is left alone;
+/// a body the stage no longer holds whole is counted as not given one.
+#[test]
+fn a_body_without_a_cap_is_given_the_reserved_one_when_configured() {
+    let mut config = daily(100_000);
+    config["inject_max_tokens"] = json!(true);
+    config["policies"][0]["default_max_output_tokens"] = json!(700);
+    let mut gw = Gateway::new(&config);
+    gw.answer_store();
+    let _ = gw.ask(OPENAI, ACME, CHAT);
+    gw.sync();
+    for (path, body, want) in [
+        (
+            OPENAI,
+            r#"{"model":"m","messages":[]}"#,
+            Some(r#"{"model":"m","messages":[],"max_completion_tokens":700}"#),
+        ),
+        (
+            ANTHROPIC,
+            r#"{"model":"m","messages":[]} "#,
+            Some(r#"{"model":"m","messages":[],"max_tokens":700} "#),
+        ),
+        (OPENAI, CHAT, None),
+        (OPENAI, r#"{"model":"m","max_t\u006fkens":5}"#, None),
+        (
+            OPENAI,
+            r#"{"model":"m","max_completion_tokens":null}"#,
+            None,
+        ),
+    ] {
+        let (stream, action) = gw.ask(path, ACME, body);
+        assert_eq!(action, Action::Continue, "{body}");
+        let sent = String::from_utf8(gw.host.request_body.clone()).unwrap();
+        assert_eq!(sent, want.unwrap_or(body), "{body}");
+        let length = gw.host.request_header_value("content-length");
+        assert_eq!(length, want.map(|w| w.len().to_string()), "{body}");
+        drop(stream);
+    }
+    // Off (the default): nothing is added.
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    let _ = gw.ask(OPENAI, ACME, CHAT);
+    gw.sync();
+    let body = r#"{"model":"m","messages":[]}"#;
+    let _ = gw.ask(OPENAI, ACME, body);
+    assert_eq!(gw.host.request_body, body.as_bytes());
+}
+
+#[test]
+fn a_body_that_went_on_in_pieces_is_counted_as_not_given_a_cap() {
+    let mut config = daily(100_000);
+    config["inject_max_tokens"] = json!(true);
+    let mut gw = Gateway::new(&config);
+    gw.answer_store();
+    let _ = gw.ask(OPENAI, ACME, CHAT);
+    gw.sync();
+    // A host that cannot hold the headers (ngx_wasm_module) handed the
+    // body over in two pieces: the first went on.
+    gw.host.request_headers = [(":method", "POST"), (":path", OPENAI)]
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+        .collect();
+    gw.host
+        .properties
+        .insert(internal::AUTH_PROPERTY.into(), ACME.as_bytes().to_vec());
+    gw.host.platform = zerolayer_host::Platform::NgxWasm;
+    let mut stream = RootStage::<FakeHost>::stream(&gw.root, 1);
+    assert_eq!(
+        stream.request_headers(&mut gw.host, false),
+        Action::Continue
+    );
+    gw.host.request_body = br#"{"model":"m","#.to_vec();
+    assert_eq!(
+        stream.request_body(&mut gw.host, 12, false),
+        Action::Continue
+    );
+    gw.host.request_body = br#""messages":[]}"#.to_vec();
+    assert_eq!(
+        stream.request_body(&mut gw.host, 14, true),
+        Action::Continue
+    );
+    assert_eq!(gw.host.request_body, br#""messages":[]}"#);
+    RootStage::<FakeHost>::tick(&mut gw.root, &mut gw.host);
+    assert_eq!(
+        gw.host.metric("zerolayer_quota_max_tokens_not_injected"),
+        Some(1)
+    );
+    assert_eq!(
+        gw.host.metric("zerolayer_quota_max_tokens_injected"),
+        Some(0)
+    );
+}
+
 #[test]
 fn requests_that_are_not_llm_calls_pass_untouched() {
     let mut gw = Gateway::new(&daily(100_000));

@@ -55,6 +55,14 @@ pub struct QuotaConfig {
     /// Values a policy takes when it does not set its own.
     #[serde(default)]
     pub defaults: PolicyDefaults,
+    /// Adds the output cap reserved (`max_completion_tokens` for OpenAI,
+    /// `max_tokens` for Anthropic: the smallest `default_max_output_tokens`
+    /// of the enforcing token policies that scope it) to a request body
+    /// that names none, so a backend whose own default is larger stops
+    /// within the reservation. Off: such a response may settle above its
+    /// bound (as debt).
+    #[serde(default)]
+    pub inject_max_tokens: bool,
 }
 
 /// A policy's fields that may be set once for all (`defaults`).
@@ -70,9 +78,10 @@ pub struct PolicyDefaults {
     #[serde(default)]
     pub cache_hit: CacheHitCharge,
     /// Output tokens reserved for a request that names no `max_tokens`
-    /// (`max_completion_tokens`, `max_output_tokens`): a missing bound does
-    /// not dodge the reservation. A client's larger `max_tokens` is
-    /// reserved at its own value.
+    /// (`max_completion_tokens`, `max_output_tokens`), or one no backend
+    /// reads as a bound (`null`, `-1`): a missing bound does not dodge the
+    /// reservation. A client's larger `max_tokens` is reserved at its own
+    /// value. With `inject_max_tokens`, also the cap such a body is given.
     #[serde(default = "default_max_output_tokens")]
     pub default_max_output_tokens: u32,
     /// How a stream is limited.

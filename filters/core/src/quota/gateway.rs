@@ -362,6 +362,9 @@ pub struct GatewayQuota {
     store_errors: u64,
     /// Calls that found no store: no answer, or webdis's own failure.
     store_unreachable: u64,
+    /// Output caps added to request bodies, and those that could not be
+    /// (`inject_max_tokens`): `[added, not added]`.
+    caps: [u64; 2],
 }
 
 impl GatewayQuota {
@@ -472,6 +475,7 @@ impl GatewayQuota {
             stats: vec![PolicyStats::default(); n],
             store_errors: 0,
             store_unreachable: 0,
+            caps: [0; 2],
         })
     }
 
@@ -499,6 +503,18 @@ impl GatewayQuota {
     /// failing): what an outage or a blackholed Redis shows as.
     pub fn store_unreachable(&self) -> u64 {
         self.store_unreachable
+    }
+
+    /// Counts an output cap added to a request body (`added`), or one that
+    /// could not be (the body had gone on, or the host took no new body).
+    pub fn count_cap(&mut self, added: bool) {
+        let at = usize::from(!added);
+        self.caps[at] = self.caps[at].saturating_add(1);
+    }
+
+    /// Output caps added to request bodies and those that could not be.
+    pub fn caps(&self) -> [u64; 2] {
+        self.caps
     }
 
     /// The buffered deltas (dropped counts included).
@@ -783,6 +799,20 @@ impl GatewayQuota {
         }
         ticket.len = 0;
         false
+    }
+
+    /// The output cap to add to a request body that names none
+    /// (`inject_max_tokens`): the smallest `default_max_output_tokens` of
+    /// the enforcing, token-counting policies that scope it, so the
+    /// backend stops within every one of their reservations (a shadow
+    /// policy limits nothing); `None` when no such policy scopes it.
+    pub fn output_cap(&self, ticket: &Ticket) -> Option<u64> {
+        ticket
+            .policies()
+            .filter_map(|index| self.policies.get(index))
+            .filter(|p| p.mode == Mode::Enforce && p.cost.counts_tokens())
+            .map(|p| p.default_max_output_tokens)
+            .min()
     }
 
     /// Whether `ticket`'s output is drawn as it streams

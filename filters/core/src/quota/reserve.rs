@@ -13,16 +13,18 @@
 //!
 //! **The output bound.** The largest of `max_tokens`,
 //! `max_completion_tokens` and `max_output_tokens` in the body
-//! ([`crate::usage::RequestScan::max_output_tokens`]); when the request
-//! names none, the policy's `default_max_output_tokens`, so leaving the cap
-//! out cannot dodge the reservation. A client cap above the default is
-//! reserved at its own value.
+//! ([`crate::usage::RequestScan::max_output_tokens`]: numbers, strings of
+//! numbers, escaped names, as a backend reads them); when the request
+//! names none, or one no backend reads as a bound (`null`, `-1`), the
+//! policy's `default_max_output_tokens` too, so leaving the cap out (or
+//! writing it so the scan misses it) cannot dodge the reservation. A
+//! client cap above the default is reserved at its own value.
 
 use std::collections::HashMap;
 
 use super::config::{Rates, Unit};
 use crate::cache::key::Provider;
-use crate::usage::Usage;
+use crate::usage::{RequestScan, Usage};
 
 /// What the request itself says about its size: read once per request and
 /// shared by every policy.
@@ -32,6 +34,9 @@ pub struct RequestBound {
     pub body_bytes: u64,
     /// The output cap the body names, if any.
     pub max_output_tokens: Option<u64>,
+    /// Whether the backend's own default may apply as well (a cap member
+    /// no backend reads as a bound beside a readable one).
+    pub default_applies: bool,
 }
 
 impl RequestBound {
@@ -40,6 +45,16 @@ impl RequestBound {
         RequestBound {
             body_bytes,
             max_output_tokens,
+            default_applies: max_output_tokens.is_none(),
+        }
+    }
+
+    /// The bound of a body of `body_bytes` as `scan` read it.
+    pub fn scanned(body_bytes: u64, scan: &RequestScan) -> RequestBound {
+        RequestBound {
+            body_bytes,
+            max_output_tokens: scan.max_output_tokens(),
+            default_applies: scan.backend_default_applies(),
         }
     }
 
@@ -48,10 +63,44 @@ impl RequestBound {
         self.body_bytes
     }
 
-    /// The most output tokens, with `default_cap` when the body names none.
+    /// The most output tokens: the body's cap, or `default_cap` where the
+    /// backend's default may apply (the larger, when both may).
     pub fn output_tokens(&self, default_cap: u64) -> u64 {
-        self.max_output_tokens.unwrap_or(default_cap)
+        match (self.max_output_tokens, self.default_applies) {
+            (Some(cap), false) => cap,
+            (Some(cap), true) => cap.max(default_cap),
+            (None, _) => default_cap,
+        }
     }
+}
+
+/// `body` (a JSON object whose root closes at offset `root_end`, naming no
+/// output cap) with `provider`'s cap member set to `cap`, appended before
+/// the closing brace: `max_completion_tokens` for OpenAI Chat Completions
+/// (the name every current OpenAI model, vLLM and llama.cpp read),
+/// `max_tokens` for Anthropic Messages. Every other byte is kept. `None`
+/// when `root_end` is not the body's closing brace.
+pub fn with_output_cap(
+    provider: Provider,
+    body: &[u8],
+    root_end: usize,
+    cap: u64,
+) -> Option<Vec<u8>> {
+    if body.get(root_end) != Some(&b'}') {
+        return None;
+    }
+    let before = body.get(..root_end)?;
+    let empty = before.trim_ascii_end().ends_with(b"{");
+    let name = match provider {
+        Provider::OpenAi => "max_completion_tokens",
+        Provider::Anthropic => "max_tokens",
+    };
+    let member = format!("{}\"{name}\":{cap}", if empty { "" } else { "," });
+    let mut out = Vec::with_capacity(body.len() + member.len());
+    out.extend_from_slice(before);
+    out.extend_from_slice(member.as_bytes());
+    out.extend_from_slice(body.get(root_end..)?);
+    Some(out)
 }
 
 /// Tokens of one response by kind, counted the same for every provider:

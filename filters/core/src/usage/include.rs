@@ -112,8 +112,9 @@ pub fn inject_include_usage(provider: Provider, body: &[u8]) -> Injection {
     let mut span = None;
     scanner.push(body, |value| span = Some(value.span));
     if written && span.is_none() {
-        // Its name has escapes the scanner does not match: appending a
-        // second `stream_options` would make the body ambiguous.
+        // The scanner decodes escaped names as serde does, so it found the
+        // member serde read; should they ever disagree, appending a second
+        // `stream_options` would make the body ambiguous.
         return Injection::Refused(
             "request body field `stream_options` cannot be rewritten (escaped name)".into(),
         );

@@ -14,7 +14,7 @@ use super::scan::{TopLevelScanner, Wanted};
 
 /// The members read: `model` (its value kept), `stream` and
 /// `stream_options` (small values, kept to be read), and the output caps
-/// (integers: 24 bytes hold any `u64` with room for spaces).
+/// (a `u64` takes 20 bytes; a longer value is read as no bound at all).
 const MEMBERS: &[Wanted] = &[
     Wanted {
         key: b"model",
@@ -31,17 +31,22 @@ const MEMBERS: &[Wanted] = &[
     },
     Wanted {
         key: b"max_tokens",
-        limit: 24,
+        limit: MAX_CAP_TEXT,
     },
     Wanted {
         key: b"max_completion_tokens",
-        limit: 24,
+        limit: MAX_CAP_TEXT,
     },
     Wanted {
         key: b"max_output_tokens",
-        limit: 24,
+        limit: MAX_CAP_TEXT,
     },
 ];
+
+/// Longest cap value read (a number, or a string of one, with room for
+/// spaces, a fraction of zeros or an exponent); a longer one names more
+/// than any bound covers.
+const MAX_CAP_TEXT: usize = 64;
 
 const MODEL: usize = 0;
 const STREAM: usize = 1;
@@ -101,6 +106,12 @@ pub struct RequestScan {
     /// The largest output cap named (any of the three members, any number
     /// of times: the backend reads one of them, the bound must cover it).
     max_output: Option<u64>,
+    /// Whether a cap member was named at all, read or not.
+    names_cap: bool,
+    /// Whether a cap member holds a value no backend reads as a bound
+    /// (`null`, negative, not a number): the backend's own default may
+    /// apply, so the policy's default is reserved too.
+    unread_cap: bool,
     /// Offset of the root's closing brace, once seen.
     root_end: Option<usize>,
     /// Bytes pushed so far.
@@ -123,6 +134,8 @@ impl RequestScan {
             stream_options: None,
             repeated: false,
             max_output: None,
+            names_cap: false,
+            unread_cap: false,
             root_end: None,
             offset: 0,
         }
@@ -136,21 +149,30 @@ impl RequestScan {
         if self.scanner.done() {
             return None;
         }
-        let (model, stream, options, repeated, max_output) = (
+        let (model, stream, options, repeated, max_output, names_cap, unread_cap) = (
             &mut self.model,
             &mut self.stream,
             &mut self.stream_options,
             &mut self.repeated,
             &mut self.max_output,
+            &mut self.names_cap,
+            &mut self.unread_cap,
         );
         self.scanner.push(chunk, |value| {
             if matches!(
                 value.index,
                 MAX_TOKENS | MAX_COMPLETION_TOKENS | MAX_OUTPUT_TOKENS
             ) {
+                *names_cap = true;
                 // Read without building a `Value`: this runs on every request.
-                if let Some(cap) = value.raw.and_then(parse_u64) {
-                    *max_output = Some(max_output.map_or(cap, |m| m.max(cap)));
+                let cap = match value.raw {
+                    Some(raw) => read_cap(raw),
+                    // Too long to read: more than any bound covers.
+                    None => Some(u64::MAX),
+                };
+                match cap {
+                    Some(cap) => *max_output = Some(max_output.map_or(cap, |m| m.max(cap))),
+                    None => *unread_cap = true,
                 }
                 return;
             }
@@ -192,12 +214,27 @@ impl RequestScan {
         self.model.as_deref()
     }
 
-    /// The output cap the request asks for: the largest non-negative
-    /// integer among `max_tokens`, `max_completion_tokens` and
-    /// `max_output_tokens` (`None`: none, or none an integer; a backend
-    /// refuses a cap that is not one).
+    /// The output cap the request asks for: the largest value among
+    /// `max_tokens`, `max_completion_tokens` and `max_output_tokens` that a
+    /// backend may read as a bound (a non-negative integer, or a string of
+    /// one, which lenient parsers such as pydantic's coerce; a value too
+    /// long to read is `u64::MAX`). `None`: none such.
     pub fn max_output_tokens(&self) -> Option<u64> {
         self.max_output
+    }
+
+    /// Whether the backend's own default may bound the output instead of
+    /// [`max_output_tokens`](RequestScan::max_output_tokens): no cap
+    /// member, or one whose value no backend reads as a bound (`null`, `-1`
+    /// which llama.cpp reads as "until the context is full", a word).
+    pub fn backend_default_applies(&self) -> bool {
+        self.max_output.is_none() || self.unread_cap
+    }
+
+    /// Whether the body names any of the three cap members (a member of its
+    /// own would make an appended one a duplicate).
+    pub fn names_output_cap(&self) -> bool {
+        self.names_cap
     }
 
     /// Whether the request asks for a streamed response (`stream: true`;
@@ -205,6 +242,12 @@ impl RequestScan {
     /// the bound of a stream is never the smaller one).
     pub fn streams(&self) -> bool {
         self.repeated || !matches!(self.stream, None | Some(Value::Null | Value::Bool(false)))
+    }
+
+    /// Offset of the root object's closing brace in the whole body, once
+    /// read.
+    pub fn root_end(&self) -> Option<usize> {
+        self.root_end
     }
 
     /// Whether the root object closed (every member was read).
@@ -245,18 +288,38 @@ impl RequestScan {
     }
 }
 
+/// A cap's raw JSON value as a backend may read it: a number (see
+/// [`parse_u64`]) or a string holding one (pydantic, vLLM's parser, coerces
+/// `"100"` to 100; `_` separators and spaces as Python's `int` allows).
+fn read_cap(raw: &[u8]) -> Option<u64> {
+    if raw.first() != Some(&b'"') {
+        return parse_u64(raw);
+    }
+    let text: String = serde_json::from_slice::<String>(raw).ok()?;
+    let digits: String = text.trim().chars().filter(|c| *c != '_').collect();
+    // A number too large for u64 still names more than any bound covers.
+    if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(digits.parse::<u64>().unwrap_or(u64::MAX));
+    }
+    parse_u64(digits.as_bytes())
+}
+
 /// A JSON number that is a non-negative integer (`16`, `16.0`, `1e3`
 /// too: JSON does not tell them apart and serde_json's backends accept
-/// them), as `u64`; anything else `None`.
+/// them), as `u64` (one past `u64::MAX` saturates); anything else `None`.
 fn parse_u64(raw: &[u8]) -> Option<u64> {
     let text = std::str::from_utf8(raw).ok()?.trim();
+    if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(text.parse::<u64>().unwrap_or(u64::MAX));
+    }
     if let Ok(n) = text.parse::<u64>() {
         return Some(n);
     }
     match serde_json::from_str::<Value>(text).ok()? {
         Value::Number(n) => n.as_u64().or_else(|| {
             let f = n.as_f64()?;
-            (f >= 0.0 && f.fract() == 0.0 && f < 1.8e19).then_some(f as u64)
+            // `as` saturates a float past u64::MAX.
+            (f >= 0.0 && f.fract() == 0.0).then_some(f as u64)
         }),
         _ => None,
     }
@@ -333,14 +396,40 @@ mod tests {
         );
         assert_eq!(cap(br#"{"max_tokens":1e3}"#), Some(1000));
         assert_eq!(cap(br#"{"max_tokens":16.0}"#), Some(16));
-        // Not an integer, negative, a string, nested: no cap (the policy's default applies).
+        // Written so a lenient backend still reads a number: its value.
+        assert_eq!(cap(br#"{"max_tokens":"100"}"#), Some(100));
+        assert_eq!(cap(br#"{"max_tokens":" 1_000 "}"#), Some(1000));
+        assert_eq!(cap(br#"{"max_tokens":"1e4"}"#), Some(10_000));
+        assert_eq!(cap(br#"{"max_t\u006fkens":70000}"#), Some(70_000));
+        // Past u64, or too long to read: more than any bound covers.
+        assert_eq!(
+            cap(br#"{"max_tokens":123456789012345678901234567890}"#),
+            Some(u64::MAX)
+        );
+        assert_eq!(
+            cap(br#"{"max_tokens":"99999999999999999999999"}"#),
+            Some(u64::MAX)
+        );
+        let long = format!(r#"{{"max_tokens":1000000.{}}}"#, "0".repeat(80));
+        assert_eq!(cap(long.as_bytes()), Some(u64::MAX));
+        // Beside a cap no backend reads, the backend's own default may apply.
+        let mut scan = RequestScan::new();
+        scan.push(br#"{"max_tokens":100,"max_completion_tokens":null}"#);
+        assert_eq!(scan.max_output_tokens(), Some(100));
+        assert!(scan.backend_default_applies() && scan.names_output_cap());
+        let mut scan = RequestScan::new();
+        scan.push(br#"{"max_tokens":100}"#);
+        assert!(!scan.backend_default_applies());
+        let mut scan = RequestScan::new();
+        scan.push(br#"{"model":"m"}"#);
+        assert!(scan.backend_default_applies() && !scan.names_output_cap());
+        // Not a bound any backend reads: none (the policy's default applies).
         for body in [
             &br#"{"max_tokens":-1}"#[..],
             br#"{"max_tokens":2.5}"#,
-            br#"{"max_tokens":"100"}"#,
+            br#"{"max_tokens":"lots"}"#,
             br#"{"max_tokens":null}"#,
             br#"{"messages":[{"max_tokens":10}]}"#,
-            br#"{"max_tokens":123456789012345678901234567890}"#,
             br#"{"model":"m"}"#,
         ] {
             assert_eq!(cap(body), None, "{}", String::from_utf8_lossy(body));

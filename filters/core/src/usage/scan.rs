@@ -16,8 +16,10 @@ use super::needle::find_either;
 /// A top-level key to look for, and the longest raw value kept for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Wanted {
-    /// The key as it appears between the quotes (keys written with escapes
-    /// are not recognised; providers never write them so).
+    /// The key as a JSON parser reads it, ASCII: a key written with escapes
+    /// is decoded before it is compared (`"max\u005ftokens"` is
+    /// `max_tokens`, as the backend reads it), so a client cannot hide a
+    /// member from the scan that the backend still reads.
     pub key: &'static [u8],
     /// Values longer than this many bytes are reported without their bytes.
     pub limit: usize,
@@ -36,6 +38,17 @@ pub struct TopLevelValue<'a> {
 
 /// Keys longer than this never match (the wanted keys are short).
 const MAX_KEY: usize = 32;
+
+/// Where the decoding of an escape inside a top-level key is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KeyEscape {
+    /// Not in an escape.
+    None,
+    /// After the backslash.
+    Backslash,
+    /// In `\uXXXX`, with `digits` hex digits read into `code`.
+    Unicode { digits: u8, code: u32 },
+}
 
 /// Where the scanner is, relative to the root object's members.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +82,8 @@ pub struct TopLevelScanner {
     in_string: bool,
     /// The previous byte was a backslash inside a string.
     escape: bool,
+    /// An escape being decoded inside a top-level key that may still match.
+    key_escape: KeyEscape,
     key: [u8; MAX_KEY],
     /// Bytes of the current top-level key, or `None` once it cannot match.
     key_len: Option<usize>,
@@ -93,6 +108,7 @@ impl TopLevelScanner {
             depth: 0,
             in_string: false,
             escape: false,
+            key_escape: KeyEscape::None,
             key: [0; MAX_KEY],
             key_len: None,
             target: None,
@@ -124,6 +140,14 @@ impl TopLevelScanner {
         while i < chunk.len() && self.state != State::Done {
             let rest = chunk.get(i..).unwrap_or_default();
             if self.in_string {
+                if self.key_escape != KeyEscape::None {
+                    if let Some(&b) = chunk.get(i)
+                        && self.key_escape_byte(b)
+                    {
+                        i += 1;
+                    }
+                    continue;
+                }
                 if self.escape {
                     // The escaped byte (`"` or `\` included) is content.
                     self.escape = false;
@@ -143,10 +167,12 @@ impl TopLevelScanner {
                 let at = i + at;
                 i = at + 1;
                 if chunk.get(at) == Some(&b'\\') {
-                    self.escape = true;
-                    // An escaped key is never one of ours.
-                    if self.state == State::InKey {
-                        self.key_len = None;
+                    // A key that may still match is decoded as it is read;
+                    // any other escape is skipped.
+                    if self.state == State::InKey && self.key_len.is_some() {
+                        self.key_escape = KeyEscape::Backslash;
+                    } else {
+                        self.escape = true;
                     }
                     continue;
                 }
@@ -285,6 +311,59 @@ impl TopLevelScanner {
         }
     }
 
+    /// Decodes byte `b` of an escape in a key; returns whether it was
+    /// consumed (a byte that cannot continue `\uXXXX`, in a body that is not
+    /// JSON, ends the escape and is read again as string content).
+    fn key_escape_byte(&mut self, b: u8) -> bool {
+        match self.key_escape {
+            KeyEscape::None => false,
+            KeyEscape::Backslash => {
+                let decoded = match b {
+                    b'u' => {
+                        self.key_escape = KeyEscape::Unicode { digits: 0, code: 0 };
+                        return true;
+                    }
+                    b'"' | b'\\' | b'/' => Some(b),
+                    b'b' => Some(0x08),
+                    b'f' => Some(0x0c),
+                    b'n' => Some(b'\n'),
+                    b'r' => Some(b'\r'),
+                    b't' => Some(b'\t'),
+                    _ => None,
+                };
+                self.key_escape = KeyEscape::None;
+                match decoded {
+                    Some(c) => self.key_bytes(&[c]),
+                    None => self.key_len = None,
+                }
+                true
+            }
+            KeyEscape::Unicode { digits, code } => {
+                let Some(digit) = char::from(b).to_digit(16) else {
+                    self.key_escape = KeyEscape::None;
+                    self.key_len = None;
+                    return false;
+                };
+                let code = code << 4 | digit;
+                if digits < 3 {
+                    self.key_escape = KeyEscape::Unicode {
+                        digits: digits + 1,
+                        code,
+                    };
+                    return true;
+                }
+                self.key_escape = KeyEscape::None;
+                // The wanted keys are ASCII: any other character (a
+                // surrogate half included) means the key is not one.
+                match u8::try_from(code).ok().filter(u8::is_ascii) {
+                    Some(c) => self.key_bytes(&[c]),
+                    None => self.key_len = None,
+                }
+                true
+            }
+        }
+    }
+
     fn key_match(&self) -> Option<usize> {
         let key = self.key.get(..self.key_len?)?;
         self.wanted.iter().position(|wanted| wanted.key == key)
@@ -394,10 +473,27 @@ mod tests {
     }
 
     #[test]
-    fn string_values_named_like_keys_and_escaped_keys_do_not_count() {
+    fn string_values_named_like_keys_do_not_count() {
         assert_eq!(scan(&[br#"{"a":"usage","b":"model"}"#]), []);
-        assert_eq!(scan(&[br#"{"us\u0061ge":1,"\"model":2}"#]), []);
+        assert_eq!(scan(&[br#"{"\"model":2,"model\n":3,"mod\u00e9l":4}"#]), []);
         assert_eq!(scan(&[br#"["usage",{"usage":1}]"#]), []);
+    }
+
+    #[test]
+    fn escaped_keys_are_read_as_a_parser_reads_them() {
+        let body = br#"{"us\u0061ge":1,"m\u006F\u0064el":"x","\u0000":2}"#;
+        let want = [
+            (0, Some("1".into()), 14..15),
+            (1, Some("\"x\"".into()), 34..37),
+        ];
+        assert_eq!(scan(&[body]), want);
+        // Split inside every escape.
+        for at in 0..=body.len() {
+            let (a, b) = body.split_at(at);
+            assert_eq!(scan(&[a, b]), want, "split at {at}");
+        }
+        // `\/` is `/`: no wanted key has one.
+        assert_eq!(scan(&[br#"{"model\/":1,"model\u":2,"model":3}"#]).len(), 1);
     }
 
     #[test]
