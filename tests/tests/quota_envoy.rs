@@ -762,6 +762,39 @@ fn a_request_cannot_dodge_its_reservation_nor_choose_its_scope(form: Form) -> Re
         stub.requests().is_empty(),
         "the backend saw the refused request"
     );
+    // Compressed, the body is read through its coding: a gzip body hiding
+    // a 20,000-token cap (and sent chunked) is reserved at it, and a
+    // coding quota cannot read is refused, since its size cannot be bounded.
+    let mut hidden = uncapped.clone();
+    hidden["max_tokens"] = json!(20_000);
+    let packed = gzip(hidden.to_string().as_bytes());
+    let url = gw.envoy.url("/v1/chat/completions");
+    let headers = [
+        ("authorization", acme.as_str()),
+        ("content-type", "application/json"),
+        ("content-encoding", "gzip"),
+    ];
+    let reply = gw.client.post_chunked(&url, &headers, &packed)?;
+    assert_eq!(reply.status, 429, "{}", reply.body);
+    let headers = [
+        ("authorization", acme.as_str()),
+        ("content-type", "application/json"),
+        ("content-encoding", "br"),
+    ];
+    let reply = gw
+        .client
+        .post_chunked(&url, &headers, b"\x0b\x02\x80{}\x03")?;
+    assert_eq!(reply.status, 415, "{}", reply.body);
+    let error: Value = serde_json::from_str(&reply.body)?;
+    assert_eq!(
+        error["error"]["type"], "invalid_request_error",
+        "{}",
+        reply.body
+    );
+    assert!(
+        stub.requests().is_empty(),
+        "the backend saw a refused compressed request"
+    );
     // The same request with a cap it can afford.
     let mut capped = uncapped.clone();
     capped["max_tokens"] = json!(16);
@@ -861,6 +894,13 @@ fn a_body_without_a_cap_reaches_the_backend_with_the_reserved_one(form: Form) ->
         "the backend saw the refused request"
     );
     Ok(())
+}
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(data).expect("in memory");
+    e.finish().expect("in memory")
 }
 
 #[test]

@@ -123,6 +123,9 @@ pub(crate) struct Plan {
     pub last_ms: Cell<u64>,
     /// How long a request whose lease is empty waits for its grant, at most.
     pub grant_wait: Duration,
+    /// Whether an enforcing policy counts tokens (a body that cannot be
+    /// bounded is then refused).
+    pub bounds_input: bool,
 }
 
 /// The stage's root. By default it holds its own lease table and syncs it
@@ -342,7 +345,9 @@ impl<H: Hosts> RootStage<H> for QuotaRoot {
             config.store.max_leases,
         );
         self.metrics = Some(Metrics::define(host, leases.quota().policies()));
+        let bounds_input = leases.quota().bounds_input();
         self.plan = Some(Rc::new(Plan {
+            bounds_input,
             leases,
             needs_credential,
             needs_route,

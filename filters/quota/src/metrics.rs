@@ -11,7 +11,9 @@
 //! answer in time, webdis failing), `zerolayer_quota_deltas_dropped`,
 //! `zerolayer_quota_max_tokens_injected` and `_max_tokens_not_injected`
 //! (`inject_max_tokens`: bodies given the reserved cap, and those that
-//! could not be given it).
+//! could not be given it), `zerolayer_quota_unbounded_refused` (request
+//! bodies whose size could not be bounded: a coding other than gzip and
+//! deflate, or one decoding past 16 MiB).
 
 use zerolayer_core::quota::GatewayQuota;
 use zerolayer_core::quota::gateway::{PolicySpec, PolicyStats};
@@ -43,11 +45,13 @@ pub(crate) struct Metrics {
     dropped: Counter,
     /// `[injected, not injected]`.
     caps: [Counter; 2],
+    unbounded: Counter,
     exported: Vec<PolicyStats>,
     exported_errors: u64,
     exported_unreachable: u64,
     exported_dropped: u64,
     exported_caps: [u64; 2],
+    exported_unbounded: u64,
 }
 
 impl Metrics {
@@ -65,11 +69,13 @@ impl Metrics {
                 Counter::define(host, WHO, "zerolayer_quota_max_tokens_injected"),
                 Counter::define(host, WHO, "zerolayer_quota_max_tokens_not_injected"),
             ],
+            unbounded: Counter::define(host, WHO, "zerolayer_quota_unbounded_refused"),
             exported: vec![PolicyStats::default(); policies.len()],
             exported_errors: 0,
             exported_unreachable: 0,
             exported_dropped: 0,
             exported_caps: [0; 2],
+            exported_unbounded: 0,
         }
     }
 
@@ -102,9 +108,14 @@ impl Metrics {
             counter.add(now.saturating_sub(*exported));
             *exported = now;
         }
+        let unbounded = quota.unbounded();
+        self.unbounded
+            .add(unbounded.saturating_sub(self.exported_unbounded));
+        self.exported_unbounded = unbounded;
         for counters in &self.per_policy {
             counters.flush(host);
         }
+        self.unbounded.flush(host);
         self.store_errors.flush(host);
         self.unreachable.flush(host);
         self.dropped.flush(host);

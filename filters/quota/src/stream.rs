@@ -8,6 +8,7 @@ use std::rc::Rc;
 use sha2::{Digest, Sha256};
 use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_core::cache::key::Provider;
+use zerolayer_core::encoding::{BodyDecoder, ContentCoding, DecodeError, MAX_DECODED_BYTES};
 use zerolayer_core::internal;
 use zerolayer_core::metering::logged_usage;
 use zerolayer_core::quota::cut::encode_billed;
@@ -55,6 +56,15 @@ enum Hold {
     Passing,
 }
 
+/// Why a request body's size, and so its input bound, is unknown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unbounded {
+    /// A content coding other than gzip and deflate (or several stacked).
+    Coding,
+    /// It decodes to more than `MAX_DECODED_BYTES`.
+    TooLarge,
+}
+
 /// One request's quota state.
 pub(crate) struct QuotaStream {
     plan: Option<Rc<Plan>>,
@@ -62,7 +72,16 @@ pub(crate) struct QuotaStream {
     who: Who,
     hold: Hold,
     scan: RequestScan,
+    /// Bytes of the request body, decoded: the input bound.
     body_bytes: u64,
+    /// A gzip or deflate request body is decoded as it passes, so its
+    /// bound is its decoded size (a small compressed body can hold a
+    /// thousand times more prompt) and its members are read.
+    decoder: Option<Box<BodyDecoder>>,
+    /// The request body has a content coding (decoded or not).
+    coded: bool,
+    /// Why the body's size cannot be bounded, if it cannot.
+    unbounded: Option<Unbounded>,
     /// The size of the body as held when the admitting callback read it
     /// whole (nothing of it forwarded yet): it can still be rewritten.
     whole_body: Option<usize>,
@@ -108,6 +127,9 @@ impl QuotaStream {
             hold: Hold::Passing,
             scan: RequestScan::new(),
             body_bytes: 0,
+            decoder: None,
+            coded: false,
+            unbounded: None,
             whole_body: None,
             ticket: None,
             model: None,
@@ -357,13 +379,56 @@ impl QuotaStream {
         }
     }
 
-    /// Feeds `size` bytes of the request body from offset `from` to the scan.
+    /// Feeds `size` bytes of the request body to the scan, decoded first
+    /// when it has a coding.
     fn scan_body(&mut self, host: &mut impl StreamHost, size: usize) {
-        let scan = &mut self.scan;
-        host.with_body(Body::Request, size, |chunk| {
-            scan.push(chunk);
+        let (scan, decoder) = (&mut self.scan, &mut self.decoder);
+        let decoded = host.with_body(Body::Request, size, |chunk| match decoder {
+            None => {
+                scan.push(chunk);
+                Ok(chunk.len())
+            }
+            Some(decoder) => {
+                let mut decoded = 0;
+                decoder
+                    .push(chunk, |bytes| {
+                        scan.push(bytes);
+                        decoded += bytes.len();
+                    })
+                    .map(|()| decoded)
+            }
         });
-        self.body_bytes += size as u64;
+        match decoded {
+            Ok(decoded) => self.body_bytes += decoded as u64,
+            Err(DecodeError::TooLarge) => self.unbounded = Some(Unbounded::TooLarge),
+            Err(_) => {
+                // Corrupt: the backend cannot read it either (it answers an
+                // error). Counted as sent from here.
+                self.decoder = None;
+                self.body_bytes += size as u64;
+            }
+        }
+    }
+
+    /// Refuses a request whose body's size cannot be bounded while a
+    /// policy counts tokens: its input could be anything.
+    fn refuse_unbounded(&mut self, host: &mut impl StreamHost, plan: &Plan, why: Unbounded) {
+        let (status, message) = match why {
+            Unbounded::Coding => (
+                415,
+                "request body content-encoding cannot be read by the gateway's quota: send it \
+                 uncompressed, gzip or deflate"
+                    .to_string(),
+            ),
+            Unbounded::TooLarge => (
+                413,
+                format!("request body decodes to more than {MAX_DECODED_BYTES} bytes"),
+            ),
+        };
+        log::debug!("quota: refused a request whose body cannot be bounded ({why:?})");
+        plan.quota().count_unbounded();
+        host.publish(internal::QUOTA_PROPERTY, b"refused reason=unbounded_body");
+        host.send_json_error(status, "invalid_request_error", &message);
     }
 
     /// What the response came to, for the settlement: the usage read as
@@ -543,6 +608,18 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         // Usage is read from the body as the backend sends it.
         host.ask_identity_encoding();
         self.identify(host, &plan);
+        let coding = host.with_header(
+            Headers::Request,
+            "content-encoding",
+            ContentCoding::from_header,
+        );
+        if coding != ContentCoding::Identity {
+            self.coded = true;
+            self.decoder = BodyDecoder::new(coding).ok().map(Box::new);
+            if self.decoder.is_none() {
+                self.unbounded = Some(Unbounded::Coding);
+            }
+        }
         if end_of_stream {
             return self.admit(host, &plan);
         }
@@ -579,7 +656,14 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         if !end_of_stream {
             return Action::Continue;
         }
-        if self.body_bytes == body_size as u64 {
+        if let Some(why) = self.unbounded
+            && plan.bounds_input
+        {
+            self.waited = true;
+            self.refuse_unbounded(host, &plan, why);
+            return Action::Pause;
+        }
+        if !self.coded && self.body_bytes == body_size as u64 {
             self.whole_body = Some(body_size);
         }
         self.admit(host, &plan)

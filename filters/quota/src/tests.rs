@@ -526,6 +526,99 @@ fn a_body_that_went_on_in_pieces_is_counted_as_not_given_a_cap() {
     );
 }
 
+fn gzip(data: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(data).unwrap();
+    e.finish().unwrap()
+}
+
+/// A POST of `body` (raw bytes) with `content-encoding: coding`.
+fn ask_coded(gw: &mut Gateway, coding: &str, body: &[u8]) -> (Stream, Action) {
+    gw.host.request_headers = [
+        (":method", "POST"),
+        (":path", OPENAI),
+        ("content-encoding", coding),
+    ]
+    .iter()
+    .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+    .collect();
+    gw.host.sent.clear();
+    gw.host
+        .properties
+        .insert(internal::AUTH_PROPERTY.into(), ACME.as_bytes().to_vec());
+    let mut stream = RootStage::<FakeHost>::stream(&gw.root, 1);
+    assert_eq!(stream.request_headers(&mut gw.host, false), Action::Pause);
+    gw.host.request_body = body.to_vec();
+    let action = stream.request_body(&mut gw.host, body.len(), true);
+    (stream, action)
+}
+
+/// A compressed body is bounded by what it decodes to (a small gzip body
+/// can hold a thousand times more prompt) and its members are read
+/// through the coding; one whose size cannot be known is refused while a
+/// policy counts tokens.
+#[test]
+fn a_compressed_body_is_bounded_by_what_it_decodes_to() {
+    // Large enough that a lease covers the 50 KB prompt.
+    let mut config = daily(100_000_000);
+    config["inject_max_tokens"] = json!(true);
+    let mut gw = Gateway::new(&config);
+    gw.answer_store();
+    let _ = gw.ask(OPENAI, ACME, CHAT);
+    gw.sync();
+    let prompt = "a".repeat(50_000);
+    let plain =
+        json!({"model": "m", "max_tokens": 7, "messages": [{"role": "user", "content": prompt}]})
+            .to_string();
+    let packed = gzip(plain.as_bytes());
+    assert!(packed.len() < 1_000);
+    let before = gw.root.quota().unwrap().stats(0).reserved;
+    let (stream, action) = ask_coded(&mut gw, "gzip", &packed);
+    assert_eq!(action, Action::Continue);
+    let reserved = gw.root.quota().unwrap().stats(0).reserved - before;
+    assert_eq!(
+        reserved,
+        plain.len() as u64 + 7,
+        "decoded bytes and the cap read through gzip"
+    );
+    assert_eq!(
+        gw.host.request_body, packed,
+        "a compressed body is never rewritten"
+    );
+    drop(stream);
+    // A coding it cannot read: 415, the backend never sees it.
+    let (_, action) = ask_coded(&mut gw, "br", b"\x0b\x02\x80{}\x03");
+    assert_eq!(action, Action::Pause);
+    let sent = gw.host.sent.last().expect("a local response");
+    assert_eq!(sent.status, 415);
+    assert!(String::from_utf8_lossy(&sent.body).contains("content-encoding"));
+    // A bomb: refused once it decodes past the limit.
+    let bomb = gzip(&vec![b' '; 17 << 20]);
+    let (_, action) = ask_coded(&mut gw, "gzip", &bomb);
+    assert_eq!(action, Action::Pause);
+    assert_eq!(gw.host.sent.last().map(|s| s.status), Some(413));
+    RootStage::<FakeHost>::tick(&mut gw.root, &mut gw.host);
+    assert_eq!(gw.host.metric("zerolayer_quota_unbounded_refused"), Some(2));
+    assert_eq!(
+        gw.host.metric("zerolayer_quota_max_tokens_not_injected"),
+        Some(0)
+    );
+
+    // With only a requests policy the body's size does not matter.
+    let mut gw = Gateway::new(&json!({
+        "store": {"cluster": "webdis", "path": "/", "expected_gateways": 1},
+        "policies": [{"name": "rpm", "scope": ["tenant"], "unit": "requests",
+                      "limit": {"rate": {"amount": 100, "per": "minute"}}}]
+    }));
+    gw.answer_store();
+    let _ = gw.ask(OPENAI, ACME, CHAT);
+    gw.sync();
+    let (_, action) = ask_coded(&mut gw, "br", b"\x0b\x02\x80{}\x03");
+    assert_eq!(action, Action::Continue);
+    assert!(gw.host.sent.is_empty());
+}
+
 #[test]
 fn requests_that_are_not_llm_calls_pass_untouched() {
     let mut gw = Gateway::new(&daily(100_000));

@@ -365,6 +365,8 @@ pub struct GatewayQuota {
     /// Output caps added to request bodies, and those that could not be
     /// (`inject_max_tokens`): `[added, not added]`.
     caps: [u64; 2],
+    /// Requests refused because their body's size could not be bounded.
+    unbounded: u64,
 }
 
 impl GatewayQuota {
@@ -476,6 +478,7 @@ impl GatewayQuota {
             store_errors: 0,
             store_unreachable: 0,
             caps: [0; 2],
+            unbounded: 0,
         })
     }
 
@@ -515,6 +518,24 @@ impl GatewayQuota {
     /// Output caps added to request bodies and those that could not be.
     pub fn caps(&self) -> [u64; 2] {
         self.caps
+    }
+
+    /// Whether an enforcing policy counts tokens: a request body whose size
+    /// cannot be bounded (an unreadable coding) is then refused.
+    pub fn bounds_input(&self) -> bool {
+        self.policies
+            .iter()
+            .any(|p| p.mode == Mode::Enforce && p.cost.counts_tokens())
+    }
+
+    /// Counts a request refused because its body could not be bounded.
+    pub fn count_unbounded(&mut self) {
+        self.unbounded = self.unbounded.saturating_add(1);
+    }
+
+    /// Requests refused because their body could not be bounded.
+    pub fn unbounded(&self) -> u64 {
+        self.unbounded
     }
 
     /// The buffered deltas (dropped counts included).
