@@ -406,6 +406,11 @@ fn the_output_bound_is_the_clients_cap_or_the_default() {
     );
     assert_eq!(scan(br#"{"max_tokens":"9000"}"#).output_tokens(512), 9000);
     assert_eq!(
+        scan(br#"{"max_tokens":"9"}"#).output_tokens(512),
+        512,
+        "a strict backend ignores a string: its default applies"
+    );
+    assert_eq!(
         scan(br#"{"max_tokens":100,"max_completion_tokens":-1}"#).output_tokens(512),
         512
     );
