@@ -408,7 +408,7 @@ fn the_output_bound_is_the_clients_cap_or_the_default() {
     assert_eq!(
         scan(br#"{"max_tokens":"9"}"#).output_tokens(512),
         512,
-        "a strict backend ignores a string: its default applies"
+        "a backend ignoring a string would apply its own default"
     );
     assert_eq!(
         scan(br#"{"max_tokens":100,"max_completion_tokens":-1}"#).output_tokens(512),

@@ -174,8 +174,9 @@ impl RequestScan {
                     Some(cap) => *max_output = Some(max_output.map_or(cap, |m| m.max(cap))),
                     None => *unread_cap = true,
                 }
-                // A string is a number only to a lenient parser: a strict
-                // one (llama.cpp's) ignores it and applies its own default.
+                // A string is a number only to a lenient parser (pydantic);
+                // a strict one refuses it (llama.cpp: 400) or, ignoring it,
+                // would apply its own default: that is reserved as well.
                 if value.raw.is_some_and(|raw| raw.first() == Some(&b'"')) {
                     *unread_cap = true;
                 }
@@ -232,7 +233,7 @@ impl RequestScan {
     /// [`max_output_tokens`](RequestScan::max_output_tokens): no cap
     /// member, or one whose value not every backend reads as a bound
     /// (`null`, `-1` which llama.cpp reads as "until the context is full",
-    /// a word, a number in a string, which llama.cpp ignores).
+    /// a word, a number in a string, which a parser may ignore).
     pub fn backend_default_applies(&self) -> bool {
         self.max_output.is_none() || self.unread_cap
     }
@@ -429,7 +430,7 @@ mod tests {
         let mut scan = RequestScan::new();
         scan.push(br#"{"max_tokens":"100"}"#);
         assert_eq!(scan.max_output_tokens(), Some(100));
-        assert!(scan.backend_default_applies(), "llama.cpp ignores a string");
+        assert!(scan.backend_default_applies(), "a parser may ignore a string");
         let mut scan = RequestScan::new();
         scan.push(br#"{"model":"m"}"#);
         assert!(scan.backend_default_applies() && !scan.names_output_cap());
