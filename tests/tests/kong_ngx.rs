@@ -1269,7 +1269,8 @@ fn daily_tokens_capped(sections: &mut Value) {
 /// `inject_max_tokens`: a body naming no cap reaches the backend with the
 /// one it was reserved at. Not the tenant's first request: that one waits
 /// for its lease, and ngx_wasm_module takes no body back from a callout's
-/// answer (it goes on uncapped, counted; kong/README.md).
+/// answer (it goes on uncapped, counted; kong/README.md). Compressed
+/// bodies are bounded by what they decode to, or refused.
 #[test]
 fn quota_a_body_without_a_cap_reaches_the_backend_with_the_reserved_one() -> Result<()> {
     let options = KongChainOptions {
@@ -1310,8 +1311,43 @@ fn quota_a_body_without_a_cap_reaches_the_backend_with_the_reserved_one() -> Res
             "{}: {sent}",
             chain.form
         );
+        // Compressed, the body is read through its coding: a gzip body
+        // hiding a 200,000-token cap is reserved at it (over the budget);
+        // a coding quota cannot read is refused (its size is unknown).
+        body["max_tokens"] = json!(200_000);
+        let packed = gzip(body.to_string().as_bytes());
+        for (coding, bytes, status) in [
+            ("gzip", &packed[..], 429),
+            ("br", &b"\x0b\x02\x80{}\x03"[..], 415),
+        ] {
+            let headers = [
+                ("authorization", bearer.as_str()),
+                ("content-encoding", coding),
+                ("x-request-id", "quota-cap-coded"),
+            ];
+            let reply = chain.post_chunked("/v1/chat/completions", &headers, bytes)?;
+            ensure!(
+                reply.status == status,
+                "{} {coding}: {} {}",
+                chain.form,
+                reply.status,
+                reply.body
+            );
+        }
+        ensure!(
+            chain.backend_requests("quota-cap-coded") == 0,
+            "{}",
+            chain.form
+        );
         Ok(())
     })
+}
+
+fn gzip(data: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    e.write_all(data).expect("in memory");
+    e.finish().expect("in memory")
 }
 
 #[test]

@@ -430,7 +430,10 @@ mod tests {
         let mut scan = RequestScan::new();
         scan.push(br#"{"max_tokens":"100"}"#);
         assert_eq!(scan.max_output_tokens(), Some(100));
-        assert!(scan.backend_default_applies(), "a parser may ignore a string");
+        assert!(
+            scan.backend_default_applies(),
+            "a parser may ignore a string"
+        );
         let mut scan = RequestScan::new();
         scan.push(br#"{"model":"m"}"#);
         assert!(scan.backend_default_applies() && !scan.names_output_cap());
