@@ -512,10 +512,6 @@ impl RootHost for FakeHost {
 }
 
 impl StreamHost for FakeHost {
-    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
-        find(self.map(map), name).map(<[u8]>::to_vec)
-    }
-
     fn with_header<T>(
         &mut self,
         map: Headers,

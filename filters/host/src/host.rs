@@ -362,8 +362,11 @@ pub trait RootHost: Respond {
 pub trait StreamHost: Respond {
     // --- headers -------------------------------------------------------------
 
-    /// Header `name` of `map`.
-    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>>;
+    /// Header `name` of `map`, copied (see [`StreamHost::with_header`] to
+    /// read it where it is).
+    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
+        self.with_header(map, name, |value| value.map(<[u8]>::to_vec))
+    }
 
     /// Runs `f` on header `name` of `map`, borrowed where the host keeps
     /// the map (the chain's host: no copy per stage), else one host call.
@@ -372,10 +375,7 @@ pub trait StreamHost: Respond {
         map: Headers,
         name: &str,
         f: impl FnOnce(Option<&[u8]>) -> T,
-    ) -> T {
-        let value = self.header(map, name);
-        f(value.as_deref())
-    }
+    ) -> T;
 
     /// Runs `f` on the whole of `map` (an empty map if the host has none
     /// to give). `f` cannot reach the host: change headers after it returns.

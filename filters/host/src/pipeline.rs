@@ -398,13 +398,6 @@ impl<P: Proxy> Respond for PipelineHost<P> {
 }
 
 impl<P: Proxy> StreamHost for PipelineHost<P> {
-    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
-        match self.headers(map) {
-            Some(headers) => headers.get(name).map(<[u8]>::to_vec),
-            None => self.proxy.header(map, name),
-        }
-    }
-
     fn with_header<T>(
         &mut self,
         map: Headers,

@@ -265,10 +265,17 @@ impl RootHost for WasmHost {
 }
 
 impl StreamHost for WasmHost {
-    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
-        hostcalls::get_map_value_bytes(map_type(map), name)
+    fn with_header<T>(
+        &mut self,
+        map: Headers,
+        name: &str,
+        f: impl FnOnce(Option<&[u8]>) -> T,
+    ) -> T {
+        // One host call; the value is the host's copy, borrowed by `f`.
+        let value = hostcalls::get_map_value_bytes(map_type(map), name)
             .ok()
-            .flatten()
+            .flatten();
+        f(value.as_deref())
     }
 
     fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {

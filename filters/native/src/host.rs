@@ -320,8 +320,14 @@ impl Respond for EnvoyProxy {
 }
 
 impl StreamHost for EnvoyProxy {
-    fn header(&mut self, map: Headers, name: &str) -> Option<Vec<u8>> {
-        self.read_headers(map)?.get(name).map(<[u8]>::to_vec)
+    fn with_header<T>(
+        &mut self,
+        map: Headers,
+        name: &str,
+        f: impl FnOnce(Option<&[u8]>) -> T,
+    ) -> T {
+        let headers = self.read_headers(map);
+        f(headers.as_ref().and_then(|h| h.get(name)))
     }
 
     fn with_headers<T>(&mut self, map: Headers, f: impl FnOnce(&HeaderBlock) -> T) -> T {
