@@ -370,12 +370,8 @@ pub trait StreamHost: Respond {
 
     /// Runs `f` on header `name` of `map`, borrowed where the host keeps
     /// the map (the chain's host: no copy per stage), else one host call.
-    fn with_header<T>(
-        &mut self,
-        map: Headers,
-        name: &str,
-        f: impl FnOnce(Option<&[u8]>) -> T,
-    ) -> T;
+    fn with_header<T>(&mut self, map: Headers, name: &str, f: impl FnOnce(Option<&[u8]>) -> T)
+    -> T;
 
     /// Runs `f` on the whole of `map` (an empty map if the host has none
     /// to give). `f` cannot reach the host: change headers after it returns.
