@@ -883,6 +883,17 @@ fn a_body_without_a_cap_reaches_the_backend_with_the_reserved_one(form: Form) ->
     assert_eq!(seen[0]["max_completion_tokens"], 40, "{}", seen[0]);
     assert_eq!(seen[0]["messages"], openai["messages"]);
     assert_eq!(seen[1]["max_tokens"], 40, "{}", seen[1]);
+    // An explicit `None` in the OpenAI SDKs is sent as `null`: no bound to
+    // the backend. Its value is replaced.
+    let mut null_cap = openai.clone();
+    null_cap["max_tokens"] = Value::Null;
+    null_cap["messages"][0]["content"] = json!("go on, please");
+    let reply = gw.post(&acme, "/v1/chat/completions", &null_cap.to_string())?;
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let answer: Value = serde_json::from_str(&reply.body)?;
+    assert_eq!(answer["usage"]["completion_tokens"], 40, "{}", reply.body);
+    let last: Value = serde_json::from_slice(&stub.requests().last().context("seen")?.body)?;
+    assert_eq!(last["max_tokens"], 40, "{last}");
     // Written with an escape, the cap is still read: 20,000 tokens is more
     // than the budget, refused before the backend sees it.
     let escaped = r#"{"model":"gpt-test","max_t\u006fkens":20000,"messages":[{"role":"user","content":"x"}]}"#;
@@ -890,7 +901,7 @@ fn a_body_without_a_cap_reaches_the_backend_with_the_reserved_one(form: Form) ->
     assert_eq!(reply.status, 429, "{}", reply.body);
     assert_eq!(
         stub.requests().len(),
-        2,
+        3,
         "the backend saw the refused request"
     );
     Ok(())

@@ -13,7 +13,7 @@ use zerolayer_core::internal;
 use zerolayer_core::metering::logged_usage;
 use zerolayer_core::quota::cut::encode_billed;
 use zerolayer_core::quota::headers::{rate_limit_headers, refusal_reply};
-use zerolayer_core::quota::reserve::with_output_cap;
+use zerolayer_core::quota::reserve::{with_output_cap, with_output_cap_at};
 use zerolayer_core::quota::{
     Identity, Refusal, RefusalKind, RequestBound, Settlement, StoreCall, StreamCut, StreamVerdict,
     Ticket, TokenCounts,
@@ -299,7 +299,13 @@ impl QuotaStream {
     /// (llama.cpp's: until the context is full) stops within it. Only a body
     /// still held whole can be given it; any other is counted and logged.
     fn cap_output(&mut self, host: &mut impl StreamHost, plan: &Plan) {
-        if !plan.config.inject_max_tokens || self.scan.names_output_cap() || self.body_bytes == 0 {
+        // A body naming a cap is left alone, unless its only cap asks for
+        // none (`null`, `-1`): that value is replaced.
+        let open = self.scan.open_output_cap();
+        if !plan.config.inject_max_tokens
+            || (self.scan.names_output_cap() && open.is_none())
+            || self.body_bytes == 0
+        {
             return;
         }
         let (Some(provider), Some(ticket)) = (self.provider, &self.ticket) else {
@@ -312,7 +318,10 @@ impl QuotaStream {
             (Some(size), Some(end)) => host
                 .with_body(Body::Request, size, |body| {
                     (body.len() == size)
-                        .then(|| with_output_cap(provider, body, end, cap))
+                        .then(|| match open {
+                            Some(span) => with_output_cap_at(body, span, cap),
+                            None => with_output_cap(provider, body, end, cap),
+                        })
                         .flatten()
                 })
                 .map(|bytes| (size, bytes)),

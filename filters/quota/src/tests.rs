@@ -457,9 +457,21 @@ fn a_body_without_a_cap_is_given_the_reserved_one_when_configured() {
         ),
         (OPENAI, CHAT, None),
         (OPENAI, r#"{"model":"m","max_t\u006fkens":5}"#, None),
+        // Its only cap asks for none (an SDK's explicit `None`): replaced.
         (
             OPENAI,
             r#"{"model":"m","max_completion_tokens":null}"#,
+            Some(r#"{"model":"m","max_completion_tokens":700}"#),
+        ),
+        (
+            OPENAI,
+            r#"{"model":"m","max_tokens": -1 }"#,
+            Some(r#"{"model":"m","max_tokens": 700 }"#),
+        ),
+        // Two caps: which one the backend reads is its own affair.
+        (
+            OPENAI,
+            r#"{"model":"m","max_tokens":null,"max_completion_tokens":-1}"#,
             None,
         ),
     ] {

@@ -58,7 +58,8 @@ pub struct QuotaConfig {
     /// Adds the output cap reserved (`max_completion_tokens` for OpenAI,
     /// `max_tokens` for Anthropic: the smallest `default_max_output_tokens`
     /// of the enforcing token policies that scope it) to a request body
-    /// that names none, so a backend whose own default is larger stops
+    /// that names none, or puts it in place of its only cap's `null` or
+    /// negative value, so a backend whose own default is larger stops
     /// within the reservation. Off: such a response may settle above its
     /// bound (as debt).
     #[serde(default)]

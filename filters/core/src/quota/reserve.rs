@@ -103,6 +103,20 @@ pub fn with_output_cap(
     Some(out)
 }
 
+/// `body` with the value at `span` (its only cap member's, asking for no
+/// bound: [`RequestScan::open_output_cap`]) replaced by `cap`; `None` when
+/// `span` is not in `body`.
+pub fn with_output_cap_at(body: &[u8], span: std::ops::Range<usize>, cap: u64) -> Option<Vec<u8>> {
+    let before = body.get(..span.start)?;
+    let after = body.get(span.end..)?;
+    let cap = cap.to_string();
+    let mut out = Vec::with_capacity(before.len() + cap.len() + after.len());
+    out.extend_from_slice(before);
+    out.extend_from_slice(cap.as_bytes());
+    out.extend_from_slice(after);
+    Some(out)
+}
+
 /// Tokens of one response by kind, counted the same for every provider:
 /// `input` excludes what the prompt cache served or stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

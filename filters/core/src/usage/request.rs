@@ -108,6 +108,12 @@ pub struct RequestScan {
     max_output: Option<u64>,
     /// Whether a cap member was named at all, read or not.
     names_cap: bool,
+    /// Where the value of the only cap member sits, when there is one and
+    /// it asks for no bound (`null`, a negative number): a cap can be put
+    /// there. `None` once a second cap member is seen.
+    open_cap: Option<std::ops::Range<usize>>,
+    /// Cap members seen (saturating).
+    cap_members: u8,
     /// Whether a cap member holds a value no backend reads as a bound
     /// (`null`, negative, not a number): the backend's own default may
     /// apply, so the policy's default is reserved too.
@@ -135,6 +141,8 @@ impl RequestScan {
             repeated: false,
             max_output: None,
             names_cap: false,
+            open_cap: None,
+            cap_members: 0,
             unread_cap: false,
             root_end: None,
             offset: 0,
@@ -158,12 +166,20 @@ impl RequestScan {
             &mut self.names_cap,
             &mut self.unread_cap,
         );
+        let (open_cap, cap_members) = (&mut self.open_cap, &mut self.cap_members);
         self.scanner.push(chunk, |value| {
             if matches!(
                 value.index,
                 MAX_TOKENS | MAX_COMPLETION_TOKENS | MAX_OUTPUT_TOKENS
             ) {
                 *names_cap = true;
+                *cap_members = cap_members.saturating_add(1);
+                *open_cap = (*cap_members == 1
+                    && value.raw.is_some_and(|raw| {
+                        let raw = raw.trim_ascii();
+                        raw == b"null" || raw.first() == Some(&b'-')
+                    }))
+                .then(|| value.span.clone());
                 // Read without building a `Value`: this runs on every request.
                 let cap = match value.raw {
                     Some(raw) => read_cap(raw),
@@ -242,6 +258,14 @@ impl RequestScan {
     /// own would make an appended one a duplicate).
     pub fn names_output_cap(&self) -> bool {
         self.names_cap
+    }
+
+    /// Where, in the whole body, the value of its only cap member sits when
+    /// that value asks for no bound (`null`, which the OpenAI SDKs send for
+    /// an explicit `None`; a negative number, which llama.cpp reads as "to
+    /// the end of the context"): a cap can replace it in place.
+    pub fn open_output_cap(&self) -> Option<std::ops::Range<usize>> {
+        self.open_cap.clone()
     }
 
     /// Whether the request asks for a streamed response (`stream: true`;
@@ -419,6 +443,23 @@ mod tests {
         );
         let long = format!(r#"{{"max_tokens":1000000.{}}}"#, "0".repeat(80));
         assert_eq!(cap(long.as_bytes()), Some(u64::MAX));
+        // The only cap, asking for none: its value's place is known.
+        for (body, open) in [
+            (&br#"{"max_tokens": null ,"m":1}"#[..], Some(15..19)),
+            (br#"{"max_completion_tokens":-1}"#, Some(25..27)),
+            (br#"{"max_tokens":null,"max_completion_tokens":null}"#, None),
+            (br#"{"max_tokens":5}"#, None),
+            (br#"{"max_tokens":"x"}"#, None),
+        ] {
+            let mut scan = RequestScan::new();
+            scan.push(body);
+            assert_eq!(
+                scan.open_output_cap(),
+                open,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
         // Beside a cap no backend reads, the backend's own default may apply.
         let mut scan = RequestScan::new();
         scan.push(br#"{"max_tokens":100,"max_completion_tokens":null}"#);
