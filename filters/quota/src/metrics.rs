@@ -37,21 +37,30 @@ const PER_POLICY: [(&str, Read); 9] = [
     ("zerolayer_quota_cuts", |s| s.cuts),
 ];
 
+/// How a count without a label is read from the table.
+type ReadTotal = fn(&GatewayQuota) -> u64;
+
+/// Each count without a label: its metric name and how it is read.
+const TOTALS: [(&str, ReadTotal); 6] = [
+    ("zerolayer_quota_store_errors", GatewayQuota::store_errors),
+    (
+        "zerolayer_quota_store_unreachable",
+        GatewayQuota::store_unreachable,
+    ),
+    ("zerolayer_quota_deltas_dropped", |q| {
+        q.orphans().dropped().0
+    }),
+    ("zerolayer_quota_max_tokens_injected", |q| q.caps()[0]),
+    ("zerolayer_quota_max_tokens_not_injected", |q| q.caps()[1]),
+    ("zerolayer_quota_unbounded_refused", GatewayQuota::unbounded),
+];
+
 /// The counters, and what of the table's counts they already carry.
 pub(crate) struct Metrics {
     per_policy: Vec<Counters>,
-    store_errors: Counter,
-    unreachable: Counter,
-    dropped: Counter,
-    /// `[injected, not injected]`.
-    caps: [Counter; 2],
-    unbounded: Counter,
     exported: Vec<PolicyStats>,
-    exported_errors: u64,
-    exported_unreachable: u64,
-    exported_dropped: u64,
-    exported_caps: [u64; 2],
-    exported_unbounded: u64,
+    /// Each of [`TOTALS`]: its counter and the count it already carries.
+    totals: Vec<(Counter, u64)>,
 }
 
 impl Metrics {
@@ -62,20 +71,11 @@ impl Metrics {
                 .iter()
                 .map(|(metric, _)| Counters::labelled(host, WHO, metric, "policy", &names))
                 .collect(),
-            store_errors: Counter::define(host, WHO, "zerolayer_quota_store_errors"),
-            unreachable: Counter::define(host, WHO, "zerolayer_quota_store_unreachable"),
-            dropped: Counter::define(host, WHO, "zerolayer_quota_deltas_dropped"),
-            caps: [
-                Counter::define(host, WHO, "zerolayer_quota_max_tokens_injected"),
-                Counter::define(host, WHO, "zerolayer_quota_max_tokens_not_injected"),
-            ],
-            unbounded: Counter::define(host, WHO, "zerolayer_quota_unbounded_refused"),
             exported: vec![PolicyStats::default(); policies.len()],
-            exported_errors: 0,
-            exported_unreachable: 0,
-            exported_dropped: 0,
-            exported_caps: [0; 2],
-            exported_unbounded: 0,
+            totals: TOTALS
+                .iter()
+                .map(|(metric, _)| (Counter::define(host, WHO, metric), 0))
+                .collect(),
         }
     }
 
@@ -91,35 +91,15 @@ impl Metrics {
             }
             *exported = now;
         }
-        let errors = quota.store_errors();
-        self.store_errors
-            .add(errors.saturating_sub(self.exported_errors));
-        self.exported_errors = errors;
-        let unreachable = quota.store_unreachable();
-        self.unreachable
-            .add(unreachable.saturating_sub(self.exported_unreachable));
-        self.exported_unreachable = unreachable;
-        let (dropped, _) = quota.orphans().dropped();
-        self.dropped
-            .add(dropped.saturating_sub(self.exported_dropped));
-        self.exported_dropped = dropped;
-        let caps = quota.caps();
-        for ((counter, now), exported) in self.caps.iter().zip(caps).zip(&mut self.exported_caps) {
+        for ((_, read), (counter, exported)) in TOTALS.iter().zip(&mut self.totals) {
+            let now = read(quota);
             counter.add(now.saturating_sub(*exported));
             *exported = now;
         }
-        let unbounded = quota.unbounded();
-        self.unbounded
-            .add(unbounded.saturating_sub(self.exported_unbounded));
-        self.exported_unbounded = unbounded;
         for counters in &self.per_policy {
             counters.flush(host);
         }
-        self.unbounded.flush(host);
-        self.store_errors.flush(host);
-        self.unreachable.flush(host);
-        self.dropped.flush(host);
-        for counter in &self.caps {
+        for (counter, _) in &self.totals {
             counter.flush(host);
         }
     }

@@ -105,11 +105,20 @@ impl Gateway {
         }
     }
 
-    /// A POST of `body` to `path` by `identity` (lazy-auth's property);
-    /// returns the stream and what its request callbacks returned.
-    fn ask(&mut self, path: &str, identity: &str, body: &str) -> (Stream, Action) {
+    /// The scripts loaded and acme's lease filled: its first request (which
+    /// waits for the grant, and is dropped) and a sync.
+    fn fill_lease(&mut self) {
+        self.answer_store();
+        let _ = self.ask(OPENAI, ACME, CHAT);
+        self.sync();
+    }
+
+    /// A new POST to `path` by `identity` (lazy-auth's property) with
+    /// `headers` besides: its stream, no callback run yet.
+    fn open(&mut self, path: &str, identity: &str, headers: &[(&str, &str)]) -> Stream {
         self.host.request_headers = [(":method", "POST"), (":path", path)]
             .iter()
+            .chain(headers)
             .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
             .collect();
         self.host.sent.clear();
@@ -117,7 +126,13 @@ impl Gateway {
         self.host
             .properties
             .insert(internal::AUTH_PROPERTY.into(), identity.as_bytes().to_vec());
-        let mut stream = RootStage::<FakeHost>::stream(&self.root, 1);
+        RootStage::<FakeHost>::stream(&self.root, 1)
+    }
+
+    /// A POST of `body` to `path` by `identity` (lazy-auth's property);
+    /// returns the stream and what its request callbacks returned.
+    fn ask(&mut self, path: &str, identity: &str, body: &str) -> (Stream, Action) {
+        let mut stream = self.open(path, identity, &[]);
         assert_eq!(
             stream.request_headers(&mut self.host, false),
             Action::Pause,
@@ -319,9 +334,7 @@ fn a_grant_that_does_not_come_in_time_is_a_429_with_retry_after() {
 #[test]
 fn an_exhausted_budget_is_an_insufficient_quota_429_that_says_not_to_retry() {
     let mut gw = Gateway::new(&daily(200));
-    gw.answer_store();
-    let _ = gw.ask(OPENAI, ACME, CHAT);
-    gw.sync();
+    gw.fill_lease();
     // 200 tokens cannot hold two reservations of ~180.
     let (mut first, action) = gw.ask(OPENAI, ACME, CHAT);
     assert_eq!(action, Action::Continue);
@@ -421,9 +434,7 @@ fn a_forged_claim_spends_only_the_unverified_budget() {
 #[test]
 fn a_request_without_max_tokens_reserves_the_default_cap() {
     let mut gw = Gateway::new(&daily(100_000));
-    gw.answer_store();
-    let _ = gw.ask(OPENAI, ACME, CHAT);
-    gw.sync();
+    gw.fill_lease();
     let body = r#"{"model":"m","messages":[]}"#;
     let (stream, action) = gw.ask(OPENAI, ACME, body);
     assert_eq!(action, Action::Continue);
@@ -441,9 +452,7 @@ fn a_body_without_a_cap_is_given_the_reserved_one_when_configured() {
     config["inject_max_tokens"] = json!(true);
     config["policies"][0]["default_max_output_tokens"] = json!(700);
     let mut gw = Gateway::new(&config);
-    gw.answer_store();
-    let _ = gw.ask(OPENAI, ACME, CHAT);
-    gw.sync();
+    gw.fill_lease();
     for (path, body, want) in [
         (
             OPENAI,
@@ -485,9 +494,7 @@ fn a_body_without_a_cap_is_given_the_reserved_one_when_configured() {
     }
     // Off (the default): nothing is added.
     let mut gw = Gateway::new(&daily(100_000));
-    gw.answer_store();
-    let _ = gw.ask(OPENAI, ACME, CHAT);
-    gw.sync();
+    gw.fill_lease();
     let body = r#"{"model":"m","messages":[]}"#;
     let _ = gw.ask(OPENAI, ACME, body);
     assert_eq!(gw.host.request_body, body.as_bytes());
@@ -498,20 +505,11 @@ fn a_body_that_went_on_in_pieces_is_counted_as_not_given_a_cap() {
     let mut config = daily(100_000);
     config["inject_max_tokens"] = json!(true);
     let mut gw = Gateway::new(&config);
-    gw.answer_store();
-    let _ = gw.ask(OPENAI, ACME, CHAT);
-    gw.sync();
+    gw.fill_lease();
     // A host that cannot hold the headers (ngx_wasm_module) handed the
     // body over in two pieces: the first went on.
-    gw.host.request_headers = [(":method", "POST"), (":path", OPENAI)]
-        .iter()
-        .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
-        .collect();
-    gw.host
-        .properties
-        .insert(internal::AUTH_PROPERTY.into(), ACME.as_bytes().to_vec());
     gw.host.platform = zerolayer_host::Platform::NgxWasm;
-    let mut stream = RootStage::<FakeHost>::stream(&gw.root, 1);
+    let mut stream = gw.open(OPENAI, ACME, &[]);
     assert_eq!(
         stream.request_headers(&mut gw.host, false),
         Action::Continue
@@ -547,19 +545,7 @@ fn gzip(data: &[u8]) -> Vec<u8> {
 
 /// A POST of `body` (raw bytes) with `content-encoding: coding`.
 fn ask_coded(gw: &mut Gateway, coding: &str, body: &[u8]) -> (Stream, Action) {
-    gw.host.request_headers = [
-        (":method", "POST"),
-        (":path", OPENAI),
-        ("content-encoding", coding),
-    ]
-    .iter()
-    .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
-    .collect();
-    gw.host.sent.clear();
-    gw.host
-        .properties
-        .insert(internal::AUTH_PROPERTY.into(), ACME.as_bytes().to_vec());
-    let mut stream = RootStage::<FakeHost>::stream(&gw.root, 1);
+    let mut stream = gw.open(OPENAI, ACME, &[("content-encoding", coding)]);
     assert_eq!(stream.request_headers(&mut gw.host, false), Action::Pause);
     gw.host.request_body = body.to_vec();
     let action = stream.request_body(&mut gw.host, body.len(), true);
@@ -576,9 +562,7 @@ fn a_compressed_body_is_bounded_by_what_it_decodes_to() {
     let mut config = daily(100_000_000);
     config["inject_max_tokens"] = json!(true);
     let mut gw = Gateway::new(&config);
-    gw.answer_store();
-    let _ = gw.ask(OPENAI, ACME, CHAT);
-    gw.sync();
+    gw.fill_lease();
     let prompt = "a".repeat(50_000);
     let plain =
         json!({"model": "m", "max_tokens": 7, "messages": [{"role": "user", "content": prompt}]})
@@ -623,9 +607,7 @@ fn a_compressed_body_is_bounded_by_what_it_decodes_to() {
         "policies": [{"name": "rpm", "scope": ["tenant"], "unit": "requests",
                       "limit": {"rate": {"amount": 100, "per": "minute"}}}]
     }));
-    gw.answer_store();
-    let _ = gw.ask(OPENAI, ACME, CHAT);
-    gw.sync();
+    gw.fill_lease();
     let (_, action) = ask_coded(&mut gw, "br", b"\x0b\x02\x80{}\x03");
     assert_eq!(action, Action::Continue);
     assert!(gw.host.sent.is_empty());
@@ -646,9 +628,7 @@ fn requests_that_are_not_llm_calls_pass_untouched() {
 #[test]
 fn metrics_per_policy_reach_the_host_on_tick() {
     let mut gw = Gateway::new(&daily(100_000));
-    gw.answer_store();
-    let _ = gw.ask(OPENAI, ACME, CHAT);
-    gw.sync();
+    gw.fill_lease();
     let (mut stream, _) = gw.ask(OPENAI, ACME, CHAT);
     gw.answer(
         &mut stream,
@@ -674,9 +654,7 @@ fn metrics_per_policy_reach_the_host_on_tick() {
 #[test]
 fn a_store_that_never_answers_adds_no_wait_and_no_error_while_leases_last() {
     let mut gw = Gateway::new(&daily(100_000));
-    gw.answer_store();
-    let _ = gw.ask(OPENAI, ACME, CHAT);
-    gw.sync();
+    gw.fill_lease();
     // From now on every call is dispatched and never answered.
     for _ in 0..4 {
         gw.host.advance(Duration::from_millis(500));
@@ -693,9 +671,7 @@ fn a_store_that_never_answers_adds_no_wait_and_no_error_while_leases_last() {
 #[test]
 fn a_stream_dropped_without_its_log_gives_its_reservation_back() {
     let mut gw = Gateway::new(&daily(100_000));
-    gw.answer_store();
-    let _ = gw.ask(OPENAI, ACME, CHAT);
-    gw.sync();
+    gw.fill_lease();
     let (stream, _) = gw.ask(OPENAI, ACME, CHAT);
     drop(stream);
     let quota = gw.root.quota().unwrap();

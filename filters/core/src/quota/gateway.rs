@@ -88,6 +88,12 @@ pub struct PolicySpec {
 }
 
 impl PolicySpec {
+    /// Whether it can refuse a request for its tokens: it enforces (a
+    /// shadow policy limits nothing) and counts tokens.
+    pub fn limits_tokens(&self) -> bool {
+        self.mode == Mode::Enforce && self.cost.counts_tokens()
+    }
+
     /// What a request reserves: its upper bound, or for a stream under
     /// `stream: hard` only its input bound (the output is drawn as it comes).
     pub fn reservation(&self, model: Option<&str>, bound: &RequestBound, stream: bool) -> u64 {
@@ -523,9 +529,7 @@ impl GatewayQuota {
     /// Whether an enforcing policy counts tokens: a request body whose size
     /// cannot be bounded (an unreadable coding) is then refused.
     pub fn bounds_input(&self) -> bool {
-        self.policies
-            .iter()
-            .any(|p| p.mode == Mode::Enforce && p.cost.counts_tokens())
+        self.policies.iter().any(PolicySpec::limits_tokens)
     }
 
     /// Counts a request refused because its body could not be bounded.
@@ -831,7 +835,7 @@ impl GatewayQuota {
         ticket
             .policies()
             .filter_map(|index| self.policies.get(index))
-            .filter(|p| p.mode == Mode::Enforce && p.cost.counts_tokens())
+            .filter(|p| p.limits_tokens())
             .map(|p| p.default_max_output_tokens)
             .min()
     }

@@ -96,23 +96,22 @@ pub fn with_output_cap(
         Provider::Anthropic => "max_tokens",
     };
     let member = format!("{}\"{name}\":{cap}", if empty { "" } else { "," });
-    let mut out = Vec::with_capacity(body.len() + member.len());
-    out.extend_from_slice(before);
-    out.extend_from_slice(member.as_bytes());
-    out.extend_from_slice(body.get(root_end..)?);
-    Some(out)
+    splice(body, root_end..root_end, member.as_bytes())
 }
 
 /// `body` with the value at `span` (its only cap member's, asking for no
 /// bound: [`RequestScan::open_output_cap`]) replaced by `cap`; `None` when
 /// `span` is not in `body`.
 pub fn with_output_cap_at(body: &[u8], span: std::ops::Range<usize>, cap: u64) -> Option<Vec<u8>> {
-    let before = body.get(..span.start)?;
-    let after = body.get(span.end..)?;
-    let cap = cap.to_string();
-    let mut out = Vec::with_capacity(before.len() + cap.len() + after.len());
+    splice(body, span, cap.to_string().as_bytes())
+}
+
+/// `body` with `span` replaced by `bytes` (`None` when `span` is not in it).
+fn splice(body: &[u8], span: std::ops::Range<usize>, bytes: &[u8]) -> Option<Vec<u8>> {
+    let (before, after) = (body.get(..span.start)?, body.get(span.end..)?);
+    let mut out = Vec::with_capacity(before.len() + bytes.len() + after.len());
     out.extend_from_slice(before);
-    out.extend_from_slice(cap.as_bytes());
+    out.extend_from_slice(bytes);
     out.extend_from_slice(after);
     Some(out)
 }

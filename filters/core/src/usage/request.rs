@@ -106,8 +106,6 @@ pub struct RequestScan {
     /// The largest output cap named (any of the three members, any number
     /// of times: the backend reads one of them, the bound must cover it).
     max_output: Option<u64>,
-    /// Whether a cap member was named at all, read or not.
-    names_cap: bool,
     /// Where the value of the only cap member sits, when there is one and
     /// it asks for no bound (`null`, a negative number): a cap can be put
     /// there. `None` once a second cap member is seen.
@@ -140,7 +138,6 @@ impl RequestScan {
             stream_options: None,
             repeated: false,
             max_output: None,
-            names_cap: false,
             open_cap: None,
             cap_members: 0,
             unread_cap: false,
@@ -157,13 +154,12 @@ impl RequestScan {
         if self.scanner.done() {
             return None;
         }
-        let (model, stream, options, repeated, max_output, names_cap, unread_cap) = (
+        let (model, stream, options, repeated, max_output, unread_cap) = (
             &mut self.model,
             &mut self.stream,
             &mut self.stream_options,
             &mut self.repeated,
             &mut self.max_output,
-            &mut self.names_cap,
             &mut self.unread_cap,
         );
         let (open_cap, cap_members) = (&mut self.open_cap, &mut self.cap_members);
@@ -172,7 +168,6 @@ impl RequestScan {
                 value.index,
                 MAX_TOKENS | MAX_COMPLETION_TOKENS | MAX_OUTPUT_TOKENS
             ) {
-                *names_cap = true;
                 *cap_members = cap_members.saturating_add(1);
                 *open_cap = (*cap_members == 1
                     && value.raw.is_some_and(|raw| {
@@ -257,7 +252,7 @@ impl RequestScan {
     /// Whether the body names any of the three cap members (a member of its
     /// own would make an appended one a duplicate).
     pub fn names_output_cap(&self) -> bool {
-        self.names_cap
+        self.cap_members > 0
     }
 
     /// Where, in the whole body, the value of its only cap member sits when
@@ -328,10 +323,6 @@ fn read_cap(raw: &[u8]) -> Option<u64> {
     }
     let text: String = serde_json::from_slice::<String>(raw).ok()?;
     let digits: String = text.trim().chars().filter(|c| *c != '_').collect();
-    // A number too large for u64 still names more than any bound covers.
-    if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
-        return Some(digits.parse::<u64>().unwrap_or(u64::MAX));
-    }
     parse_u64(digits.as_bytes())
 }
 
