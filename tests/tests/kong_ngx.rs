@@ -1266,6 +1266,65 @@ fn daily_tokens_capped(sections: &mut Value) {
     }]);
 }
 
+fn with_unverified_budget(sections: &mut Value) {
+    sections["quota"]["unverified"] =
+        json!({"unit": "tokens", "limit": {"budget": {"amount": 100_000, "window": "day"}}});
+}
+
+/// lazy-auth as shipped admits a credential's first request before it is
+/// verified: quota reserves it from `unverified`, then settles its usage to
+/// the tenant the verification found (read from lazy-auth's verdicts at the
+/// response's end or at a later tick).
+#[test]
+fn quota_a_lazily_admitted_requests_usage_settles_to_the_tenant_verification_finds() -> Result<()> {
+    let options = KongChainOptions {
+        quota: true,
+        configure: Some(with_unverified_budget),
+        ..KongChainOptions::default()
+    };
+    both_forms(options, |chain: &mut KongChain| {
+        let store = chain.quota_store.as_ref().context("quota's Redis")?;
+        let total = |policy: &str| store.budget_total(&format!("{QUOTA_PREFIX}{{{policy}:"));
+        let bearer = chain::Chain::bearer("late", "latecorp");
+        let reply = chain.post(
+            "quota-late",
+            "/v1/messages",
+            &[("authorization", &bearer), ("x-request-id", "quota-late")],
+            &anthropic("quota-late", false),
+        )?;
+        ensure!(
+            reply.status == 200,
+            "{}: {} {}",
+            chain.form,
+            reply.status,
+            reply.body
+        );
+        let (input, output) = chain::reported_usage(&reply.body)?;
+        let used = (input + output) as i64;
+        // It was admitted lazily: reserved from `unverified` (whose lease
+        // it asked Redis for).
+        let unverified_keys = store.command(&["KEYS", &format!("{QUOTA_PREFIX}{{unverified:*")])?;
+        ensure!(
+            matches!(&unverified_keys, zerolayer_core::quota::store::Reply::Array(Some(k)) if !k.is_empty()),
+            "{}: no unverified lease was asked for: {unverified_keys:?}",
+            chain.form
+        );
+        wait::until(
+            "latecorp's counter to hold its lazily admitted request",
+            Duration::from_secs(20),
+            || Ok((total("daily")? == used && total("unverified")? == 0).then_some(())),
+        )
+        .with_context(|| {
+            format!(
+                "{}: used {used}; Redis daily {:?}, unverified {:?}",
+                chain.form,
+                total("daily"),
+                total("unverified")
+            )
+        })
+    })
+}
+
 /// `inject_max_tokens`: a body naming no cap reaches the backend with the
 /// one it was reserved at. Not the tenant's first request: that one waits
 /// for its lease, and ngx_wasm_module takes no body back from a callout's

@@ -6,10 +6,14 @@
 //! was spent.
 
 use serde_json::json;
+use zerolayer_core::auth::attribution::PendingCredential;
+use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
+use zerolayer_core::auth::verdict::Verdict;
 use zerolayer_core::quota::config::QuotaConfig;
 use zerolayer_core::quota::gateway::{
     CallTarget, GatewayQuota, Identity, RefusalKind, Settlement, StoreCall, StreamVerdict,
 };
+use zerolayer_core::quota::late::{LATE_HORIZON_MS, LateCounts, LateScope, MAX_AWAITING};
 use zerolayer_core::quota::reserve::{RequestBound, TokenCounts};
 use zerolayer_core::quota::store::{CounterKeys, ModelStore, Reply, StoreError};
 
@@ -155,23 +159,174 @@ fn unverified_requests_never_spend_the_tenant_they_claim() {
     }
     assert_eq!(admitted, 3, "the unverified budget: 3 a day, fleet-wide");
     assert_eq!(q.stats(0).admitted, 0, "the victim's budget untouched");
-    // Verified, the tenant's own policy only; usage admitted before
-    // verification is charged to the tenant found.
+    // Verified, the tenant's own policy only.
     let t = q.reserve(&tenant("victim"), &bound, false, T0 + 100);
     assert!(
         matches!(t, Err(ref r) if r.policy == 0),
         "the tenant's lease: refilling"
     );
-    q.charge(
-        &tenant("victim"),
-        &TokenCounts {
-            input: 50,
-            output: 5,
-            ..Default::default()
-        },
-        T0 + 100,
+}
+
+/// A credential lazy-auth admitted before verifying it, and its verdict
+/// entry when valid for tenant `acme` (`Some(true)`) or invalid.
+fn lazy_credential(valid: Option<bool>, now_ms: u64) -> (PendingCredential, Option<Vec<u8>>) {
+    let hash = TokenHash::credential(CredentialKind::ApiKey, b"sk-late");
+    let pending = PendingCredential { hash, slots: 16 };
+    let now = now_ms / 1000;
+    let entry = valid.map(|valid| match valid {
+        true => Verdict::valid(&hash, now, None, 300, Some("acme".into()), None).encode(),
+        false => Verdict::invalid(&hash, now, 60, "inactive").encode(),
+    });
+    (pending, entry)
+}
+
+/// `daily` with a 100,000-token unverified budget, both leases filled at
+/// `T0` (as large as the fleet allows: a spray holds many reservations).
+fn late_quota(store: &mut ModelStore) -> GatewayQuota {
+    let mut q = quota(json!({
+        "store": {"cluster": "webdis", "path": "/", "expected_gateways": 1,
+                  "lease": {"max_percent": 100}},
+        "unverified": {"unit": "tokens", "limit": {"budget": {"amount": 100_000, "window": "day"}}},
+        "policies": [{"name": "daily", "scope": ["tenant"], "unit": "tokens",
+                      "limit": {"budget": {"amount": 100_000, "window": "day"}}}]
+    }));
+    let bound = RequestBound::new(100, Some(10));
+    let _ = q.reserve(&tenant("acme"), &bound, false, T0);
+    let _ = q.reserve(&Identity::default(), &bound, false, T0);
+    sync(&mut q, store, T0);
+    q
+}
+
+fn lazily_admitted(q: &mut GatewayQuota, now: u64) -> zerolayer_core::quota::Ticket {
+    let claimed = Identity {
+        tenant: Some("mallory"),
+        model: Some("m"),
+        ..Identity::default()
+    };
+    let ticket = q
+        .reserve(&claimed, &RequestBound::new(100, Some(10)), false, now)
+        .expect("the unverified lease covers it");
+    assert_eq!(
+        ticket.policies().collect::<Vec<_>>(),
+        [1],
+        "only `unverified`"
     );
-    assert_eq!(q.stats(0).settled, 55);
+    ticket
+}
+
+fn late_scope() -> LateScope {
+    LateScope {
+        model: Some("m".into()),
+        ..LateScope::default()
+    }
+}
+
+#[test]
+fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_have() {
+    let mut store = ModelStore::new();
+    let mut q = late_quota(&mut store);
+    // Verified by the time its response ends: acme's, never mallory's
+    // claim, and nothing left in `unverified`.
+    let ticket = lazily_admitted(&mut q, T0 + 1);
+    let (credential, entry) = lazy_credential(Some(true), T0);
+    q.settle_lazily(
+        ticket,
+        usage(50, 5),
+        credential,
+        late_scope(),
+        entry.as_deref(),
+        T0 + 2,
+    );
+    assert_eq!(q.stats(0).settled, 55, "acme's budget charged");
+    assert_eq!(q.stats(1).settled, 0, "unverified released");
+    assert_eq!(q.stats(1).refunded, 110, "its whole reservation");
+    assert_eq!(q.late().counts().verified, 1);
+    // Invalid: `unverified`'s for good.
+    let ticket = lazily_admitted(&mut q, T0 + 3);
+    let (credential, entry) = lazy_credential(Some(false), T0);
+    q.settle_lazily(
+        ticket,
+        usage(50, 5),
+        credential,
+        late_scope(),
+        entry.as_deref(),
+        T0 + 4,
+    );
+    assert_eq!((q.stats(0).settled, q.stats(1).settled), (55, 55));
+    // Not verified yet: it waits, its reservation held, until a sync reads
+    // the verdict.
+    let ticket = lazily_admitted(&mut q, T0 + 5);
+    let (credential, entry) = lazy_credential(Some(true), T0);
+    q.settle_lazily(ticket, usage(20, 2), credential, late_scope(), None, T0 + 6);
+    assert_eq!(q.late().len(), 1);
+    q.settle_late(T0 + 100, |_| None);
+    assert_eq!(q.late().len(), 1, "still pending");
+    let mut asked = Vec::new();
+    q.settle_late(T0 + 200, |key| {
+        asked.push(key.to_string());
+        entry.clone()
+    });
+    assert_eq!(asked, [credential.verdict_key()]);
+    assert!(q.late().is_empty());
+    assert_eq!((q.stats(0).settled, q.stats(1).settled), (77, 55));
+    assert_eq!(
+        q.late().counts(),
+        LateCounts {
+            verified: 2,
+            unverified: 1
+        }
+    );
+    // The store's counters come to exactly that once idle leases return.
+    for t in [T0 + 1_000, T0 + 400_000] {
+        sync(&mut q, &mut store, t);
+    }
+    assert_eq!(
+        counter(&store, "daily", &q, b"\x01\x04acme", 20_261_203),
+        77
+    );
+    assert_eq!(counter(&store, "unverified", &q, b"", 20_261_203), 55);
+}
+
+#[test]
+fn a_verdict_that_never_comes_leaves_the_usage_unverified_and_the_wait_is_bounded() {
+    let mut store = ModelStore::new();
+    let mut q = late_quota(&mut store);
+    let (credential, _) = lazy_credential(None, T0);
+    let ticket = lazily_admitted(&mut q, T0 + 1);
+    q.settle_lazily(ticket, usage(50, 5), credential, late_scope(), None, T0 + 1);
+    q.settle_late(T0 + 1 + LATE_HORIZON_MS - 1, |_| None);
+    assert_eq!(q.late().len(), 1);
+    q.settle_late(T0 + 1 + LATE_HORIZON_MS, |_| None);
+    assert!(q.late().is_empty(), "settled past the horizon");
+    assert_eq!((q.stats(0).settled, q.stats(1).settled), (0, 55));
+    // A spray of fresh credentials: never more than MAX_AWAITING wait; the
+    // oldest settle to `unverified` as new ones come.
+    let spray = MAX_AWAITING + 50;
+    for n in 0..spray {
+        let ticket = lazily_admitted(&mut q, T0 + 10);
+        let hash = TokenHash::credential(CredentialKind::ApiKey, format!("sk-{n}").as_bytes());
+        let credential = PendingCredential { hash, slots: 16 };
+        q.settle_lazily(ticket, usage(1, 0), credential, late_scope(), None, T0 + 10);
+        assert!(q.late().len() <= MAX_AWAITING);
+    }
+    assert_eq!(q.late().len(), MAX_AWAITING);
+    assert_eq!(q.stats(1).settled, 55 + 50);
+    // Unknown usage is not moved: charged as reserved, to `unverified`.
+    let ticket = lazily_admitted(&mut q, T0 + 20);
+    let (credential, entry) = lazy_credential(Some(true), T0);
+    q.settle_lazily(
+        ticket,
+        Settlement::Unknown,
+        credential,
+        late_scope(),
+        entry.as_deref(),
+        T0 + 20,
+    );
+    assert_eq!((q.stats(0).settled, q.stats(1).settled), (0, 55 + 50 + 110));
+    // Retiring the table settles what still waits.
+    q.retire(T0 + 30);
+    assert!(q.late().is_empty());
+    assert_eq!(q.stats(1).settled, 55 + 50 + 110 + MAX_AWAITING as u64);
 }
 
 #[test]

@@ -297,6 +297,15 @@ impl QuotaRoot {
         let Some(plan) = self.plan.clone().filter(|_| self.syncs) else {
             return;
         };
+        // Requests admitted before verification whose verdict had not
+        // come by their response's end: read again (the root that syncs a
+        // shared table reads the process's verdicts too).
+        let now = host.now_ms();
+        let mut quota = plan.quota();
+        if !quota.late().is_empty() {
+            quota.settle_late(now, |key| host.shared_get(key).0);
+        }
+        drop(quota);
         let timeout = Duration::from_millis(u64::from(plan.config.store.endpoint.timeout_ms));
         let mut sent = Vec::new();
         plan.send_due(host, timeout, false, &mut sent);

@@ -13,7 +13,9 @@
 //! (`inject_max_tokens`: bodies given the reserved cap, and those that
 //! could not be given it), `zerolayer_quota_unbounded_refused` (request
 //! bodies whose size could not be bounded: a coding other than gzip and
-//! deflate, or one decoding past 16 MiB).
+//! deflate, or one decoding past 16 MiB), `zerolayer_quota_late_verified`
+//! and `_late_unverified` (requests admitted before verification, settled
+//! to the tenant verification found, or left to `unverified`).
 
 use zerolayer_core::quota::GatewayQuota;
 use zerolayer_core::quota::gateway::{PolicySpec, PolicyStats};
@@ -41,7 +43,7 @@ const PER_POLICY: [(&str, Read); 9] = [
 type ReadTotal = fn(&GatewayQuota) -> u64;
 
 /// Each count without a label: its metric name and how it is read.
-const TOTALS: [(&str, ReadTotal); 6] = [
+const TOTALS: [(&str, ReadTotal); 8] = [
     ("zerolayer_quota_store_errors", GatewayQuota::store_errors),
     (
         "zerolayer_quota_store_unreachable",
@@ -53,6 +55,12 @@ const TOTALS: [(&str, ReadTotal); 6] = [
     ("zerolayer_quota_max_tokens_injected", |q| q.caps()[0]),
     ("zerolayer_quota_max_tokens_not_injected", |q| q.caps()[1]),
     ("zerolayer_quota_unbounded_refused", GatewayQuota::unbounded),
+    ("zerolayer_quota_late_verified", |q| {
+        q.late().counts().verified
+    }),
+    ("zerolayer_quota_late_unverified", |q| {
+        q.late().counts().unverified
+    }),
 ];
 
 /// The counters, and what of the table's counts they already carry.

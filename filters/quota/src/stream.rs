@@ -6,6 +6,7 @@
 use std::rc::Rc;
 
 use sha2::{Digest, Sha256};
+use zerolayer_core::auth::attribution::PendingCredential;
 use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::encoding::{BodyDecoder, ContentCoding, DecodeError, MAX_DECODED_BYTES};
@@ -15,8 +16,8 @@ use zerolayer_core::quota::cut::encode_billed;
 use zerolayer_core::quota::headers::{rate_limit_headers, refusal_reply};
 use zerolayer_core::quota::reserve::{with_output_cap, with_output_cap_at};
 use zerolayer_core::quota::{
-    Identity, Refusal, RefusalKind, RequestBound, Settlement, StoreCall, StreamCut, StreamVerdict,
-    Ticket, TokenCounts,
+    Identity, LateScope, Refusal, RefusalKind, RequestBound, Settlement, StoreCall, StreamCut,
+    StreamVerdict, Ticket, TokenCounts,
 };
 use zerolayer_core::usage::{
     Missing, RequestScan, ResponseFormat, StreamedInjection, Usage, UsageExtractor,
@@ -38,6 +39,10 @@ const MIN_WAIT_MS: u64 = 10;
 #[derive(Default)]
 struct Who {
     verified: bool,
+    /// A credential lazy-auth admitted before verifying it (the request is
+    /// unverified): its verdict decides, once the response ends, whether
+    /// the usage goes to the tenant it turns out to have.
+    pending: Option<PendingCredential>,
     tenant: Option<String>,
     subject: Option<String>,
     credential: Option<[u8; 32]>,
@@ -152,7 +157,9 @@ impl QuotaStream {
     /// Who the request is: lazy-auth's verdict (an unreadable or missing one
     /// counts as unverified: a scope is never taken from a claim), the
     /// credential's hash and the route when a policy names them, the
-    /// trusted headers' values.
+    /// trusted headers' values; for a credential admitted before its
+    /// verification, where its verdict will be (only with an `unverified`
+    /// budget: without one such a request holds no reservation).
     fn identify(&mut self, host: &mut impl StreamHost, plan: &Plan) {
         let identity = host
             .property(internal::AUTH_PROPERTY)
@@ -169,7 +176,12 @@ impl QuotaStream {
                 _ => {}
             }
         }
-        if plan.needs_credential && self.who.verified {
+        if !self.who.verified && plan.config.unverified.is_some() {
+            self.who.pending = host
+                .property(internal::CREDENTIAL_PROPERTY)
+                .and_then(|v| PendingCredential::parse(&v));
+        }
+        if plan.needs_credential && (self.who.verified || self.who.pending.is_some()) {
             self.who.credential = ["authorization", "x-api-key"]
                 .iter()
                 .find_map(|name| host.request_header(name))
@@ -591,14 +603,26 @@ impl QuotaStream {
         );
     }
 
-    /// Settles the reservation (once).
-    fn settle(&mut self, now_ms: u64, handed_off: Option<Usage>) {
+    /// Settles the reservation (once); a lazily admitted request's as its
+    /// credential's `verdict` (the verdict store's entry, if read) decides.
+    fn settle(&mut self, now_ms: u64, handed_off: Option<Usage>, verdict: Option<&[u8]>) {
         let (Some(plan), Some(ticket)) = (self.plan.clone(), self.ticket.take()) else {
             return;
         };
         let settlement = self.settlement(handed_off);
+        let Some(credential) = self.who.pending else {
+            plan.quota()
+                .settle(*ticket, self.model.as_deref(), settlement, now_ms);
+            return;
+        };
+        let scope = LateScope {
+            credential: self.who.credential,
+            model: self.model.take(),
+            route: self.who.route.take(),
+            headers: std::mem::take(&mut self.who.headers),
+        };
         plan.quota()
-            .settle(*ticket, self.model.as_deref(), settlement, now_ms);
+            .settle_lazily(*ticket, settlement, credential, scope, verdict, now_ms);
     }
 }
 
@@ -776,7 +800,13 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
             host.property(internal::USAGE_PROPERTY)
                 .and_then(|entry| logged_usage(&entry))
         };
-        self.settle(now, handed_off);
+        // A lazily admitted request's credential is usually verified by
+        // now (lazy-auth verifies it as the request goes on).
+        let verdict = self
+            .who
+            .pending
+            .and_then(|p| host.shared_get(&p.verdict_key()).0);
+        self.settle(now, handed_off, verdict.as_deref());
     }
 }
 
@@ -792,7 +822,7 @@ impl Drop for QuotaStream {
             }
         }
         if self.ticket.is_some() {
-            self.settle(now, None);
+            self.settle(now, None, None);
         }
     }
 }

@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use zerolayer_core::internal;
 use zerolayer_core::quota::store::ModelStore;
 use zerolayer_core::usage::{Missing, PartialUsage, Usage};
-use zerolayer_host::{Action, FakeHost, RootStage, StreamStage};
+use zerolayer_host::{Action, FakeHost, Host, RootStage, StreamStage};
 
 use crate::QuotaRoot;
 
@@ -429,6 +429,69 @@ fn a_forged_claim_spends_only_the_unverified_budget() {
         Action::Pause
     );
     assert_eq!(gw.host.sent[0].status, 429);
+}
+
+/// A request lazy-auth admitted before verifying its credential (claiming
+/// mallory), its verdict (valid for acme) written when `verdict_at_log`
+/// before its log, else only before the next tick; returns its stream.
+fn lazily_admitted(gw: &mut Gateway, key: &[u8], verdict_at_log: bool) {
+    use zerolayer_core::auth::attribution::PendingCredential;
+    use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
+    use zerolayer_core::auth::verdict::Verdict;
+    let hash = TokenHash::credential(CredentialKind::ApiKey, key);
+    let pending = PendingCredential { hash, slots: 16 };
+    // A 3-request unverified budget leases one request at a time.
+    gw.host.advance(Duration::from_millis(500));
+    gw.sync();
+    let mut stream = gw.open(OPENAI, "unverified tenant=mallory", &[]);
+    gw.host
+        .properties
+        .insert(internal::CREDENTIAL_PROPERTY.into(), pending.render());
+    assert_eq!(stream.request_headers(&mut gw.host, false), Action::Pause);
+    gw.host.request_body = CHAT.as_bytes().to_vec();
+    if stream.request_body(&mut gw.host, CHAT.len(), true) == Action::Pause {
+        // The unverified lease's first request waits for its grant.
+        gw.answer_store_to(Some(&mut stream));
+    }
+    assert!(gw.host.sent.is_empty(), "admitted");
+    let now = gw.host.now_secs();
+    let verdict = Verdict::valid(&hash, now, None, 300, Some("acme".into()), None);
+    if verdict_at_log {
+        gw.host
+            .shared_put(&pending.verdict_key(), &verdict.encode());
+    }
+    gw.answer(
+        &mut stream,
+        json!({"prompt_tokens": 7, "completion_tokens": 5}),
+    );
+    let late = gw.root.quota().unwrap().late().len();
+    assert_eq!(late, usize::from(!verdict_at_log), "awaits its verdict");
+    gw.host
+        .shared_put(&pending.verdict_key(), &verdict.encode());
+    gw.host.properties.remove(internal::CREDENTIAL_PROPERTY);
+}
+
+#[test]
+fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_have() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.fill_lease();
+    // Verified by the time its response ended, and verified only at the
+    // next tick (a response faster than the verification).
+    lazily_admitted(&mut gw, b"sk-one", true);
+    lazily_admitted(&mut gw, b"sk-two", false);
+    gw.sync();
+    let quota = gw.root.quota().unwrap();
+    assert!(quota.late().is_empty());
+    assert_eq!(quota.late().counts().verified, 2);
+    assert_eq!(quota.stats(0).settled, 24, "acme's budget, not mallory's");
+    assert_eq!(quota.stats(1).settled, 0, "nothing left in unverified");
+    drop(quota);
+    gw.host.advance(Duration::from_millis(61_000));
+    gw.sync();
+    assert_eq!(gw.counter("daily"), 24, "the store holds it too");
+    assert_eq!(gw.counter("unverified"), 0);
+    let exported = gw.host.metric("zerolayer_quota_late_verified");
+    assert_eq!(exported, Some(2));
 }
 
 #[test]

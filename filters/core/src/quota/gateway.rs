@@ -14,6 +14,7 @@ use super::config::{
     UNVERIFIED_POLICY, Unit,
 };
 use super::headers::Shown;
+use super::late::LateSettlements;
 use super::lease::{Draw, LeaseOp, LeaseParams, Reservation, Shortfall};
 use super::reserve::{CostModel, RequestBound, TokenCounts};
 use super::store::{
@@ -103,6 +104,44 @@ impl PolicySpec {
             bound.output_tokens(self.default_max_output_tokens)
         };
         self.cost.bound(model, bound.input_tokens(), output)
+    }
+
+    /// What `settlement` costs under this policy, for a request whose input
+    /// bound was `input_bound`; `Unknown` usage costs `reserved` (the
+    /// reservation as it stands, until reconciliation corrects it).
+    pub fn settled_cost(
+        &self,
+        model: Option<&str>,
+        settlement: Settlement,
+        input_bound: u64,
+        reserved: u64,
+    ) -> u64 {
+        let none = TokenCounts::default();
+        match settlement {
+            Settlement::Usage(counts) => self.cost.cost(model, &counts, true),
+            Settlement::CacheHit { usage } => match self.cache_hit {
+                CacheHitCharge::Free => 0,
+                CacheHitCharge::Request => self.cost.cost(model, &none, true),
+                CacheHitCharge::Usage => self.cost.cost(model, &usage.unwrap_or_default(), true),
+            },
+            Settlement::Partial {
+                input: Some(input),
+                delivered_output,
+            } => self.cost.cost(
+                model,
+                &TokenCounts {
+                    input,
+                    output: delivered_output,
+                    ..TokenCounts::default()
+                },
+                true,
+            ),
+            Settlement::Partial {
+                input: None,
+                delivered_output,
+            } => self.cost.bound(model, input_bound, delivered_output),
+            Settlement::Unknown => reserved,
+        }
     }
 
     fn window(&self, now_ms: u64) -> Option<WindowSpan> {
@@ -349,7 +388,7 @@ pub struct PolicyStats {
 }
 
 /// One lease holder's quota; see the module documentation.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct GatewayQuota {
     policies: Vec<PolicySpec>,
     prefix: String,
@@ -373,6 +412,8 @@ pub struct GatewayQuota {
     caps: [u64; 2],
     /// Requests refused because their body's size could not be bounded.
     unbounded: u64,
+    /// Requests admitted before verification, awaiting their verdict.
+    pub(super) late: LateSettlements,
 }
 
 impl GatewayQuota {
@@ -485,6 +526,7 @@ impl GatewayQuota {
             store_unreachable: 0,
             caps: [0; 2],
             unbounded: 0,
+            late: LateSettlements::default(),
         })
     }
 
@@ -935,36 +977,12 @@ impl GatewayQuota {
             let Some(policy) = self.policies.get(index) else {
                 continue;
             };
-            let none = TokenCounts::default();
-            let actual = match settlement {
-                Settlement::Usage(counts) => policy.cost.cost(model, &counts, true),
-                Settlement::CacheHit { usage } => match policy.cache_hit {
-                    CacheHitCharge::Free => 0,
-                    CacheHitCharge::Request => policy.cost.cost(model, &none, true),
-                    CacheHitCharge::Usage => {
-                        policy.cost.cost(model, &usage.unwrap_or_default(), true)
-                    }
-                },
-                Settlement::Partial {
-                    input: Some(input),
-                    delivered_output,
-                } => policy.cost.cost(
-                    model,
-                    &TokenCounts {
-                        input,
-                        output: delivered_output,
-                        ..TokenCounts::default()
-                    },
-                    true,
-                ),
-                Settlement::Partial {
-                    input: None,
-                    delivered_output,
-                } => policy
-                    .cost
-                    .bound(model, ticket.input_bound, delivered_output),
-                Settlement::Unknown => held.reservation.amount,
-            };
+            let actual = policy.settled_cost(
+                model,
+                settlement,
+                ticket.input_bound,
+                held.reservation.amount,
+            );
             if let Some(entry) = self.table.get_mut(held.slot) {
                 entry.lease.settle(held.reservation, actual);
             }
@@ -977,10 +995,30 @@ impl GatewayQuota {
         }
     }
 
-    /// Charges `counts` to `who`'s policies with no reservation: usage of a
+    /// Releases `ticket` with nothing spent: a request admitted before
+    /// verification whose usage goes to the tenant verification found.
+    pub(super) fn release(&mut self, ticket: Ticket) {
+        for held in ticket.held() {
+            if let Some(entry) = self.table.get_mut(held.slot) {
+                entry.lease.settle(held.reservation, 0);
+            }
+            if let Some(s) = self.stats.get_mut(usize::from(held.policy)) {
+                s.refunded += held.reservation.amount;
+            }
+        }
+    }
+
+    /// Charges what `settlement` costs to `who`'s policies with no
+    /// reservation (debt where a lease cannot cover it): the usage of a
     /// request admitted before verification, attributed to the tenant the
-    /// verification found (its `unverified` reservation is settled apart).
-    pub fn charge(&mut self, who: &Identity<'_>, counts: &TokenCounts, now_ms: u64) {
+    /// verification found.
+    pub(super) fn charge(
+        &mut self,
+        who: &Identity<'_>,
+        settlement: Settlement,
+        input_bound: u64,
+        now_ms: u64,
+    ) {
         for index in 0..self.policies.len() {
             let Some(policy) = self.policies.get(index) else {
                 continue;
@@ -988,7 +1026,7 @@ impl GatewayQuota {
             if !Self::applies(policy, who) {
                 continue;
             }
-            let amount = policy.cost.cost(who.model, counts, true);
+            let amount = policy.settled_cost(who.model, settlement, input_bound, 0);
             if let Ok(slot) = self.lease_slot(index, who, now_ms)
                 && let Some(entry) = self.table.get_mut(slot)
             {
@@ -1287,6 +1325,7 @@ impl GatewayQuota {
     /// table is replaced), as buffered deltas: the store's counters then
     /// equal what was spent once the buffer is sent.
     pub fn retire(&mut self, now_ms: u64) {
+        self.settle_all_late(now_ms);
         let mut out = Vec::new();
         for (_, entry) in self.table.iter_mut() {
             let Some(policy) = self.policies.get(usize::from(entry.policy)) else {

@@ -10,6 +10,8 @@
 //!   refill, expiry and fallback.
 //! - [`table`]: the bounded table of leases, keyed by exact scope key.
 //! - [`gateway`]: the functions a stage and an observer call.
+//! - [`late`]: requests admitted before verification, settled to the
+//!   tenant the verification found.
 //! - [`store`]: the Redis protocol as data (scripts, commands, replies,
 //!   idempotent deltas) and a Rust model of it.
 //! - [`window`]: calendar windows and the continuous refill of rates.
@@ -46,6 +48,7 @@ pub mod config;
 pub mod cut;
 pub mod gateway;
 pub mod headers;
+pub mod late;
 pub mod lease;
 pub mod reserve;
 pub mod store;
@@ -58,4 +61,5 @@ pub use gateway::{
     CallTarget, GatewayQuota, Identity, LimitState, PolicyStats, Refusal, RefusalKind, Settlement,
     StoreCall, StreamVerdict, Ticket,
 };
+pub use late::{LateCounts, LateScope};
 pub use reserve::{RequestBound, TokenCounts};

@@ -365,12 +365,13 @@ fn session(
             config.set_wasm_filter_config("zerolayer.lazy_auth", &lazy.to_string())?;
             config.set_wasm_filter_config("zerolayer.post_cache", &post.to_string())?;
             config.set_wasm_filter_config("zerolayer.metering", &metering.to_string())?;
-            // quota follows lazy-auth, whose verified identity it reads.
+            // quota follows lazy-auth, whose verified identity it reads (and,
+            // in vm_id "zerolayer", its verdicts).
             config.insert_wasm_filter_after(
                 "zerolayer.lazy_auth",
                 "zerolayer.quota",
                 "quota",
-                "zerolayer.quota",
+                "zerolayer",
                 &quota.to_string(),
             )?;
         }

@@ -1,0 +1,213 @@
+//! Requests admitted before their credential was verified (lazy-auth's
+//! lazy admission), settled to the tenant the verification found.
+//!
+//! Such a request is `unverified` when it is admitted, so it reserves from
+//! the `unverified` budget only (a claim never spends a tenant's). When its
+//! response ends, its credential's verdict decides where its usage goes:
+//! - valid: the `unverified` reservation is released and the usage is
+//!   charged to the verified identity's policies (tenant and subject from
+//!   the verdict, the rest of the scope from the request), as a verified
+//!   request's would have been: no reservation, so any excess is debt;
+//! - invalid: it settles to `unverified`, for good;
+//! - not known yet (a response faster than the verification): it waits
+//!   here, its reservation held, and the holder's sync reads the verdict
+//!   again; past [`LATE_HORIZON_MS`], or when [`MAX_AWAITING`] wait
+//!   already (the oldest goes first), it settles to `unverified`, counted,
+//!   and reconciliation from the usage records is left to move it.
+//!
+//! Bounds: at most [`MAX_AWAITING`] requests wait per holder (a spray of
+//! fresh credentials cannot grow it), each for at most
+//! [`LATE_HORIZON_MS`]. What a tenant is charged this way was first
+//! admitted against the `unverified` budget, so while every request in
+//! flight is within its bound, a tenant settles at most `L_u` (that
+//! budget's limit) more than its own bound, and usually nothing more: the
+//! charge lands within a verification of the admission.
+
+use std::collections::VecDeque;
+
+use super::gateway::{GatewayQuota, Identity, Settlement, Ticket};
+use crate::auth::attribution::{PendingCredential, Resolution};
+
+/// Requests awaiting their credential's verdict, per holder, at most.
+pub const MAX_AWAITING: usize = 256;
+
+/// How long a request awaits its credential's verdict (ms) before it
+/// settles to `unverified`: lazy-auth's verification takes milliseconds,
+/// its callouts' timeouts at most a few seconds.
+pub const LATE_HORIZON_MS: u64 = 10_000;
+
+/// The parts of a lazily admitted request's scope its verdict does not
+/// give (the verdict gives the tenant and the subject).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LateScope {
+    /// The credential header's SHA-256, for policies scoped by credential.
+    pub credential: Option<[u8; 32]>,
+    /// The model the request named.
+    pub model: Option<String>,
+    /// The route's name.
+    pub route: Option<String>,
+    /// The values of `trusted_headers`, in their configured order.
+    pub headers: Vec<Option<String>>,
+}
+
+/// How lazily admitted requests settled.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LateCounts {
+    /// Settled to the tenant their credential's verification found.
+    pub verified: u64,
+    /// Settled to `unverified`: the credential was invalid, its verdict
+    /// did not come in time, too many awaited, or no usage was known.
+    pub unverified: u64,
+}
+
+/// One request awaiting its credential's verdict.
+#[derive(Debug)]
+struct Awaiting {
+    ticket: Ticket,
+    settlement: Settlement,
+    credential: PendingCredential,
+    scope: LateScope,
+    since_ms: u64,
+}
+
+/// The requests a holder settles once their credentials are verified.
+#[derive(Debug, Default)]
+pub struct LateSettlements {
+    awaiting: VecDeque<Awaiting>,
+    counts: LateCounts,
+}
+
+impl LateSettlements {
+    /// Requests awaiting their verdict.
+    pub fn len(&self) -> usize {
+        self.awaiting.len()
+    }
+
+    /// Whether none awaits.
+    pub fn is_empty(&self) -> bool {
+        self.awaiting.is_empty()
+    }
+
+    /// How lazily admitted requests settled so far.
+    pub fn counts(&self) -> LateCounts {
+        self.counts
+    }
+}
+
+impl GatewayQuota {
+    /// Settles a request admitted before `credential` was verified (its
+    /// `ticket` holds only `unverified`), with `verdict` the verdict
+    /// store's entry for it now, if any: see the module documentation.
+    pub fn settle_lazily(
+        &mut self,
+        ticket: Ticket,
+        settlement: Settlement,
+        credential: PendingCredential,
+        scope: LateScope,
+        verdict: Option<&[u8]>,
+        now_ms: u64,
+    ) {
+        let waiting = Awaiting {
+            ticket,
+            settlement,
+            credential,
+            scope,
+            since_ms: now_ms,
+        };
+        if let Some(waiting) = self.settle_awaiting(waiting, verdict, now_ms) {
+            if self.late.awaiting.len() >= MAX_AWAITING
+                && let Some(oldest) = self.late.awaiting.pop_front()
+            {
+                self.settle_unverified(oldest, now_ms);
+            }
+            self.late.awaiting.push_back(waiting);
+        }
+    }
+
+    /// Reads the verdicts of the requests awaiting theirs again
+    /// (`verdict_of`: the verdict store's entry under a key) and settles
+    /// those decided, or waiting past [`LATE_HORIZON_MS`]; on the holder's
+    /// sync.
+    pub fn settle_late(
+        &mut self,
+        now_ms: u64,
+        mut verdict_of: impl FnMut(&str) -> Option<Vec<u8>>,
+    ) {
+        for _ in 0..self.late.awaiting.len() {
+            let Some(waiting) = self.late.awaiting.pop_front() else {
+                break;
+            };
+            let entry = verdict_of(&waiting.credential.verdict_key());
+            if let Some(waiting) = self.settle_awaiting(waiting, entry.as_deref(), now_ms) {
+                if now_ms.saturating_sub(waiting.since_ms) >= LATE_HORIZON_MS {
+                    self.settle_unverified(waiting, now_ms);
+                } else {
+                    self.late.awaiting.push_back(waiting);
+                }
+            }
+        }
+    }
+
+    /// Settles every request still awaiting its verdict to `unverified`
+    /// (before the table is retired).
+    pub(super) fn settle_all_late(&mut self, now_ms: u64) {
+        while let Some(waiting) = self.late.awaiting.pop_front() {
+            self.settle_unverified(waiting, now_ms);
+        }
+    }
+
+    /// The requests awaiting their verdict and how the others settled.
+    pub fn late(&self) -> &LateSettlements {
+        &self.late
+    }
+
+    /// Settles `waiting` as `verdict` decides; returns it when its verdict
+    /// is still unknown.
+    fn settle_awaiting(
+        &mut self,
+        waiting: Awaiting,
+        verdict: Option<&[u8]>,
+        now_ms: u64,
+    ) -> Option<Awaiting> {
+        if waiting.settlement == Settlement::Unknown {
+            // No usage to move: charged as reserved, to `unverified`.
+            self.settle_unverified(waiting, now_ms);
+            return None;
+        }
+        let resolution = waiting
+            .credential
+            .resolve(verdict.unwrap_or_default(), now_ms / 1000);
+        match resolution {
+            Resolution::Verified { tenant, subject } => {
+                let scope = &waiting.scope;
+                let headers: Vec<Option<&str>> =
+                    scope.headers.iter().map(Option::as_deref).collect();
+                let who = Identity {
+                    verified: true,
+                    tenant,
+                    subject,
+                    credential: scope.credential.as_ref().map(|c| &c[..]),
+                    model: scope.model.as_deref(),
+                    route: scope.route.as_deref(),
+                    headers: &headers,
+                };
+                let input_bound = waiting.ticket.input_bound();
+                self.release(waiting.ticket);
+                self.charge(&who, waiting.settlement, input_bound, now_ms);
+                self.late.counts.verified += 1;
+                None
+            }
+            Resolution::Refused => {
+                self.settle_unverified(waiting, now_ms);
+                None
+            }
+            Resolution::Pending(_) => Some(waiting),
+        }
+    }
+
+    fn settle_unverified(&mut self, waiting: Awaiting, now_ms: u64) {
+        let model = waiting.scope.model.as_deref();
+        self.settle(waiting.ticket, model, waiting.settlement, now_ms);
+        self.late.counts.unverified += 1;
+    }
+}
