@@ -30,7 +30,7 @@ in_every_form!(
     a_blackholed_redis_adds_no_error_and_its_counter_catches_up_once_back,
     a_top_up_in_redis_reaches_every_gateway_within_a_sync_interval,
     a_request_cannot_dodge_its_reservation_nor_choose_its_scope,
-    lazily_admitted_requests_spend_the_unverified_budget_and_a_valid_ones_usage_settles_to_its_tenant,
+    lazily_admitted_requests_spend_the_unverified_budget_and_a_valid_ones_usage_is_its_tenants_too,
     a_hard_budget_cuts_a_long_stream_cleanly_and_redis_holds_what_was_delivered,
     the_official_sdks_read_a_hard_cut_stream_as_a_length_finish,
     a_hard_stream_longer_than_its_lease_refills_as_it_goes_and_is_not_cut,
@@ -957,7 +957,7 @@ fn fleet_scopes(fleet: &RedisFleet) -> Result<usize> {
         .count())
 }
 
-fn lazily_admitted_requests_spend_the_unverified_budget_and_a_valid_ones_usage_settles_to_its_tenant(
+fn lazily_admitted_requests_spend_the_unverified_budget_and_a_valid_ones_usage_is_its_tenants_too(
     form: Form,
 ) -> Result<()> {
     let fleet = RedisFleet::start_for_quota()?;
@@ -983,11 +983,12 @@ fn lazily_admitted_requests_spend_the_unverified_budget_and_a_valid_ones_usage_s
         Ok((input + output) as i64)
     };
     // acme's first request: admitted before verification, so it reserves
-    // from `unverified`; once its credential is found valid, its usage
-    // settles to acme (at its response's end, or at the next sync).
+    // from `unverified`, which keeps it (it bounds what passes before
+    // verification); once its credential is found valid, its usage is
+    // acme's too (at its response's end, or at the next sync).
     let first = gw.post(&acme, "/v1/messages", &anthropic("first", false))?;
     assert_eq!(first.status, 200, "{}", first.body);
-    let mut unverified = 0;
+    let mut unverified = usage(&first)?;
     gw.envoy
         .wait_metric(r#"zerolayer_auth_verdicts{outcome="valid"}"#, 1.0)
         .or_else(|_| {

@@ -225,8 +225,9 @@ fn late_scope() -> LateScope {
 fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_have() {
     let mut store = ModelStore::new();
     let mut q = late_quota(&mut store);
-    // Verified by the time its response ends: acme's, never mallory's
-    // claim, and nothing left in `unverified`.
+    // Verified by the time its response ends: acme's too (never mallory's
+    // claim); `unverified` keeps it, as it bounds what passes before
+    // verification.
     let ticket = lazily_admitted(&mut q, T0 + 1);
     let (credential, entry) = lazy_credential(Some(true), T0);
     q.settle_lazily(
@@ -238,8 +239,8 @@ fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_h
         T0 + 2,
     );
     assert_eq!(q.stats(0).settled, 55, "acme's budget charged");
-    assert_eq!(q.stats(1).settled, 0, "unverified released");
-    assert_eq!(q.stats(1).refunded, 110, "its whole reservation");
+    assert_eq!(q.stats(1).settled, 55, "and unverified's");
+    assert_eq!(q.stats(1).refunded, 55);
     assert_eq!(q.late().counts().verified, 1);
     // Invalid: `unverified`'s for good.
     let ticket = lazily_admitted(&mut q, T0 + 3);
@@ -252,7 +253,7 @@ fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_h
         entry.as_deref(),
         T0 + 4,
     );
-    assert_eq!((q.stats(0).settled, q.stats(1).settled), (55, 55));
+    assert_eq!((q.stats(0).settled, q.stats(1).settled), (55, 110));
     // Not verified yet: it waits, its reservation held, until a sync reads
     // the verdict.
     let ticket = lazily_admitted(&mut q, T0 + 5);
@@ -268,7 +269,7 @@ fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_h
     });
     assert_eq!(asked, [credential.verdict_key()]);
     assert!(q.late().is_empty());
-    assert_eq!((q.stats(0).settled, q.stats(1).settled), (77, 55));
+    assert_eq!((q.stats(0).settled, q.stats(1).settled), (77, 132));
     assert_eq!(
         q.late().counts(),
         LateCounts {
@@ -284,7 +285,47 @@ fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_h
         counter(&store, "daily", &q, b"\x01\x04acme", 20_261_203),
         77
     );
-    assert_eq!(counter(&store, "unverified", &q, b"", 20_261_203), 55);
+    assert_eq!(counter(&store, "unverified", &q, b"", 20_261_203), 132);
+}
+
+#[test]
+fn a_tenant_minting_fresh_credentials_gets_at_most_the_unverified_budget_past_its_own() {
+    // acme's budget: 10 tokens a day; `unverified`: 3 requests a day.
+    let mut q = quota(daily(10));
+    let mut store = ModelStore::new();
+    let bound = RequestBound::new(100, Some(10));
+    let claimed = Identity::default();
+    let _ = q.reserve(&claimed, &bound, false, T0);
+    sync(&mut q, &mut store, T0);
+    let mut admitted = 0;
+    for n in 0..10u64 {
+        let now = T0 + 1 + n;
+        if let Ok(ticket) = q.reserve(&claimed, &bound, false, now) {
+            admitted += 1;
+            // A fresh credential each time, each found valid for acme.
+            let hash = TokenHash::credential(CredentialKind::ApiKey, format!("sk-{n}").as_bytes());
+            let credential = PendingCredential { hash, slots: 16 };
+            let entry = Verdict::valid(&hash, now / 1000, None, 300, Some("acme".into()), None);
+            let scope = LateScope {
+                model: Some("m".into()),
+                ..LateScope::default()
+            };
+            q.settle_lazily(
+                ticket,
+                usage(50, 5),
+                credential,
+                scope,
+                Some(&entry.encode()),
+                now,
+            );
+        }
+        sync(&mut q, &mut store, now);
+    }
+    assert_eq!(
+        admitted, 3,
+        "the unverified budget, not released by the moves"
+    );
+    assert_eq!(q.stats(0).settled, 3 * 55, "each charged to acme (as debt)");
 }
 
 #[test]

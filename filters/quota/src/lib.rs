@@ -353,8 +353,17 @@ impl<H: Hosts> RootStage<H> for QuotaRoot {
             config.store.sync_interval_ms,
             config.store.max_leases,
         );
-        self.metrics = Some(Metrics::define(host, leases.quota().policies()));
         let bounds_input = leases.quota().bounds_input();
+        if config.unverified.is_none() && bounds_input {
+            // Not an error: a chain without lazy admission has no such
+            // requests. With it, each fresh credential's first request
+            // would pass uncounted, whatever its tenant has left.
+            log::warn!(
+                "quota: no `unverified` budget: requests lazy-auth admits before verifying \
+                 their credential hold no reservation and are not counted"
+            );
+        }
+        self.metrics = Some(Metrics::define(host, leases.quota().policies()));
         self.plan = Some(Rc::new(Plan {
             bounds_input,
             leases,

@@ -14,8 +14,8 @@
 //! could not be given it), `zerolayer_quota_unbounded_refused` (request
 //! bodies whose size could not be bounded: a coding other than gzip and
 //! deflate, or one decoding past 16 MiB), `zerolayer_quota_late_verified`
-//! and `_late_unverified` (requests admitted before verification, settled
-//! to the tenant verification found, or left to `unverified`).
+//! and `_late_unverified` (requests admitted before verification, charged
+//! to the tenant verification found too, or left to `unverified` alone).
 
 use zerolayer_core::quota::GatewayQuota;
 use zerolayer_core::quota::gateway::{PolicySpec, PolicyStats};

@@ -41,7 +41,7 @@ struct Who {
     verified: bool,
     /// A credential lazy-auth admitted before verifying it (the request is
     /// unverified): its verdict decides, once the response ends, whether
-    /// the usage goes to the tenant it turns out to have.
+    /// the usage is also charged to the tenant it turns out to have.
     pending: Option<PendingCredential>,
     tenant: Option<String>,
     subject: Option<String>,

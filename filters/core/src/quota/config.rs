@@ -48,8 +48,9 @@ pub struct QuotaConfig {
     pub fallback: Fallback,
     /// The one budget every unverified request draws from (lazy-auth
     /// admitted it before verification): it never spends the tenant it
-    /// claims. None: unverified requests are not limited by quota (lazy-auth's
-    /// own bounds still hold).
+    /// claims; once verified valid, the usage is charged to the tenant too.
+    /// None: such requests are neither limited nor counted by quota (logged
+    /// at load): a fresh credential's first request passes uncounted.
     #[serde(default)]
     pub unverified: Option<UnverifiedBudget>,
     /// Values a policy takes when it does not set its own.

@@ -995,19 +995,6 @@ impl GatewayQuota {
         }
     }
 
-    /// Releases `ticket` with nothing spent: a request admitted before
-    /// verification whose usage goes to the tenant verification found.
-    pub(super) fn release(&mut self, ticket: Ticket) {
-        for held in ticket.held() {
-            if let Some(entry) = self.table.get_mut(held.slot) {
-                entry.lease.settle(held.reservation, 0);
-            }
-            if let Some(s) = self.stats.get_mut(usize::from(held.policy)) {
-                s.refunded += held.reservation.amount;
-            }
-        }
-    }
-
     /// Charges what `settlement` costs to `who`'s policies with no
     /// reservation (debt where a lease cannot cover it): the usage of a
     /// request admitted before verification, attributed to the tenant the

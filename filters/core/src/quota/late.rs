@@ -3,25 +3,32 @@
 //!
 //! Such a request is `unverified` when it is admitted, so it reserves from
 //! the `unverified` budget only (a claim never spends a tenant's). When its
-//! response ends, its credential's verdict decides where its usage goes:
-//! - valid: the `unverified` reservation is released and the usage is
-//!   charged to the verified identity's policies (tenant and subject from
-//!   the verdict, the rest of the scope from the request), as a verified
-//!   request's would have been: no reservation, so any excess is debt;
-//! - invalid: it settles to `unverified`, for good;
+//! response ends it settles to `unverified`, and its credential's verdict
+//! decides whether its usage is also the tenant's:
+//! - valid: the usage is charged to the verified identity's policies
+//!   (tenant and subject from the verdict, the rest of the scope from the
+//!   request), as a verified request's would have been, with no
+//!   reservation: any excess is debt;
+//! - invalid: `unverified`'s alone, for good;
 //! - not known yet (a response faster than the verification): it waits
 //!   here, its reservation held, and the holder's sync reads the verdict
 //!   again; past [`LATE_HORIZON_MS`], or when [`MAX_AWAITING`] wait
-//!   already (the oldest goes first), it settles to `unverified`, counted,
-//!   and reconciliation from the usage records is left to move it.
+//!   already (the oldest goes first), it settles to `unverified` alone,
+//!   counted, and reconciliation from the usage records is left to charge
+//!   the tenant.
+//!
+//! `unverified` keeps the usage even when the credential proves valid: it
+//! bounds what passes before verification per window, whoever it turns out
+//! to be. Released instead, it would bound only what is in flight, and a
+//! tenant past its budget that mints a fresh credential per request would
+//! spend without end, one lazily admitted request each.
 //!
 //! Bounds: at most [`MAX_AWAITING`] requests wait per holder (a spray of
 //! fresh credentials cannot grow it), each for at most
 //! [`LATE_HORIZON_MS`]. What a tenant is charged this way was first
-//! admitted against the `unverified` budget, so while every request in
-//! flight is within its bound, a tenant settles at most `L_u` (that
-//! budget's limit) more than its own bound, and usually nothing more: the
-//! charge lands within a verification of the admission.
+//! admitted against the `unverified` budget, so while every request's cost
+//! is within its bound a tenant settles at most `L_u` (that budget's limit
+//! per window) past its own bound.
 
 use std::collections::VecDeque;
 
@@ -53,9 +60,9 @@ pub struct LateScope {
 /// How lazily admitted requests settled.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LateCounts {
-    /// Settled to the tenant their credential's verification found.
+    /// Charged to the tenant their credential's verification found.
     pub verified: u64,
-    /// Settled to `unverified`: the credential was invalid, its verdict
+    /// Left to `unverified` alone: the credential was invalid, its verdict
     /// did not come in time, too many awaited, or no usage was known.
     pub unverified: u64,
 }
@@ -192,8 +199,8 @@ impl GatewayQuota {
                     headers: &headers,
                 };
                 let input_bound = waiting.ticket.input_bound();
-                self.release(waiting.ticket);
                 self.charge(&who, waiting.settlement, input_bound, now_ms);
+                self.settle(waiting.ticket, who.model, waiting.settlement, now_ms);
                 self.late.counts.verified += 1;
                 None
             }
