@@ -12,8 +12,12 @@
 
 use proptest::prelude::*;
 use serde_json::json;
+use zerolayer_core::auth::attribution::PendingCredential;
+use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
+use zerolayer_core::auth::verdict::Verdict;
 use zerolayer_core::quota::config::QuotaConfig;
 use zerolayer_core::quota::gateway::{GatewayQuota, Identity, Settlement, StreamVerdict, Ticket};
+use zerolayer_core::quota::late::LateScope;
 use zerolayer_core::quota::reserve::{RequestBound, TokenCounts};
 use zerolayer_core::quota::store::{CounterKeys, ModelStore, StoreError, scope_digest};
 
@@ -28,6 +32,9 @@ struct Request {
     input: u64,
     output: u64,
     stream: bool,
+    /// Admitted before its credential was verified (from `unverified`),
+    /// its credential then found valid for the tenant.
+    lazy: bool,
 }
 
 fn request(gateways: usize) -> impl Strategy<Value = Request> {
@@ -48,8 +55,15 @@ fn request(gateways: usize) -> impl Strategy<Value = Request> {
                 input: body * u64::from(fin) / 100,
                 output: max_output * u64::from(fout) / 100,
                 stream,
+                lazy: false,
             },
         )
+}
+
+/// [`request`], lazily admitted at random: a tenant minting a fresh
+/// credential for each (every one of them valid).
+fn maybe_lazy_request(gateways: usize) -> impl Strategy<Value = Request> {
+    (request(gateways), any::<bool>()).prop_map(|(r, lazy)| Request { lazy, ..r })
 }
 
 struct Running {
@@ -70,7 +84,12 @@ struct Fleet {
     gateways: Vec<GatewayQuota>,
     store: ModelStore,
     now: u64,
+    /// What the tenant settled (lazily admitted requests' usage included).
     settled: u64,
+    /// What `unverified` settled.
+    settled_unverified: u64,
+    /// Credentials minted so far.
+    minted: u64,
     running: Vec<Running>,
     most_in_flight: usize,
     g: u64,
@@ -78,13 +97,30 @@ struct Fleet {
 
 impl Fleet {
     fn new(n: usize, limit: u64, beta: u64, hard: bool, max_percent: u8, g: u64) -> Fleet {
-        let config = json!({
+        Fleet::with_unverified(n, limit, None, beta, hard, max_percent, g)
+    }
+
+    /// [`Fleet::new`] with an `unverified` budget of `unverified` tokens.
+    fn with_unverified(
+        n: usize,
+        limit: u64,
+        unverified: Option<u64>,
+        beta: u64,
+        hard: bool,
+        max_percent: u8,
+        g: u64,
+    ) -> Fleet {
+        let mut config = json!({
             "store": {"cluster": "webdis", "path": "/", "expected_gateways": n, "max_debt": beta,
                       "lease": {"max_percent": max_percent}},
             "defaults": {"stream": if hard { "hard" } else { "soft" }},
             "policies": [{"name": "d", "scope": ["tenant"], "unit": "tokens",
                           "limit": {"budget": {"amount": limit, "window": "day"}}}]
         });
+        if let Some(amount) = unverified {
+            config["unverified"] =
+                json!({"unit": "tokens", "limit": {"budget": {"amount": amount, "window": "day"}}});
+        }
         let config = QuotaConfig::from_json(config.to_string().as_bytes()).unwrap();
         Fleet {
             gateways: (0..n)
@@ -93,6 +129,8 @@ impl Fleet {
             store: ModelStore::new(),
             now: T0,
             settled: 0,
+            settled_unverified: 0,
+            minted: 0,
             running: Vec::new(),
             most_in_flight: 0,
             g,
@@ -101,7 +139,8 @@ impl Fleet {
 
     fn start(&mut self, r: Request) {
         let bound = RequestBound::new(r.body, Some(r.max_output));
-        if let Ok(ticket) = self.gateways[r.gateway].reserve(&who(), &bound, r.stream, self.now) {
+        let who = if r.lazy { Identity::default() } else { who() };
+        if let Ok(ticket) = self.gateways[r.gateway].reserve(&who, &bound, r.stream, self.now) {
             self.running.push(Running {
                 request: r,
                 ticket,
@@ -127,13 +166,7 @@ impl Fleet {
                 output: done.request.output,
                 ..Default::default()
             };
-            self.settled += done.request.input + done.request.output;
-            self.gateways[done.request.gateway].settle(
-                done.ticket,
-                None,
-                Settlement::Usage(usage),
-                self.now,
-            );
+            self.finish(done, Settlement::Usage(usage));
             return;
         }
         let chunk = self.g.min(r.request.output - r.delivered);
@@ -141,17 +174,46 @@ impl Fleet {
         if q.draw(&mut r.ticket, None, r.delivered, self.now) == StreamVerdict::Cut {
             // Ended cleanly after this chunk: billed input + what it received.
             let done = self.running.swap_remove(index);
-            self.settled += done.request.input + done.delivered;
-            self.gateways[done.request.gateway].settle(
-                done.ticket,
-                None,
-                Settlement::Partial {
-                    input: Some(done.request.input),
-                    delivered_output: done.delivered,
-                },
-                self.now,
-            );
+            let settlement = Settlement::Partial {
+                input: Some(done.request.input),
+                delivered_output: done.delivered,
+            };
+            self.finish(done, settlement);
         }
+    }
+
+    /// Settles a request that ended with `settlement`: a lazily admitted
+    /// one to `unverified` and, its fresh credential found valid, to the
+    /// tenant as well.
+    fn finish(&mut self, done: Running, settlement: Settlement) {
+        let amount = match settlement {
+            Settlement::Usage(u) => u.input + u.output,
+            Settlement::Partial {
+                input,
+                delivered_output,
+            } => input.unwrap_or(0) + delivered_output,
+            _ => unreachable!("only usage and partial settlements here"),
+        };
+        self.settled += amount;
+        let q = &mut self.gateways[done.request.gateway];
+        if !done.request.lazy {
+            q.settle(done.ticket, None, settlement, self.now);
+            return;
+        }
+        self.settled_unverified += amount;
+        self.minted += 1;
+        let hash = TokenHash::credential(CredentialKind::ApiKey, &self.minted.to_be_bytes());
+        let credential = PendingCredential { hash, slots: 16 };
+        let verdict = Verdict::valid(&hash, self.now / 1000, None, 300, Some("acme".into()), None);
+        let scope = LateScope::default();
+        q.settle_lazily(
+            done.ticket,
+            settlement,
+            credential,
+            scope,
+            Some(&verdict.encode()),
+            self.now,
+        );
     }
 
     /// A sync of one gateway; `loss` decides, per call, whether the call or
@@ -185,10 +247,14 @@ impl Fleet {
     }
 
     fn counter(&self) -> i64 {
+        self.counter_of("d", b"\x01\x04acme")
+    }
+
+    fn counter_of(&self, policy: &str, scope: &[u8]) -> i64 {
         let key = CounterKeys::new(
             "zl:quota:",
-            "d",
-            &scope_digest("d", b"\x01\x04acme"),
+            policy,
+            &scope_digest(policy, scope),
             Some(20_261_203),
             0,
         );
@@ -266,6 +332,59 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    /// A tenant that mints a fresh (valid) credential per request has each
+    /// one's first request admitted before verification: from `unverified`
+    /// (limit L_u), then charged to the tenant too. Both counters obey their
+    /// own bound, so the tenant settles at most L + L_u + 2·(Q·g + N·β),
+    /// L + L_u with the defaults; and both counters end exact.
+    #[test]
+    fn lazily_admitted_usage_adds_at_most_the_unverified_budget(
+        n in 1usize..4,
+        limit in 500u64..5_000,
+        unverified in 100u64..2_000,
+        beta in prop_oneof![Just(0u64), 0u64..100],
+        hard in any::<bool>(),
+        max_percent in prop_oneof![Just(5u8), Just(25), Just(100)],
+        g in 1u64..32,
+        requests in proptest::collection::vec(maybe_lazy_request(3), 1..60),
+        steps in proptest::collection::vec(step(), 1..300),
+    ) {
+        let mut fleet =
+            Fleet::with_unverified(n, limit, Some(unverified), beta, hard, max_percent, g);
+        let mut pending = requests.into_iter().map(|mut r| { r.gateway %= n; r });
+        for s in steps {
+            match s {
+                Step::Start => if let Some(r) = pending.next() { fleet.start(r) },
+                Step::Advance(i) => fleet.advance(i),
+                Step::Sync(gw, loss) => fleet.sync(gw, loss),
+                Step::Wait(ms) => fleet.now += ms,
+            }
+        }
+        while !fleet.running.is_empty() {
+            fleet.advance(0);
+        }
+        let slack = fleet.most_in_flight as u64 * g + n as u64 * beta;
+        prop_assert!(fleet.settled_unverified <= unverified + slack,
+            "unverified settled {} > L_u {} + {}", fleet.settled_unverified, unverified, slack);
+        let bound = limit + unverified + 2 * slack;
+        prop_assert!(fleet.settled <= bound, "tenant settled {} > {} (L {} L_u {} slack {})",
+            fleet.settled, bound, limit, unverified, slack);
+        for _ in 0..3 {
+            for i in 0..n { fleet.sync(i, 0xff); }
+        }
+        fleet.now += 61_000;
+        for _ in 0..3 {
+            for i in 0..n { fleet.sync(i, 0xff); }
+        }
+        prop_assert_eq!(fleet.counter(), fleet.settled as i64, "the tenant's: no drift");
+        prop_assert_eq!(fleet.counter_of("unverified", b""), fleet.settled_unverified as i64,
+            "unverified's: no drift");
+    }
+}
+
 /// The peers' method: admit while the counter is under the limit, charge
 /// when the request is done.
 struct PostPaid {
@@ -302,6 +421,7 @@ fn post_paid_overshoot_grows_with_concurrency_and_leases_do_not() {
                 input: 0,
                 output: 0,
                 stream: false,
+                lazy: false,
             });
             fleet.sync(i, 0xff);
             fleet.sync(i, 0xff);
@@ -314,6 +434,7 @@ fn post_paid_overshoot_grows_with_concurrency_and_leases_do_not() {
                 input,
                 output,
                 stream: true,
+                lazy: false,
             });
         }
         while !fleet.running.is_empty() {
@@ -370,6 +491,7 @@ fn an_outage_adds_at_most_each_gateways_share_of_the_remainder() {
             input: 10,
             output: 10,
             stream: false,
+            lazy: false,
         };
         // Warm up: grants, some spending.
         for round in 0..20 {

@@ -43,6 +43,10 @@
 //! of the remainder `R_g` it last knew (at most `R` in total when no more
 //! than `expected_gateways` holders share the counter); `fail_open` is
 //! unbounded until the store is back; `fail_closed` adds nothing.
+//! Requests admitted before their credential was verified settle to the
+//! `unverified` budget (limit `L_u`) and, found valid, are charged to their
+//! tenant too ([`late`]): a tenant then settles at most
+//! `L + L_u + 2·(Q·g + N·β)`.
 
 pub mod config;
 pub mod cut;
