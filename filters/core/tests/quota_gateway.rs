@@ -274,7 +274,8 @@ fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_h
         q.late().counts(),
         LateCounts {
             verified: 2,
-            unverified: 1
+            unverified: 1,
+            expired: 0
         }
     );
     // The store's counters come to exactly that once idle leases return.
@@ -335,9 +336,9 @@ fn a_verdict_that_never_comes_leaves_the_usage_unverified_and_the_wait_is_bounde
     let (credential, _) = lazy_credential(None, T0);
     let ticket = lazily_admitted(&mut q, T0 + 1);
     q.settle_lazily(ticket, usage(50, 5), credential, late_scope(), None, T0 + 1);
-    q.settle_late(T0 + 1 + LATE_HORIZON_MS - 1, |_| None);
+    assert_eq!(q.settle_late(T0 + 1 + LATE_HORIZON_MS - 1, |_| None), 0);
     assert_eq!(q.late().len(), 1);
-    q.settle_late(T0 + 1 + LATE_HORIZON_MS, |_| None);
+    assert_eq!(q.settle_late(T0 + 1 + LATE_HORIZON_MS, |_| None), 1);
     assert!(q.late().is_empty(), "settled past the horizon");
     assert_eq!((q.stats(0).settled, q.stats(1).settled), (0, 55));
     // A spray of fresh credentials: never more than MAX_AWAITING wait; the
@@ -351,6 +352,11 @@ fn a_verdict_that_never_comes_leaves_the_usage_unverified_and_the_wait_is_bounde
         assert!(q.late().len() <= MAX_AWAITING);
     }
     assert_eq!(q.late().len(), MAX_AWAITING);
+    assert_eq!(
+        q.late().counts().expired,
+        1 + 50,
+        "the horizon's and the spray's"
+    );
     assert_eq!(q.stats(1).settled, 55 + 50);
     // Unknown usage is not moved: charged as reserved, to `unverified`.
     let ticket = lazily_admitted(&mut q, T0 + 20);

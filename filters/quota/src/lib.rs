@@ -302,10 +302,21 @@ impl QuotaRoot {
         // shared table reads the process's verdicts too).
         let now = host.now_ms();
         let mut quota = plan.quota();
-        if !quota.late().is_empty() {
-            quota.settle_late(now, |key| host.shared_get(key).0);
-        }
+        let expired = if quota.late().is_empty() {
+            0
+        } else {
+            quota.settle_late(now, |key| host.shared_get(key).0)
+        };
         drop(quota);
+        if expired > 0 {
+            // One line a sync at most, however many.
+            log::warn!(
+                "quota: {expired} lazily admitted request(s) settled to `unverified` alone: \
+                 their credential's verdict did not come within {} ms (lazy-auth's verifier \
+                 down? in separate Envoy filters quota must share lazy-auth's vm_id)",
+                zerolayer_core::quota::late::LATE_HORIZON_MS
+            );
+        }
         let timeout = Duration::from_millis(u64::from(plan.config.store.endpoint.timeout_ms));
         let mut sent = Vec::new();
         plan.send_due(host, timeout, false, &mut sent);

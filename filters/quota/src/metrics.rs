@@ -15,7 +15,9 @@
 //! bodies whose size could not be bounded: a coding other than gzip and
 //! deflate, or one decoding past 16 MiB), `zerolayer_quota_late_verified`
 //! and `_late_unverified` (requests admitted before verification, charged
-//! to the tenant verification found too, or left to `unverified` alone).
+//! to the tenant verification found too, or left to `unverified` alone),
+//! `_late_expired` (of those, left because their verdict did not come in
+//! time).
 
 use zerolayer_core::quota::GatewayQuota;
 use zerolayer_core::quota::gateway::{PolicySpec, PolicyStats};
@@ -43,7 +45,7 @@ const PER_POLICY: [(&str, Read); 9] = [
 type ReadTotal = fn(&GatewayQuota) -> u64;
 
 /// Each count without a label: its metric name and how it is read.
-const TOTALS: [(&str, ReadTotal); 8] = [
+const TOTALS: [(&str, ReadTotal); 9] = [
     ("zerolayer_quota_store_errors", GatewayQuota::store_errors),
     (
         "zerolayer_quota_store_unreachable",
@@ -60,6 +62,9 @@ const TOTALS: [(&str, ReadTotal); 8] = [
     }),
     ("zerolayer_quota_late_unverified", |q| {
         q.late().counts().unverified
+    }),
+    ("zerolayer_quota_late_expired", |q| {
+        q.late().counts().expired
     }),
 ];
 

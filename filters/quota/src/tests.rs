@@ -431,10 +431,18 @@ fn a_forged_claim_spends_only_the_unverified_budget() {
     assert_eq!(gw.host.sent[0].status, 429);
 }
 
+/// When a lazily admitted request's verdict is written.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum VerdictComes {
+    BeforeItsLog,
+    AfterItsLog,
+    Never,
+}
+
 /// A request lazy-auth admitted before verifying its credential (claiming
-/// mallory), its verdict (valid for acme) written when `verdict_at_log`
-/// before its log, else only before the next tick; returns its stream.
-fn lazily_admitted(gw: &mut Gateway, key: &[u8], verdict_at_log: bool) {
+/// mallory), answered 12 tokens, its verdict (valid for acme) written as
+/// `comes` says.
+fn lazily_admitted(gw: &mut Gateway, key: &[u8], comes: VerdictComes) {
     use zerolayer_core::auth::attribution::PendingCredential;
     use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
     use zerolayer_core::auth::verdict::Verdict;
@@ -456,7 +464,7 @@ fn lazily_admitted(gw: &mut Gateway, key: &[u8], verdict_at_log: bool) {
     assert!(gw.host.sent.is_empty(), "admitted");
     let now = gw.host.now_secs();
     let verdict = Verdict::valid(&hash, now, None, 300, Some("acme".into()), None);
-    if verdict_at_log {
+    if comes == VerdictComes::BeforeItsLog {
         gw.host
             .shared_put(&pending.verdict_key(), &verdict.encode());
     }
@@ -465,9 +473,12 @@ fn lazily_admitted(gw: &mut Gateway, key: &[u8], verdict_at_log: bool) {
         json!({"prompt_tokens": 7, "completion_tokens": 5}),
     );
     let late = gw.root.quota().unwrap().late().len();
-    assert_eq!(late, usize::from(!verdict_at_log), "awaits its verdict");
-    gw.host
-        .shared_put(&pending.verdict_key(), &verdict.encode());
+    let awaits = comes != VerdictComes::BeforeItsLog;
+    assert_eq!(late, usize::from(awaits), "awaits its verdict");
+    if comes == VerdictComes::AfterItsLog {
+        gw.host
+            .shared_put(&pending.verdict_key(), &verdict.encode());
+    }
     gw.host.properties.remove(internal::CREDENTIAL_PROPERTY);
 }
 
@@ -477,8 +488,8 @@ fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_h
     gw.fill_lease();
     // Verified by the time its response ended, and verified only at the
     // next tick (a response faster than the verification).
-    lazily_admitted(&mut gw, b"sk-one", true);
-    lazily_admitted(&mut gw, b"sk-two", false);
+    lazily_admitted(&mut gw, b"sk-one", VerdictComes::BeforeItsLog);
+    lazily_admitted(&mut gw, b"sk-two", VerdictComes::AfterItsLog);
     gw.sync();
     let quota = gw.root.quota().unwrap();
     assert!(quota.late().is_empty());
@@ -493,6 +504,23 @@ fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_h
     assert_eq!(gw.counter("unverified"), 2);
     let exported = gw.host.metric("zerolayer_quota_late_verified");
     assert_eq!(exported, Some(2));
+}
+
+#[test]
+fn a_lazily_admitted_request_whose_verdict_never_comes_stays_unverified_and_is_counted() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.fill_lease();
+    lazily_admitted(&mut gw, b"sk-lost", VerdictComes::Never);
+    gw.sync();
+    assert_eq!(gw.root.quota().unwrap().late().len(), 1, "still awaiting");
+    gw.host.advance(Duration::from_millis(10_000));
+    gw.sync();
+    let quota = gw.root.quota().unwrap();
+    assert!(quota.late().is_empty());
+    assert_eq!((quota.stats(0).settled, quota.stats(1).settled), (0, 1));
+    drop(quota);
+    assert_eq!(gw.host.metric("zerolayer_quota_late_expired"), Some(1));
+    assert_eq!(gw.host.metric("zerolayer_quota_late_verified"), Some(0));
 }
 
 #[test]

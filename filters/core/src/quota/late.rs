@@ -65,6 +65,10 @@ pub struct LateCounts {
     /// Left to `unverified` alone: the credential was invalid, its verdict
     /// did not come in time, too many awaited, or no usage was known.
     pub unverified: u64,
+    /// Of those, left because the verdict did not come within
+    /// [`LATE_HORIZON_MS`] or too many awaited: in a chain whose verdicts
+    /// the stage can read, only while the verifier is down.
+    pub expired: u64,
 }
 
 /// One request awaiting its credential's verdict.
@@ -126,6 +130,7 @@ impl GatewayQuota {
                 && let Some(oldest) = self.late.awaiting.pop_front()
             {
                 self.settle_unverified(oldest, now_ms);
+                self.late.counts.expired += 1;
             }
             self.late.awaiting.push_back(waiting);
         }
@@ -134,12 +139,13 @@ impl GatewayQuota {
     /// Reads the verdicts of the requests awaiting theirs again
     /// (`verdict_of`: the verdict store's entry under a key) and settles
     /// those decided, or waiting past [`LATE_HORIZON_MS`]; on the holder's
-    /// sync.
+    /// sync. Returns how many waited past it (for the caller to log).
     pub fn settle_late(
         &mut self,
         now_ms: u64,
         mut verdict_of: impl FnMut(&str) -> Option<Vec<u8>>,
-    ) {
+    ) -> usize {
+        let mut expired = 0;
         for _ in 0..self.late.awaiting.len() {
             let Some(waiting) = self.late.awaiting.pop_front() else {
                 break;
@@ -148,11 +154,14 @@ impl GatewayQuota {
             if let Some(waiting) = self.settle_awaiting(waiting, entry.as_deref(), now_ms) {
                 if now_ms.saturating_sub(waiting.since_ms) >= LATE_HORIZON_MS {
                     self.settle_unverified(waiting, now_ms);
+                    expired += 1;
                 } else {
                     self.late.awaiting.push_back(waiting);
                 }
             }
         }
+        self.late.counts.expired += expired as u64;
+        expired
     }
 
     /// Settles every request still awaiting its verdict to `unverified`
