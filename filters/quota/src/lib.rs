@@ -311,7 +311,7 @@ impl QuotaRoot {
         if expired > 0 {
             // One line a sync at most, however many.
             log::warn!(
-                "quota: {expired} lazily admitted request(s) settled to `unverified` alone: \
+                "quota: {expired} lazily admitted request(s) not charged to their tenant: \
                  their credential's verdict did not come within {} ms (lazy-auth's verifier \
                  down? in separate Envoy filters quota must share lazy-auth's vm_id)",
                 zerolayer_core::quota::late::LATE_HORIZON_MS

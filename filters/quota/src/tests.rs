@@ -513,7 +513,9 @@ fn a_lazily_admitted_request_whose_verdict_never_comes_stays_unverified_and_is_c
     lazily_admitted(&mut gw, b"sk-lost", VerdictComes::Never);
     gw.sync();
     assert_eq!(gw.root.quota().unwrap().late().len(), 1, "still awaiting");
-    gw.host.advance(Duration::from_millis(10_000));
+    gw.host.advance(Duration::from_millis(
+        zerolayer_core::quota::late::LATE_HORIZON_MS,
+    ));
     gw.sync();
     let quota = gw.root.quota().unwrap();
     assert!(quota.late().is_empty());

@@ -1312,7 +1312,7 @@ impl GatewayQuota {
     /// table is replaced), as buffered deltas: the store's counters then
     /// equal what was spent once the buffer is sent.
     pub fn retire(&mut self, now_ms: u64) {
-        self.settle_all_late(now_ms);
+        self.drop_late();
         let mut out = Vec::new();
         for (_, entry) in self.table.iter_mut() {
             let Some(policy) = self.policies.get(usize::from(entry.policy)) else {

@@ -2,20 +2,20 @@
 //! lazy admission), settled to the tenant the verification found.
 //!
 //! Such a request is `unverified` when it is admitted, so it reserves from
-//! the `unverified` budget only (a claim never spends a tenant's). When its
-//! response ends it settles to `unverified`, and its credential's verdict
+//! the `unverified` budget only (a claim never spends a tenant's), and it
+//! settles there when its response ends. Its credential's verdict then
 //! decides whether its usage is also the tenant's:
 //! - valid: the usage is charged to the verified identity's policies
 //!   (tenant and subject from the verdict, the rest of the scope from the
 //!   request), as a verified request's would have been, with no
 //!   reservation: any excess is debt;
 //! - invalid: `unverified`'s alone, for good;
-//! - not known yet (a response faster than the verification): it waits
-//!   here, its reservation held, and the holder's sync reads the verdict
-//!   again; past [`LATE_HORIZON_MS`], or when [`MAX_AWAITING`] wait
-//!   already (the oldest goes first), it settles to `unverified` alone,
-//!   counted, and reconciliation from the usage records is left to charge
-//!   the tenant.
+//! - not known yet (a response faster than the verification): the charge
+//!   waits here (no reservation held: the usage, the credential, the
+//!   scope) and the holder's sync reads the verdict again; past
+//!   [`LATE_HORIZON_MS`], or when [`MAX_AWAITING`] wait already (the oldest
+//!   goes first), it is dropped, counted, and reconciliation from the usage
+//!   records is left to charge the tenant.
 //!
 //! `unverified` keeps the usage even when the credential proves valid: it
 //! bounds what passes before verification per window, whoever it turns out
@@ -23,25 +23,25 @@
 //! tenant past its budget that mints a fresh credential per request would
 //! spend without end, one lazily admitted request each.
 //!
-//! Bounds: at most [`MAX_AWAITING`] requests wait per holder (a spray of
-//! fresh credentials cannot grow it), each for at most
-//! [`LATE_HORIZON_MS`]. What a tenant is charged this way was first
-//! admitted against the `unverified` budget, so while every request's cost
-//! is within its bound a tenant settles at most `L_u` (that budget's limit
-//! per window) past its own bound.
+//! Bounds: at most [`MAX_AWAITING`] charges wait per holder (a spray of
+//! fresh credentials cannot grow it; each about 200 bytes with its scope),
+//! each for at most [`LATE_HORIZON_MS`]. What a tenant is charged this way
+//! was first admitted against the `unverified` budget, so while every
+//! request's cost is within its bound a tenant settles at most `L_u` (that
+//! budget's limit per window) past its own bound.
 
 use std::collections::VecDeque;
 
 use super::gateway::{GatewayQuota, Identity, Settlement, Ticket};
 use crate::auth::attribution::{PendingCredential, Resolution};
 
-/// Requests awaiting their credential's verdict, per holder, at most.
-pub const MAX_AWAITING: usize = 256;
+/// Charges awaiting their credential's verdict, per holder, at most.
+pub const MAX_AWAITING: usize = 1024;
 
-/// How long a request awaits its credential's verdict (ms) before it
-/// settles to `unverified`: lazy-auth's verification takes milliseconds,
-/// its callouts' timeouts at most a few seconds.
-pub const LATE_HORIZON_MS: u64 = 10_000;
+/// How long a charge awaits its credential's verdict (ms): lazy-auth's
+/// verification takes milliseconds, its callouts' timeouts seconds, and
+/// its breaker keeps a failing verifier off for 30 s by default.
+pub const LATE_HORIZON_MS: u64 = 60_000;
 
 /// The parts of a lazily admitted request's scope its verdict does not
 /// give (the verdict gives the tenant and the subject).
@@ -71,11 +71,12 @@ pub struct LateCounts {
     pub expired: u64,
 }
 
-/// One request awaiting its credential's verdict.
+/// A lazily admitted request's usage, to charge to its tenant once its
+/// credential's verdict says who that is.
 #[derive(Debug)]
 struct Awaiting {
-    ticket: Ticket,
     settlement: Settlement,
+    input_bound: u64,
     credential: PendingCredential,
     scope: LateScope,
     since_ms: u64,
@@ -107,8 +108,9 @@ impl LateSettlements {
 
 impl GatewayQuota {
     /// Settles a request admitted before `credential` was verified (its
-    /// `ticket` holds only `unverified`), with `verdict` the verdict
-    /// store's entry for it now, if any: see the module documentation.
+    /// `ticket` holds only `unverified`) and charges its tenant as
+    /// `verdict`, the verdict store's entry for it now (if any), decides:
+    /// see the module documentation.
     pub fn settle_lazily(
         &mut self,
         ticket: Ticket,
@@ -118,28 +120,35 @@ impl GatewayQuota {
         verdict: Option<&[u8]>,
         now_ms: u64,
     ) {
+        let input_bound = ticket.input_bound();
+        self.settle(ticket, scope.model.as_deref(), settlement, now_ms);
+        if settlement == Settlement::Unknown {
+            // No usage to charge: the reservation stays `unverified`'s.
+            self.late.counts.unverified += 1;
+            return;
+        }
         let waiting = Awaiting {
-            ticket,
             settlement,
+            input_bound,
             credential,
             scope,
             since_ms: now_ms,
         };
-        if let Some(waiting) = self.settle_awaiting(waiting, verdict, now_ms) {
-            if self.late.awaiting.len() >= MAX_AWAITING
-                && let Some(oldest) = self.late.awaiting.pop_front()
+        if let Some(waiting) = self.charge_verified(waiting, verdict, now_ms) {
+            if self.late.awaiting.len() >= MAX_AWAITING && self.late.awaiting.pop_front().is_some()
             {
-                self.settle_unverified(oldest, now_ms);
+                self.late.counts.unverified += 1;
                 self.late.counts.expired += 1;
             }
             self.late.awaiting.push_back(waiting);
         }
     }
 
-    /// Reads the verdicts of the requests awaiting theirs again
-    /// (`verdict_of`: the verdict store's entry under a key) and settles
-    /// those decided, or waiting past [`LATE_HORIZON_MS`]; on the holder's
-    /// sync. Returns how many waited past it (for the caller to log).
+    /// Reads the verdicts of the charges awaiting theirs again
+    /// (`verdict_of`: the verdict store's entry under a key) and makes
+    /// those decided, dropping those waiting past [`LATE_HORIZON_MS`]; on
+    /// the holder's sync. Returns how many waited past it (for the caller
+    /// to log).
     pub fn settle_late(
         &mut self,
         now_ms: u64,
@@ -151,45 +160,41 @@ impl GatewayQuota {
                 break;
             };
             let entry = verdict_of(&waiting.credential.verdict_key());
-            if let Some(waiting) = self.settle_awaiting(waiting, entry.as_deref(), now_ms) {
+            if let Some(waiting) = self.charge_verified(waiting, entry.as_deref(), now_ms) {
                 if now_ms.saturating_sub(waiting.since_ms) >= LATE_HORIZON_MS {
-                    self.settle_unverified(waiting, now_ms);
                     expired += 1;
                 } else {
                     self.late.awaiting.push_back(waiting);
                 }
             }
         }
+        self.late.counts.unverified += expired as u64;
         self.late.counts.expired += expired as u64;
         expired
     }
 
-    /// Settles every request still awaiting its verdict to `unverified`
-    /// (before the table is retired).
-    pub(super) fn settle_all_late(&mut self, now_ms: u64) {
-        while let Some(waiting) = self.late.awaiting.pop_front() {
-            self.settle_unverified(waiting, now_ms);
-        }
+    /// Drops every charge still awaiting its verdict (the table is
+    /// retired), counted.
+    pub(super) fn drop_late(&mut self) {
+        let dropped = self.late.awaiting.len() as u64;
+        self.late.awaiting.clear();
+        self.late.counts.unverified += dropped;
+        self.late.counts.expired += dropped;
     }
 
-    /// The requests awaiting their verdict and how the others settled.
+    /// The charges awaiting their verdict and how the others ended.
     pub fn late(&self) -> &LateSettlements {
         &self.late
     }
 
-    /// Settles `waiting` as `verdict` decides; returns it when its verdict
-    /// is still unknown.
-    fn settle_awaiting(
+    /// Charges `waiting`'s tenant if `verdict` says its credential is
+    /// valid; returns it when its verdict is still unknown.
+    fn charge_verified(
         &mut self,
         waiting: Awaiting,
         verdict: Option<&[u8]>,
         now_ms: u64,
     ) -> Option<Awaiting> {
-        if waiting.settlement == Settlement::Unknown {
-            // No usage to move: charged as reserved, to `unverified`.
-            self.settle_unverified(waiting, now_ms);
-            return None;
-        }
         let resolution = waiting
             .credential
             .resolve(verdict.unwrap_or_default(), now_ms / 1000);
@@ -207,23 +212,15 @@ impl GatewayQuota {
                     route: scope.route.as_deref(),
                     headers: &headers,
                 };
-                let input_bound = waiting.ticket.input_bound();
-                self.charge(&who, waiting.settlement, input_bound, now_ms);
-                self.settle(waiting.ticket, who.model, waiting.settlement, now_ms);
+                self.charge(&who, waiting.settlement, waiting.input_bound, now_ms);
                 self.late.counts.verified += 1;
                 None
             }
             Resolution::Refused => {
-                self.settle_unverified(waiting, now_ms);
+                self.late.counts.unverified += 1;
                 None
             }
             Resolution::Pending(_) => Some(waiting),
         }
-    }
-
-    fn settle_unverified(&mut self, waiting: Awaiting, now_ms: u64) {
-        let model = waiting.scope.model.as_deref();
-        self.settle(waiting.ticket, model, waiting.settlement, now_ms);
-        self.late.counts.unverified += 1;
     }
 }
