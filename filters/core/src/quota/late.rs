@@ -24,8 +24,8 @@
 //! spend without end, one lazily admitted request each.
 //!
 //! Bounds: at most [`MAX_AWAITING`] charges wait per holder (a spray of
-//! fresh credentials cannot grow it; each about 200 bytes with its scope),
-//! each for at most [`LATE_HORIZON_MS`]. What a tenant is charged this way
+//! fresh credentials cannot grow it; each about 200 bytes plus its scope's
+//! strings), each for at most [`LATE_HORIZON_MS`]. What a tenant is charged this way
 //! was first admitted against the `unverified` budget, so while every
 //! request's cost is within its bound a tenant settles at most `L_u` (that
 //! budget's limit per window) past its own bound.
