@@ -237,11 +237,11 @@ pub(crate) fn act(
         total()
     })?;
     println!(
-        "   Redis: the tenants' daily counters hold {} tokens: initech's {} here and the {prior} of the first",
+        "   Redis: the tenants' daily counters hold {} tokens: initech's {} here and the {prior} the first",
         seen.counter, seen.used
     );
     println!(
-        "          table's verified requests; every unit was granted to the gateway before it was spent"
+        "          table's requests were charged to their tenants; every unit was granted to the gateway before it was spent"
     );
     Ok(seen)
 }
