@@ -599,6 +599,7 @@ fn session(
         &envoy.url("/v1/chat/completions"),
         &fleet,
         prior,
+        true,
         &verified,
     )?);
 

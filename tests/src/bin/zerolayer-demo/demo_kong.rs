@@ -267,6 +267,7 @@ pub(crate) fn session(
             &ngx.url("/v1/chat/completions"),
             &quota_store,
             prior,
+            false,
             &verified,
         )?)
     } else {

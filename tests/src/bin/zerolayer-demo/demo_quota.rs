@@ -64,8 +64,8 @@ pub(crate) struct QuotaSeen {
     /// The `x-ratelimit-remaining-tokens` of each admitted request.
     pub(crate) remaining: Vec<u64>,
     /// Tokens the admitted requests' responses reported, billed to
-    /// initech's budget (the first, admitted before verification, is the
-    /// unverified budget's).
+    /// initech's budget (the first, admitted before verification, only
+    /// with an `unverified` budget: it is charged to initech once verified).
     pub(crate) used: u64,
     /// The refusal's `error.code` and `x-should-retry`.
     pub(crate) refusal: Option<(String, String)>,
@@ -82,13 +82,16 @@ pub(crate) struct QuotaSeen {
 /// `source` with policy `tenant-daily` at [`DAILY_TOKENS`], (the gateway's OpenAI endpoint)
 /// until the budget refuses one, printing each (after the first, a JWT's
 /// first sight, `verified` waits for the observer's verdict); then waits for
-/// Redis to hold what was used: `prior` tokens of the verified requests
-/// before the act (their tenants' budgets) and the act's own.
+/// Redis to hold what was used: `prior` tokens charged to tenants before
+/// the act and the act's own. `with_unverified`: the configuration has an
+/// `unverified` budget (the first request, lazily admitted, is then
+/// charged to initech once verified; without one quota does not count it).
 pub(crate) fn act(
     source: &str,
     url: &str,
     fleet: &RedisFleet,
     prior: u64,
+    with_unverified: bool,
     verified: &dyn Fn() -> Result<()>,
 ) -> Result<QuotaSeen> {
     println!();
@@ -156,9 +159,16 @@ pub(crate) fn act(
             });
             let outcome = if n == 1 {
                 // lazy-auth admitted it before verification: the unverified
-                // budget's where there is one, never the tenant it claims.
+                // budget's where there is one, never the tenant it claims;
+                // once the credential is verified, initech's as well.
                 verified()?;
-                "admitted before verification: never billed to initech".to_string()
+                if with_unverified {
+                    seen.used += input + output;
+                    "admitted before verification from the unverified budget; charged to initech too once verified".to_string()
+                } else {
+                    "admitted before verification: not counted by quota (no unverified budget)"
+                        .to_string()
+                }
             } else if let Some((finish, text)) = finish {
                 seen.used += input + output;
                 if let Ok(r) = remaining.parse() {
