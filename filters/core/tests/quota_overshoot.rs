@@ -246,6 +246,40 @@ impl Fleet {
         }
     }
 
+    /// Runs `steps`, starting `requests` in turn (each on its gateway
+    /// modulo the fleet's size), then lets every request still running end.
+    fn run(&mut self, requests: Vec<Request>, steps: Vec<Step>) {
+        let n = self.gateways.len();
+        let mut pending = requests.into_iter().map(|mut r| {
+            r.gateway %= n;
+            r
+        });
+        for s in steps {
+            match s {
+                Step::Start => {
+                    if let Some(r) = pending.next() {
+                        self.start(r)
+                    }
+                }
+                Step::Advance(i) => self.advance(i),
+                Step::Sync(gw, loss) => self.sync(gw, loss),
+                Step::Wait(ms) => self.now += ms,
+            }
+        }
+        while !self.running.is_empty() {
+            self.advance(0);
+        }
+    }
+
+    /// Three rounds of syncs of every gateway, nothing lost.
+    fn sync_all(&mut self) {
+        for _ in 0..3 {
+            for i in 0..self.gateways.len() {
+                self.sync(i, 0xff);
+            }
+        }
+    }
+
     fn counter(&self) -> i64 {
         self.counter_of("d", b"\x01\x04acme")
     }
@@ -297,18 +331,7 @@ proptest! {
         steps in proptest::collection::vec(step(), 1..300),
     ) {
         let mut fleet = Fleet::new(n, limit, beta, hard, max_percent, g);
-        let mut pending = requests.into_iter().map(|mut r| { r.gateway %= n; r });
-        for s in steps {
-            match s {
-                Step::Start => if let Some(r) = pending.next() { fleet.start(r) },
-                Step::Advance(i) => fleet.advance(i),
-                Step::Sync(gw, loss) => fleet.sync(gw, loss),
-                Step::Wait(ms) => fleet.now += ms,
-            }
-        }
-        while !fleet.running.is_empty() {
-            fleet.advance(0);
-        }
+        fleet.run(requests, steps);
         let q = fleet.most_in_flight as u64;
         let bound = limit + q * g + n as u64 * beta;
         prop_assert!(fleet.settled <= bound, "settled {} > {} (L {} Q {} g {} N {} β {})",
@@ -316,18 +339,14 @@ proptest! {
         // With the store reachable again every operation is answered; the
         // counter holds what every lease was granted, and once idle leases
         // are returned, exactly what was settled.
-        for _ in 0..3 {
-            for i in 0..n { fleet.sync(i, 0xff); }
-        }
+        fleet.sync_all();
         let held: i128 = fleet.gateways.iter()
             .flat_map(|gw| gw.table().iter())
             .map(|e| i128::from(e.lease.granted()))
             .sum();
         prop_assert_eq!(i128::from(fleet.counter()), held);
         fleet.now += 61_000;
-        for _ in 0..3 {
-            for i in 0..n { fleet.sync(i, 0xff); }
-        }
+        fleet.sync_all();
         prop_assert_eq!(fleet.counter(), fleet.settled as i64, "no drift");
     }
 }
@@ -354,31 +373,16 @@ proptest! {
     ) {
         let mut fleet =
             Fleet::with_unverified(n, limit, Some(unverified), beta, hard, max_percent, g);
-        let mut pending = requests.into_iter().map(|mut r| { r.gateway %= n; r });
-        for s in steps {
-            match s {
-                Step::Start => if let Some(r) = pending.next() { fleet.start(r) },
-                Step::Advance(i) => fleet.advance(i),
-                Step::Sync(gw, loss) => fleet.sync(gw, loss),
-                Step::Wait(ms) => fleet.now += ms,
-            }
-        }
-        while !fleet.running.is_empty() {
-            fleet.advance(0);
-        }
+        fleet.run(requests, steps);
         let slack = fleet.most_in_flight as u64 * g + n as u64 * beta;
         prop_assert!(fleet.settled_unverified <= unverified + slack,
             "unverified settled {} > L_u {} + {}", fleet.settled_unverified, unverified, slack);
         let bound = limit + unverified + 2 * slack;
         prop_assert!(fleet.settled <= bound, "tenant settled {} > {} (L {} L_u {} slack {})",
             fleet.settled, bound, limit, unverified, slack);
-        for _ in 0..3 {
-            for i in 0..n { fleet.sync(i, 0xff); }
-        }
+        fleet.sync_all();
         fleet.now += 61_000;
-        for _ in 0..3 {
-            for i in 0..n { fleet.sync(i, 0xff); }
-        }
+        fleet.sync_all();
         prop_assert_eq!(fleet.counter(), fleet.settled as i64, "the tenant's: no drift");
         prop_assert_eq!(fleet.counter_of("unverified", b""), fleet.settled_unverified as i64,
             "unverified's: no drift");

@@ -104,6 +104,13 @@ impl LateSettlements {
     pub fn counts(&self) -> LateCounts {
         self.counts
     }
+
+    /// Counts `n` charges dropped unmade: their verdict did not come in
+    /// time (or too many waited).
+    fn expire(&mut self, n: usize) {
+        self.counts.unverified += n as u64;
+        self.counts.expired += n as u64;
+    }
 }
 
 impl GatewayQuota {
@@ -137,8 +144,7 @@ impl GatewayQuota {
         if let Some(waiting) = self.charge_verified(waiting, verdict, now_ms) {
             if self.late.awaiting.len() >= MAX_AWAITING && self.late.awaiting.pop_front().is_some()
             {
-                self.late.counts.unverified += 1;
-                self.late.counts.expired += 1;
+                self.late.expire(1);
             }
             self.late.awaiting.push_back(waiting);
         }
@@ -168,18 +174,16 @@ impl GatewayQuota {
                 }
             }
         }
-        self.late.counts.unverified += expired as u64;
-        self.late.counts.expired += expired as u64;
+        self.late.expire(expired);
         expired
     }
 
     /// Drops every charge still awaiting its verdict (the table is
     /// retired), counted.
     pub(super) fn drop_late(&mut self) {
-        let dropped = self.late.awaiting.len() as u64;
+        let dropped = self.late.awaiting.len();
         self.late.awaiting.clear();
-        self.late.counts.unverified += dropped;
-        self.late.counts.expired += dropped;
+        self.late.expire(dropped);
     }
 
     /// The charges awaiting their verdict and how the others ended.
