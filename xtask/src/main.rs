@@ -41,6 +41,9 @@ usage: cargo xtask <command>
   bench                  run the benchmarks: core logic, the filters in host-sim,
                          load against real Envoy with same-run baselines, and the
                          chain against LiteLLM's proxy (peers)
+  bench-instructions     the native chain's instructions per request with and without
+                         quota's eight policies (callgrind; deterministic where this
+                         VM's timings are not)
   fuzz [--seconds N] [--target NAME] [--seed N]
                          run the parsers under libFuzzer (nightly, cargo-fuzz;
                          installed on first use) from the committed corpus
@@ -89,6 +92,7 @@ fn main() -> ExitCode {
         },
         Some("build-playground") => build_playground(),
         Some("bench") => bench(),
+        Some("bench-instructions") => bench_instructions(),
         Some("fuzz") => fuzz::run(&args[1..]),
         Some("soak") => soak(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
@@ -415,6 +419,93 @@ const KONG_SUITES: &[&str] = &[
     "metering_host_sim",
     "fused_host_sim",
 ];
+
+/// Requests per row of [`bench_instructions`]: enough that the warm-up's
+/// few waiting requests are noise (each row's count is exact anyway).
+const INSTRUCTION_REQUESTS: u64 = 2000;
+
+/// `cargo xtask bench-instructions`: chain_native's four rows, each run for
+/// [`INSTRUCTION_REQUESTS`] requests under callgrind collecting the
+/// per-request function only (the bench's `CHAIN_NATIVE_REQUESTS` mode);
+/// prints instructions per request and what quota adds. The count includes
+/// the request's fake host (made and dropped in both rows alike), so the
+/// difference is quota's, the rows are not the chain's alone.
+fn bench_instructions() -> Result<()> {
+    setup::debian_packages()?;
+    step("building the chain_native bench");
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "bench",
+            "--locked",
+            "-p",
+            "zerolayer-fused",
+            "--bench",
+            "chain_native",
+            "--no-run",
+        ])
+        .current_dir(paths::root())
+        .output()
+        .context("cargo bench --no-run")?;
+    let log = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(out.status.success(), "building chain_native failed:\n{log}");
+    // `  Executable benches/chain_native.rs (target/release/deps/chain_native-…)`
+    let executable = log
+        .lines()
+        .filter(|l| l.contains("Executable") && l.contains("chain_native"))
+        .find_map(|l| l.rsplit_once('(')?.1.strip_suffix(')'))
+        .map(|path| paths::root().join(path))
+        .with_context(|| format!("cargo named no chain_native executable:\n{log}"))?;
+    let mut counts = Vec::new();
+    for case in ["json", "openai_sse_66_chunks"] {
+        for form in ["chain", "chain_quota"] {
+            let row = format!("{case}/{form}");
+            step(&format!(
+                "callgrind: chain_native/{row}, {INSTRUCTION_REQUESTS} requests"
+            ));
+            let profile = paths::root().join(format!("target/tmp/callgrind.{case}.{form}"));
+            let out = Command::new("valgrind")
+                .args(["--tool=callgrind", "--collect-atstart=no"])
+                .arg("--toggle-collect=*chain_native*Worker*serve*")
+                .arg(format!("--callgrind-out-file={}", profile.display()))
+                .arg(&executable)
+                .env("CHAIN_NATIVE_REQUESTS", INSTRUCTION_REQUESTS.to_string())
+                .env("CHAIN_NATIVE_ROW", &row)
+                // The post-cache section's secret (cargo sets it for `cargo bench`).
+                .env(
+                    "CARGO_PKG_DESCRIPTION",
+                    "a long enough description for the secret",
+                )
+                .output()
+                .context("valgrind (cargo xtask setup installs it)")?;
+            let log = String::from_utf8_lossy(&out.stderr);
+            anyhow::ensure!(
+                out.status.success(),
+                "chain_native/{row} under callgrind failed:\n{log}"
+            );
+            let collected: u64 = log
+                .lines()
+                .find_map(|l| l.split("Collected :").nth(1))
+                .map(|n| n.trim().replace(',', ""))
+                .and_then(|n| n.parse().ok())
+                .with_context(|| format!("callgrind reported no count:\n{log}"))?;
+            // The warm-up's four requests are in the count too.
+            let per_request = collected / (INSTRUCTION_REQUESTS + 4);
+            println!(
+                "chain_native/{row}: {per_request} instructions a request ({})",
+                profile.display()
+            );
+            counts.push(per_request);
+        }
+    }
+    if let [json, json_quota, stream, stream_quota] = counts[..] {
+        println!(
+            "quota adds: json {} instructions a request, openai_sse_66_chunks {}",
+            json_quota as i64 - json as i64,
+            stream_quota as i64 - stream as i64
+        );
+    }
+    Ok(())
+}
 
 /// Core logic natively, the filters in host-sim, and real Envoy (same-run
 /// baselines: plain Envoy, trivial Wasm filters, `jwt_authn`), then the

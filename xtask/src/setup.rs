@@ -42,6 +42,9 @@ const DEBIAN_PACKAGES: &[(&str, &str, &str)] = &[
     ),
     // The load generator of the Envoy load benchmark (`envoy_load`).
     ("wrk", "/usr/bin/wrk", "4.1.0-3"),
+    // Callgrind, counting the native chain's instructions per request
+    // (`cargo xtask bench-instructions`).
+    ("valgrind", "/usr/bin/valgrind", "1:3.19.0-"),
     // Headless browser for the page tests (`tests/tests/browser/mod.rs`). Debian
     // ships Chromium's security releases in bookworm-security and keeps only
     // the newest there: when a newer major replaces this one, bump the pin

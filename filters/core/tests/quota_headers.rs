@@ -124,6 +124,45 @@ fn the_largest_values_are_written_whole() {
     }
 }
 
+/// The RFC 3339 time of `unix_secs` as httpdate writes the same instant
+/// (`Thu, 03 Dec 2026 16:33:54 GMT`, years 1970–9999).
+fn rfc3339_by_httpdate(unix_secs: u64) -> String {
+    let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(unix_secs);
+    let http = httpdate::fmt_http_date(at);
+    let parts: Vec<&str> = http.split([' ', ',']).filter(|p| !p.is_empty()).collect();
+    let [_, day, month, year, time, _] = parts[..] else {
+        panic!("httpdate wrote {http}");
+    };
+    let months = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let month = months.iter().position(|m| *m == month).unwrap() + 1;
+    format!("{year}-{month:02}-{day}T{time}Z")
+}
+
+proptest::proptest! {
+    /// The headers' times and durations, written digit by digit on the
+    /// response path, are the calendar's and Go's duration style.
+    #[test]
+    fn reset_times_and_durations_are_written_as_the_references_write_them(
+        secs in 0u64..253_402_300_800,
+        ms in proptest::prelude::any::<u64>(),
+    ) {
+        proptest::prop_assert_eq!(rfc3339(secs), rfc3339_by_httpdate(secs));
+        let expected = if ms < 1000 {
+            format!("{ms}ms")
+        } else {
+            let s = ms.div_ceil(1000);
+            match (s / 3600, s / 60 % 60, s % 60) {
+                (0, 0, sec) => format!("{sec}s"),
+                (0, m, sec) => format!("{m}m{sec}s"),
+                (h, m, sec) => format!("{h}h{m}m{sec}s"),
+            }
+        };
+        proptest::prop_assert_eq!(duration(ms), expected);
+    }
+}
+
 fn body(reply: &ErrorReply) -> Value {
     serde_json::from_slice(&reply.body).unwrap()
 }

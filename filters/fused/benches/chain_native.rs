@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use criterion::{Criterion, criterion_group, criterion_main};
+use criterion::{Criterion, criterion_group};
 use serde_json::{Value, json};
 use zerolayer_core::internal;
 use zerolayer_core::quota::store::ModelStore;
@@ -172,52 +172,98 @@ impl Worker {
             if i % 200 == 0 {
                 self.background();
             }
-            let mut host = self.request(case);
-            let id = self.next_id;
-            self.next_id = self.next_id.wrapping_add(1);
+            spent += self.serve(case);
+        }
+        spent
+    }
 
-            let started = Instant::now();
-            let mut pipeline = Pipeline::new(self.roots.streams(id));
-            host.begin_callback();
-            host.read_headers(Headers::Request);
-            let _ = pipeline.request_headers(&mut host, false);
-            host.begin_callback();
-            let _ = pipeline.request_body(&mut host, case.body.len(), true);
-            spent += started.elapsed();
-
-            host.proxy()
-                .respond_with(&[(":status", "200"), ("content-type", case.content_type)]);
-            let started = Instant::now();
-            host.begin_callback();
-            host.read_headers(Headers::Response);
-            let _ = pipeline.response_headers(&mut host, false);
-            spent += started.elapsed();
-            for (k, chunk) in case.response.iter().enumerate() {
-                host.proxy().response_body = chunk.as_bytes().to_vec();
-                let end = k + 1 == case.response.len();
+    /// A request whose lease was empty waits for its grant through its
+    /// own callouts: answered (by the model of Redis, untimed) and handed
+    /// to the chain as Envoy would; the time the chain spent on them.
+    fn answer_waiting(
+        &mut self,
+        pipeline: &mut Pipeline<PipelineHost<FakeHost>>,
+        host: &mut PipelineHost<FakeHost>,
+    ) -> Duration {
+        let mut spent = Duration::ZERO;
+        for _ in 0..6 {
+            let calls = std::mem::take(&mut host.proxy().dispatched);
+            if calls.is_empty() {
+                break;
+            }
+            for call in calls {
+                let now = host.proxy().clock.as_millis() as u64;
+                let path = call.header(":path").unwrap_or("/").to_string();
+                let body = self
+                    .store
+                    .answer_webdis(path.trim_start_matches('/').as_bytes(), now);
+                host.proxy().answer_with(Some(200), &body);
                 let started = Instant::now();
                 host.begin_callback();
-                let _ = pipeline.response_body(&mut host, chunk.len(), end);
+                pipeline.call_answered(host, call.token, body.len());
+                if host.take_resumed() {
+                    pipeline.resume(host);
+                }
                 spent += started.elapsed();
             }
+        }
+        spent
+    }
+
+    /// One request of `case` through the chain; the time spent in the
+    /// stages' hooks. Not inlined: the instruction count's mode collects
+    /// this function's instructions (making the request's fake host
+    /// included, the same in both rows).
+    #[inline(never)]
+    fn serve(&mut self, case: &Case) -> Duration {
+        let mut spent = Duration::ZERO;
+        let mut host = self.request(case);
+        let id = self.next_id;
+        self.next_id = self.next_id.wrapping_add(1);
+
+        let started = Instant::now();
+        let mut pipeline = Pipeline::new(self.roots.streams(id));
+        host.begin_callback();
+        host.read_headers(Headers::Request);
+        let _ = pipeline.request_headers(&mut host, false);
+        host.begin_callback();
+        let _ = pipeline.request_body(&mut host, case.body.len(), true);
+        spent += started.elapsed();
+        spent += self.answer_waiting(&mut pipeline, &mut host);
+
+        host.proxy()
+            .respond_with(&[(":status", "200"), ("content-type", case.content_type)]);
+        let started = Instant::now();
+        host.begin_callback();
+        host.read_headers(Headers::Response);
+        let _ = pipeline.response_headers(&mut host, false);
+        spent += started.elapsed();
+        for (k, chunk) in case.response.iter().enumerate() {
+            host.proxy().response_body = chunk.as_bytes().to_vec();
+            let end = k + 1 == case.response.len();
             let started = Instant::now();
             host.begin_callback();
-            pipeline.log(&mut host);
-            drop(pipeline);
+            let _ = pipeline.response_body(&mut host, chunk.len(), end);
             spent += started.elapsed();
-            let sent = &host.proxy_ref().sent;
-            assert!(
-                sent.is_empty(),
-                "a bench request was answered locally: {}",
-                sent[0].text()
-            );
         }
+        let started = Instant::now();
+        host.begin_callback();
+        pipeline.log(&mut host);
+        drop(pipeline);
+        spent += started.elapsed();
+        let sent = &host.proxy_ref().sent;
+        assert!(
+            sent.is_empty(),
+            "a bench request was answered locally: {}",
+            sent[0].text()
+        );
         spent
     }
 }
 
-fn chain_native(c: &mut Criterion) {
-    let cases = [
+/// The two requests: a JSON answer and an OpenAI stream of 66 chunks.
+fn cases() -> [(&'static str, Case); 2] {
+    [
         (
             "json",
             Case {
@@ -236,14 +282,23 @@ fn chain_native(c: &mut Criterion) {
                 response: openai_sse(64),
             },
         ),
-    ];
+    ]
+}
+
+/// A worker past the first request of each scope (which waits for its grant).
+fn warm_worker(quota: bool, case: &Case) -> Worker {
+    let mut worker = Worker::new(quota);
+    worker.run(2, case);
+    worker.run(2, case);
+    worker
+}
+
+fn chain_native(c: &mut Criterion) {
+    let cases = cases();
     let mut group = c.benchmark_group("chain_native");
     for (name, case) in &cases {
         for (form, quota) in [("chain", false), ("chain_quota", true)] {
-            let mut worker = Worker::new(quota);
-            // The first request of each scope waits for its grant: past it.
-            worker.run(2, case);
-            worker.run(2, case);
+            let mut worker = warm_worker(quota, case);
             group.bench_function(format!("{name}/{form}"), |b| {
                 b.iter_custom(|n| worker.run(n, case))
             });
@@ -252,5 +307,38 @@ fn chain_native(c: &mut Criterion) {
     group.finish();
 }
 
+/// `CHAIN_NATIVE_REQUESTS=<n> CHAIN_NATIVE_ROW=<case>/<form>`: that row's
+/// `n` requests once, untimed, for an instruction count (`cargo xtask
+/// bench-instructions` runs it under callgrind, collecting
+/// [`Worker::serve`]): deterministic where this VM's timings move by more
+/// than quota's share.
+fn count_mode(n: u64, row: &str) -> Result<(), String> {
+    for (name, case) in &cases() {
+        for (form, quota) in [("chain", false), ("chain_quota", true)] {
+            if row == format!("{name}/{form}") {
+                warm_worker(quota, case).run(n, case);
+                println!("chain_native/{row}: {n} requests");
+                return Ok(());
+            }
+        }
+    }
+    Err(format!("CHAIN_NATIVE_ROW: no row {row}"))
+}
+
 criterion_group!(benches, chain_native);
-criterion_main!(benches);
+
+fn main() {
+    if let Some(n) = std::env::var("CHAIN_NATIVE_REQUESTS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+    {
+        let row = std::env::var("CHAIN_NATIVE_ROW").unwrap_or_default();
+        if let Err(why) = count_mode(n, &row) {
+            eprintln!("{why}");
+            std::process::exit(2);
+        }
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

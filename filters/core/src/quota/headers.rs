@@ -199,18 +199,27 @@ pub fn duration(ms: u64) -> String {
     out
 }
 
+// Written with `itoa` and fixed-width digits rather than `write!`: these
+// run on every response a policy scopes (`core::fmt` was most of their cost).
 fn write_duration(out: &mut impl std::fmt::Write, ms: u64) -> std::fmt::Result {
+    let mut number = itoa::Buffer::new();
     if ms < 1000 {
-        return write!(out, "{ms}ms");
+        out.write_str(number.format(ms))?;
+        return out.write_str("ms");
     }
     let secs = ms.div_ceil(1000);
     let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
     if h > 0 {
-        write!(out, "{h}h{m}m")?;
+        out.write_str(number.format(h))?;
+        out.write_str("h")?;
+        out.write_str(number.format(m))?;
+        out.write_str("m")?;
     } else if m > 0 {
-        write!(out, "{m}m")?;
+        out.write_str(number.format(m))?;
+        out.write_str("m")?;
     }
-    write!(out, "{s}s")
+    out.write_str(number.format(s))?;
+    out.write_str("s")
 }
 
 /// Unix seconds as an RFC 3339 UTC time (`2026-12-03T16:00:00Z`).
@@ -224,13 +233,34 @@ fn write_rfc3339(out: &mut impl std::fmt::Write, unix_secs: u64) -> std::fmt::Re
     let secs = i64::try_from(unix_secs).unwrap_or(i64::MAX / 2);
     let (y, mo, d) = civil_from_days(secs.div_euclid(86_400));
     let t = secs.rem_euclid(86_400);
-    write!(
-        out,
-        "{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        t / 3600,
-        t / 60 % 60,
-        t % 60
-    )
+    if (0..10_000).contains(&y) {
+        write_padded(out, y, 4)?;
+    } else {
+        out.write_str(itoa::Buffer::new().format(y))?;
+    }
+    for (separator, value) in [
+        ('-', i64::from(mo)),
+        ('-', i64::from(d)),
+        ('T', t / 3600),
+        (':', t / 60 % 60),
+        (':', t % 60),
+    ] {
+        out.write_char(separator)?;
+        write_padded(out, value, 2)?;
+    }
+    out.write_char('Z')
+}
+
+/// `value` (`0 ≤ value < 10^width`, `width ≤ 4`) in `width` digits, zeros first.
+fn write_padded(out: &mut impl std::fmt::Write, value: i64, width: usize) -> std::fmt::Result {
+    let mut digits = [b'0'; 4];
+    let mut rest = value.unsigned_abs();
+    for slot in digits[..width].iter_mut().rev() {
+        *slot = b'0' + (rest % 10) as u8;
+        rest /= 10;
+    }
+    // Only ASCII digits were written.
+    out.write_str(std::str::from_utf8(&digits[..width]).unwrap_or_default())
 }
 
 /// The answer to a request `refusal` refused, `policy` naming the policy,
