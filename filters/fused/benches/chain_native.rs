@@ -179,13 +179,13 @@ impl Worker {
 
     /// A request whose lease was empty waits for its grant through its
     /// own callouts: answered (by the model of Redis, untimed) and handed
-    /// to the chain as Envoy would; the time the chain spent on them.
+    /// to the chain as Envoy would.
     fn answer_waiting(
         &mut self,
         pipeline: &mut Pipeline<PipelineHost<FakeHost>>,
         host: &mut PipelineHost<FakeHost>,
-    ) -> Duration {
-        let mut spent = Duration::ZERO;
+        spent: &mut Duration,
+    ) {
         for _ in 0..6 {
             let calls = std::mem::take(&mut host.proxy().dispatched);
             if calls.is_empty() {
@@ -198,59 +198,57 @@ impl Worker {
                     .store
                     .answer_webdis(path.trim_start_matches('/').as_bytes(), now);
                 host.proxy().answer_with(Some(200), &body);
-                let started = Instant::now();
-                host.begin_callback();
-                pipeline.call_answered(host, call.token, body.len());
-                if host.take_resumed() {
-                    pipeline.resume(host);
-                }
-                spent += started.elapsed();
+                timed(spent, || {
+                    host.begin_callback();
+                    pipeline.call_answered(host, call.token, body.len());
+                    if host.take_resumed() {
+                        pipeline.resume(host);
+                    }
+                });
             }
         }
-        spent
     }
 
     /// One request of `case` through the chain; the time spent in the
-    /// stages' hooks. Not inlined: the instruction count's mode collects
-    /// this function's instructions (making the request's fake host
-    /// included, the same in both rows).
-    #[inline(never)]
+    /// stages' hooks (each in [`timed`]).
     fn serve(&mut self, case: &Case) -> Duration {
         let mut spent = Duration::ZERO;
         let mut host = self.request(case);
         let id = self.next_id;
         self.next_id = self.next_id.wrapping_add(1);
 
-        let started = Instant::now();
-        let mut pipeline = Pipeline::new(self.roots.streams(id));
-        host.begin_callback();
-        host.read_headers(Headers::Request);
-        let _ = pipeline.request_headers(&mut host, false);
-        host.begin_callback();
-        let _ = pipeline.request_body(&mut host, case.body.len(), true);
-        spent += started.elapsed();
-        spent += self.answer_waiting(&mut pipeline, &mut host);
+        let roots = &mut self.roots;
+        let mut pipeline = timed(&mut spent, || {
+            let mut pipeline = Pipeline::new(roots.streams(id));
+            host.begin_callback();
+            host.read_headers(Headers::Request);
+            let _ = pipeline.request_headers(&mut host, false);
+            host.begin_callback();
+            let _ = pipeline.request_body(&mut host, case.body.len(), true);
+            pipeline
+        });
+        self.answer_waiting(&mut pipeline, &mut host, &mut spent);
 
         host.proxy()
             .respond_with(&[(":status", "200"), ("content-type", case.content_type)]);
-        let started = Instant::now();
-        host.begin_callback();
-        host.read_headers(Headers::Response);
-        let _ = pipeline.response_headers(&mut host, false);
-        spent += started.elapsed();
+        timed(&mut spent, || {
+            host.begin_callback();
+            host.read_headers(Headers::Response);
+            let _ = pipeline.response_headers(&mut host, false);
+        });
         for (k, chunk) in case.response.iter().enumerate() {
             host.proxy().response_body = chunk.as_bytes().to_vec();
             let end = k + 1 == case.response.len();
-            let started = Instant::now();
-            host.begin_callback();
-            let _ = pipeline.response_body(&mut host, chunk.len(), end);
-            spent += started.elapsed();
+            timed(&mut spent, || {
+                host.begin_callback();
+                let _ = pipeline.response_body(&mut host, chunk.len(), end);
+            });
         }
-        let started = Instant::now();
-        host.begin_callback();
-        pipeline.log(&mut host);
-        drop(pipeline);
-        spent += started.elapsed();
+        timed(&mut spent, || {
+            host.begin_callback();
+            pipeline.log(&mut host);
+            drop(pipeline);
+        });
         let sent = &host.proxy_ref().sent;
         assert!(
             sent.is_empty(),
@@ -259,6 +257,17 @@ impl Worker {
         );
         spent
     }
+}
+
+/// Runs `hook` (the chain's own work), adding its time to `spent`. Never
+/// inlined: the instruction count's mode collects exactly these calls
+/// (`--toggle-collect=chain_native::timed*`), what criterion times.
+#[inline(never)]
+fn timed<T>(spent: &mut Duration, hook: impl FnOnce() -> T) -> T {
+    let started = Instant::now();
+    let out = hook();
+    *spent += started.elapsed();
+    out
 }
 
 /// The two requests: a JSON answer and an OpenAI stream of 66 chunks.
@@ -310,7 +319,7 @@ fn chain_native(c: &mut Criterion) {
 /// `CHAIN_NATIVE_REQUESTS=<n> CHAIN_NATIVE_ROW=<case>/<form>`: that row's
 /// `n` requests once, untimed, for an instruction count (`cargo xtask
 /// bench-instructions` runs it under callgrind, collecting
-/// [`Worker::serve`]): deterministic where this VM's timings move by more
+/// [`timed`]): deterministic where this VM's timings move by more
 /// than quota's share.
 fn count_mode(n: u64, row: &str) -> Result<(), String> {
     for (name, case) in &cases() {
