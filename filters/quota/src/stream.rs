@@ -13,7 +13,7 @@ use zerolayer_core::encoding::{BodyDecoder, ContentCoding, DecodeError, MAX_DECO
 use zerolayer_core::internal;
 use zerolayer_core::metering::logged_usage;
 use zerolayer_core::quota::cut::encode_billed;
-use zerolayer_core::quota::headers::{rate_limit_headers, refusal_reply};
+use zerolayer_core::quota::headers::{refusal_reply, write_rate_limit_headers};
 use zerolayer_core::quota::reserve::{with_output_cap, with_output_cap_at};
 use zerolayer_core::quota::{
     Identity, LateScope, Refusal, RefusalKind, RequestBound, Settlement, StoreCall, StreamCut,
@@ -742,9 +742,9 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         }
         let shown = quota.shown(ticket, now);
         drop(quota);
-        for (name, value) in rate_limit_headers(Some(provider), &shown, now).iter() {
+        write_rate_limit_headers(Some(provider), &shown, now, |name, value| {
             host.set_response_header(name, value);
-        }
+        });
         Action::Continue
     }
 

@@ -77,11 +77,10 @@ impl RateLimitHeaders {
 
     /// The headers, in order: name and value.
     pub fn iter(&self) -> impl Iterator<Item = (&'static str, &str)> + '_ {
-        self.headers.iter().take(self.count).map(|h| {
-            let bytes = h.bytes.get(..h.len).unwrap_or_default();
-            // Only ASCII is written.
-            (h.name, std::str::from_utf8(bytes).unwrap_or_default())
-        })
+        self.headers
+            .iter()
+            .take(self.count)
+            .map(|h| (h.name, h.as_str()))
     }
 
     /// How many headers there are.
@@ -120,6 +119,14 @@ struct FormattedHeader {
     len: usize,
 }
 
+impl FormattedHeader {
+    /// The value written.
+    fn as_str(&self) -> &str {
+        // Only ASCII is written.
+        std::str::from_utf8(self.bytes.get(..self.len).unwrap_or_default()).unwrap_or_default()
+    }
+}
+
 impl std::fmt::Write for FormattedHeader {
     fn write_str(&mut self, s: &str) -> std::fmt::Result {
         let end = self.len + s.len();
@@ -146,12 +153,29 @@ pub fn rate_limit_headers(
         headers: [empty; 6],
         count: 0,
     };
+    write_rate_limit_headers(provider, shown, now_ms, |name, value| {
+        out.push(name, |b| {
+            let _ = b.write_str(value);
+        });
+    });
+    out
+}
+
+/// Hands each of [`rate_limit_headers`] to `set` as it is formatted, in
+/// one buffer on the stack: what a response pays per header is its digits.
+pub fn write_rate_limit_headers(
+    provider: Option<Provider>,
+    shown: &Shown,
+    now_ms: u64,
+    mut set: impl FnMut(&'static str, &str),
+) {
     let anthropic = provider == Some(Provider::Anthropic);
+    let mut number = itoa::Buffer::new();
     for (state, tokens) in [(shown.requests, false), (shown.tokens, true)] {
         let Some(state) = state else {
             continue;
         };
-        let names: [&'static str; 3] = match (anthropic, tokens) {
+        let [limit, remaining, reset] = match (anthropic, tokens) {
             (true, false) => [
                 "anthropic-ratelimit-requests-limit",
                 "anthropic-ratelimit-requests-remaining",
@@ -173,22 +197,20 @@ pub fn rate_limit_headers(
                 "x-ratelimit-reset-tokens",
             ],
         };
-        let [limit, remaining, reset] = names;
-        out.push(limit, |b| {
-            let _ = b.write_str(itoa::Buffer::new().format(state.limit));
-        });
-        out.push(remaining, |b| {
-            let _ = b.write_str(itoa::Buffer::new().format(state.remaining));
-        });
-        out.push(reset, |b| {
-            if anthropic {
-                let _ = write_rfc3339(b, state.reset_at_ms / 1000);
-            } else {
-                let _ = write_duration(b, state.reset_at_ms.saturating_sub(now_ms));
-            }
-        });
+        set(limit, number.format(state.limit));
+        set(remaining, number.format(state.remaining));
+        let mut value = FormattedHeader {
+            name: reset,
+            bytes: [0; MAX_VALUE],
+            len: 0,
+        };
+        let _ = if anthropic {
+            write_rfc3339(&mut value, state.reset_at_ms / 1000)
+        } else {
+            write_duration(&mut value, state.reset_at_ms.saturating_sub(now_ms))
+        };
+        set(reset, value.as_str());
     }
-    out
 }
 
 /// `ms` as OpenAI writes a reset (Go's duration style, whole seconds):
@@ -233,34 +255,30 @@ fn write_rfc3339(out: &mut impl std::fmt::Write, unix_secs: u64) -> std::fmt::Re
     let secs = i64::try_from(unix_secs).unwrap_or(i64::MAX / 2);
     let (y, mo, d) = civil_from_days(secs.div_euclid(86_400));
     let t = secs.rem_euclid(86_400);
-    if (0..10_000).contains(&y) {
-        write_padded(out, y, 4)?;
-    } else {
+    let mut text = *b"0000-00-00T00:00:00Z";
+    let fields = [
+        (0..4, y),
+        (5..7, i64::from(mo)),
+        (8..10, i64::from(d)),
+        (11..13, t / 3600),
+        (14..16, t / 60 % 60),
+        (17..19, t % 60),
+    ];
+    if !(0..10_000).contains(&y) {
+        // Past year 9999 (from `u64::MAX` ms): the year as long as it is.
         out.write_str(itoa::Buffer::new().format(y))?;
     }
-    for (separator, value) in [
-        ('-', i64::from(mo)),
-        ('-', i64::from(d)),
-        ('T', t / 3600),
-        (':', t / 60 % 60),
-        (':', t % 60),
-    ] {
-        out.write_char(separator)?;
-        write_padded(out, value, 2)?;
+    for (at, value) in fields {
+        let mut rest = value.unsigned_abs();
+        for slot in text.get_mut(at).unwrap_or_default().iter_mut().rev() {
+            *slot = b'0' + (rest % 10) as u8;
+            rest /= 10;
+        }
     }
-    out.write_char('Z')
-}
-
-/// `value` (`0 ≤ value < 10^width`, `width ≤ 4`) in `width` digits, zeros first.
-fn write_padded(out: &mut impl std::fmt::Write, value: i64, width: usize) -> std::fmt::Result {
-    let mut digits = [b'0'; 4];
-    let mut rest = value.unsigned_abs();
-    for slot in digits[..width].iter_mut().rev() {
-        *slot = b'0' + (rest % 10) as u8;
-        rest /= 10;
-    }
-    // Only ASCII digits were written.
-    out.write_str(std::str::from_utf8(&digits[..width]).unwrap_or_default())
+    let from = if (0..10_000).contains(&y) { 0 } else { 4 };
+    // Only ASCII digits and separators were written.
+    let text = text.get(from..).unwrap_or_default();
+    out.write_str(std::str::from_utf8(text).unwrap_or_default())
 }
 
 /// The answer to a request `refusal` refused, `policy` naming the policy,
