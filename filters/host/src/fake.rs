@@ -144,6 +144,9 @@ pub struct FakeHost {
     /// The usage an earlier stage shared, as a chain's host keeps it
     /// (`Some` makes this host one that shares, as the fused chain does).
     pub shared_usage: Option<Result<Usage, Missing>>,
+    /// The request's model an earlier stage shared (kept only where the
+    /// host is `fused`, as a chain's host keeps it).
+    pub shared_request_model: Option<Option<String>>,
     /// The counters handed out as cells, by metric id.
     cells: Vec<(u32, SharedCounter)>,
     /// `done_with` calls not yet taken by a pipeline ([`StageHost`]).
@@ -182,6 +185,7 @@ impl Default for FakeHost {
             shared_counters: false,
             cells: Vec::new(),
             shared_usage: None,
+            shared_request_model: None,
             done_pending: DoneWith::default(),
             resumes_taken: 0,
             next_token: 1,
@@ -581,6 +585,16 @@ impl StreamHost for FakeHost {
 
     fn shared_usage(&mut self) -> Option<Result<Usage, Missing>> {
         self.shared_usage
+    }
+
+    fn share_request_model(&mut self, model: Option<&str>) {
+        if self.fused {
+            self.shared_request_model = Some(model.map(str::to_string));
+        }
+    }
+
+    fn shared_request_model(&mut self) -> Option<Option<&str>> {
+        self.shared_request_model.as_ref().map(Option::as_deref)
     }
 
     fn done_with(&mut self, callback: Callback) {

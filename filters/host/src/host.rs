@@ -422,6 +422,18 @@ pub trait StreamHost: Respond {
     fn shared_usage(&mut self) -> Option<Result<Usage, Missing>> {
         None
     }
+
+    /// Shares the model the request body names, read whole by this stage,
+    /// with the stages after it on the request where the chain runs in one
+    /// filter: they need not scan the same bytes again.
+    fn share_request_model(&mut self, _model: Option<&str>) {}
+
+    /// The model an earlier stage of this chain read from the whole request
+    /// body ([`share_request_model`](Self::share_request_model); `Some(None)`:
+    /// it names none); `None`: read it yourself.
+    fn shared_request_model(&mut self) -> Option<Option<&str>> {
+        None
+    }
     // === provided ===================================================================
 
     /// A request header's value.

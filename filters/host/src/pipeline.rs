@@ -113,6 +113,9 @@ pub struct PipelineHost<P> {
     /// The response's usage as the stage that reads it (metering) last
     /// shared it: the stages after it need not parse the body again.
     usage: Option<Result<Usage, Missing>>,
+    /// The model the request body names, as the stage that read the body
+    /// whole (quota) shared it.
+    request_model: Option<Option<String>>,
     /// The clock, read once per callback: the stages of one callback run
     /// within microseconds of each other, and each reading is a host call
     /// (~0.3 µs in V8); a wait spans callbacks, so it is still measured.
@@ -134,6 +137,7 @@ impl<P: Proxy> PipelineHost<P> {
             resumed: false,
             done: DoneWith::default(),
             usage: None,
+            request_model: None,
             clock: None,
         }
     }
@@ -499,6 +503,14 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
 
     fn shared_usage(&mut self) -> Option<Result<Usage, Missing>> {
         self.usage
+    }
+
+    fn share_request_model(&mut self, model: Option<&str>) {
+        self.request_model = Some(model.map(str::to_string));
+    }
+
+    fn shared_request_model(&mut self) -> Option<Option<&str>> {
+        self.request_model.as_ref().map(Option::as_deref)
     }
 }
 

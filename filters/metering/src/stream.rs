@@ -41,6 +41,9 @@ pub(crate) struct MeteredStream {
     /// The request body's members as they pass (the model; for a streamed
     /// rewrite, `stream` and where the object ends). `None` once read whole.
     scan: Option<RequestScan>,
+    /// An earlier stage of the chain read the whole request body and
+    /// shared the model it names ([`StreamHost::shared_request_model`]).
+    model_shared: bool,
     /// ngx_wasm_module: the request has a body this filter has not seen
     /// yet. Every filter's request headers run first there, so a request
     /// answered by an earlier filter's body step (a cache hit) never
@@ -81,6 +84,7 @@ impl MeteredStream {
             tenant_header: None,
             rewrite: Rewrite::None,
             scan: None,
+            model_shared: false,
             body_pending: false,
             stripper: None,
             extractor: None,
@@ -118,6 +122,9 @@ impl MeteredStream {
         // The response names the model it ran; one that names none (an
         // error) is recorded under the model the request asked for.
         let model = model.or_else(|| {
+            if self.model_shared {
+                return host.shared_request_model().flatten().map(str::to_string);
+            }
             self.scan
                 .as_ref()
                 .and_then(RequestScan::model)
@@ -252,10 +259,16 @@ impl MeteredStream {
             return Action::Continue;
         }
         // The model the request names, for a response that names none.
-        self.scan = Some(RequestScan::new());
         if !(plan.config.openai_include_usage && provider == Provider::OpenAi) {
+            // Only the model is read from the body here: an earlier stage
+            // of the chain may have read it already.
+            self.model_shared = host.shared_request_model().is_some();
+            if !self.model_shared {
+                self.scan = Some(RequestScan::new());
+            }
             return Action::Continue;
         }
+        self.scan = Some(RequestScan::new());
         let declared = host
             .request_header("content-length")
             .and_then(|l| std::str::from_utf8(&l).ok()?.trim().parse::<u64>().ok());
@@ -1200,6 +1213,29 @@ mod tests {
         assert_eq!(entry["model"], "claude-x");
         assert_eq!(entry["status"], 429);
         assert_eq!(entry["usage_missing"], 1);
+    }
+
+    #[test]
+    fn a_model_an_earlier_stage_shared_is_recorded_without_reading_the_body_again() {
+        let (mut host, root) = configured(SAMPLED);
+        host.fused = true;
+        host.shared_request_model = Some(Some("claude-shared".into()));
+        let (mut stream, _) = open(&root, &mut host, ANTHROPIC, &[]);
+        // Were it read, this body would name another model.
+        let body = br#"{"max_tokens":5,"model":"claude-x"}"#;
+        let reads = host.body_reads;
+        let _ = send_body(&mut stream, &mut host, body, 16);
+        assert_eq!(host.body_reads, reads, "metering read the body again");
+        let error =
+            br#"{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}"#;
+        complete(
+            &mut stream,
+            &mut host,
+            &[(":status", "429"), ("content-type", "application/json")],
+            &[error],
+        );
+        let entry = logged(&host).expect("a usage entry");
+        assert_eq!(entry["model"], "claude-shared");
     }
 
     #[test]

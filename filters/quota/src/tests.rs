@@ -310,6 +310,26 @@ fn in_a_chain_quota_settles_from_the_usage_metering_shares_without_reading_the_b
 }
 
 #[test]
+fn in_a_chain_quota_shares_the_model_it_read_from_the_whole_body() {
+    let mut gw = Gateway::new(&daily(100_000));
+    gw.answer_store();
+    gw.host.fused = true;
+    let (_stream, _) = gw.ask(OPENAI, ACME, r#"{"model":"gpt-shared","max_tokens":5}"#);
+    assert_eq!(
+        gw.host.shared_request_model,
+        Some(Some("gpt-shared".into()))
+    );
+    gw.host.shared_request_model = None;
+    // A body the scan has not seen the end of shares nothing.
+    let mut stream = gw.open(OPENAI, ACME, &[]);
+    let _ = stream.request_headers(&mut gw.host, false);
+    let part = r#"{"model":"gpt-shared","messages":["#;
+    gw.host.request_body = part.as_bytes().to_vec();
+    let _ = stream.request_body(&mut gw.host, part.len(), false);
+    assert_eq!(gw.host.shared_request_model, None);
+}
+
+#[test]
 fn a_grant_that_does_not_come_in_time_is_a_429_with_retry_after() {
     let mut gw = Gateway::new(&daily(100_000));
     gw.answer_store();

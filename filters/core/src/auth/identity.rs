@@ -36,6 +36,10 @@ fn push_value(out: &mut Vec<u8>, value: &str) {
 }
 
 fn decode_value(raw: &str) -> Option<String> {
+    if !raw.contains('%') {
+        // Most values have nothing escaped (every stage reads them per request).
+        return Some(raw.to_string());
+    }
     let bytes = raw.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
