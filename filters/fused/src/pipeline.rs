@@ -232,6 +232,7 @@ impl<H: StageHost> Pipeline<H> {
             // (metering releasing held bytes in an empty last chunk, say).
             size = host.body_size_after(Body::Response, size);
         }
+        host.note_response_passed(size, end_of_stream);
         Action::Continue
     }
 

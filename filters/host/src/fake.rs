@@ -147,6 +147,9 @@ pub struct FakeHost {
     /// The request's model an earlier stage shared (kept only where the
     /// host is `fused`, as a chain's host keeps it).
     pub shared_request_model: Option<Option<String>>,
+    /// What [`StreamHost::response_passed`] reports (`Some` as a chain's
+    /// host counts; [`StageHost::note_response_passed`] adds to it then).
+    pub response_passed: Option<(u64, bool)>,
     /// The counters handed out as cells, by metric id.
     cells: Vec<(u32, SharedCounter)>,
     /// `done_with` calls not yet taken by a pipeline ([`StageHost`]).
@@ -186,6 +189,7 @@ impl Default for FakeHost {
             cells: Vec::new(),
             shared_usage: None,
             shared_request_model: None,
+            response_passed: None,
             done_pending: DoneWith::default(),
             resumes_taken: 0,
             next_token: 1,
@@ -597,6 +601,10 @@ impl StreamHost for FakeHost {
         self.shared_request_model.as_ref().map(Option::as_deref)
     }
 
+    fn response_passed(&mut self) -> Option<(u64, bool)> {
+        self.response_passed
+    }
+
     fn done_with(&mut self, callback: Callback) {
         self.done_pending.insert(callback);
         if !self.done_with.contains(&callback) {
@@ -635,5 +643,11 @@ impl StageHost for FakeHost {
         let resumed = self.resumes.len() > self.resumes_taken;
         self.resumes_taken = self.resumes.len();
         resumed
+    }
+
+    fn note_response_passed(&mut self, size: usize, end_of_stream: bool) {
+        if let Some((bytes, _)) = self.response_passed {
+            self.response_passed = Some((bytes + size as u64, end_of_stream));
+        }
     }
 }

@@ -423,6 +423,14 @@ pub trait StreamHost: Respond {
         None
     }
 
+    /// The response body bytes the chain passed on so far and whether the
+    /// last of them did, where the chain runs in one filter (a stage that
+    /// only counts them need not be called per chunk); `None`: count them
+    /// yourself.
+    fn response_passed(&mut self) -> Option<(u64, bool)> {
+        None
+    }
+
     /// Shares the model the request body names, read whole by this stage,
     /// with the stages after it on the request where the chain runs in one
     /// filter: they need not scan the same bytes again.

@@ -116,6 +116,8 @@ pub struct PipelineHost<P> {
     /// The model the request body names, as the stage that read the body
     /// whole (quota) shared it.
     request_model: Option<Option<String>>,
+    /// The response body bytes every stage passed, and whether the last did.
+    response_passed: (u64, bool),
     /// The clock, read once per callback: the stages of one callback run
     /// within microseconds of each other, and each reading is a host call
     /// (~0.3 µs in V8); a wait spans callbacks, so it is still measured.
@@ -138,6 +140,7 @@ impl<P: Proxy> PipelineHost<P> {
             done: DoneWith::default(),
             usage: None,
             request_model: None,
+            response_passed: (0, false),
             clock: None,
         }
     }
@@ -269,6 +272,11 @@ impl<P: Proxy> StageHost for PipelineHost<P> {
         if self.held_request.is_none() && self.proxy.platform() == Platform::NgxWasm {
             self.held_request = Some(self.proxy.read_body(Body::Request, size));
         }
+    }
+
+    fn note_response_passed(&mut self, size: usize, end_of_stream: bool) {
+        let (bytes, _) = self.response_passed;
+        self.response_passed = (bytes + size as u64, end_of_stream);
     }
 }
 
@@ -511,6 +519,10 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
 
     fn shared_request_model(&mut self) -> Option<Option<&str>> {
         self.request_model.as_ref().map(Option::as_deref)
+    }
+
+    fn response_passed(&mut self) -> Option<(u64, bool)> {
+        Some(self.response_passed)
     }
 }
 

@@ -131,6 +131,10 @@ pub trait StageHost: StreamHost {
     fn body_size_after(&mut self, _body: Body, size: usize) -> usize {
         size
     }
+    /// A response body callback of `size` bytes went through every stage
+    /// (`end_of_stream`: the response's last): what
+    /// [`StreamHost::response_passed`] reports.
+    fn note_response_passed(&mut self, _size: usize, _end_of_stream: bool) {}
 }
 
 /// `stage` as a filter of its own: the root context a module crate

@@ -22,7 +22,7 @@ use zerolayer_core::quota::{
 use zerolayer_core::usage::{
     Missing, RequestScan, ResponseFormat, StreamedInjection, Usage, UsageExtractor,
 };
-use zerolayer_host::{Action, Body, Headers, StreamHost, StreamStage};
+use zerolayer_host::{Action, Body, Callback, Headers, StreamHost, StreamStage};
 
 use crate::{MAX_HELD_BODY, Plan};
 
@@ -109,6 +109,10 @@ pub(crate) struct QuotaStream {
     cache_hit: bool,
     response_bytes: u64,
     response_complete: bool,
+    /// The chain counts the response's bytes and metering reads its usage
+    /// (fused, native): this stage is not called per chunk, and reads both
+    /// at its log.
+    passed_by_chain: bool,
     /// Whether the request waited for a grant (one wait at most).
     waited: bool,
     /// Until when (host ms) it may wait for its grant.
@@ -146,6 +150,7 @@ impl QuotaStream {
             cache_hit: false,
             response_bytes: 0,
             response_complete: false,
+            passed_by_chain: false,
             waited: false,
             wait_until: 0,
             wait_failed: false,
@@ -744,6 +749,12 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
         self.shared_usage = host.shared_usage().filter(|_| self.cut.is_none());
         if self.shared_usage.is_none() {
             self.extractor = Some(Box::new(UsageExtractor::new(provider, format)));
+        } else if host.response_passed().is_some() {
+            // Nothing left to do per chunk: what passed and the usage are
+            // read at the log (a stream dropped unlogged, at shutdown,
+            // settles what it saw by then).
+            self.passed_by_chain = true;
+            host.done_with(Callback::ResponseBody);
         }
         let shown = quota.shown(ticket, now);
         drop(quota);
@@ -794,6 +805,13 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
                 .unwrap_or(0);
             self.cache_hit = host.response_header("x-cache").as_deref() == Some("HIT");
             self.response_complete = self.status != 0;
+        }
+        if self.passed_by_chain
+            && let Some((passed, complete)) = host.response_passed()
+        {
+            self.response_bytes = passed;
+            self.response_complete |= complete;
+            self.shared_usage = host.shared_usage().or(self.shared_usage);
         }
         let now = host.now_ms();
         // Metering's record is read (and parsed) only when the response's

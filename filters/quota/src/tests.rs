@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use zerolayer_core::internal;
 use zerolayer_core::quota::store::ModelStore;
 use zerolayer_core::usage::{Missing, PartialUsage, Usage};
-use zerolayer_host::{Action, FakeHost, Host, RootStage, StreamStage};
+use zerolayer_host::{Action, Callback, FakeHost, Host, RootStage, StageHost, StreamStage};
 
 use crate::QuotaRoot;
 
@@ -254,7 +254,9 @@ fn a_request_waits_for_a_grant_the_root_already_asked_for() {
 fn in_a_chain_quota_settles_from_the_usage_metering_shares_without_reading_the_body() {
     let mut gw = Gateway::new(&daily(100_000));
     gw.answer_store();
-    for (complete, shared, expected) in [
+    // The first 40 bytes of a stream: a short one counts what it delivered.
+    let body = openai_events(3)[..40].to_vec();
+    let cases = [
         (
             true,
             Ok(Usage {
@@ -265,7 +267,7 @@ fn in_a_chain_quota_settles_from_the_usage_metering_shares_without_reading_the_b
             12,
         ),
         // The client went away after the input was reported: its input,
-        // and the bytes delivered (bounded by max_tokens 100).
+        // and the output it got (bounded by max_tokens 100).
         (
             false,
             Err(Missing::Incomplete(PartialUsage {
@@ -275,37 +277,58 @@ fn in_a_chain_quota_settles_from_the_usage_metering_shares_without_reading_the_b
             })),
             9 + 1,
         ),
-    ] {
-        let before = {
+        // No output count: the bytes delivered bound it.
+        (
+            false,
+            Err(Missing::Incomplete(PartialUsage {
+                input_tokens: Some(9),
+                ..PartialUsage::default()
+            })),
+            9 + 40,
+        ),
+    ];
+    // Per chunk (a chain that does not count what passed), then counted by
+    // the chain (fused, native): the stage is not called per chunk at all.
+    for counted_by_chain in [false, true] {
+        for (complete, shared, expected) in cases {
+            let before = {
+                gw.host.advance(Duration::from_millis(61_000));
+                gw.sync();
+                gw.counter("daily")
+            };
+            let (mut stream, action) = gw.ask(OPENAI, ACME, CHAT);
+            if action == Action::Pause {
+                gw.answer_store_to(Some(&mut stream));
+            }
+            gw.host.response_passed = counted_by_chain.then_some((0, false));
+            gw.host
+                .respond_with(&[(":status", "200"), ("content-type", "text/event-stream")]);
+            // Metering made its extractor at its response headers.
+            gw.host.shared_usage = Some(Err(Missing::NotReported));
+            let _ = gw.host.take_done();
+            let _ = stream.response_headers(&mut gw.host, false);
+            let done = gw.host.take_done().contains(Callback::ResponseBody);
+            assert_eq!(done, counted_by_chain, "done with the response body");
+            // A body whose own usage would say otherwise: it is not parsed.
+            gw.host.response_body = body.clone();
+            gw.host.shared_usage = Some(shared);
+            let reads = gw.host.body_reads;
+            if counted_by_chain {
+                gw.host.note_response_passed(body.len(), complete);
+            } else {
+                let _ = stream.response_body(&mut gw.host, body.len(), complete);
+            }
+            assert_eq!(gw.host.body_reads, reads, "quota read the body again");
+            stream.log(&mut gw.host);
+            gw.host.shared_usage = None;
             gw.host.advance(Duration::from_millis(61_000));
             gw.sync();
-            gw.counter("daily")
-        };
-        let (mut stream, action) = gw.ask(OPENAI, ACME, CHAT);
-        if action == Action::Pause {
-            gw.answer_store_to(Some(&mut stream));
+            assert_eq!(
+                gw.counter("daily") - before,
+                expected,
+                "complete: {complete}, counted by the chain: {counted_by_chain}"
+            );
         }
-        gw.host
-            .respond_with(&[(":status", "200"), ("content-type", "text/event-stream")]);
-        // Metering made its extractor at its response headers.
-        gw.host.shared_usage = Some(Err(Missing::NotReported));
-        let _ = stream.response_headers(&mut gw.host, false);
-        // A body whose own usage would say otherwise: it is not parsed.
-        let body = openai_events(3);
-        gw.host.response_body = body.clone();
-        gw.host.shared_usage = Some(shared);
-        let reads = gw.host.body_reads;
-        let _ = stream.response_body(&mut gw.host, body.len(), complete);
-        assert_eq!(gw.host.body_reads, reads, "quota read the body again");
-        stream.log(&mut gw.host);
-        gw.host.shared_usage = None;
-        gw.host.advance(Duration::from_millis(61_000));
-        gw.sync();
-        assert_eq!(
-            gw.counter("daily") - before,
-            expected,
-            "complete: {complete}"
-        );
     }
 }
 
