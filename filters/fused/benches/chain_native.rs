@@ -30,6 +30,8 @@ const T0_MS: u64 = 1_796_256_000_000;
 
 /// What lazy-auth publishes for a verified JWT.
 const IDENTITY: &str = "verified tenant=acme subject=u1";
+/// Both answers' usage as metering's record writes it.
+const USAGE_11_64: &str = r#""input_tokens":11,"output_tokens":64"#;
 /// An Anthropic message (the JSON case asks `/v1/messages`).
 const JSON_REPLY: &str = r#"{"id":"msg_1","type":"message","model":"claude-test","content":[{"type":"text","text":"hello there, how can I help you today?"}],"usage":{"input_tokens":11,"output_tokens":64}}"#;
 
@@ -72,6 +74,11 @@ struct Case {
     body: &'static str,
     content_type: &'static str,
     response: Vec<String>,
+    /// What the body the backend gets must hold.
+    forwarded: &'static str,
+    /// What metering's record must hold: the usage and the model.
+    usage: &'static str,
+    model: &'static str,
 }
 
 /// The native module's worker: the stages' roots on the fake host, the
@@ -249,11 +256,31 @@ impl Worker {
             pipeline.log(&mut host);
             drop(pipeline);
         });
-        let sent = &host.proxy_ref().sent;
+        let proxy = host.proxy_ref();
         assert!(
-            sent.is_empty(),
+            proxy.sent.is_empty(),
             "a bench request was answered locally: {}",
-            sent[0].text()
+            proxy.sent[0].text()
+        );
+        // A row is cheaper only by doing the same work: the backend got the
+        // body as metering rewrote it, and metering recorded the response's
+        // usage and model.
+        let forwarded = String::from_utf8_lossy(&proxy.request_body);
+        assert!(
+            forwarded.contains(case.forwarded),
+            "the backend's body lacks {}: {forwarded}",
+            case.forwarded
+        );
+        let entry = proxy
+            .properties
+            .get(internal::USAGE_PROPERTY)
+            .map(|e| String::from_utf8_lossy(e).into_owned())
+            .unwrap_or_default();
+        assert!(
+            entry.contains(case.usage) && entry.contains(case.model),
+            "metering's record lacks {} or {}: {entry}",
+            case.usage,
+            case.model
         );
         spent
     }
@@ -280,6 +307,9 @@ fn cases() -> [(&'static str, Case); 2] {
                 body: r#"{"model":"claude-test","max_tokens":256,"messages":[{"role":"user","content":"bench quota: how long is a piece of string?"}]}"#,
                 content_type: "application/json",
                 response: vec![JSON_REPLY.to_string()],
+                forwarded: r#""max_tokens":256"#,
+                usage: USAGE_11_64,
+                model: r#""claude-test""#,
             },
         ),
         (
@@ -289,6 +319,10 @@ fn cases() -> [(&'static str, Case); 2] {
                 body: r#"{"model":"gpt-test","max_tokens":256,"stream":true,"messages":[{"role":"user","content":"bench quota stream: how long is a piece of string?"}]}"#,
                 content_type: "text/event-stream",
                 response: openai_sse(64),
+                // Metering asks for the usage chunk.
+                forwarded: r#""include_usage":true"#,
+                usage: USAGE_11_64,
+                model: r#""gpt-test""#,
             },
         ),
     ]

@@ -258,17 +258,14 @@ impl MeteredStream {
         if end_of_stream {
             return Action::Continue;
         }
-        // The model the request names, for a response that names none.
+        // The model the request names, for a response that names none: an
+        // earlier stage of the chain may have read it from the whole body.
+        self.model_shared = host.shared_request_model().is_some();
+        let scan = (!self.model_shared).then(RequestScan::new);
         if !(plan.config.openai_include_usage && provider == Provider::OpenAi) {
-            // Only the model is read from the body here: an earlier stage
-            // of the chain may have read it already.
-            self.model_shared = host.shared_request_model().is_some();
-            if !self.model_shared {
-                self.scan = Some(RequestScan::new());
-            }
+            self.scan = scan;
             return Action::Continue;
         }
-        self.scan = Some(RequestScan::new());
         let declared = host
             .request_header("content-length")
             .and_then(|l| std::str::from_utf8(&l).ok()?.trim().parse::<u64>().ok());
@@ -277,9 +274,12 @@ impl MeteredStream {
             // appended as it passes, so the length the client declared
             // no longer holds (the backend gets the body chunked).
             self.rewrite = Rewrite::Streamed;
+            // Read as it passes, for where its object closes.
+            self.scan = Some(RequestScan::new());
             host.remove_header(Headers::Request, "content-length");
             return Action::Continue;
         }
+        self.scan = scan;
         // The body may grow: hold the headers until it is rewritten, so
         // content-length can still be set. ngx_wasm_module cannot hold
         // them (it reads the whole body after the headers went on) and
@@ -306,8 +306,11 @@ impl MeteredStream {
         if self.rewrite == Rewrite::Held {
             if body_size > plan.config.max_request_bytes as usize {
                 // A body of unknown length grew past what is held: what is
-                // held so far goes on, the rest streams through.
+                // held so far goes on, the rest streams through (read from
+                // its start, all of it held until now, for where its object
+                // closes).
                 self.rewrite = Rewrite::Streamed;
+                self.scan.get_or_insert_with(RequestScan::new);
             } else if !end_of_stream {
                 return Action::Pause;
             } else {
@@ -522,7 +525,7 @@ impl MeteredStream {
 impl<H: StreamHost> StreamStage<H> for MeteredStream {
     fn request_headers(&mut self, host: &mut H, end_of_stream: bool) -> Action {
         let action = self.on_request_headers(host, end_of_stream);
-        if self.scan.is_none() && !self.body_pending {
+        if self.scan.is_none() && self.rewrite == Rewrite::None && !self.body_pending {
             // Nothing to read or rewrite: the request body is not ours.
             host.done_with(Callback::RequestBody);
         }
@@ -633,7 +636,9 @@ mod tests {
     use serde_json::Value;
     use zerolayer_core::event::Job;
     use zerolayer_core::internal;
-    use zerolayer_host::{Action, FakeHost, Host, Platform, RootStage, StreamStage};
+    use zerolayer_host::{
+        Action, Callback, FakeHost, Host, Platform, RootStage, StageHost, StreamStage,
+    };
 
     use crate::MeteringRoot;
 
@@ -1049,25 +1054,30 @@ mod tests {
 
     #[test]
     fn include_usage_is_added_to_a_streamed_openai_request() {
-        let (mut host, mut root) = configured(INCLUDE_USAGE);
-        let (_stream, headers, body) = streamed_openai(&root, &mut host);
-        assert_eq!(headers, Action::Pause, "held until the body is rewritten");
-        assert_eq!(body, Action::Continue);
-        let rewritten: Value = serde_json::from_slice(&host.request_body).expect("JSON");
-        assert_eq!(rewritten["stream_options"]["include_usage"], true);
-        assert_eq!(rewritten["model"], "gpt-4o");
-        assert_eq!(
-            host.request_header_value("content-length"),
-            Some(host.request_body.len().to_string())
-        );
-        let injected = "zerolayer_metering_include_usage_injected";
-        assert_eq!(counted(&mut root, &mut host, injected), Some(1));
-        // Envoy runs responses in reverse: post-cache needs no telling.
-        assert!(
-            !host
-                .properties
-                .contains_key(internal::USAGE_HIDDEN_PROPERTY)
-        );
+        // Alone, and in a chain whose quota shared the model it read.
+        for shared in [false, true] {
+            let (mut host, mut root) = configured(INCLUDE_USAGE);
+            host.fused = shared;
+            host.shared_request_model = shared.then(|| Some("gpt-4o".into()));
+            let (_stream, headers, body) = streamed_openai(&root, &mut host);
+            assert_eq!(headers, Action::Pause, "held until the body is rewritten");
+            assert_eq!(body, Action::Continue);
+            let rewritten: Value = serde_json::from_slice(&host.request_body).expect("JSON");
+            assert_eq!(rewritten["stream_options"]["include_usage"], true);
+            assert_eq!(rewritten["model"], "gpt-4o");
+            assert_eq!(
+                host.request_header_value("content-length"),
+                Some(host.request_body.len().to_string())
+            );
+            let injected = "zerolayer_metering_include_usage_injected";
+            assert_eq!(counted(&mut root, &mut host, injected), Some(1));
+            // Envoy runs responses in reverse: post-cache needs no telling.
+            assert!(
+                !host
+                    .properties
+                    .contains_key(internal::USAGE_HIDDEN_PROPERTY)
+            );
+        }
     }
 
     /// A streamed OpenAI request of `content` bytes of text.
@@ -1108,56 +1118,70 @@ mod tests {
 
     #[test]
     fn a_body_declared_over_max_request_bytes_streams_with_include_usage_appended() {
-        let (mut host, mut root) = configured(SMALL_HOLD);
-        let body = large_streamed_request(5000, "");
-        let length = body.len().to_string();
-        let extra = [("content-length", length.as_str())];
-        let (mut stream, headers) = open(&root, &mut host, OPENAI, &extra);
-        assert_eq!(headers, Action::Continue, "never held");
-        assert_eq!(
-            host.request_header_value("content-length"),
-            None,
-            "it grows"
-        );
-        let (forwarded, actions) = send_body(&mut stream, &mut host, &body, 700);
-        assert!(
-            actions.iter().all(|a| *a == Action::Continue),
-            "{actions:?}"
-        );
-        let sent: Value = serde_json::from_slice(&forwarded).expect("JSON");
-        assert_eq!(sent["stream_options"]["include_usage"], true);
-        assert_eq!(
-            forwarded.len(),
-            body.len() + zerolayer_core::usage::INCLUDE_USAGE_MEMBER.len()
-        );
-        assert!(forwarded.starts_with(&body[..body.len() - 1]));
-        let injected = "zerolayer_metering_include_usage_injected";
-        assert_eq!(counted(&mut root, &mut host, injected), Some(1));
-        // The usage chunk it asked for is the gateway's, not the client's.
-        let chunks = [CONTENT_EVENT, USAGE_EVENT, DONE_EVENT];
-        let client = complete(&mut stream, &mut host, SSE_200, &chunks);
-        assert_eq!(client, [CONTENT_EVENT, DONE_EVENT].concat());
-        assert_eq!(logged(&host).expect("a usage entry")["output_tokens"], 2);
+        // Alone, and in a chain whose quota shared the model it read.
+        for shared in [false, true] {
+            let (mut host, mut root) = configured(SMALL_HOLD);
+            host.fused = shared;
+            host.shared_request_model = shared.then(|| Some("gpt-4o".into()));
+            let body = large_streamed_request(5000, "");
+            let length = body.len().to_string();
+            let extra = [("content-length", length.as_str())];
+            let (mut stream, headers) = open(&root, &mut host, OPENAI, &extra);
+            assert_eq!(headers, Action::Continue, "never held");
+            assert_eq!(
+                host.request_header_value("content-length"),
+                None,
+                "it grows"
+            );
+            let (forwarded, actions) = send_body(&mut stream, &mut host, &body, 700);
+            assert!(
+                actions.iter().all(|a| *a == Action::Continue),
+                "{actions:?}"
+            );
+            let sent: Value = serde_json::from_slice(&forwarded).expect("JSON");
+            assert_eq!(sent["stream_options"]["include_usage"], true);
+            assert_eq!(
+                forwarded.len(),
+                body.len() + zerolayer_core::usage::INCLUDE_USAGE_MEMBER.len()
+            );
+            assert!(forwarded.starts_with(&body[..body.len() - 1]));
+            let injected = "zerolayer_metering_include_usage_injected";
+            assert_eq!(counted(&mut root, &mut host, injected), Some(1));
+            // The usage chunk it asked for is the gateway's, not the client's.
+            let chunks = [CONTENT_EVENT, USAGE_EVENT, DONE_EVENT];
+            let client = complete(&mut stream, &mut host, SSE_200, &chunks);
+            assert_eq!(client, [CONTENT_EVENT, DONE_EVENT].concat());
+            assert_eq!(logged(&host).expect("a usage entry")["output_tokens"], 2);
+        }
     }
 
     #[test]
     fn a_body_of_unknown_length_is_held_until_it_outgrows_max_request_bytes() {
-        let (mut host, root) = configured(SMALL_HOLD);
-        let body = large_streamed_request(3000, "");
-        let (mut stream, headers) = open(&root, &mut host, OPENAI, &[]);
-        assert_eq!(headers, Action::Pause, "held while it may be small");
-        let (forwarded, actions) = send_body(&mut stream, &mut host, &body, 400);
-        // Held for the first two pieces (800 bytes), released with the third.
-        assert_eq!(
-            actions[..3],
-            [Action::Pause, Action::Pause, Action::Continue]
-        );
-        let sent: Value = serde_json::from_slice(&forwarded).expect("JSON");
-        assert_eq!(sent["stream_options"]["include_usage"], true);
-        assert_eq!(
-            sent["messages"][0]["content"].as_str().map(str::len),
-            Some(3000)
-        );
+        // Alone, and in a chain whose quota shared the model it read.
+        for shared in [false, true] {
+            let (mut host, root) = configured(SMALL_HOLD);
+            host.fused = shared;
+            host.shared_request_model = shared.then(|| Some("gpt-4o".into()));
+            let body = large_streamed_request(3000, "");
+            let (mut stream, headers) = open(&root, &mut host, OPENAI, &[]);
+            assert_eq!(headers, Action::Pause, "held while it may be small");
+            assert!(
+                !host.take_done().contains(Callback::RequestBody),
+                "the body is still to be rewritten"
+            );
+            let (forwarded, actions) = send_body(&mut stream, &mut host, &body, 400);
+            // Held for the first two pieces (800 bytes), released with the third.
+            assert_eq!(
+                actions[..3],
+                [Action::Pause, Action::Pause, Action::Continue]
+            );
+            let sent: Value = serde_json::from_slice(&forwarded).expect("JSON");
+            assert_eq!(sent["stream_options"]["include_usage"], true);
+            assert_eq!(
+                sent["messages"][0]["content"].as_str().map(str::len),
+                Some(3000)
+            );
+        }
     }
 
     #[test]
