@@ -15,6 +15,7 @@
 
 use std::time::Duration;
 
+use zerolayer_core::cache::key::Provider;
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal;
 use zerolayer_core::usage::{Missing, Usage};
@@ -118,6 +119,9 @@ pub struct PipelineHost<P> {
     request_model: Option<Option<String>>,
     /// The response body bytes every stage passed, and whether the last did.
     response_passed: (u64, bool),
+    /// The request's API, once a stage asked (every stage asks; `:path`
+    /// set again forgets it).
+    provider: Option<Option<Provider>>,
     /// The clock, read once per callback: the stages of one callback run
     /// within microseconds of each other, and each reading is a host call
     /// (~0.3 µs in V8); a wait spans callbacks, so it is still measured.
@@ -141,6 +145,7 @@ impl<P: Proxy> PipelineHost<P> {
             usage: None,
             request_model: None,
             response_passed: (0, false),
+            provider: None,
             clock: None,
         }
     }
@@ -164,12 +169,20 @@ impl<P: Proxy> PipelineHost<P> {
     /// Reads `map` once, for every stage's header reads (unreadable: the
     /// stages ask the proxy header by header instead).
     pub fn read_headers(&mut self, map: Headers) {
+        self.forget_derived(map, ":path");
         *self.headers(map) = self.proxy.read_headers(map);
     }
 
     /// A stage's root answered the request from a tick.
     pub fn mark_answered(&mut self) {
         self.answered = true;
+    }
+
+    /// Header `name` of `map` changes: what was derived from it is read again.
+    fn forget_derived(&mut self, map: Headers, name: &str) {
+        if map == Headers::Request && name.eq_ignore_ascii_case(":path") {
+            self.provider = None;
+        }
     }
 
     fn headers(&mut self, map: Headers) -> &mut Option<HeaderBlock> {
@@ -430,6 +443,7 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
     }
 
     fn set_header(&mut self, map: Headers, name: &str, value: &[u8]) {
+        self.forget_derived(map, name);
         self.proxy.set_header(map, name, value);
         if let Some(headers) = self.headers(map) {
             headers.set(name, value);
@@ -443,6 +457,7 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
     }
 
     fn remove_header(&mut self, map: Headers, name: &str) -> bool {
+        self.forget_derived(map, name);
         if let Some(headers) = self.headers(map) {
             if headers.get(name).is_none() {
                 return false;
@@ -519,6 +534,17 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
 
     fn shared_request_model(&mut self) -> Option<Option<&str>> {
         self.request_model.as_ref().map(Option::as_deref)
+    }
+
+    fn provider(&mut self) -> Option<Provider> {
+        if let Some(provider) = self.provider {
+            return provider;
+        }
+        let provider = self.with_header(Headers::Request, ":path", |path| {
+            Provider::for_path(std::str::from_utf8(path?).ok()?)
+        });
+        self.provider = Some(provider);
+        provider
     }
 
     fn response_passed(&mut self) -> Option<(u64, bool)> {

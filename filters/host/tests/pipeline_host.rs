@@ -266,3 +266,19 @@ fn a_replaced_body_is_handed_to_the_next_stage_at_its_new_length() {
     host.begin_callback();
     assert_eq!(host.body_size_after(Body::Response, 3), 3, "a new chunk");
 }
+
+#[test]
+fn the_requests_api_is_worked_out_once_until_its_path_changes() {
+    use zerolayer_core::cache::key::Provider;
+    let mut host = stream(request());
+    assert_eq!(host.provider(), Some(Provider::OpenAi));
+    // Changed behind the chain's back: still the one worked out.
+    host.proxy().request_headers = vec![(":path".into(), b"/v1/messages".to_vec())];
+    assert_eq!(host.provider(), Some(Provider::OpenAi), "worked out once");
+    // A stage that sets the path, or a new header map, is seen.
+    host.set_request_header(":path", b"/v1/messages");
+    assert_eq!(host.provider(), Some(Provider::Anthropic));
+    host.proxy().request_headers = vec![(":path".into(), b"/healthz".to_vec())];
+    host.read_headers(Headers::Request);
+    assert_eq!(host.provider(), None);
+}

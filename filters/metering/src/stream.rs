@@ -223,12 +223,7 @@ impl MeteredStream {
         if host.request_header(":method").as_deref() != Some(b"POST") {
             return Action::Continue;
         }
-        let Some(provider) = host
-            .request_header(":path")
-            .as_deref()
-            .and_then(|p| std::str::from_utf8(p).ok())
-            .and_then(Provider::for_path)
-        else {
+        let Some(provider) = host.provider() else {
             return Action::Continue;
         };
         self.provider = Some(provider);

@@ -126,11 +126,7 @@ impl CacheStream {
     /// Header-only checks, so a request the cache will not touch is never
     /// held for its body.
     fn admit(&mut self, host: &mut impl StreamHost, plan: &Plan, end_of_stream: bool) -> Action {
-        let Some(provider) = host
-            .request_header(":path")
-            .and_then(|p| String::from_utf8(p).ok())
-            .and_then(|p| Provider::for_path(&p))
-        else {
+        let Some(provider) = host.provider() else {
             return Action::Continue;
         };
         self.provider = provider;
