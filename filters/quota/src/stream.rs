@@ -691,7 +691,7 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
             self.hold = Hold::Passing;
         }
         self.scan_body(host, body_size);
-        if self.scan.complete() {
+        if end_of_stream && self.scan.complete() {
             // Metering, after this stage on the request, then reads the
             // model from here instead of scanning the body again.
             host.share_request_model(self.scan.model());
