@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use zerolayer_core::internal;
 use zerolayer_core::quota::store::ModelStore;
 use zerolayer_fused::{Pipeline, Stage, StageRoots};
-use zerolayer_host::{FakeHost, Headers, PipelineHost, PipelineRoots, StageHost};
+use zerolayer_host::{Dispatched, FakeHost, Headers, PipelineHost, PipelineRoots, StageHost};
 
 #[path = "../../quota/benches/replies/mod.rs"]
 mod replies;
@@ -131,14 +131,7 @@ impl Worker {
                 break;
             }
             for call in calls {
-                let body = match call.cluster.as_str() {
-                    "webdis" => {
-                        let path = call.header(":path").unwrap_or("/").to_string();
-                        self.store
-                            .answer_webdis(path.trim_start_matches('/').as_bytes(), now)
-                    }
-                    _ => Vec::new(),
-                };
+                let body = store_answer(&mut self.store, &call, now);
                 self.host.proxy().answer_with(Some(200), &body);
                 self.roots
                     .call_answered(&mut self.host, call.token, body.len());
@@ -200,10 +193,7 @@ impl Worker {
             }
             for call in calls {
                 let now = host.proxy().clock.as_millis() as u64;
-                let path = call.header(":path").unwrap_or("/").to_string();
-                let body = self
-                    .store
-                    .answer_webdis(path.trim_start_matches('/').as_bytes(), now);
+                let body = store_answer(&mut self.store, &call, now);
                 host.proxy().answer_with(Some(200), &body);
                 timed(spent, || {
                     host.begin_callback();
@@ -284,6 +274,16 @@ impl Worker {
         );
         spent
     }
+}
+
+/// What webdis in front of `store` answers `call` (a `GET` of the command;
+/// any other cluster's call gets an empty body).
+fn store_answer(store: &mut ModelStore, call: &Dispatched, now_ms: u64) -> Vec<u8> {
+    if call.cluster != "webdis" {
+        return Vec::new();
+    }
+    let path = call.header(":path").unwrap_or("/");
+    store.answer_webdis(path.trim_start_matches('/').as_bytes(), now_ms)
 }
 
 /// Runs `hook` (the chain's own work), adding its time to `spent`. Never

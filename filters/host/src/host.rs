@@ -358,6 +358,11 @@ pub trait RootHost: Respond {
     fn set_effective_context(&mut self, context_id: u32) -> Result<(), Status>;
 }
 
+/// The API a request's `:path` value names ([`StreamHost::provider`]).
+pub(crate) fn provider_of_path(path: Option<&[u8]>) -> Option<Provider> {
+    Provider::for_path(std::str::from_utf8(path?).ok()?)
+}
+
 /// A stream's own context: its headers, bodies and properties.
 pub trait StreamHost: Respond {
     // --- headers -------------------------------------------------------------
@@ -523,9 +528,7 @@ pub trait StreamHost: Respond {
 
     /// The API of this request's path (`None`: not an LLM API the stages know).
     fn provider(&mut self) -> Option<Provider> {
-        self.with_header(Headers::Request, ":path", |path| {
-            Provider::for_path(std::str::from_utf8(path?).ok()?)
-        })
+        self.with_header(Headers::Request, ":path", provider_of_path)
     }
 
     /// Answers the request with an error in the format of its API

@@ -22,7 +22,10 @@ use zerolayer_core::usage::{Missing, Usage};
 
 use std::marker::PhantomData;
 
-use crate::host::{Body, Callback, Headers, Host, Platform, Respond, RootHost, Status, StreamHost};
+use crate::host::{
+    Body, Callback, Headers, Host, Platform, Respond, RootHost, Status, StreamHost,
+    provider_of_path,
+};
 use crate::stage::DoneWith;
 use crate::stage::Hosts;
 use crate::stage::StageHost;
@@ -540,9 +543,7 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
         if let Some(provider) = self.provider {
             return provider;
         }
-        let provider = self.with_header(Headers::Request, ":path", |path| {
-            Provider::for_path(std::str::from_utf8(path?).ok()?)
-        });
+        let provider = self.with_header(Headers::Request, ":path", provider_of_path);
         self.provider = Some(provider);
         provider
     }

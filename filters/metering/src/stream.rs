@@ -1213,6 +1213,18 @@ mod tests {
         assert_eq!(counted(&mut root, &mut host, unreadable), Some(1));
     }
 
+    /// The backend's 429 in Anthropic's format, which names no model.
+    fn answer_rate_limited(stream: &mut Stream, host: &mut FakeHost) {
+        let error =
+            br#"{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}"#;
+        complete(
+            stream,
+            host,
+            &[(":status", "429"), ("content-type", "application/json")],
+            &[error],
+        );
+    }
+
     #[test]
     fn an_error_without_a_model_is_recorded_under_the_model_the_request_named() {
         let (mut host, root) = configured(SAMPLED);
@@ -1220,14 +1232,7 @@ mod tests {
             br#"{"max_tokens":5,"messages":[{"role":"user","content":"hi"}],"model":"claude-x"}"#;
         let (mut stream, _) = open(&root, &mut host, ANTHROPIC, &[]);
         let _ = send_body(&mut stream, &mut host, body, 16);
-        let error =
-            br#"{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}"#;
-        complete(
-            &mut stream,
-            &mut host,
-            &[(":status", "429"), ("content-type", "application/json")],
-            &[error],
-        );
+        answer_rate_limited(&mut stream, &mut host);
         let entry = logged(&host).expect("a usage entry");
         assert_eq!(entry["model"], "claude-x");
         assert_eq!(entry["status"], 429);
@@ -1245,14 +1250,7 @@ mod tests {
         let reads = host.body_reads;
         let _ = send_body(&mut stream, &mut host, body, 16);
         assert_eq!(host.body_reads, reads, "metering read the body again");
-        let error =
-            br#"{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}"#;
-        complete(
-            &mut stream,
-            &mut host,
-            &[(":status", "429"), ("content-type", "application/json")],
-            &[error],
-        );
+        answer_rate_limited(&mut stream, &mut host);
         let entry = logged(&host).expect("a usage entry");
         assert_eq!(entry["model"], "claude-shared");
     }

@@ -120,6 +120,15 @@ struct FormattedHeader {
 }
 
 impl FormattedHeader {
+    /// Header `name`, its value not written yet.
+    fn new(name: &'static str) -> FormattedHeader {
+        FormattedHeader {
+            name,
+            bytes: [0; MAX_VALUE],
+            len: 0,
+        }
+    }
+
     /// The value written.
     fn as_str(&self) -> &str {
         // Only ASCII is written.
@@ -144,13 +153,8 @@ pub fn rate_limit_headers(
     shown: &Shown,
     now_ms: u64,
 ) -> RateLimitHeaders {
-    let empty = FormattedHeader {
-        name: "",
-        bytes: [0; MAX_VALUE],
-        len: 0,
-    };
     let mut out = RateLimitHeaders {
-        headers: [empty; 6],
+        headers: [FormattedHeader::new(""); 6],
         count: 0,
     };
     write_rate_limit_headers(provider, shown, now_ms, |name, value| {
@@ -199,11 +203,7 @@ pub fn write_rate_limit_headers(
         };
         set(limit, number.format(state.limit));
         set(remaining, number.format(state.remaining));
-        let mut value = FormattedHeader {
-            name: reset,
-            bytes: [0; MAX_VALUE],
-            len: 0,
-        };
+        let mut value = FormattedHeader::new(reset);
         let _ = if anthropic {
             write_rfc3339(&mut value, state.reset_at_ms / 1000)
         } else {
@@ -264,8 +264,10 @@ fn write_rfc3339(out: &mut impl std::fmt::Write, unix_secs: u64) -> std::fmt::Re
         (14..16, t / 60 % 60),
         (17..19, t % 60),
     ];
-    if !(0..10_000).contains(&y) {
-        // Past year 9999 (from `u64::MAX` ms): the year as long as it is.
+    // Past year 9999 (from `u64::MAX` ms) the year is written as long as
+    // it is, and the template from its first `-`.
+    let four_digit_year = (0..10_000).contains(&y);
+    if !four_digit_year {
         out.write_str(itoa::Buffer::new().format(y))?;
     }
     for (at, value) in fields {
@@ -275,7 +277,7 @@ fn write_rfc3339(out: &mut impl std::fmt::Write, unix_secs: u64) -> std::fmt::Re
             rest /= 10;
         }
     }
-    let from = if (0..10_000).contains(&y) { 0 } else { 4 };
+    let from = if four_digit_year { 0 } else { 4 };
     // Only ASCII digits and separators were written.
     let text = text.get(from..).unwrap_or_default();
     out.write_str(std::str::from_utf8(text).unwrap_or_default())
