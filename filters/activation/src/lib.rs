@@ -20,6 +20,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use zerolayer_core::activation::{Decision, RuleSet};
+use zerolayer_core::auth::identity::{Published, billing_tenant};
 use zerolayer_core::internal;
 use zerolayer_host::{Action, Callback, Headers, Host, Hosts, RootStage, StreamHost, StreamStage};
 
@@ -124,11 +125,13 @@ impl<H: StreamHost> StreamStage<H> for ActivationStream {
         // property read, only when a rule needs the tenant.
         let verified_tenant = plan
             .needs_tenant
-            .then(|| host.property(internal::AUTH_PROPERTY))
-            .flatten()
-            .map(|identity| {
-                zerolayer_core::auth::identity::billing_tenant(Some(&identity), None, None)
-            });
+            .then(|| {
+                host.with_identity(|published| {
+                    (*published != Published::Nothing)
+                        .then(|| billing_tenant(published, None, None))
+                })
+            })
+            .flatten();
         // Only rules with `hours`/`weekdays` read the clock.
         let now = plan.needs_clock.then(|| host.now_secs() as i64);
         // The rules read the headers where they are (no copy); no rule
@@ -169,7 +172,7 @@ impl<H: StreamHost> StreamStage<H> for ActivationStream {
         // the client, which would read it as the gateway's (no stage but
         // this one sets a reserved response header, so none of ours is lost
         // whatever order the host runs the stages' response callbacks in).
-        host.remove_reserved_response_headers(internal::is_internal_header);
+        host.remove_reserved_response_headers(|name| internal::is_internal_header(name));
         if plan.rules.debug_response_header()
             && let Some(decision) = &self.decision
         {

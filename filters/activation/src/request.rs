@@ -53,8 +53,8 @@ impl<'h> HostRequest<'h> {
     pub(crate) fn forbidden_headers(&self) -> impl Iterator<Item = &'h str> {
         self.headers
             .iter()
+            .filter(|(name, _)| is_internal_header(name))
             .filter_map(|(name, _)| std::str::from_utf8(name).ok())
-            .filter(|name| is_internal_header(name))
     }
 }
 

@@ -51,6 +51,15 @@ struct Change {
     value: Option<(usize, usize)>,
 }
 
+impl Change {
+    /// Whether this change is to header `name` (any case); the length is
+    /// compared before the name is looked up.
+    #[inline]
+    fn is_to(&self, changed: &[u8], name: &[u8]) -> bool {
+        self.name.1.wrapping_sub(self.name.0) == name.len() && eq(span(changed, self.name), name)
+    }
+}
+
 /// Room made for the changes at the first one (bytes, changes).
 const CHANGED_ROOM: (usize, usize) = (512, 8);
 
@@ -179,9 +188,7 @@ impl HeaderBlock {
 
     /// The change made to header `name`, if any.
     fn change_of(&self, name: &[u8]) -> Option<&Change> {
-        self.changes
-            .iter()
-            .find(|c| eq(span(&self.changed, c.name), name))
+        self.changes.iter().find(|c| c.is_to(&self.changed, name))
     }
 
     /// The first value of header `name` (any case).
@@ -189,9 +196,32 @@ impl HeaderBlock {
         if let Some(change) = self.change_of(name.as_bytes()) {
             return change.value.map(|v| span(&self.changed, v));
         }
-        self.read()
-            .find(|(key, _)| eq(key, name.as_bytes()))
-            .map(|(_, value)| value)
+        self.find_read(name.as_bytes())
+    }
+
+    /// The first value of `name` as read from the host. Every lookup of
+    /// every stage runs this: lengths are compared from the table before
+    /// any name is touched, and no value is sliced but the one found.
+    fn find_read(&self, name: &[u8]) -> Option<&[u8]> {
+        let table = self.bytes.get(4..4 + self.count * 8).unwrap_or_default();
+        let mut data = 4 + self.count * 8;
+        for lengths in table.chunks_exact(8) {
+            let key_len = u32::from_le_bytes([lengths[0], lengths[1], lengths[2], lengths[3]]);
+            let value_len = u32::from_le_bytes([lengths[4], lengths[5], lengths[6], lengths[7]]);
+            let (key_len, value_len) = (key_len as usize, value_len as usize);
+            if key_len == name.len()
+                && self
+                    .bytes
+                    .get(data..data + key_len)
+                    .is_some_and(|key| key.eq_ignore_ascii_case(name))
+            {
+                let value = data + key_len + 1;
+                return self.bytes.get(value..value + value_len);
+            }
+            // In bounds and NUL-terminated: checked by `parse`.
+            data += key_len + value_len + 2;
+        }
+        None
     }
 
     /// Header `name` now has the one value `value`.
@@ -205,16 +235,25 @@ impl HeaderBlock {
     }
 
     fn change(&mut self, name: &str, value: Option<&[u8]>) {
+        // At most one change per name: the earlier one goes (a header set
+        // again moves to the end, as the host appends it).
         let changed = &self.changed;
-        self.changes
-            .retain(|c| !eq(span(changed, c.name), name.as_bytes()));
+        if let Some(at) = self
+            .changes
+            .iter()
+            .position(|c| c.is_to(changed, name.as_bytes()))
+        {
+            self.changes.remove(at);
+        }
         if self.changes.capacity() == 0 {
             self.changed.reserve(CHANGED_ROOM.0);
             self.changes.reserve(CHANGED_ROOM.1);
         }
         let start = self.changed.len();
-        self.changed
-            .extend(name.bytes().map(|b| b.to_ascii_lowercase()));
+        self.changed.extend_from_slice(name.as_bytes());
+        if let Some(added) = self.changed.get_mut(start..) {
+            added.make_ascii_lowercase();
+        }
         let name = (start, self.changed.len());
         let value = value.map(|v| {
             let start = self.changed.len();
@@ -225,9 +264,11 @@ impl HeaderBlock {
     }
 }
 
-/// Header names compare without regard to ASCII case.
+/// Header names compare without regard to ASCII case. Inlined: most
+/// comparisons in a lookup differ in length and end at the first test.
+#[inline]
 fn eq(a: &[u8], b: &[u8]) -> bool {
-    a.eq_ignore_ascii_case(b)
+    a.len() == b.len() && a.eq_ignore_ascii_case(b)
 }
 
 #[cfg(test)]
@@ -264,6 +305,22 @@ mod tests {
             ))
             .expect("well-formed");
             prop_assert_eq!(HeaderBlock::from_pairs(&views), parsed);
+        }
+    }
+
+    proptest! {
+        /// A lookup finds what a walk over the pairs finds first, any case.
+        #[test]
+        fn a_lookup_is_the_first_pair_of_that_name(
+            pairs in proptest::collection::vec(("[a-cA-C:-]{0,4}", "[ -~]{0,12}"), 0..12),
+            name in "[a-cA-C:-]{0,4}",
+        ) {
+            let headers = block(&pairs.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect::<Vec<_>>());
+            let first = pairs
+                .iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(&name))
+                .map(|(_, v)| v.as_bytes());
+            prop_assert_eq!(headers.get(&name), first);
         }
     }
 

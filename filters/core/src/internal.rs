@@ -104,10 +104,10 @@ pub const DEBUG_RESPONSE_HEADER: &str = "x-zerolayer-debug";
 pub const INTERNAL_HEADER_PREFIX: &str = "x-zerolayer-";
 
 /// Whether `name` is one of zerolayer's reserved header names (any case).
-pub fn is_internal_header(name: &str) -> bool {
-    name.len() >= INTERNAL_HEADER_PREFIX.len()
-        && name.as_bytes()[..INTERNAL_HEADER_PREFIX.len()]
-            .eq_ignore_ascii_case(INTERNAL_HEADER_PREFIX.as_bytes())
+pub fn is_internal_header(name: impl AsRef<[u8]>) -> bool {
+    name.as_ref()
+        .get(..INTERNAL_HEADER_PREFIX.len())
+        .is_some_and(|prefix| prefix.eq_ignore_ascii_case(INTERNAL_HEADER_PREFIX.as_bytes()))
 }
 
 #[cfg(test)]

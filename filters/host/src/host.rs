@@ -9,8 +9,10 @@
 
 use std::time::Duration;
 
+use zerolayer_core::auth::identity::Published;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::headers::HeaderBlock;
+use zerolayer_core::internal;
 use zerolayer_core::reply::{self, RetryHint};
 use zerolayer_core::usage::{Missing, Usage};
 
@@ -410,6 +412,13 @@ pub trait StreamHost: Respond {
     /// hand-off `path` (see `zerolayer_core::internal`).
     fn publish(&mut self, path: &str, value: &[u8]);
 
+    /// Calls `f` with the identity lazy-auth published for this request,
+    /// parsed (a chain that runs in one filter parses it once per stream).
+    fn with_identity<T>(&mut self, f: impl FnOnce(&Published) -> T) -> T {
+        let value = self.property(internal::AUTH_PROPERTY);
+        f(&Published::parse(value.as_deref()))
+    }
+
     /// Sets property `path` as it is named; the host's refusal is a status.
     fn set_property(&mut self, path: &str, value: &[u8]) -> Result<(), Status>;
     /// The current stream's stage will do nothing in `callback` from now
@@ -474,12 +483,12 @@ pub trait StreamHost: Respond {
     /// the upstream must not set: the client would read them as the
     /// gateway's); returns how many were removed. Nothing is copied unless
     /// a name matches.
-    fn remove_reserved_response_headers(&mut self, reserved: impl Fn(&str) -> bool) -> usize {
+    fn remove_reserved_response_headers(&mut self, reserved: impl Fn(&[u8]) -> bool) -> usize {
         let names: Vec<String> = self.with_headers(Headers::Response, |headers| {
             headers
                 .iter()
+                .filter(|(name, _)| reserved(name))
                 .filter_map(|(name, _)| std::str::from_utf8(name).ok())
-                .filter(|name| reserved(name))
                 .map(str::to_string)
                 .collect()
         });

@@ -15,6 +15,7 @@
 
 use std::time::Duration;
 
+use zerolayer_core::auth::identity::Published;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::headers::HeaderBlock;
 use zerolayer_core::internal;
@@ -125,6 +126,9 @@ pub struct PipelineHost<P> {
     /// The request's API, once a stage asked (every stage asks; `:path`
     /// set again forgets it).
     provider: Option<Option<Provider>>,
+    /// Lazy-auth's published identity, parsed once a stage asked (four
+    /// stages read it; publishing it again forgets it).
+    identity: Option<Published>,
     /// The clock, read once per callback: the stages of one callback run
     /// within microseconds of each other, and each reading is a host call
     /// (~0.3 µs in V8); a wait spans callbacks, so it is still measured.
@@ -149,6 +153,7 @@ impl<P: Proxy> PipelineHost<P> {
             request_model: None,
             response_passed: (0, false),
             provider: None,
+            identity: None,
             clock: None,
         }
     }
@@ -506,6 +511,9 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
     }
 
     fn publish(&mut self, path: &str, value: &[u8]) {
+        if path == internal::AUTH_PROPERTY {
+            self.identity = None;
+        }
         if path.starts_with(internal::HANDOFF_PREFIX) {
             match self.handoffs.iter_mut().find(|(p, _)| p == path) {
                 Some(entry) => entry.1 = value.to_vec(),
@@ -516,7 +524,18 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
     }
 
     fn set_property(&mut self, path: &str, value: &[u8]) -> Result<(), Status> {
+        if path == internal::AUTH_PROPERTY {
+            self.identity = None;
+        }
         self.proxy.set_property(path, value)
+    }
+
+    fn with_identity<T>(&mut self, f: impl FnOnce(&Published) -> T) -> T {
+        if self.identity.is_none() {
+            let value = self.property(internal::AUTH_PROPERTY);
+            self.identity = Some(Published::parse(value.as_deref()));
+        }
+        f(self.identity.as_ref().unwrap_or(&Published::Nothing))
     }
 
     fn done_with(&mut self, callback: Callback) {

@@ -282,3 +282,40 @@ fn the_requests_api_is_worked_out_once_until_its_path_changes() {
     host.read_headers(Headers::Request);
     assert_eq!(host.provider(), None);
 }
+
+#[test]
+fn the_published_identity_is_parsed_once_until_it_is_published_again() {
+    use zerolayer_core::auth::identity::Published;
+    let tenant = |host: &mut PipelineHost<FakeHost>| {
+        host.with_identity(|p| p.identity().and_then(|id| id.tenant.clone()))
+    };
+    let mut host = stream(request());
+    assert!(host.with_identity(|p| *p == Published::Nothing));
+    // Set beneath the chain without it knowing: the parse it kept stands
+    // (the stages of one stream read it once).
+    host.proxy().properties.insert(
+        "wasmx.zerolayer_auth".into(),
+        b"verified tenant=acme".to_vec(),
+    );
+    assert_eq!(tenant(&mut host), None, "kept: parsed once");
+
+    host.publish("wasmx.zerolayer_auth", b"verified tenant=acme");
+    assert_eq!(tenant(&mut host).as_deref(), Some("acme"));
+    host.publish("wasmx.zerolayer_auth", b"unverified tenant=globex");
+    assert_eq!(
+        tenant(&mut host).as_deref(),
+        Some("globex"),
+        "published again: parsed again"
+    );
+    assert!(host.with_identity(|p| p.identity().is_some_and(|id| id.state == "unverified")));
+    host.publish("wasmx.zerolayer_auth", b"garbage");
+    assert!(host.with_identity(|p| *p == Published::Malformed));
+
+    let mut host = stream(request());
+    assert!(host.with_identity(|p| *p == Published::Nothing));
+    assert!(
+        host.set_property("wasmx.zerolayer_auth", b"public").is_ok()
+            && host.with_identity(|p| p.identity().is_some_and(|id| id.state == "public")),
+        "set as a property: parsed again"
+    );
+}

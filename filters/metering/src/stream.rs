@@ -181,12 +181,10 @@ impl MeteredStream {
             .plan
             .as_ref()
             .and_then(|p| p.config.default_tenant.clone());
-        let identity = host.property(internal::AUTH_PROPERTY);
-        let tenant = billing_tenant(
-            identity.as_deref(),
-            self.tenant_header.take().as_deref(),
-            default.as_deref(),
-        );
+        let header = self.tenant_header.take();
+        let tenant = host.with_identity(|published| {
+            billing_tenant(published, header.as_deref(), default.as_deref())
+        });
         if tenant != UNVERIFIED_TENANT {
             return (tenant, None);
         }

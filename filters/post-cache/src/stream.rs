@@ -6,7 +6,6 @@ use std::rc::Rc;
 
 use std::time::Duration;
 
-use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_core::cache::config::{Namespace, StampedeMode};
 use zerolayer_core::cache::control::{
     Bypass, RequestDirectives, RequestPlan, SAMPLED_OPT_IN_HEADER, SampledPolicy, Sampling, age,
@@ -153,11 +152,11 @@ impl CacheStream {
             return self.bypass(Bypass::NotActivated);
         }
         if plan.config.namespace == Namespace::Tenant {
-            let identity = host.property(internal::AUTH_PROPERTY);
-            let tenant = identity
-                .as_deref()
-                .and_then(ParsedIdentity::parse)
-                .and_then(|id| id.verified_tenant().map(str::to_string));
+            let tenant = host.with_identity(|published| {
+                published
+                    .identity()
+                    .and_then(|id| id.verified_tenant().map(str::to_string))
+            });
             match tenant {
                 Some(tenant) => self.namespace = Some(tenant),
                 None => return self.bypass(Bypass::NoVerifiedTenant),

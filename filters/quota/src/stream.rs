@@ -7,7 +7,6 @@ use std::rc::Rc;
 
 use sha2::{Digest, Sha256};
 use zerolayer_core::auth::attribution::PendingCredential;
-use zerolayer_core::auth::identity::ParsedIdentity;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::encoding::{BodyDecoder, ContentCoding, DecodeError, MAX_DECODED_BYTES};
 use zerolayer_core::internal;
@@ -166,21 +165,17 @@ impl QuotaStream {
     /// verification, where its verdict will be (only with an `unverified`
     /// budget: without one such a request holds no reservation).
     fn identify(&mut self, host: &mut impl StreamHost, plan: &Plan) {
-        let identity = host
-            .property(internal::AUTH_PROPERTY)
-            .and_then(|v| ParsedIdentity::parse(&v));
-        if let Some(id) = identity {
-            match id.state {
-                "verified" => {
-                    self.who.verified = true;
-                    self.who.tenant = id.tenant;
-                    self.who.subject = id.subject;
-                }
-                // A public path needs no credential: it is nobody's claim.
-                "public" => self.who.verified = true,
-                _ => {}
+        let who = &mut self.who;
+        host.with_identity(|published| match published.identity() {
+            Some(id) if id.state == "verified" => {
+                who.verified = true;
+                who.tenant.clone_from(&id.tenant);
+                who.subject.clone_from(&id.subject);
             }
-        }
+            // A public path needs no credential: it is nobody's claim.
+            Some(id) if id.state == "public" => who.verified = true,
+            _ => {}
+        });
         if !self.who.verified && plan.config.unverified.is_some() {
             self.who.pending = host
                 .property(internal::CREDENTIAL_PROPERTY)

@@ -131,6 +131,37 @@ impl ParsedIdentity {
     }
 }
 
+/// What lazy-auth published for a request (`internal::AUTH_PROPERTY`),
+/// parsed once: a chain that runs in one filter keeps it for every stage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Published {
+    /// Nothing (lazy-auth is not before this stage).
+    Nothing,
+    /// A value that is not an identity (counts as unverified).
+    Malformed,
+    /// The identity.
+    Identity(ParsedIdentity),
+}
+
+impl Published {
+    /// The property's value as read (`None`: not set).
+    pub fn parse(value: Option<&[u8]>) -> Published {
+        match value.map(ParsedIdentity::parse) {
+            None => Published::Nothing,
+            Some(None) => Published::Malformed,
+            Some(Some(identity)) => Published::Identity(identity),
+        }
+    }
+
+    /// The identity, when one was published and readable.
+    pub fn identity(&self) -> Option<&ParsedIdentity> {
+        match self {
+            Published::Identity(identity) => Some(identity),
+            Published::Nothing | Published::Malformed => None,
+        }
+    }
+}
+
 /// What an unverified request is billed and labelled as: a claimed tenant
 /// is never trusted for money, and a spray of made-up claims cannot fill a
 /// bounded label table.
@@ -145,23 +176,29 @@ pub const UNVERIFIED_TENANT: &str = "unverified";
 /// operator's `header_tenant` count (a header only the operator's own
 /// proxy sets); an unreadable identity counts as unverified.
 pub fn billing_tenant(
-    published: Option<&[u8]>,
+    published: &Published,
     header_tenant: Option<&str>,
     default_tenant: Option<&str>,
 ) -> String {
     let fallback = || default_tenant.unwrap_or(crate::metering::labels::UNKNOWN);
-    let Some(published) = published else {
-        return header_tenant
+    let id = match published {
+        Published::Nothing => {
+            return header_tenant
+                .filter(|t| !t.is_empty())
+                .unwrap_or_else(fallback)
+                .to_string();
+        }
+        Published::Malformed => return UNVERIFIED_TENANT.to_string(),
+        Published::Identity(id) => id,
+    };
+    match id.state {
+        "verified" => id
+            .tenant
+            .as_deref()
             .filter(|t| !t.is_empty())
             .unwrap_or_else(fallback)
-            .to_string();
-    };
-    match ParsedIdentity::parse(published) {
-        Some(id) if id.state == "verified" => id
-            .tenant
-            .filter(|t| !t.is_empty())
-            .unwrap_or_else(|| fallback().to_string()),
-        Some(id) if id.state == "public" => fallback().to_string(),
+            .to_string(),
+        "public" => fallback().to_string(),
         _ => UNVERIFIED_TENANT.to_string(),
     }
 }
@@ -253,7 +290,7 @@ mod tests {
         ];
         for (published, header, default, want) in cases {
             assert_eq!(
-                billing_tenant(*published, *header, *default),
+                billing_tenant(&Published::parse(*published), *header, *default),
                 *want,
                 "{:?}",
                 published.map(String::from_utf8_lossy)
