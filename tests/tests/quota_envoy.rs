@@ -451,7 +451,8 @@ fn three_envoys_on_one_redis_settle_at_most_the_budget_and_redis_counts_it_once(
         used,
         "Redis to hold what was used",
         Duration::from_secs(10),
-    )?;
+    )
+    .with_context(|| quota_counters(&gateways))?;
     // No drift: Redis holds exactly what the gateways' access logs (metering's
     // exact per-request usage, the reconciliation's truth) bill acme.
     wait::until(
@@ -582,6 +583,27 @@ fn redis_holds(fleet: &RedisFleet, want: i64, what: &str, timeout: Duration) -> 
         Ok((fleet.budget_total(PREFIX)? == want).then_some(()))
     })
     .with_context(|| format!("Redis holds {:?}, want {want}", fleet.budget_total(PREFIX)))
+}
+
+/// Each gateway's quota counters (store errors, unreachable calls,
+/// refills, overshoot…), for the message of a wait that ran out.
+fn quota_counters(gateways: &[Gateway]) -> String {
+    gateways
+        .iter()
+        .enumerate()
+        .map(|(g, gw)| {
+            let counters = match gw.envoy.prometheus() {
+                Ok(text) => text
+                    .lines()
+                    .filter(|l| !l.starts_with('#') && l.contains("zerolayer_quota"))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+                Err(e) => format!("(no stats: {e:#})"),
+            };
+            format!("gateway {g}'s quota counters: {counters}")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// The budget counters of policy `policy` in Redis, summed.
