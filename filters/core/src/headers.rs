@@ -52,8 +52,8 @@ struct Change {
 }
 
 impl Change {
-    /// Whether this change is to header `name` (any case); the length is
-    /// compared before the name is looked up.
+    /// Whether this change is to header `name` (any case); lengths are
+    /// compared before the name is sliced, as in `find_read`.
     #[inline]
     fn is_to(&self, changed: &[u8], name: &[u8]) -> bool {
         self.name.1.wrapping_sub(self.name.0) == name.len() && eq(span(changed, self.name), name)
@@ -160,18 +160,36 @@ impl HeaderBlock {
         }
     }
 
+    /// Each pair as read from the host: where its key starts, the key's
+    /// and the value's lengths (the length table walked once, for every
+    /// reader of the map).
+    fn entries(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        let table = self.bytes.get(4..4 + self.count * 8).unwrap_or_default();
+        let mut data = 4 + self.count * 8;
+        table.chunks_exact(8).map(move |lengths| {
+            let key_len = u32::from_le_bytes([lengths[0], lengths[1], lengths[2], lengths[3]]);
+            let value_len = u32::from_le_bytes([lengths[4], lengths[5], lengths[6], lengths[7]]);
+            let (key_len, value_len) = (key_len as usize, value_len as usize);
+            let key = data;
+            // In bounds and NUL-terminated: checked by `parse`.
+            data += key_len + value_len + 2;
+            (key, key_len, value_len)
+        })
+    }
+
+    /// The value of the pair whose key starts at `key` and is `key_len` long.
+    fn value_at(&self, key: usize, key_len: usize, value_len: usize) -> &[u8] {
+        let value = key + key_len + 1;
+        span(&self.bytes, (value, value + value_len))
+    }
+
     /// The headers as read from the host, in order (changes not applied).
     fn read(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
-        let mut data = 4 + self.count * 8;
-        (0..self.count).map(move |index| {
-            // In bounds and NUL-terminated: checked by `parse`.
-            let key_len = u32_at(&self.bytes, 4 + index * 8).unwrap_or(0);
-            let value_len = u32_at(&self.bytes, 8 + index * 8).unwrap_or(0);
-            let key = self.bytes.get(data..data + key_len).unwrap_or_default();
-            data += key_len + 1;
-            let value = self.bytes.get(data..data + value_len).unwrap_or_default();
-            data += value_len + 1;
-            (key, value)
+        self.entries().map(|(key, key_len, value_len)| {
+            (
+                span(&self.bytes, (key, key + key_len)),
+                self.value_at(key, key_len, value_len),
+            )
         })
     }
 
@@ -201,27 +219,13 @@ impl HeaderBlock {
 
     /// The first value of `name` as read from the host. Every lookup of
     /// every stage runs this: lengths are compared from the table before
-    /// any name is touched, and no value is sliced but the one found.
+    /// any name is sliced, and no value is sliced but the one found.
     fn find_read(&self, name: &[u8]) -> Option<&[u8]> {
-        let table = self.bytes.get(4..4 + self.count * 8).unwrap_or_default();
-        let mut data = 4 + self.count * 8;
-        for lengths in table.chunks_exact(8) {
-            let key_len = u32::from_le_bytes([lengths[0], lengths[1], lengths[2], lengths[3]]);
-            let value_len = u32::from_le_bytes([lengths[4], lengths[5], lengths[6], lengths[7]]);
-            let (key_len, value_len) = (key_len as usize, value_len as usize);
-            if key_len == name.len()
-                && self
-                    .bytes
-                    .get(data..data + key_len)
-                    .is_some_and(|key| key.eq_ignore_ascii_case(name))
-            {
-                let value = data + key_len + 1;
-                return self.bytes.get(value..value + value_len);
-            }
-            // In bounds and NUL-terminated: checked by `parse`.
-            data += key_len + value_len + 2;
-        }
-        None
+        self.entries()
+            .find(|&(key, key_len, _)| {
+                key_len == name.len() && eq(span(&self.bytes, (key, key + key_len)), name)
+            })
+            .map(|(key, key_len, value_len)| self.value_at(key, key_len, value_len))
     }
 
     /// Header `name` now has the one value `value`.

@@ -531,11 +531,11 @@ impl<P: Proxy> StreamHost for PipelineHost<P> {
     }
 
     fn with_identity<T>(&mut self, f: impl FnOnce(&Published) -> T) -> T {
-        if self.identity.is_none() {
-            let value = self.property(internal::AUTH_PROPERTY);
-            self.identity = Some(Published::parse(value.as_deref()));
-        }
-        f(self.identity.as_ref().unwrap_or(&Published::Nothing))
+        let identity = match self.identity.take() {
+            Some(kept) => kept,
+            None => Published::parse(self.property(internal::AUTH_PROPERTY).as_deref()),
+        };
+        f(self.identity.insert(identity))
     }
 
     fn done_with(&mut self, callback: Callback) {
