@@ -569,3 +569,175 @@ fn an_outage_adds_at_most_each_gateways_share_of_the_remainder() {
         );
     }
 }
+
+/// How the network treats one outstanding call when it is delivered.
+#[derive(Debug, Clone, Copy)]
+enum Fate {
+    /// Applied, answered.
+    Answered,
+    /// Applied, the answer lost (the host reports a failure).
+    AnswerLost,
+    /// Reported failed (a timeout) and applied later (webdis was slow).
+    AppliedAfterTimeout,
+    /// Never reached the store; reported failed.
+    Lost,
+    /// The stream that sent it went away (the host cancels its callouts),
+    /// sometimes after the store had it.
+    Withdrawn { reached: bool },
+}
+
+fn fate() -> impl Strategy<Value = Fate> {
+    prop_oneof![
+        4 => Just(Fate::Answered),
+        1 => Just(Fate::AnswerLost),
+        2 => Just(Fate::AppliedAfterTimeout),
+        1 => Just(Fate::Lost),
+        1 => any::<bool>().prop_map(|reached| Fate::Withdrawn { reached }),
+    ]
+}
+
+/// A step of the asynchronous run: requests as before; calls sent (by the
+/// syncing root, or by a request waiting for its grant, which sends copies
+/// of the operations already out), then delivered one at a time in any
+/// order with their [`Fate`], and late copies applied whenever.
+#[derive(Debug, Clone)]
+enum AsyncStep {
+    Start,
+    Advance(usize),
+    Send { gateway: usize, waiting: bool },
+    Deliver(usize, Fate),
+    ApplyLate(usize),
+    Wait(u64),
+}
+
+fn async_step() -> impl Strategy<Value = AsyncStep> {
+    prop_oneof![
+        3 => Just(AsyncStep::Start),
+        4 => any::<usize>().prop_map(AsyncStep::Advance),
+        2 => (any::<usize>(), any::<bool>())
+            .prop_map(|(gateway, waiting)| AsyncStep::Send { gateway, waiting }),
+        4 => (any::<usize>(), fate()).prop_map(|(i, f)| AsyncStep::Deliver(i, f)),
+        1 => any::<usize>().prop_map(AsyncStep::ApplyLate),
+        1 => (0u64..=3).prop_map(AsyncStep::Wait),
+    ]
+}
+
+/// The store calls on the wire, and copies that reach the store late.
+#[derive(Default)]
+struct Network {
+    outstanding: Vec<(usize, zerolayer_core::quota::StoreCall)>,
+    late: Vec<zerolayer_core::quota::store::Command>,
+}
+
+impl Fleet {
+    fn send(&mut self, net: &mut Network, gateway: usize, waiting: bool) {
+        let gateway = gateway % self.gateways.len();
+        let mut calls = Vec::new();
+        if waiting {
+            self.gateways[gateway].sync_waiting(self.now, &mut calls);
+        } else {
+            self.gateways[gateway].sync(self.now, &mut calls);
+        }
+        net.outstanding
+            .extend(calls.into_iter().map(|call| (gateway, call)));
+    }
+
+    fn deliver(&mut self, net: &mut Network, index: usize, fate: Fate) {
+        if net.outstanding.is_empty() {
+            return;
+        }
+        let (gateway, call) = net.outstanding.remove(index % net.outstanding.len());
+        let q = &mut self.gateways[gateway];
+        let failed = |what: &str| Err(StoreError::Unreachable(what.into()));
+        match fate {
+            Fate::Answered => {
+                let reply = self.store.execute(&call.command, self.now);
+                q.on_reply(&call.target, Ok(reply), self.now);
+            }
+            Fate::AnswerLost => {
+                self.store.execute(&call.command, self.now);
+                q.on_reply(&call.target, failed("answer lost"), self.now);
+            }
+            Fate::AppliedAfterTimeout => {
+                q.on_reply(&call.target, failed("timeout"), self.now);
+                net.late.push(call.command);
+            }
+            Fate::Lost => q.on_reply(&call.target, failed("lost"), self.now),
+            Fate::Withdrawn { reached } => {
+                q.withdrawn(&call.target);
+                if reached {
+                    net.late.push(call.command);
+                }
+            }
+        }
+    }
+
+    fn apply_late(&mut self, net: &mut Network, index: usize) {
+        if net.late.is_empty() {
+            return;
+        }
+        let command = net.late.remove(index % net.late.len());
+        self.store.execute(&command, self.now);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// Drift with the network as hosts have it: calls outstanding while
+    /// requests reserve, draw and settle; answered out of order, twice (a
+    /// waiting request's copy beside the root's), never, or after the host
+    /// reported them failed; withdrawn with their stream. Once everything
+    /// is answered and idle leases are returned, the counter holds exactly
+    /// what was settled, and never more than L + Q·g + N·β was settled.
+    #[test]
+    fn no_drift_when_calls_are_answered_late_twice_or_never(
+        n in 1usize..4,
+        limit in 500u64..5_000,
+        beta in prop_oneof![Just(0u64), 0u64..100],
+        hard in any::<bool>(),
+        max_percent in prop_oneof![Just(1u8), Just(5), Just(25), Just(100)],
+        g in 1u64..32,
+        requests in proptest::collection::vec(request(3), 1..60),
+        steps in proptest::collection::vec(async_step(), 1..400),
+    ) {
+        let mut fleet = Fleet::new(n, limit, beta, hard, max_percent, g);
+        let mut net = Network::default();
+        let mut pending = requests.into_iter().map(|mut r| {
+            r.gateway %= n;
+            r
+        });
+        for s in steps {
+            match s {
+                AsyncStep::Start => {
+                    if let Some(r) = pending.next() {
+                        fleet.start(r)
+                    }
+                }
+                AsyncStep::Advance(i) => fleet.advance(i),
+                AsyncStep::Send { gateway, waiting } => fleet.send(&mut net, gateway, waiting),
+                AsyncStep::Deliver(i, f) => fleet.deliver(&mut net, i, f),
+                AsyncStep::ApplyLate(i) => fleet.apply_late(&mut net, i),
+                AsyncStep::Wait(ms) => fleet.now += ms,
+            }
+        }
+        while !fleet.running.is_empty() {
+            fleet.advance(0);
+        }
+        let q = fleet.most_in_flight as u64;
+        let bound = limit + q * g + n as u64 * beta;
+        prop_assert!(fleet.settled <= bound, "settled {} > {} (L {} Q {} g {} N {} β {})",
+            fleet.settled, bound, limit, q, g, n, beta);
+        // The network drains: what is out is answered, late copies land.
+        while !net.outstanding.is_empty() {
+            fleet.deliver(&mut net, 0, Fate::Answered);
+        }
+        while !net.late.is_empty() {
+            fleet.apply_late(&mut net, 0);
+        }
+        fleet.sync_all();
+        fleet.now += 61_000;
+        fleet.sync_all();
+        prop_assert_eq!(fleet.counter(), fleet.settled as i64, "no drift");
+    }
+}
