@@ -1131,3 +1131,5 @@ fn a_hard_stream_refills_its_lease_as_it_goes_and_is_cut_at_the_budget() {
     gw.sync();
     assert_eq!(gw.counter("daily") as u64, 2 + input + delivered);
 }
+
+mod network;
