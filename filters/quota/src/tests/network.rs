@@ -99,8 +99,8 @@ impl World {
         }
     }
 
-    /// What a request's callback did: resumed, answered (a 429), or still waiting.
-    fn settle_state(&mut self, at: usize, resumes_before: usize) {
+    /// Notes what a request's callback did: resumed it, answered it (a 429), or neither (still waiting).
+    fn note_outcome(&mut self, at: usize, resumes_before: usize) {
         let resumed = self.gw.host.resumes.len() > resumes_before;
         let refused = !self.gw.host.sent.is_empty();
         if refused {
@@ -186,7 +186,7 @@ impl World {
                 self.gw.host.sent.clear();
                 let resumes = self.gw.host.resumes.len();
                 r.stream.call_answered(&mut self.gw.host, token, size);
-                self.settle_state(at, resumes);
+                self.note_outcome(at, resumes);
                 self.dispatched_by(Owner::Request(at));
             }
         }
@@ -271,7 +271,7 @@ proptest! {
             }
         }
         world.drain();
-        // Requests still waiting get their answers or give up.
+        // Whoever still waits (its calls answered, nothing resumed it) gives up.
         for at in 0..world.requests.len() {
             world.requests[at] = None;
         }
