@@ -230,6 +230,51 @@ impl RedisFleet {
         Ok(total)
     }
 
+    /// Every key under `prefix` with what it holds (a counter's value, an
+    /// idempotency record's fields), one per line: for a failure's message.
+    pub fn dump(&self, prefix: &str) -> String {
+        use zerolayer_core::quota::store::Reply;
+        let text = |r: &Reply| match r {
+            Reply::Bulk(Some(b)) => String::from_utf8_lossy(b).into_owned(),
+            Reply::Integer(i) => i.to_string(),
+            other => format!("{other:?}"),
+        };
+        let keys = match self.command(&["KEYS", &format!("{prefix}*")]) {
+            Ok(Reply::Array(Some(keys))) => keys,
+            other => return format!("KEYS {prefix}* answered {other:?}"),
+        };
+        let mut lines: Vec<String> = keys
+            .iter()
+            .map(|key| {
+                let key = text(key);
+                let held = if key.contains(":i:") {
+                    match self.command(&["HGETALL", &key]) {
+                        Ok(Reply::Array(Some(fields))) => fields
+                            .chunks(2)
+                            .map(|f| {
+                                format!(
+                                    "{}={}",
+                                    text(&f[0]),
+                                    f.get(1).map(text).unwrap_or_default()
+                                )
+                            })
+                            .collect::<Vec<_>>()
+                            .join(" "),
+                        other => format!("{other:?}"),
+                    }
+                } else {
+                    match self.command(&["GET", &key]) {
+                        Ok(reply) => text(&reply),
+                        Err(e) => format!("{e:#}"),
+                    }
+                };
+                format!("{key} {held}")
+            })
+            .collect();
+        lines.sort();
+        lines.join("\n")
+    }
+
     /// Number of keys in Redis.
     pub fn keys(&self) -> Result<u64> {
         let reply = Client::new().get(&format!("http://{}/DBSIZE", self.webdis_addr), &[])?;

@@ -452,7 +452,13 @@ fn three_envoys_on_one_redis_settle_at_most_the_budget_and_redis_counts_it_once(
         "Redis to hold what was used",
         Duration::from_secs(10),
     )
-    .with_context(|| quota_counters(&gateways))?;
+    .with_context(|| {
+        format!(
+            "{}\nRedis:\n{}",
+            quota_counters(&gateways),
+            fleet.dump(PREFIX)
+        )
+    })?;
     // No drift: Redis holds exactly what the gateways' access logs (metering's
     // exact per-request usage, the reconciliation's truth) bill acme.
     wait::until(
