@@ -92,7 +92,10 @@ struct Fleet {
     minted: u64,
     running: Vec<Running>,
     most_in_flight: usize,
+    beta: u64,
     g: u64,
+    /// Store calls sent by [`Step::Send`], not yet delivered.
+    net: Network,
 }
 
 impl Fleet {
@@ -133,7 +136,9 @@ impl Fleet {
             minted: 0,
             running: Vec::new(),
             most_in_flight: 0,
+            beta,
             g,
+            net: Network::default(),
         }
     }
 
@@ -263,6 +268,9 @@ impl Fleet {
                 }
                 Step::Advance(i) => self.advance(i),
                 Step::Sync(gw, loss) => self.sync(gw, loss),
+                Step::Send { gateway, waiting } => self.send(gateway, waiting),
+                Step::Deliver(i, fate) => self.deliver(i, fate),
+                Step::ApplyLate(i) => self.apply_late(i),
                 Step::Wait(ms) => self.now += ms,
             }
         }
@@ -284,6 +292,11 @@ impl Fleet {
         self.counter_of("d", b"\x01\x04acme")
     }
 
+    /// Q·g + N·β: what may be settled beyond a limit.
+    fn slack(&self) -> u64 {
+        self.most_in_flight as u64 * self.g + self.gateways.len() as u64 * self.beta
+    }
+
     fn counter_of(&self, policy: &str, scope: &[u8]) -> i64 {
         let key = CounterKeys::new(
             "zl:quota:",
@@ -300,7 +313,18 @@ impl Fleet {
 enum Step {
     Start,
     Advance(usize),
+    /// A sync whose calls are delivered at once, `loss` deciding their fate.
     Sync(usize, u8),
+    /// A sync (or a waiting request's, which copies the operations already
+    /// out) whose calls stay on the wire.
+    Send {
+        gateway: usize,
+        waiting: bool,
+    },
+    /// One call on the wire delivered with its [`Fate`].
+    Deliver(usize, Fate),
+    /// A copy that reached the store late lands.
+    ApplyLate(usize),
     Wait(u64),
 }
 
@@ -316,26 +340,33 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
+/// A fleet's shape: gateways, limit, β, hard streams, lease size (percent
+/// of the limit), chunk size g.
+fn fleet() -> impl Strategy<Value = (usize, u64, u64, bool, u8, u64)> {
+    (
+        1usize..4,
+        500u64..5_000,
+        prop_oneof![Just(0u64), 0u64..100],
+        any::<bool>(),
+        prop_oneof![Just(1u8), Just(5), Just(25), Just(100)],
+        1u64..32,
+    )
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
     #[test]
     fn settled_never_exceeds_l_plus_q_g_plus_n_beta(
-        n in 1usize..4,
-        limit in 500u64..5_000,
-        beta in prop_oneof![Just(0u64), 0u64..100],
-        hard in any::<bool>(),
-        max_percent in prop_oneof![Just(1u8), Just(5), Just(25), Just(100)],
-        g in 1u64..32,
+        (n, limit, beta, hard, max_percent, g) in fleet(),
         requests in proptest::collection::vec(request(3), 1..60),
         steps in proptest::collection::vec(step(), 1..300),
     ) {
         let mut fleet = Fleet::new(n, limit, beta, hard, max_percent, g);
         fleet.run(requests, steps);
-        let q = fleet.most_in_flight as u64;
-        let bound = limit + q * g + n as u64 * beta;
+        let bound = limit + fleet.slack();
         prop_assert!(fleet.settled <= bound, "settled {} > {} (L {} Q {} g {} N {} β {})",
-            fleet.settled, bound, limit, q, g, n, beta);
+            fleet.settled, bound, limit, fleet.most_in_flight, g, n, beta);
         // With the store reachable again every operation is answered; the
         // counter holds what every lease was granted, and once idle leases
         // are returned, exactly what was settled.
@@ -374,7 +405,7 @@ proptest! {
         let mut fleet =
             Fleet::with_unverified(n, limit, Some(unverified), beta, hard, max_percent, g);
         fleet.run(requests, steps);
-        let slack = fleet.most_in_flight as u64 * g + n as u64 * beta;
+        let slack = fleet.slack();
         prop_assert!(fleet.settled_unverified <= unverified + slack,
             "unverified settled {} > L_u {} + {}", fleet.settled_unverified, unverified, slack);
         let bound = limit + unverified + 2 * slack;
@@ -596,29 +627,19 @@ fn fate() -> impl Strategy<Value = Fate> {
     ]
 }
 
-/// A step of the asynchronous run: requests as before; calls sent (by the
-/// syncing root, or by a request waiting for its grant, which sends copies
-/// of the operations already out), then delivered one at a time in any
-/// order with their [`Fate`], and late copies applied whenever.
-#[derive(Debug, Clone)]
-enum AsyncStep {
-    Start,
-    Advance(usize),
-    Send { gateway: usize, waiting: bool },
-    Deliver(usize, Fate),
-    ApplyLate(usize),
-    Wait(u64),
-}
-
-fn async_step() -> impl Strategy<Value = AsyncStep> {
+/// The steps of an asynchronous run: requests as in [`step`]; calls sent
+/// (by the syncing root, or by a request waiting for its grant, which sends
+/// copies of the operations already out), then delivered one at a time in
+/// any order with their [`Fate`], and late copies landing whenever.
+fn async_step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        3 => Just(AsyncStep::Start),
-        4 => any::<usize>().prop_map(AsyncStep::Advance),
+        3 => Just(Step::Start),
+        4 => any::<usize>().prop_map(Step::Advance),
         2 => (any::<usize>(), any::<bool>())
-            .prop_map(|(gateway, waiting)| AsyncStep::Send { gateway, waiting }),
-        4 => (any::<usize>(), fate()).prop_map(|(i, f)| AsyncStep::Deliver(i, f)),
-        1 => any::<usize>().prop_map(AsyncStep::ApplyLate),
-        1 => (0u64..=3).prop_map(AsyncStep::Wait),
+            .prop_map(|(gateway, waiting)| Step::Send { gateway, waiting }),
+        4 => (any::<usize>(), fate()).prop_map(|(i, f)| Step::Deliver(i, f)),
+        1 => any::<usize>().prop_map(Step::ApplyLate),
+        1 => (0u64..=3).prop_map(Step::Wait),
     ]
 }
 
@@ -630,7 +651,7 @@ struct Network {
 }
 
 impl Fleet {
-    fn send(&mut self, net: &mut Network, gateway: usize, waiting: bool) {
+    fn send(&mut self, gateway: usize, waiting: bool) {
         let gateway = gateway % self.gateways.len();
         let mut calls = Vec::new();
         if waiting {
@@ -638,11 +659,13 @@ impl Fleet {
         } else {
             self.gateways[gateway].sync(self.now, &mut calls);
         }
-        net.outstanding
+        self.net
+            .outstanding
             .extend(calls.into_iter().map(|call| (gateway, call)));
     }
 
-    fn deliver(&mut self, net: &mut Network, index: usize, fate: Fate) {
+    fn deliver(&mut self, index: usize, fate: Fate) {
+        let net = &mut self.net;
         if net.outstanding.is_empty() {
             return;
         }
@@ -672,12 +695,22 @@ impl Fleet {
         }
     }
 
-    fn apply_late(&mut self, net: &mut Network, index: usize) {
-        if net.late.is_empty() {
+    fn apply_late(&mut self, index: usize) {
+        if self.net.late.is_empty() {
             return;
         }
-        let command = net.late.remove(index % net.late.len());
+        let command = self.net.late.remove(index % self.net.late.len());
         self.store.execute(&command, self.now);
+    }
+
+    /// Everything on the wire answered, every late copy landed.
+    fn drain_network(&mut self) {
+        while !self.net.outstanding.is_empty() {
+            self.deliver(0, Fate::Answered);
+        }
+        while !self.net.late.is_empty() {
+            self.apply_late(0);
+        }
     }
 }
 
@@ -692,49 +725,16 @@ proptest! {
     /// what was settled, and never more than L + Q·g + N·β was settled.
     #[test]
     fn no_drift_when_calls_are_answered_late_twice_or_never(
-        n in 1usize..4,
-        limit in 500u64..5_000,
-        beta in prop_oneof![Just(0u64), 0u64..100],
-        hard in any::<bool>(),
-        max_percent in prop_oneof![Just(1u8), Just(5), Just(25), Just(100)],
-        g in 1u64..32,
+        (n, limit, beta, hard, max_percent, g) in fleet(),
         requests in proptest::collection::vec(request(3), 1..60),
         steps in proptest::collection::vec(async_step(), 1..400),
     ) {
         let mut fleet = Fleet::new(n, limit, beta, hard, max_percent, g);
-        let mut net = Network::default();
-        let mut pending = requests.into_iter().map(|mut r| {
-            r.gateway %= n;
-            r
-        });
-        for s in steps {
-            match s {
-                AsyncStep::Start => {
-                    if let Some(r) = pending.next() {
-                        fleet.start(r)
-                    }
-                }
-                AsyncStep::Advance(i) => fleet.advance(i),
-                AsyncStep::Send { gateway, waiting } => fleet.send(&mut net, gateway, waiting),
-                AsyncStep::Deliver(i, f) => fleet.deliver(&mut net, i, f),
-                AsyncStep::ApplyLate(i) => fleet.apply_late(&mut net, i),
-                AsyncStep::Wait(ms) => fleet.now += ms,
-            }
-        }
-        while !fleet.running.is_empty() {
-            fleet.advance(0);
-        }
-        let q = fleet.most_in_flight as u64;
-        let bound = limit + q * g + n as u64 * beta;
+        fleet.run(requests, steps);
+        let bound = limit + fleet.slack();
         prop_assert!(fleet.settled <= bound, "settled {} > {} (L {} Q {} g {} N {} β {})",
-            fleet.settled, bound, limit, q, g, n, beta);
-        // The network drains: what is out is answered, late copies land.
-        while !net.outstanding.is_empty() {
-            fleet.deliver(&mut net, 0, Fate::Answered);
-        }
-        while !net.late.is_empty() {
-            fleet.apply_late(&mut net, 0);
-        }
+            fleet.settled, bound, limit, fleet.most_in_flight, g, n, beta);
+        fleet.drain_network();
         fleet.sync_all();
         fleet.now += 61_000;
         fleet.sync_all();
