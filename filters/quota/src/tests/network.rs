@@ -64,7 +64,7 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Waiting,
     Admitted,
@@ -128,14 +128,19 @@ impl World {
         self.dispatched_by(Owner::Request(at));
     }
 
+    /// The `index`th (modulo their number) of the requests in `state`.
+    fn pick(&self, state: State, index: usize) -> Option<usize> {
+        let of_state = |i: &usize| matches!(&self.requests[*i], Some(r) if r.state == state);
+        let count = (0..self.requests.len()).filter(of_state).count();
+        (0..self.requests.len())
+            .filter(of_state)
+            .nth(index.checked_rem(count)?)
+    }
+
     fn finish(&mut self, index: usize) {
-        let admitted: Vec<usize> = (0..self.requests.len())
-            .filter(|&i| matches!(&self.requests[i], Some(r) if r.state == State::Admitted))
-            .collect();
-        if admitted.is_empty() {
+        let Some(at) = self.pick(State::Admitted, index) else {
             return;
-        }
-        let at = admitted[index % admitted.len()];
+        };
         let mut r = self.requests[at].take().expect("admitted");
         let (prompt, completion) = r.usage;
         self.gw.answer(
@@ -202,13 +207,9 @@ impl World {
     }
 
     fn give_up(&mut self, index: usize, reached: bool) {
-        let waiting: Vec<usize> = (0..self.requests.len())
-            .filter(|&i| matches!(&self.requests[i], Some(r) if r.state == State::Waiting))
-            .collect();
-        if waiting.is_empty() {
+        let Some(at) = self.pick(State::Waiting, index) else {
             return;
-        }
-        let at = waiting[index % waiting.len()];
+        };
         // The host cancels its callouts: no answer will come.
         let (theirs, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.wire)
             .into_iter()
@@ -224,23 +225,15 @@ impl World {
     /// Everything on the wire answered (and what it sets off), every
     /// admitted request finished, every late copy landed.
     fn drain(&mut self) {
-        for _ in 0..64 {
-            while !self.wire.is_empty() {
-                self.deliver(0, Fate::Answered);
-            }
-            while !self.late.is_empty() {
-                self.apply_late(0);
-            }
-            while self
-                .requests
-                .iter()
-                .any(|r| matches!(r, Some(r) if r.state == State::Admitted))
-            {
-                self.finish(0);
-            }
-            if self.wire.is_empty() {
-                break;
-            }
+        // An answer may resume a request that then asks again: all on the wire.
+        while !self.wire.is_empty() {
+            self.deliver(0, Fate::Answered);
+        }
+        while !self.late.is_empty() {
+            self.apply_late(0);
+        }
+        while self.pick(State::Admitted, 0).is_some() {
+            self.finish(0);
         }
     }
 }
