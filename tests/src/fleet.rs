@@ -211,15 +211,8 @@ impl RedisFleet {
     /// (their idempotency records left out).
     pub fn budget_total(&self, prefix: &str) -> Result<i64> {
         use zerolayer_core::quota::store::Reply;
-        let Reply::Array(Some(keys)) = self.command(&["KEYS", &format!("{prefix}*")])? else {
-            anyhow::bail!("KEYS {prefix}* did not answer an array");
-        };
         let mut total = 0;
-        for key in keys {
-            let Reply::Bulk(Some(key)) = key else {
-                continue;
-            };
-            let key = String::from_utf8_lossy(&key).into_owned();
+        for key in self.keys_under(prefix)? {
             if key.contains(":i:") {
                 continue;
             }
@@ -228,6 +221,21 @@ impl RedisFleet {
             }
         }
         Ok(total)
+    }
+
+    /// The keys that start with `prefix`.
+    fn keys_under(&self, prefix: &str) -> Result<Vec<String>> {
+        use zerolayer_core::quota::store::Reply;
+        let Reply::Array(Some(keys)) = self.command(&["KEYS", &format!("{prefix}*")])? else {
+            anyhow::bail!("KEYS {prefix}* did not answer an array");
+        };
+        Ok(keys
+            .into_iter()
+            .filter_map(|key| match key {
+                Reply::Bulk(Some(key)) => Some(String::from_utf8_lossy(&key).into_owned()),
+                _ => None,
+            })
+            .collect())
     }
 
     /// Every key under `prefix` with what it holds (a counter's value, an
@@ -239,14 +247,13 @@ impl RedisFleet {
             Reply::Integer(i) => i.to_string(),
             other => format!("{other:?}"),
         };
-        let keys = match self.command(&["KEYS", &format!("{prefix}*")]) {
-            Ok(Reply::Array(Some(keys))) => keys,
-            other => return format!("KEYS {prefix}* answered {other:?}"),
+        let keys = match self.keys_under(prefix) {
+            Ok(keys) => keys,
+            Err(e) => return format!("{e:#}"),
         };
         let mut lines: Vec<String> = keys
-            .iter()
+            .into_iter()
             .map(|key| {
-                let key = text(key);
                 let held = if key.contains(":i:") {
                     match self.command(&["HGETALL", &key]) {
                         Ok(Reply::Array(Some(fields))) => fields
