@@ -6,16 +6,20 @@
 //! was spent.
 
 use serde_json::json;
-use zerolayer_core::auth::attribution::PendingCredential;
+use zerolayer_core::auth::attribution::{AttributionId, PendingCredential};
 use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
 use zerolayer_core::auth::verdict::Verdict;
 use zerolayer_core::quota::config::QuotaConfig;
 use zerolayer_core::quota::gateway::{
     CallTarget, GatewayQuota, Identity, RefusalKind, Settlement, StoreCall, StreamVerdict,
 };
-use zerolayer_core::quota::late::{LATE_HORIZON_MS, LateCounts, LateScope, MAX_AWAITING};
+use zerolayer_core::quota::late::{
+    LATE_HORIZON_MS, LateCounts, LateScope, MAX_AWAITING, MAX_HANDING_OFF, UnsettledCharge,
+};
 use zerolayer_core::quota::reserve::{RequestBound, TokenCounts};
-use zerolayer_core::quota::store::{CounterKeys, ModelStore, Reply, StoreError};
+use zerolayer_core::quota::store::{
+    CounterKeys, MAX_HANDED_OFF, ModelStore, Reply, StoreError, hand_off_command, hand_off_key,
+};
 
 const DAY_MS: u64 = 86_400_000;
 /// 2026-12-03T00:00:00Z.
@@ -275,7 +279,7 @@ fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_h
         LateCounts {
             verified: 2,
             unverified: 1,
-            expired: 0
+            ..LateCounts::default()
         }
     );
     // The store's counters come to exactly that once idle leases return.
@@ -377,11 +381,149 @@ fn a_verdict_that_never_comes_leaves_the_usage_unverified_and_the_wait_is_bounde
         (q.stats(0).settled, q.stats(1).settled),
         (0, 55 + spray as u64 + 110)
     );
-    // Retiring the table drops the charges still waiting, counted.
+    // Retiring the table gives up on the charges still waiting, counted.
     q.retire(T0 + 30);
     assert!(q.late().is_empty());
-    assert_eq!(q.late().counts().expired, 1 + 50 + MAX_AWAITING as u64);
+    let given_up = 1 + 50 + MAX_AWAITING as u64;
+    assert_eq!(q.late().counts().expired, given_up);
     assert_eq!(q.stats(0).settled, 0);
+    // Each was queued for the store's hand-off hash, at most
+    // MAX_HANDING_OFF at once (no sync ran since): the oldest are lost.
+    assert_eq!(q.late().handing_off(), MAX_HANDING_OFF);
+    let lost = given_up - MAX_HANDING_OFF as u64;
+    assert_eq!(q.late().counts().lost, lost);
+    // The syncs store the rest, a few calls each.
+    let mut syncs = 0;
+    while q.late().handing_off() > 0 && syncs < 1_000 {
+        sync(&mut q, &mut store, T0 + 40 + syncs);
+        syncs += 1;
+    }
+    assert_eq!(q.late().handing_off(), 0);
+    assert_eq!(q.late().counts().handed_off, MAX_HANDING_OFF as u64);
+    assert_eq!(
+        store.hash(&hand_off_key("zl:quota:")).map(|h| h.len()),
+        Some(MAX_HANDING_OFF)
+    );
+}
+
+/// The hand-off hash's entries: (field, charge).
+fn handed_off(store: &ModelStore) -> Vec<(String, UnsettledCharge)> {
+    let mut out: Vec<(String, UnsettledCharge)> = store
+        .hash(&hand_off_key("zl:quota:"))
+        .into_iter()
+        .flatten()
+        .map(|(field, value)| (field.clone(), serde_json::from_str(value).unwrap()))
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+#[test]
+fn a_charge_given_up_is_handed_off_and_reconciliation_makes_it_as_the_holder_would_have() {
+    // Holder `late` never hears its verdict; holder `timely` (another
+    // store: the same fleet's history) hears it at once.
+    let (mut late_store, mut timely_store) = (ModelStore::new(), ModelStore::new());
+    let mut late = late_quota(&mut late_store);
+    let mut timely = late_quota(&mut timely_store);
+    let (credential, entry) = lazy_credential(Some(true), T0);
+    let scope = LateScope {
+        credential: Some([7; 32]),
+        model: Some("m".into()),
+        ..LateScope::default()
+    };
+    for (q, verdict) in [(&mut late, None), (&mut timely, entry.as_deref())] {
+        let ticket = lazily_admitted(q, T0 + 1);
+        q.settle_lazily(
+            ticket,
+            usage(50, 5),
+            credential,
+            scope.clone(),
+            verdict,
+            T0 + 2,
+        );
+    }
+    assert_eq!(timely.stats(0).settled, 55, "acme charged in time");
+    assert_eq!(late.settle_late(T0 + 2 + LATE_HORIZON_MS, |_| None), 1);
+    assert_eq!(late.stats(0).settled, 0, "acme not charged by the holder");
+    sync(&mut late, &mut late_store, T0 + 3 + LATE_HORIZON_MS);
+    assert_eq!(late.late().counts().handed_off, 1);
+    let stored = handed_off(&late_store);
+    let [(field, charge)] = stored.as_slice() else {
+        panic!("one charge handed off: {stored:?}");
+    };
+    assert_eq!(
+        charge,
+        &UnsettledCharge {
+            credential: AttributionId::of(&credential.hash).render(),
+            at_ms: T0 + 2,
+            settlement: usage(50, 5),
+            input_bound: 100,
+            credential_sha256: Some("07".repeat(32)),
+            model: Some("m".into()),
+            route: None,
+            headers: Vec::new(),
+        }
+    );
+    // Reconciliation, once an attribution row names acme: acme's counter
+    // (the same key as the timely holder's), the same amount.
+    let now = T0 + 3_600_000;
+    let corrections = late.reconciliation(field, charge, Some("acme"), None, now);
+    let acme = CounterKeys::new(
+        "zl:quota:",
+        "daily",
+        &zerolayer_core::quota::store::scope_digest("daily", b"\x01\x04acme"),
+        Some(20_261_203),
+        0,
+    );
+    assert_eq!(
+        corrections
+            .iter()
+            .map(|c| (c.policy.as_str(), c.counter.as_str(), c.amount))
+            .collect::<Vec<_>>(),
+        [("daily", acme.counter.as_str(), 55)]
+    );
+    for t in [T0 + 1_000, T0 + 400_000] {
+        sync(&mut late, &mut late_store, t);
+        sync(&mut timely, &mut timely_store, t);
+    }
+    let acme_counter = |store: &ModelStore| store.counter(&acme.counter);
+    assert_eq!(acme_counter(&late_store), 0);
+    assert_eq!(acme_counter(&timely_store), 55);
+    // Applied twice (a run repeated, an answer lost): counted once.
+    for _ in 0..2 {
+        for c in &corrections {
+            let reply = late_store.execute(&c.command, now);
+            assert!(
+                matches!(&reply, Reply::Array(Some(items)) if items.len() == 2),
+                "{reply:?}"
+            );
+        }
+    }
+    assert_eq!(acme_counter(&late_store), acme_counter(&timely_store));
+    // Charged to another tenant, it is that tenant's counter.
+    let other = late.reconciliation(field, charge, Some("globex"), None, now);
+    assert_eq!(other.len(), 1);
+    assert_ne!(other[0].counter, acme.counter);
+    // A malformed credential hash is charged nowhere rather than wrongly.
+    let mut bad = charge.clone();
+    bad.credential_sha256 = Some("zz".into());
+    assert!(
+        late.reconciliation(field, &bad, Some("acme"), None, now)
+            .is_empty()
+    );
+}
+
+#[test]
+fn the_hand_off_hash_is_bounded_and_stores_a_field_once() {
+    let mut store = ModelStore::new();
+    let put = |store: &mut ModelStore, field: &str| {
+        store.execute(&hand_off_command("zl:quota:", field, "{}"), T0)
+    };
+    for n in 0..MAX_HANDED_OFF {
+        assert_eq!(put(&mut store, &n.to_string()), Reply::Integer(1));
+    }
+    assert_eq!(put(&mut store, "0"), Reply::Integer(1), "already there");
+    assert_eq!(put(&mut store, "new"), Reply::Integer(0), "full");
 }
 
 #[test]

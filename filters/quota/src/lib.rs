@@ -313,7 +313,8 @@ impl QuotaRoot {
             log::warn!(
                 "quota: {expired} lazily admitted request(s) not charged to their tenant: \
                  their credential's verdict did not come within {} ms (lazy-auth's verifier \
-                 down? in separate Envoy filters quota must share lazy-auth's vm_id)",
+                 down? in separate Envoy filters quota must share lazy-auth's vm_id); handed \
+                 to the store for `host-sim quota-reconcile`",
                 zerolayer_core::quota::late::LATE_HORIZON_MS
             );
         }

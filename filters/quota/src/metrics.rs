@@ -17,7 +17,9 @@
 //! and `_late_unverified` (requests admitted before verification, charged
 //! to the tenant verification found too, or left to `unverified` alone),
 //! `_late_expired` (of those, left because their verdict did not come in
-//! time).
+//! time), `_late_handed_off` (of those, stored in the store's hand-off hash
+//! for `host-sim quota-reconcile`) and `_late_lost` (not stored: a queue
+//! or the store's hash full).
 
 use zerolayer_core::quota::GatewayQuota;
 use zerolayer_core::quota::gateway::{PolicySpec, PolicyStats};
@@ -45,7 +47,7 @@ const PER_POLICY: [(&str, Read); 9] = [
 type ReadTotal = fn(&GatewayQuota) -> u64;
 
 /// Each count without a label: its metric name and how it is read.
-const TOTALS: [(&str, ReadTotal); 9] = [
+const TOTALS: [(&str, ReadTotal); 11] = [
     ("zerolayer_quota_store_errors", GatewayQuota::store_errors),
     (
         "zerolayer_quota_store_unreachable",
@@ -66,6 +68,10 @@ const TOTALS: [(&str, ReadTotal); 9] = [
     ("zerolayer_quota_late_expired", |q| {
         q.late().counts().expired
     }),
+    ("zerolayer_quota_late_handed_off", |q| {
+        q.late().counts().handed_off
+    }),
+    ("zerolayer_quota_late_lost", |q| q.late().counts().lost),
 ];
 
 /// The counters, and what of the table's counts they already carry.

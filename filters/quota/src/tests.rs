@@ -550,7 +550,7 @@ fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_h
 }
 
 #[test]
-fn a_lazily_admitted_request_whose_verdict_never_comes_stays_unverified_and_is_counted() {
+fn a_lazily_admitted_request_whose_verdict_never_comes_is_handed_to_the_store_and_counted() {
     let mut gw = Gateway::new(&daily(100_000));
     gw.fill_lease();
     lazily_admitted(&mut gw, b"sk-lost", VerdictComes::Never);
@@ -566,6 +566,22 @@ fn a_lazily_admitted_request_whose_verdict_never_comes_stays_unverified_and_is_c
     drop(quota);
     assert_eq!(gw.host.metric("zerolayer_quota_late_expired"), Some(1));
     assert_eq!(gw.host.metric("zerolayer_quota_late_verified"), Some(0));
+    // The tenant's charge went to the store's hand-off hash, for
+    // reconciliation: one entry naming the credential.
+    assert_eq!(gw.host.metric("zerolayer_quota_late_handed_off"), Some(1));
+    assert_eq!(gw.host.metric("zerolayer_quota_late_lost"), Some(0));
+    let hash = gw
+        .store
+        .hash(&zerolayer_core::quota::store::hand_off_key("zl:quota:"))
+        .expect("the hand-off hash");
+    let [value] = hash.values().collect::<Vec<_>>()[..] else {
+        panic!("one hand-off: {hash:?}");
+    };
+    let charge: zerolayer_core::quota::late::UnsettledCharge = serde_json::from_str(value).unwrap();
+    use zerolayer_core::auth::attribution::AttributionId;
+    use zerolayer_core::auth::credential::{CredentialKind, TokenHash};
+    let hash = TokenHash::credential(CredentialKind::ApiKey, b"sk-lost");
+    assert_eq!(charge.credential, AttributionId::of(&hash).render());
 }
 
 #[test]

@@ -144,7 +144,7 @@ impl PolicySpec {
         }
     }
 
-    fn window(&self, now_ms: u64) -> Option<WindowSpan> {
+    pub(super) fn window(&self, now_ms: u64) -> Option<WindowSpan> {
         let Limit::Budget(b) = self.limit else {
             return None;
         };
@@ -161,7 +161,7 @@ impl PolicySpec {
         Some(span)
     }
 
-    fn counter_kind(&self, span: Option<WindowSpan>) -> CounterKind {
+    pub(super) fn counter_kind(&self, span: Option<WindowSpan>) -> CounterKind {
         match (self.limit, span) {
             (Limit::Rate(r), _) => CounterKind::Rate {
                 limit: r.amount,
@@ -301,7 +301,8 @@ impl Ticket {
 }
 
 /// What a request came to, for [`GatewayQuota::settle`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Settlement {
     /// The response's exact usage.
     Usage(TokenCounts),
@@ -353,6 +354,12 @@ pub enum CallTarget {
     },
     /// A `SCRIPT LOAD`.
     Load(Script),
+    /// A lazily admitted request's charge handed to the store for
+    /// reconciliation.
+    HandOff {
+        /// Its number on this holder.
+        id: u64,
+    },
 }
 
 /// A store call to make.
@@ -390,13 +397,13 @@ pub struct PolicyStats {
 /// One lease holder's quota; see the module documentation.
 #[derive(Debug)]
 pub struct GatewayQuota {
-    policies: Vec<PolicySpec>,
-    prefix: String,
+    pub(super) policies: Vec<PolicySpec>,
+    pub(super) prefix: String,
     table: LeaseTable,
     /// The scope key being looked up, kept between lookups: each request
     /// builds one per policy, and a fresh key zero-fills its 528 bytes.
     scope_key: ScopeKey,
-    instance: u64,
+    pub(super) instance: u64,
     next_seq: u64,
     failing_since: Option<u64>,
     sync_interval_ms: u64,
@@ -603,13 +610,13 @@ impl GatewayQuota {
             .is_some_and(|since| now_ms.saturating_sub(since) >= 2 * self.sync_interval_ms)
     }
 
-    fn applies(policy: &PolicySpec, who: &Identity<'_>) -> bool {
+    pub(super) fn applies(policy: &PolicySpec, who: &Identity<'_>) -> bool {
         // Unverified requests never spend a claimed tenant's budget: they
         // count only against `unverified`, verified ones never against it.
         policy.unverified != who.verified
     }
 
-    fn fill_scope_key(key: &mut ScopeKey, policy: &PolicySpec, who: &Identity<'_>) {
+    pub(super) fn fill_scope_key(key: &mut ScopeKey, policy: &PolicySpec, who: &Identity<'_>) {
         key.clear();
         for part in &policy.scope {
             let (tag, value) = match *part {
@@ -1196,6 +1203,11 @@ impl GatewayQuota {
                 target: CallTarget::Orphan { seq: delta.seq },
                 command: delta_command(&self.shas, &delta.keys, delta.kind, delta.seq, delta.delta),
             });
+            budget -= 1;
+        }
+        if !out_too {
+            // Not from a waiting request: it waits for its own grant only.
+            self.hand_off_calls(budget, out);
         }
     }
 
@@ -1224,6 +1236,9 @@ impl GatewayQuota {
             }
             if let CallTarget::Load(script) = *target {
                 this.loading[usize::from(script == Script::Delta)] = false;
+            }
+            if let CallTarget::HandOff { id } = *target {
+                this.hand_off_answered(id, Err(()));
             }
         };
         let reply = match reply {
@@ -1272,6 +1287,13 @@ impl GatewayQuota {
                 }
                 Err(e) => failed(self, &e),
             },
+            CallTarget::HandOff { id } => match Self::hand_off_reply(&reply) {
+                Ok(stored) => {
+                    self.failing_since = None;
+                    self.hand_off_answered(id, Ok(stored));
+                }
+                Err(e) => failed(self, &e),
+            },
         }
     }
 
@@ -1288,6 +1310,7 @@ impl GatewayQuota {
             }
             CallTarget::Load(script) => self.loading[usize::from(script == Script::Delta)] = false,
             CallTarget::Orphan { .. } => {}
+            CallTarget::HandOff { id } => self.hand_off_answered(id, Err(())),
         }
     }
 

@@ -118,7 +118,7 @@ fn splice(body: &[u8], span: std::ops::Range<usize>, bytes: &[u8]) -> Option<Vec
 
 /// Tokens of one response by kind, counted the same for every provider:
 /// `input` excludes what the prompt cache served or stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct TokenCounts {
     /// Uncached input tokens.
     pub input: u64,

@@ -131,6 +131,54 @@ end
 return {remaining, 0}
 "#;
 
+/// The hand-off script. `KEYS`: the hand-off hash
+/// ([`hand_off_key`]). `ARGV`: field, value, most fields kept, TTL (s).
+/// Stores a charge a holder could not make for reconciliation to make
+/// (once per field) unless the hash is full, and keeps the hash for the TTL
+/// past its last write; returns 1 when the field is there (stored now or
+/// before), 0 when the hash was full.
+pub const HAND_OFF_SCRIPT: &str = r#"
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 1 end
+if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"#;
+
+/// Most charges the hand-off hash keeps: with [`MAX_HAND_OFF_BYTES`] each,
+/// at most 40 MiB of Redis however many credentials a client mints while
+/// the verifier is down.
+pub const MAX_HANDED_OFF: u64 = 10_000;
+
+/// Largest hand-off value stored (bytes of JSON); a larger one is counted
+/// as lost.
+pub const MAX_HAND_OFF_BYTES: usize = 4096;
+
+/// How long the hand-off hash outlives its last write, seconds: a month's
+/// budget window and a day, so reconciliation run monthly still finds it.
+pub const HAND_OFF_TTL_SECS: u64 = 32 * 86_400;
+
+/// The hand-off hash under `prefix`: lazily admitted requests' charges to
+/// their tenant that no holder could make, awaiting reconciliation.
+pub fn hand_off_key(prefix: &str) -> String {
+    format!("{prefix}unsettled")
+}
+
+/// The hand-off call: store `value` under `field` in [`hand_off_key`] (its
+/// script sent whole: it is rare, so never loaded).
+pub fn hand_off_command(prefix: &str, field: &str, value: &str) -> Command {
+    Command::new([
+        "EVAL".to_string(),
+        HAND_OFF_SCRIPT.to_string(),
+        "1".to_string(),
+        hand_off_key(prefix),
+        field.to_string(),
+        value.to_string(),
+        MAX_HANDED_OFF.to_string(),
+        HAND_OFF_TTL_SECS.to_string(),
+    ])
+}
+
 /// Which script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Script {
@@ -793,6 +841,8 @@ pub struct ModelStore {
     records: HashMap<String, (u64, i64, u64)>,
     /// Whether `EVALSHA` finds the scripts.
     loaded: bool,
+    /// Hashes written by the hand-off script: key to (field to value).
+    hashes: HashMap<String, HashMap<String, String>>,
 }
 
 /// The SHA the model answers `SCRIPT LOAD` of the grant script with.
@@ -808,6 +858,7 @@ impl ModelStore {
             rates: HashMap::new(),
             records: HashMap::new(),
             loaded: true,
+            hashes: HashMap::new(),
         }
     }
 
@@ -927,7 +978,7 @@ impl ModelStore {
 
     /// Answers `command` as Redis would with the scripts (time `now_ms`):
     /// `SCRIPT LOAD` (with a SHA of the model's own: it does not hash),
-    /// `EVAL` and `EVALSHA` of the two scripts; anything else is an error
+    /// `EVAL` and `EVALSHA` of the two scripts, `EVAL` of the hand-off script; anything else is an error
     /// reply, as are malformed arguments.
     pub fn execute(&mut self, command: &Command, now_ms: u64) -> Reply {
         let text = |i: usize| {
@@ -945,6 +996,9 @@ impl ModelStore {
                 s if s == DELTA_SCRIPT => Reply::Bulk(Some(MODEL_DELTA_SHA.as_bytes().to_vec())),
                 _ => Reply::Error("ERR the model knows only the quota scripts".into()),
             };
+        }
+        if verb == "EVAL" && text(1) == HAND_OFF_SCRIPT {
+            return self.hand_off(&text(3), text(4), text(5), text(6).parse().unwrap_or(0));
         }
         let script = match (verb.as_str(), text(1)) {
             ("EVAL", s) if s == GRANT_SCRIPT => Script::Grant,
@@ -995,6 +1049,24 @@ impl ModelStore {
                 ints(&[d.remaining, code(d.status)])
             }
         }
+    }
+
+    /// The hand-off script (the TTL is not modelled).
+    fn hand_off(&mut self, key: &str, field: String, value: String, max: u64) -> Reply {
+        let hash = self.hashes.entry(key.to_string()).or_default();
+        if hash.contains_key(&field) {
+            return Reply::Integer(1);
+        }
+        if hash.len() as u64 >= max {
+            return Reply::Integer(0);
+        }
+        hash.insert(field, value);
+        Reply::Integer(1)
+    }
+
+    /// The fields and values of hash `key` (empty when absent).
+    pub fn hash(&self, key: &str) -> Option<&HashMap<String, String>> {
+        self.hashes.get(key)
     }
 
     /// Forgets the loaded scripts, as a restarted Redis does (`EVALSHA`
