@@ -5,6 +5,7 @@
 //! host-sim stub --listen 127.0.0.1:18080 --ttft-ms 150 --itl-ms 20
 //! host-sim playground --listen 127.0.0.1:8787 --dir target/playground
 //! host-sim reconcile --access-log access.log --clickhouse http://127.0.0.1:8123 --out corrections.jsonl
+//! host-sim quota-reconcile --config filters/quota/example.json --webdis http://127.0.0.1:7379 --clickhouse http://127.0.0.1:8123
 //! host-sim replay --chain envoy/zerolayer.yaml --skip-filter envoy.filters.http.compressor --traffic traffic.jsonl --upstream stub --report report.html
 //! host-sim import --from har session.har --out traffic.jsonl
 //! host-sim check envoy/zerolayer.yaml envoy/zerolayer-fused.yaml
@@ -49,6 +50,12 @@ usage:
       Compare the metering sample with the access log per tenant and hour
       (unverified requests billed to the tenant attribution rows name) and
       emit correction rows (`host-sim reconcile --help`).
+  host-sim quota-reconcile --config FILE --webdis URL
+                           (--attribution FILE | --clickhouse URL [--attribution-table NAME])
+                           [--dry-run]
+      Charge to their tenant the lazily admitted requests quota's holders
+      handed to the store (no verdict in time), once
+      (`host-sim quota-reconcile --help`).
   host-sim replay --chain FILE --traffic FILE --upstream stub|recorded|URL
                   [--speed F] [--concurrency N] [--no-baseline] [--out FILE] [--report FILE]
                   [--cluster NAME=IP:PORT]... [--capture CLUSTER]... [--title TEXT]
@@ -80,6 +87,7 @@ fn main() -> ExitCode {
         Some("stub") => stub(&args[1..]),
         Some("playground") => host_sim_tools::playground::main(&args[1..]),
         Some("reconcile") => reconcile(&args[1..]),
+        Some("quota-reconcile") => quota_reconcile(&args[1..]),
         Some("replay") => replay(&args[1..]),
         Some("import") => import(&args[1..]),
         Some("check") => return check(&args[1..]),
@@ -401,6 +409,69 @@ fn reconcile(args: &[String]) -> Result<()> {
             eprint!("{summary}");
         }
     }
+    Ok(())
+}
+
+fn quota_reconcile(args: &[String]) -> Result<()> {
+    use host_sim_tools::quota_reconcile::{self, Webdis};
+    let args = Args::parse(args, &["help", "dry-run"])?;
+    if args.flag("help") {
+        print!("{}", quota_reconcile::USAGE);
+        return Ok(());
+    }
+    args.only(
+        &[
+            "config",
+            "webdis",
+            "attribution",
+            "clickhouse",
+            "attribution-table",
+            "dry-run",
+            "help",
+        ],
+        &[],
+    )?;
+    let path = args
+        .get("config")
+        .context("--config QUOTA.json is required")?;
+    let text = std::fs::read(path).with_context(|| format!("reading {path}"))?;
+    let config = zerolayer_core::quota::config::QuotaConfig::from_json(&text)
+        .map_err(|e| anyhow::anyhow!("{path}: {e}"))?;
+    let quota = zerolayer_core::quota::GatewayQuota::new(&config, 0, 0)
+        .map_err(|e| anyhow::anyhow!("{path}: {e}"))?;
+    let webdis = Webdis::new(args.get("webdis").context("--webdis URL is required")?);
+    let attributions = match (
+        args.get("attribution"),
+        args.get("clickhouse"),
+        args.get("attribution-table"),
+    ) {
+        (Some(file), None, None) => {
+            let reader = BufReader::new(
+                std::fs::File::open(file).with_context(|| format!("opening {file}"))?,
+            );
+            reconcile::read_attributions(reader).with_context(|| file.to_string())?
+        }
+        (None, Some(url), table) => reconcile::fetch_attributions(
+            url,
+            table.unwrap_or(reconcile::DEFAULT_ATTRIBUTION_TABLE),
+        )?,
+        _ => {
+            bail!("give one of --attribution FILE and --clickhouse URL [--attribution-table NAME]")
+        }
+    };
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let report =
+        quota_reconcile::run(&webdis, &quota, &attributions, now_ms, args.flag("dry-run"))?;
+    let mut out = String::new();
+    for made in &report.made {
+        out.push_str(&serde_json::to_string(made)?);
+        out.push('\n');
+    }
+    std::io::stdout().write_all(out.as_bytes())?;
+    eprintln!("{}", report.summary());
     Ok(())
 }
 

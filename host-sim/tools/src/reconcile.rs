@@ -187,6 +187,8 @@ pub struct SampleRow {
 #[derive(Debug, Clone, Default)]
 pub struct Attributions {
     tenants: HashMap<String, String>,
+    /// The verified identity each row names: (tenant, subject), as given.
+    identities: HashMap<String, (Option<String>, Option<String>)>,
 }
 
 /// The tenant a verified credential without one is billed as (metering's
@@ -202,6 +204,14 @@ impl Attributions {
     /// Whether it attributes none.
     pub fn is_empty(&self) -> bool {
         self.tenants.is_empty()
+    }
+
+    /// The verified tenant and subject a row names for `credential` (an
+    /// attribution id), `None` when no row names it.
+    pub fn identity(&self, credential: &str) -> Option<(Option<&str>, Option<&str>)> {
+        self.identities
+            .get(credential)
+            .map(|(tenant, subject)| (tenant.as_deref(), subject.as_deref()))
     }
 
     /// Bills each `unverified` row whose credential is attributed to that
@@ -242,18 +252,22 @@ pub fn read_attributions(reader: impl BufRead) -> Result<Attributions> {
         if line.trim().is_empty() {
             continue;
         }
-        let parsed = || -> Result<(String, String)> {
+        let parsed = || -> Result<(String, Option<String>, Option<String>)> {
             let Value::Object(row) = serde_json::from_str(&line).context("not JSON")? else {
                 bail!("not a JSON object");
             };
-            let tenant = match row.get("tenant") {
-                Some(Value::String(t)) if !t.is_empty() => t.clone(),
-                _ => TENANTLESS.to_string(),
+            let given = |field: &str| match row.get(field) {
+                Some(Value::String(t)) if !t.is_empty() => Some(t.clone()),
+                _ => None,
             };
-            Ok((text(&row, "credential")?, tenant))
+            Ok((text(&row, "credential")?, given("tenant"), given("subject")))
         };
-        let (credential, tenant) = parsed().with_context(|| format!("line {}", n + 1))?;
-        out.tenants.insert(credential, tenant);
+        let (credential, tenant, subject) = parsed().with_context(|| format!("line {}", n + 1))?;
+        out.tenants.insert(
+            credential.clone(),
+            tenant.clone().unwrap_or_else(|| TENANTLESS.to_string()),
+        );
+        out.identities.insert(credential, (tenant, subject));
     }
     Ok(out)
 }
@@ -261,7 +275,7 @@ pub fn read_attributions(reader: impl BufRead) -> Result<Attributions> {
 /// Reads the attribution table from ClickHouse's HTTP interface at `url`.
 pub fn fetch_attributions(url: &str, table: &str) -> Result<Attributions> {
     let sql = format!(
-        "SELECT credential, tenant FROM {} FORMAT JSONEachRow",
+        "SELECT credential, tenant, subject FROM {} FORMAT JSONEachRow",
         table_name(table)?
     );
     read_attributions(clickhouse_query(url, &sql)?)

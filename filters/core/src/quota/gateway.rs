@@ -542,6 +542,11 @@ impl GatewayQuota {
         self.policies.get(index)
     }
 
+    /// The store's key prefix (`store.key_prefix`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
     /// The compiled policies, in configuration order (`unverified` last).
     pub fn policies(&self) -> &[PolicySpec] {
         &self.policies
