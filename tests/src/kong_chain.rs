@@ -78,9 +78,8 @@ pub struct KongChainOptions {
     /// Whether the fleet tier (Redis + webdis) is on.
     pub fleet: bool,
     /// Whether quota runs, with its store: `kong-fused.yml`'s `quota`
-    /// section kept (it is left out otherwise), and for `kong.yml`, which
-    /// does not ship it (kong/README.md, "quota"), `zerolayer_quota` put
-    /// after activation with that section's configuration.
+    /// section and `kong.yml`'s `zerolayer_quota` kept (left out
+    /// otherwise: the other scenarios run without a store).
     pub quota: bool,
     /// nginx worker processes.
     pub workers: usize,
@@ -178,20 +177,8 @@ impl KongChain {
         {
             sections.remove("quota");
         }
-        if options.quota && !options.fused {
-            // Where the fused form runs it: after activation.
-            let at = config
-                .filters
-                .iter()
-                .position(|f| f.name == "zerolayer_activation")
-                .map_or(0, |i| i + 1);
-            config.filters.insert(
-                at,
-                crate::ngx::KongFilter {
-                    name: "zerolayer_quota".into(),
-                    config: String::new(),
-                },
-            );
+        if !options.quota {
+            config.filters.retain(|f| f.name != "zerolayer_quota");
         }
         // As the Envoy chain (tests/src/chain.rs): the test issuer, quick flushes.
         sections["lazy_auth"]["jwt"]["issuers"] = json!(["https://idp.test"]);
@@ -282,12 +269,6 @@ impl KongChain {
         }
         let mut sections = json!({});
         for (section, filter) in STAGES {
-            if section == "quota" {
-                // kong.yml does not ship it: the fused form's section.
-                let fused = KongConfig::shipped("kong-fused.yml")?;
-                sections[section] = fused.filter_json("zerolayer_fused")?["quota"].clone();
-                continue;
-            }
             sections[section] = config.filter_json(filter)?;
         }
         Ok(sections)

@@ -38,25 +38,16 @@ use zerolayer_e2e::{EnvoyConfig, paths};
 /// `zerolayer-<name>`).
 const CHAIN: [&str; 5] = ["lazy-auth", "activation", "quota", "post-cache", "metering"];
 
-/// `kong/kong.yml`'s chain: without quota, which is in the fused form only
-/// (in ngx_wasm_module a body metering replaced in a request quota paused
-/// for its grant reached the backend cut to its old length; kong/README.md).
-const SEPARATE_CHAIN: [&str; 4] = ["lazy-auth", "activation", "post-cache", "metering"];
-
 /// Kong's name of the fused filter.
 const FUSED_FILTER: &str = "zerolayer_fused";
 
 /// Modules xtask builds (by `.wasm` name) that are deliberately not in Kong's chain.
-const NOT_IN_KONG: [(&str, &str); 3] = [
+const NOT_IN_KONG: [(&str, &str); 2] = [
     (
         "zerolayer_observer_service",
         "Envoy's singleton; in Kong each filter embeds its observer",
     ),
     ("zerolayer_probe", "a test-only filter"),
-    (
-        "zerolayer_quota",
-        "in kong/kong-fused.yml only, as its `quota` section (kong/README.md, \"quota\")",
-    ),
 ];
 
 /// Stages Kong's fused form runs that Envoy's shipped fused form does not
@@ -154,7 +145,7 @@ impl Form {
     /// The chain's filters in order, as Kong names them.
     fn chain(self) -> Vec<String> {
         match self {
-            Form::Separate => SEPARATE_CHAIN.iter().map(|n| kong_name(n)).collect(),
+            Form::Separate => CHAIN.iter().map(|n| kong_name(n)).collect(),
             Form::Fused => vec![FUSED_FILTER.to_string()],
         }
     }
@@ -235,7 +226,7 @@ impl Kong {
         let at = &self.at;
         let fused = self.chain()?.filters.iter().any(|f| f.name == FUSED_FILTER);
         if !fused {
-            return SEPARATE_CHAIN
+            return CHAIN
                 .iter()
                 .map(|name| Ok((*name, self.config_text(&kong_name(name))?)))
                 .collect();

@@ -932,6 +932,51 @@ fn a_refusal_on_the_introspection_answer_reaches_the_client() -> Result<()> {
     })
 }
 
+/// An API key checked from the body step (synchronously): the request
+/// waited there for the introspection's answer, after which ngx_wasm_module
+/// sends a body a later filter replaced cut to its old length. Its OpenAI
+/// stream reaches the backend whole.
+#[test]
+fn a_stream_checked_from_its_body_step_reaches_the_backend_whole() -> Result<()> {
+    let options = KongChainOptions {
+        configure: Some(|sections| sections["lazy_auth"]["unknown"] = json!("sync")),
+        ..KongChainOptions::default()
+    };
+    both_forms(options, |chain: &mut KongChain| {
+        let id = "sync-stream";
+        let body = openai("checked first", true);
+        let reply = chain.post(
+            id,
+            "/v1/chat/completions",
+            &[("x-api-key", GOOD_API_KEY), ("x-request-id", id)],
+            &body,
+        )?;
+        let seen: Vec<String> = chain
+            .stub
+            .requests()
+            .into_iter()
+            .filter(|r| r.header("x-request-id") == Some(id))
+            .map(|r| String::from_utf8_lossy(&r.body).into_owned())
+            .collect();
+        // Without the wait said, the separate chain's backend answered 400
+        // ("EOF while parsing a value at line 1 column 121"): metering's
+        // `include_usage` cut to the old length.
+        ensure!(
+            reply.status == 200,
+            "{id}: {} {}; the backend got {seen:?}",
+            reply.status,
+            reply.body
+        );
+        ensure!(seen == [body.clone()], "{id}: the backend got {seen:?}");
+        ensure!(
+            reply.body.trim_end().ends_with("data: [DONE]"),
+            "{id}: {}",
+            reply.body
+        );
+        Ok(())
+    })
+}
+
 /// Many requests at once with audit on, and a sink slower than they
 /// arrive: every audit record reaches the sink and the worker stays up.
 /// The observer once shipped the next batch from the previous batch's
@@ -1498,6 +1543,62 @@ fn quota_a_tenants_first_requests_wait_for_their_lease_instead_of_a_429() -> Res
         }
         ensure!(chain.backend_requests("quota-first-") == 6);
         quota_holds(chain, used, "Redis to hold the first requests' tokens")
+    })
+}
+
+/// A tenant's first request on a worker waits in its body step for the
+/// lease; when it is an OpenAI stream, metering (after quota) would add
+/// `include_usage` to its body, which ngx_wasm_module's separate filters
+/// then sent upstream cut to its old length (the backend answered 400).
+/// quota says it waited, and metering leaves the body as it is there.
+#[test]
+fn quota_a_first_openai_stream_waiting_for_its_lease_reaches_the_backend_whole() -> Result<()> {
+    let options = KongChainOptions {
+        // Checked at once, so the request is verified and its tenant's
+        // lease is empty: it waits for the grant.
+        configure: Some(|sections| {
+            sections["lazy_auth"]["unknown"] = json!("sync");
+            sections["lazy_auth"]["jwt"]["keys"] = issuer().jwks()["keys"].clone();
+        }),
+        quota: true,
+        ..KongChainOptions::default()
+    };
+    both_forms(options, |chain: &mut KongChain| {
+        let id = "quota-first-stream";
+        let body = openai("a first stream", true);
+        let bearer = zerolayer_e2e::chain::Chain::bearer("first", "t-stream");
+        let reply = chain.post(
+            id,
+            "/v1/chat/completions",
+            &[("authorization", &bearer), ("x-request-id", id)],
+            &body,
+        )?;
+        ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
+        ensure!(
+            reply.body.trim_end().ends_with("data: [DONE]"),
+            "{id}: the stream did not end: {}",
+            reply.body
+        );
+        ensure!(
+            tokens_remaining(&reply, "/v1/chat/completions").is_some(),
+            "{id}: quota did not scope it: {:?}",
+            reply.headers
+        );
+        let seen: Vec<Vec<u8>> = chain
+            .stub
+            .requests()
+            .into_iter()
+            .filter(|r| r.header("x-request-id") == Some(id))
+            .map(|r| r.body)
+            .collect();
+        ensure!(
+            seen == [body.as_bytes().to_vec()],
+            "{id}: the backend got {:?}",
+            seen.iter()
+                .map(|b| String::from_utf8_lossy(b))
+                .collect::<Vec<_>>()
+        );
+        Ok(())
     })
 }
 

@@ -85,6 +85,12 @@ pub const QUOTA_PROPERTY: &str = "wasmx.zerolayer_quota";
 /// prefixes `wasm.` to a Wasm filter's properties).
 pub const QUOTA_FILTER_STATE: &str = "wasm.wasmx.zerolayer_quota";
 
+/// Property: a filter paused this request's body step for a callout
+/// (`1`). Published only where a body replaced after such a pause reaches
+/// the upstream cut to its old length (ngx_wasm_module's separate filters):
+/// the filters after it then leave the body as it is.
+pub const BODY_WAITED_PROPERTY: &str = "wasmx.zerolayer_body_waited";
+
 /// Property: metering asked the backend for OpenAI's usage chunk and hides
 /// it from the client (`1`). Published only where the host runs response
 /// phases in chain order (ngx_wasm_module's separate filters), so that

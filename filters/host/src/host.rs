@@ -230,6 +230,15 @@ pub trait Host {
         self.platform() != Platform::NgxWasm
     }
 
+    /// Whether a request body replaced in the body step reaches the
+    /// upstream whole after another filter paused that step for a callout:
+    /// not in ngx_wasm_module's separate filters, where it arrived cut to
+    /// its old length under its old `content-length` (the backend answered
+    /// 400). The fused filter never replaces a body after its own pause.
+    fn keeps_bodies_replaced_after_a_wait(&mut self) -> bool {
+        self.fused() || self.platform() != Platform::NgxWasm
+    }
+
     /// Whether a stage may make a callout from a response phase: not in
     /// ngx_wasm_module, which refuses `proxy_dispatch_http_call` in its
     /// header and body filter phases.
@@ -411,6 +420,22 @@ pub trait StreamHost: Respond {
     /// Publishes `value` to later filters of the same request under
     /// hand-off `path` (see `zerolayer_core::internal`).
     fn publish(&mut self, path: &str, value: &[u8]);
+
+    /// Notes that this stage paused the request's body step for a
+    /// callout, where the host would then cut a body a later filter
+    /// replaces ([`Host::keeps_bodies_replaced_after_a_wait`]).
+    fn note_body_wait(&mut self) {
+        if !self.keeps_bodies_replaced_after_a_wait() {
+            self.publish(internal::BODY_WAITED_PROPERTY, b"1");
+        }
+    }
+
+    /// Whether the request body may be replaced now: not where an earlier
+    /// filter paused its body step and the host would cut the replacement.
+    fn may_replace_request_body(&mut self) -> bool {
+        self.keeps_bodies_replaced_after_a_wait()
+            || self.property(internal::BODY_WAITED_PROPERTY).is_none()
+    }
 
     /// Calls `f` with the identity lazy-auth published for this request,
     /// parsed (a chain that runs in one filter parses it once per stream).

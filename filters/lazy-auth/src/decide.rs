@@ -516,6 +516,16 @@ impl Stream {
 
     /// The request body step: a deferred check is made now.
     pub(crate) fn on_request_body(&mut self, host: &mut impl StreamHost) -> Action {
+        let action = self.deferred_check(host);
+        if action == Action::Pause {
+            // Waiting for the check's callout (or answered: then nothing
+            // goes upstream anyway).
+            host.note_body_wait();
+        }
+        action
+    }
+
+    fn deferred_check(&mut self, host: &mut impl StreamHost) -> Action {
         match self.deferred.take() {
             Some((reason, c)) if c.kind == CredentialKind::Jwt => {
                 if self.plan.keys.available(host) {
@@ -1565,6 +1575,13 @@ mod tests {
             .last_dispatched()
             .expect("the check, from the body step")
             .token;
+        // Said, so the filters after it leave the body as it is (this host
+        // would cut one they replaced).
+        assert_eq!(
+            host.properties
+                .get(zerolayer_core::internal::BODY_WAITED_PROPERTY),
+            Some(&b"1".to_vec())
+        );
         host.answer_with(Some(200), br#"{"active":false}"#);
         stream.call_answered(&mut host, token, 16);
         assert_eq!(host.sent[0].status, 401, "refused from the answer");

@@ -345,6 +345,7 @@ impl MeteredStream {
             self.rewrite = Rewrite::None;
             return Action::Continue;
         };
+        let replaceable = host.may_replace_request_body();
         let scan = &mut self.scan;
         let Some(injection) = host.with_body(Body::Request, body_size, |body| {
             if body.len() != body_size {
@@ -359,6 +360,10 @@ impl MeteredStream {
             return Action::Continue;
         };
         self.rewrite = Rewrite::None;
+        if !replaceable && matches!(injection, Injection::Rewritten(_)) {
+            self.after_a_wait(plan);
+            return Action::Continue;
+        }
         if let Injection::Refused(message) = &injection {
             // Forwarded, it could stream without the usage chunk: refused
             // (a request the backend never saw is not metered).
@@ -378,6 +383,18 @@ impl MeteredStream {
             }
         }
         Action::Continue
+    }
+
+    /// An earlier filter paused the body step for a callout and this host
+    /// would cut a replaced body: it goes on as it is, counted.
+    fn after_a_wait(&mut self, plan: &Plan) {
+        log::warn!(
+            "metering: request {:?}: an earlier filter waited for a callout in the body step, \
+             after which ngx_wasm_module cuts a replaced body: include_usage not added, its \
+             usage may be missing",
+            self.request_id
+        );
+        plan.meters.skipped(SkipReason::AfterAWait);
     }
 
     /// The host could not hand the body over: it goes on unread (no model,
@@ -422,6 +439,10 @@ impl MeteredStream {
             StreamedInjection::Pending
             | StreamedInjection::NotApplicable
             | StreamedInjection::ClientAsked => return,
+        }
+        if !host.may_replace_request_body() {
+            self.after_a_wait(plan);
+            return;
         }
         let appended = host.with_body(Body::Request, size, |chunk| {
             let (head, tail) = chunk.split_at(at.min(chunk.len()));
@@ -1071,6 +1092,43 @@ mod tests {
                     .contains_key(internal::USAGE_HIDDEN_PROPERTY)
             );
         }
+    }
+
+    #[test]
+    fn after_an_earlier_filters_wait_in_ngx_wasm_the_body_goes_on_unchanged_and_is_counted() {
+        // ngx_wasm_module's separate filters: an earlier filter (quota
+        // waiting for its grant) paused the body step; a body replaced
+        // after that reached the backend cut to its old length.
+        for waited in [false, true] {
+            let (mut host, mut root) = configured(INCLUDE_USAGE);
+            host.platform = Platform::NgxWasm;
+            if waited {
+                host.properties
+                    .insert(internal::BODY_WAITED_PROPERTY.into(), b"1".to_vec());
+            }
+            let (_stream, _, body) = streamed_openai(&root, &mut host);
+            assert_eq!(body, Action::Continue);
+            let sent: Value = serde_json::from_slice(&host.request_body).expect("JSON");
+            let asked = sent["stream_options"]["include_usage"] == true;
+            assert_eq!(asked, !waited, "rewritten only without a wait before");
+            if waited {
+                assert_eq!(host.request_body, STREAMED_REQUEST);
+            }
+            let skipped = "zerolayer_metering_include_usage_skipped_reason=after_a_wait";
+            assert_eq!(
+                counted(&mut root, &mut host, skipped),
+                Some(i64::from(waited))
+            );
+        }
+        // Envoy keeps a body replaced after another filter's wait: the
+        // property (which only ngx_wasm_module's filters publish) changes
+        // nothing there.
+        let (mut host, root) = configured(INCLUDE_USAGE);
+        host.properties
+            .insert(internal::BODY_WAITED_PROPERTY.into(), b"1".to_vec());
+        let _ = streamed_openai(&root, &mut host);
+        let sent: Value = serde_json::from_slice(&host.request_body).expect("JSON");
+        assert_eq!(sent["stream_options"]["include_usage"], true);
     }
 
     /// A streamed OpenAI request of `content` bytes of text.

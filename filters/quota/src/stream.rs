@@ -219,6 +219,7 @@ impl QuotaStream {
             self.wait_until = host.now_ms() + plan.grant_wait.as_millis() as u64;
             plan.send_due(host, plan.grant_wait, true, &mut self.waiting);
             if !self.waiting.is_empty() {
+                host.note_body_wait();
                 return Action::Pause;
             }
         }
@@ -326,8 +327,10 @@ impl QuotaStream {
         let Some(cap) = plan.quota().output_cap(ticket) else {
             return;
         };
+        // Not where an earlier filter's wait would have the host cut it.
+        let replaceable = host.may_replace_request_body();
         let rewritten = match (self.whole_body, self.scan.root_end()) {
-            (Some(size), Some(end)) => host
+            (Some(size), Some(end)) if replaceable => host
                 .with_body(Body::Request, size, |body| {
                     (body.len() == size)
                         .then(|| match open {

@@ -1009,6 +1009,33 @@ fn a_hard_openai_stream_is_cut_cleanly_and_billed_what_it_delivered() {
 }
 
 #[test]
+fn a_wait_for_the_grant_is_said_where_the_host_would_cut_a_later_filters_new_body() {
+    // ngx_wasm_module's separate filters cut a body replaced after
+    // another filter paused the body step (metering's `include_usage`
+    // after quota's wait): there the wait is published for them.
+    for (platform, said) in [
+        (zerolayer_host::Platform::Envoy, false),
+        (zerolayer_host::Platform::NgxWasm, true),
+    ] {
+        let mut gw = Gateway::new(&daily(100_000));
+        gw.host.platform = platform;
+        assert_eq!(gw.answer_store(), 2);
+        let mut stream = gw.open(OPENAI, ACME, &[]);
+        let _ = stream.request_headers(&mut gw.host, false);
+        gw.host.request_body = CHAT.as_bytes().to_vec();
+        let action = stream.request_body(&mut gw.host, CHAT.len(), true);
+        assert_eq!(action, Action::Pause, "waits for its grant");
+        assert_eq!(
+            gw.host
+                .properties
+                .contains_key(internal::BODY_WAITED_PROPERTY),
+            said,
+            "{platform:?}"
+        );
+    }
+}
+
+#[test]
 fn in_ngx_wasm_module_a_cut_streams_later_chunks_become_sse_comments_never_empty() {
     // That host drops an emptied chunk with the response's end (and under
     // buffered proxying spins): each withheld chunk is a comment there.

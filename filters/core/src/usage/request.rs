@@ -91,6 +91,10 @@ crate::labels! {
         /// read a body nginx buffered to a file: one over
         /// `client_body_buffer_size`).
         Unreadable => "unreadable",
+        /// An earlier filter paused the body step for a callout, after which
+        /// this host would cut a replaced body to its old length
+        /// (ngx_wasm_module's separate filters).
+        AfterAWait => "after_a_wait",
     }
 }
 

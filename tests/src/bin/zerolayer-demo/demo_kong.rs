@@ -67,10 +67,8 @@ pub(crate) fn session(
     // Every request's full record, so the table can show its tokens.
     sections["metering"]["sampling"] = json!({"percent": 100.0});
     sections["metering"]["sink"]["flush_ms"] = json!(200);
-    if form == Form::Fused {
-        // Two workers, each a lease holder.
-        crate::demo_quota::for_demo(&mut sections["quota"], 2);
-    }
+    // Two workers, each a lease holder.
+    crate::demo_quota::for_demo(&mut sections["quota"], 2);
     match form {
         Form::Fused | Form::Native => {
             config.set_filter_config("zerolayer_fused", &sections.to_string())?
@@ -250,7 +248,7 @@ pub(crate) fn session(
     println!(
         "   internal  = x-zerolayer-* headers the backend received (none: decisions never leave the gateway;\n               not reached: refused, or answered from the cache)"
     );
-    let quota = if form == Form::Fused {
+    let quota = {
         let prior: u64 = seen
             .iter()
             .filter(|s| s.identity.starts_with("verified"))
@@ -262,20 +260,18 @@ pub(crate) fn session(
             std::thread::sleep(Duration::from_millis(800));
             Ok(())
         };
+        let what = match form {
+            Form::Separate => "kong/kong.yml's zerolayer_quota",
+            Form::Fused | Form::Native => "kong/kong-fused.yml's quota section",
+        };
         Some(crate::demo_quota::act(
-            "kong/kong-fused.yml's quota section",
+            what,
             &ngx.url("/v1/chat/completions"),
             &quota_store,
             prior,
             false,
             &verified,
         )?)
-    } else {
-        println!();
-        println!(
-            "Quota: kong/kong.yml does not carry the separate quota filter yet (kong/README.md, \"quota\"); --fused runs it."
-        );
-        None
     };
     println!();
     println!(
@@ -304,9 +300,10 @@ pub(crate) fn session(
 }
 
 /// The separate filters and their sections in the fused configuration.
-const STAGES: [(&str, &str); 4] = [
+const STAGES: [(&str, &str); 5] = [
     ("activation", "zerolayer_activation"),
     ("lazy_auth", "zerolayer_lazy_auth"),
+    ("quota", "zerolayer_quota"),
     ("post_cache", "zerolayer_post_cache"),
     ("metering", "zerolayer_metering"),
 ];
