@@ -350,6 +350,15 @@ impl KongChain {
         crate::chain::backend_requests(&self.stub, prefix)
     }
 
+    /// The requests the backend received with `x-request-id: id`, in order.
+    pub fn upstream(&self, id: &str) -> Vec<zerolayer_stub::RecordedRequest> {
+        self.stub
+            .requests()
+            .into_iter()
+            .filter(|r| r.header("x-request-id") == Some(id))
+            .collect()
+    }
+
     /// A Bearer JWT for `subject` of `tenant` that the observer has
     /// verified: a first request admits it lazily, then requests with fresh
     /// prompts are sent until post-cache stops bypassing it for want of a

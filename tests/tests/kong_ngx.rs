@@ -502,10 +502,9 @@ fn usage_is_metered_for_both_providers_and_shipped_to_clickhouse() -> Result<()>
                 );
                 ensure!(reply.body.contains("[DONE]"), "{id}: {}", reply.body);
                 let upstream = chain
-                    .stub
-                    .requests()
+                    .upstream(id)
                     .into_iter()
-                    .find(|r| r.header("x-request-id") == Some(id))
+                    .next()
                     .context("the OpenAI stream never reached the backend")?;
                 let sent: Value = serde_json::from_slice(&upstream.body)
                     .context("the rewritten body is not JSON (cut short?)")?;
@@ -707,17 +706,12 @@ fn host_sim_kong_profile_answers_as_ngx_wasm_module_does() -> Result<()> {
                     }
                 }
                 let reply = chain.post(id, path, &sent, body)?;
-                let upstream = chain
-                    .stub
-                    .requests()
-                    .into_iter()
-                    .find(|r| r.header("x-request-id") == Some(id))
-                    .map(|r| {
-                        (
-                            String::from_utf8_lossy(&r.body).into_owned(),
-                            r.header("content-length").map(str::to_string),
-                        )
-                    });
+                let upstream = chain.upstream(id).into_iter().next().map(|r| {
+                    (
+                        String::from_utf8_lossy(&r.body).into_owned(),
+                        r.header("content-length").map(str::to_string),
+                    )
+                });
                 let gateway_made = upstream.is_none() && reply.header("x-cache") != Some("HIT");
                 run.push((
                     *id,
@@ -952,10 +946,8 @@ fn a_stream_checked_from_its_body_step_reaches_the_backend_whole() -> Result<()>
             &body,
         )?;
         let seen: Vec<String> = chain
-            .stub
-            .requests()
+            .upstream(id)
             .into_iter()
-            .filter(|r| r.header("x-request-id") == Some(id))
             .map(|r| String::from_utf8_lossy(&r.body).into_owned())
             .collect();
         // Without the wait said, the separate chain's backend answered 400
@@ -1078,10 +1070,8 @@ fn compressing_backends_are_billed_exactly_and_never_cached_compressed() -> Resu
                     )?;
                     ensure!(reply.status == 200, "{id}: {}", reply.status);
                     let seen = chain
-                        .stub
-                        .requests()
+                        .upstream(&id)
                         .into_iter()
-                        .filter(|r| r.header("x-request-id") == Some(&id))
                         .map(|r| r.header("accept-encoding").map(str::to_string))
                         .collect::<Vec<_>>();
                     let cached = compression == Compression::Negotiated && round == 1;
@@ -1400,10 +1390,9 @@ fn quota_a_body_without_a_cap_reaches_the_backend_with_the_reserved_one() -> Res
             )?;
             ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
         }
-        let requests = chain.stub.requests();
+        let requests = chain.upstream("quota-cap-1");
         let seen = requests
-            .iter()
-            .find(|r| r.header("x-request-id") == Some("quota-cap-1"))
+            .first()
             .context("the backend never saw quota-cap-1")?;
         let sent: Value = serde_json::from_slice(&seen.body)?;
         ensure!(
@@ -1584,20 +1573,12 @@ fn quota_a_first_openai_stream_waiting_for_its_lease_reaches_the_backend_whole()
             "{id}: quota did not scope it: {:?}",
             reply.headers
         );
-        let seen: Vec<Vec<u8>> = chain
-            .stub
-            .requests()
+        let seen: Vec<String> = chain
+            .upstream(id)
             .into_iter()
-            .filter(|r| r.header("x-request-id") == Some(id))
-            .map(|r| r.body)
+            .map(|r| String::from_utf8_lossy(&r.body).into_owned())
             .collect();
-        ensure!(
-            seen == [body.as_bytes().to_vec()],
-            "{id}: the backend got {:?}",
-            seen.iter()
-                .map(|b| String::from_utf8_lossy(b))
-                .collect::<Vec<_>>()
-        );
+        ensure!(seen == [body.clone()], "{id}: the backend got {seen:?}");
         Ok(())
     })
 }

@@ -133,6 +133,7 @@ fn a_charge_handed_off_is_made_once_on_the_tenant_an_attribution_names() {
     assert_eq!(dry.made.len(), 1);
     assert_eq!(int(fleet.command(&["HLEN", &key]).unwrap()), 2);
 
+    let handed_off = webdis.hash(&key).unwrap();
     let report =
         quota_reconcile::run(&webdis, &reconciler, &attributions, later + 10, false).unwrap();
     assert_eq!(
@@ -163,16 +164,12 @@ fn a_charge_handed_off_is_made_once_on_the_tenant_an_attribution_names() {
         other => Some(other),
     };
     assert_eq!(value, None, "deleted once made");
-    let stored = serde_json::json!({
-        "credential": AttributionId::of(&valid).render(),
-        "at_ms": now + 2,
-        "settlement": {"usage": {"input": 50, "output": 5, "cache_read": 0, "cache_write": 0}},
-        "input_bound": 100,
-        "model": "m",
-    })
-    .to_string();
+    let (_, stored) = handed_off
+        .iter()
+        .find(|(f, _)| f == field)
+        .expect("the field was in the hash");
     webdis
-        .call(&hand_off_command(&prefix, field, &stored))
+        .call(&hand_off_command(&prefix, field, stored))
         .unwrap();
     let again = quota_reconcile::run(&webdis, &reconciler, &attributions, later + 20, false)
         .expect("a second run");
