@@ -945,28 +945,34 @@ fn a_stream_checked_from_its_body_step_reaches_the_backend_whole() -> Result<()>
             &[("x-api-key", GOOD_API_KEY), ("x-request-id", id)],
             &body,
         )?;
-        let seen: Vec<String> = chain
-            .upstream(id)
-            .into_iter()
-            .map(|r| String::from_utf8_lossy(&r.body).into_owned())
-            .collect();
         // Without the wait said, the separate chain's backend answered 400
         // ("EOF while parsing a value at line 1 column 121"): metering's
         // `include_usage` cut to the old length.
-        ensure!(
-            reply.status == 200,
-            "{id}: {} {}; the backend got {seen:?}",
-            reply.status,
-            reply.body
-        );
-        ensure!(seen == [body.clone()], "{id}: the backend got {seen:?}");
-        ensure!(
-            reply.body.trim_end().ends_with("data: [DONE]"),
-            "{id}: {}",
-            reply.body
-        );
-        Ok(())
+        reached_the_backend_whole(chain, id, &body, &reply)
     })
+}
+
+/// Request `id`'s stream answered 200 and ended, and the backend got
+/// `body` exactly, once.
+fn reached_the_backend_whole(chain: &KongChain, id: &str, body: &str, reply: &Reply) -> Result<()> {
+    let seen: Vec<String> = chain
+        .upstream(id)
+        .into_iter()
+        .map(|r| String::from_utf8_lossy(&r.body).into_owned())
+        .collect();
+    ensure!(
+        reply.status == 200,
+        "{id}: {} {}; the backend got {seen:?}",
+        reply.status,
+        reply.body
+    );
+    ensure!(seen == [body], "{id}: the backend got {seen:?}");
+    ensure!(
+        reply.body.trim_end().ends_with("data: [DONE]"),
+        "{id}: the stream did not end: {}",
+        reply.body
+    );
+    Ok(())
 }
 
 /// Many requests at once with audit on, and a sink slower than they
@@ -1493,19 +1499,23 @@ fn quota_a_forged_token_claiming_a_tenant_spends_none_of_its_budget() -> Result<
     })
 }
 
-#[test]
-fn quota_a_tenants_first_requests_wait_for_their_lease_instead_of_a_429() -> Result<()> {
-    let options = KongChainOptions {
-        // Every JWT checked at once with the issuer's keys: a new tenant's
-        // first request is verified, so its lease is empty and it must wait.
+/// quota on, every JWT checked at once with the issuer's keys: a new
+/// tenant's first request is verified, so its lease is empty and it must
+/// wait for the grant.
+fn first_requests_wait() -> KongChainOptions {
+    KongChainOptions {
         configure: Some(|sections| {
             sections["lazy_auth"]["unknown"] = json!("sync");
             sections["lazy_auth"]["jwt"]["keys"] = issuer().jwks()["keys"].clone();
         }),
         quota: true,
         ..KongChainOptions::default()
-    };
-    both_forms(options, |chain: &mut KongChain| {
+    }
+}
+
+#[test]
+fn quota_a_tenants_first_requests_wait_for_their_lease_instead_of_a_429() -> Result<()> {
+    both_forms(first_requests_wait(), |chain: &mut KongChain| {
         let mut used = 0;
         for (n, tenant) in ["t-one", "t-two", "t-three"].iter().enumerate() {
             for (path, body) in [
@@ -1542,17 +1552,7 @@ fn quota_a_tenants_first_requests_wait_for_their_lease_instead_of_a_429() -> Res
 /// quota says it waited, and metering leaves the body as it is there.
 #[test]
 fn quota_a_first_openai_stream_waiting_for_its_lease_reaches_the_backend_whole() -> Result<()> {
-    let options = KongChainOptions {
-        // Checked at once, so the request is verified and its tenant's
-        // lease is empty: it waits for the grant.
-        configure: Some(|sections| {
-            sections["lazy_auth"]["unknown"] = json!("sync");
-            sections["lazy_auth"]["jwt"]["keys"] = issuer().jwks()["keys"].clone();
-        }),
-        quota: true,
-        ..KongChainOptions::default()
-    };
-    both_forms(options, |chain: &mut KongChain| {
+    both_forms(first_requests_wait(), |chain: &mut KongChain| {
         let id = "quota-first-stream";
         let body = openai("a first stream", true);
         let bearer = zerolayer_e2e::chain::Chain::bearer("first", "t-stream");
@@ -1562,23 +1562,12 @@ fn quota_a_first_openai_stream_waiting_for_its_lease_reaches_the_backend_whole()
             &[("authorization", &bearer), ("x-request-id", id)],
             &body,
         )?;
-        ensure!(reply.status == 200, "{id}: {} {}", reply.status, reply.body);
-        ensure!(
-            reply.body.trim_end().ends_with("data: [DONE]"),
-            "{id}: the stream did not end: {}",
-            reply.body
-        );
+        reached_the_backend_whole(chain, id, &body, &reply)?;
         ensure!(
             tokens_remaining(&reply, "/v1/chat/completions").is_some(),
             "{id}: quota did not scope it: {:?}",
             reply.headers
         );
-        let seen: Vec<String> = chain
-            .upstream(id)
-            .into_iter()
-            .map(|r| String::from_utf8_lossy(&r.body).into_owned())
-            .collect();
-        ensure!(seen == [body.clone()], "{id}: the backend got {seen:?}");
         Ok(())
     })
 }

@@ -345,7 +345,6 @@ impl MeteredStream {
             self.rewrite = Rewrite::None;
             return Action::Continue;
         };
-        let replaceable = host.may_replace_request_body();
         let scan = &mut self.scan;
         let Some(injection) = host.with_body(Body::Request, body_size, |body| {
             if body.len() != body_size {
@@ -360,7 +359,8 @@ impl MeteredStream {
             return Action::Continue;
         };
         self.rewrite = Rewrite::None;
-        if !replaceable && matches!(injection, Injection::Rewritten(_)) {
+        // Asked only when there is a body to replace.
+        if matches!(injection, Injection::Rewritten(_)) && !host.may_replace_request_body() {
             self.after_a_wait(plan);
             return Action::Continue;
         }

@@ -327,10 +327,9 @@ impl QuotaStream {
         let Some(cap) = plan.quota().output_cap(ticket) else {
             return;
         };
-        // Not where an earlier filter's wait would have the host cut it.
-        let replaceable = host.may_replace_request_body();
         let rewritten = match (self.whole_body, self.scan.root_end()) {
-            (Some(size), Some(end)) if replaceable => host
+            // Not where an earlier filter's wait would have the host cut it.
+            (Some(size), Some(end)) if host.may_replace_request_body() => host
                 .with_body(Body::Request, size, |body| {
                     (body.len() == size)
                         .then(|| match open {

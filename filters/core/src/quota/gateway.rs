@@ -1292,7 +1292,7 @@ impl GatewayQuota {
                 }
                 Err(e) => failed(self, &e),
             },
-            CallTarget::HandOff { id } => match Self::hand_off_reply(&reply) {
+            CallTarget::HandOff { id } => match super::store::hand_off_stored(&reply) {
                 Ok(stored) => {
                     self.failing_since = None;
                     self.hand_off_answered(id, Ok(stored));

@@ -46,8 +46,8 @@ use sha2::{Digest, Sha256};
 
 use super::gateway::{CallTarget, GatewayQuota, Identity, Settlement, StoreCall, Ticket};
 use super::store::{
-    Command, CounterKeys, CounterKind, MAX_HAND_OFF_BYTES, Reply, ScriptShas, StoreError,
-    delta_command, hand_off_command, hex, scope_digest,
+    Command, CounterKeys, CounterKind, MAX_HAND_OFF_BYTES, ScriptShas, delta_command,
+    hand_off_command, hex, scope_digest,
 };
 use super::table::ScopeKey;
 use crate::auth::attribution::{AttributionId, PendingCredential, Resolution};
@@ -368,18 +368,6 @@ impl GatewayQuota {
                     handing.in_flight = false;
                 }
             }
-        }
-    }
-
-    /// What the hand-off script's reply says: stored (1), full (0).
-    pub(super) fn hand_off_reply(reply: &Reply) -> Result<bool, StoreError> {
-        match reply {
-            Reply::Integer(1) => Ok(true),
-            Reply::Integer(0) => Ok(false),
-            Reply::Error(e) => Err(StoreError::Redis(e.clone())),
-            other => Err(StoreError::Malformed(format!(
-                "hand-off: expected 0 or 1, got {other:?}"
-            ))),
         }
     }
 

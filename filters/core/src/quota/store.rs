@@ -179,6 +179,19 @@ pub fn hand_off_command(prefix: &str, field: &str, value: &str) -> Command {
     ])
 }
 
+/// What the hand-off script answered: stored (1, now or before), or the
+/// hash was full (0).
+pub fn hand_off_stored(reply: &Reply) -> Result<bool, StoreError> {
+    match reply {
+        Reply::Integer(1) => Ok(true),
+        Reply::Integer(0) => Ok(false),
+        Reply::Error(e) => Err(StoreError::Redis(e.clone())),
+        other => Err(malformed(format!(
+            "hand-off: expected 0 or 1, got {other:?}"
+        ))),
+    }
+}
+
 /// Which script.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Script {
