@@ -30,6 +30,7 @@ in_every_form!(
     a_blackholed_redis_adds_no_error_and_its_counter_catches_up_once_back,
     a_top_up_in_redis_reaches_every_gateway_within_a_sync_interval,
     a_request_cannot_dodge_its_reservation_nor_choose_its_scope,
+    a_made_up_model_name_gets_no_budget_of_its_own,
     lazily_admitted_requests_spend_the_unverified_budget_and_a_valid_ones_usage_is_its_tenants_too,
     a_hard_budget_cuts_a_long_stream_cleanly_and_redis_holds_what_was_delivered,
     the_official_sdks_read_a_hard_cut_stream_as_a_length_finish,
@@ -867,6 +868,73 @@ fn a_request_cannot_dodge_its_reservation_nor_choose_its_scope(form: Form) -> Re
     .with_context(|| {
         format!(
             "scopes {:?}, Redis {:?}, used {used}",
+            fleet_scopes(&fleet),
+            fleet.budget_total(PREFIX)
+        )
+    })?;
+    Ok(())
+}
+
+/// A policy per tenant and model counts the models it lists one by one and
+/// every other name under one shared key: a client naming a fresh model per
+/// request (the stub, like llama.cpp's server, serves any name) spends one
+/// budget, not one each.
+fn a_made_up_model_name_gets_no_budget_of_its_own(form: Form) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = Stub::start(StubConfig::default())?;
+    let policies = json!([{"name": "per-model", "scope": ["tenant", "model"],
+                           "models": ["gpt-test"], "unit": "requests",
+                           "limit": {"budget": {"amount": 3, "window": "day"}}}]);
+    let gw = gateway(form, stub.addr(), fleet.webdis(), policies)?;
+    let acme = bearer("alice", "acme");
+    // Past a refill's 429 (`x-should-retry: true`), the answer the budget
+    // gives: admitted or exhausted.
+    let send = |model: &str, i: usize| -> Result<u16> {
+        let body = json!({"model": model, "max_tokens": 16,
+                          "messages": [{"role": "user", "content": format!("question {i}")}]});
+        for _ in 0..40 {
+            let reply = gw.post(&acme, "/v1/chat/completions", &body.to_string())?;
+            if reply.status == 429 && reply.header("x-should-retry") == Some("true") {
+                std::thread::sleep(Duration::from_millis(250));
+                continue;
+            }
+            if reply.status == 429 {
+                let error: Value = serde_json::from_str(&reply.body)?;
+                assert_eq!(
+                    error["error"]["code"], "insufficient_quota",
+                    "{}",
+                    reply.body
+                );
+            }
+            return Ok(reply.status);
+        }
+        anyhow::bail!("{model}: still refilling after 10 s")
+    };
+    let made_up: Vec<u16> = (0..8)
+        .map(|i| send(&format!("made-up-{i}"), i))
+        .collect::<Result<_>>()?;
+    assert_eq!(
+        made_up,
+        [200, 200, 200, 429, 429, 429, 429, 429],
+        "8 made-up model names share one budget of 3"
+    );
+    let listed: Vec<u16> = (8..12)
+        .map(|i| send("gpt-test", i))
+        .collect::<Result<_>>()?;
+    assert_eq!(listed, [200, 200, 200, 429], "a listed model has its own");
+    assert_eq!(
+        stub.requests().len(),
+        6,
+        "the backend saw a refused request"
+    );
+    wait::until(
+        "two counters of 3 in Redis",
+        Duration::from_secs(10),
+        || Ok((fleet_scopes(&fleet)? == 2 && fleet.budget_total(PREFIX)? == 6).then_some(())),
+    )
+    .with_context(|| {
+        format!(
+            "scopes {:?}, Redis {:?}",
             fleet_scopes(&fleet),
             fleet.budget_total(PREFIX)
         )

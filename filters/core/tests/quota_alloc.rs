@@ -53,7 +53,7 @@ fn reserve_draw_and_settle_do_not_allocate() {
                 2 => json!({"weighted_tokens": {"models": {"m": {"input": 1000, "output": 3000, "cache_read": 100}}}}),
                 _ => json!({"currency": {"default": {"input": 2_500_000, "output": 10_000_000, "cache_read": 1_000_000}}}),
             };
-            json!({"name": format!("p{i}"), "scope": ["tenant", "model"], "unit": unit, "limit": limit, "stream": "hard"})
+            json!({"name": format!("p{i}"), "scope": ["tenant", "model"], "models": ["m"], "unit": unit, "limit": limit, "stream": "hard"})
         })
         .collect();
     let config = json!({"store": {"cluster": "webdis", "path": "/"}, "policies": policies});

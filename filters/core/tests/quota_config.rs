@@ -32,7 +32,7 @@ fn a_full_configuration_parses_to_what_it_says() {
         "unverified": {"unit": "requests", "limit": {"rate": {"amount": 20, "per": "second"}}},
         "defaults": {"default_max_output_tokens": 1024, "stream": "hard"},
         "policies": [
-            {"name": "team-rate", "scope": [{"header": "x-team"}, "model"], "unit": "tokens",
+            {"name": "team-rate", "scope": [{"header": "x-team"}, "model"], "models": ["gpt-4o"], "unit": "tokens",
              "limit": {"rate": {"amount": 100000, "per": "minute"}}, "mode": "shadow"},
             {"name": "spend", "scope": ["tenant"],
              "unit": {"currency": {"models": {"gpt-4o": {"input": 2500000, "output": 10000000, "cache_read": 1250000}},
@@ -159,6 +159,22 @@ fn each_bad_field_is_named() {
             "policies[0].default_max_output_tokens: must be > 0",
         ),
         (
+            doc(&TOKENS_DAY.replace(r#"["tenant"]"#, r#"["tenant","model"]"#), ""),
+            "policies[0].models: required with \"model\" in the scope: list the models counted one by one (any other shares one key); a client names the model, so without a list each made-up name would get a budget of its own",
+        ),
+        (
+            doc(&policy(r#""models":["gpt-4o"]"#), ""),
+            "policies[0].models: only with \"model\" in the scope",
+        ),
+        (
+            doc(&TOKENS_DAY.replace(r#"["tenant"]"#, r#"["model"],"models":["gpt-4o",""]"#), ""),
+            "policies[0].models[1]: \"\" must be 1 to 128 bytes",
+        ),
+        (
+            doc(&TOKENS_DAY.replace(r#"["tenant"]"#, r#"["model"],"models":["gpt-4o","o3","gpt-4o"]"#), ""),
+            "policies[0].models[2]: \"gpt-4o\" is listed twice",
+        ),
+        (
             doc(&policy(r#""stream":"strict""#), ""),
             "policies[0].stream: unknown variant `strict`, expected `soft` or `hard` at line 1 column 71",
         ),
@@ -168,7 +184,7 @@ fn each_bad_field_is_named() {
         ),
         (
             doc(&policy(r#""limits":1"#), ""),
-            "policies[0].limits: unknown field `limits`, expected one of `name`, `scope`, `unit`, `limit`, `mode`, `cache_hit`, `default_max_output_tokens`, `stream` at line 1 column 62",
+            "policies[0].limits: unknown field `limits`, expected one of `name`, `scope`, `models`, `unit`, `limit`, `mode`, `cache_hit`, `default_max_output_tokens`, `stream` at line 1 column 62",
         ),
         (
             doc(TOKENS_DAY, r#","trusted_headers":["X-Team"]"#),
@@ -246,7 +262,7 @@ fn each_bad_field_is_named() {
 }
 
 #[test]
-fn at_most_sixteen_policies_and_eight_scope_fields() {
+fn at_most_sixteen_policies_eight_scope_fields_and_256_models() {
     let many: Vec<String> = (0..17)
         .map(|i| TOKENS_DAY.replace("daily", &format!("p{i}")))
         .collect();
@@ -261,4 +277,25 @@ fn at_most_sixteen_policies_and_eight_scope_fields() {
         &format!(r#","trusted_headers":[{}]"#, headers.join(",")),
     );
     assert_eq!(error(&json), "policies[0].scope: 9 fields; at most 8");
+    let models: Vec<String> = (0..257).map(|i| format!("\"m{i}\"")).collect();
+    let json = doc(
+        &TOKENS_DAY.replace(
+            r#"["tenant"]"#,
+            &format!(r#"["model"],"models":[{}]"#, models.join(",")),
+        ),
+        "",
+    );
+    assert_eq!(error(&json), "policies[0].models: 257 models; at most 256");
+    let long = "m".repeat(129);
+    let json = doc(
+        &TOKENS_DAY.replace(
+            r#"["tenant"]"#,
+            &format!(r#"["model"],"models":["{long}"]"#),
+        ),
+        "",
+    );
+    assert_eq!(
+        error(&json),
+        format!("policies[0].models[0]: \"{long}\" must be 1 to 128 bytes")
+    );
 }

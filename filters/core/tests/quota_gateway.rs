@@ -830,6 +830,70 @@ fn trusted_headers_scope_but_are_never_shared_across_values() {
 }
 
 #[test]
+fn made_up_model_names_share_one_key_so_a_client_mints_no_budget_or_lease() {
+    let mut q = quota(json!({
+        "store": {"cluster": "webdis", "path": "/", "max_leases": 16},
+        "policies": [{"name": "per-model", "scope": ["tenant", "model"], "models": ["gpt-4o"],
+                      "unit": "requests", "limit": {"budget": {"amount": 5, "window": "day"}}}]
+    }));
+    let mut store = ModelStore::new();
+    let who = |model: Option<&'static str>| Identity {
+        verified: true,
+        tenant: Some("acme"),
+        model,
+        ..Identity::default()
+    };
+    let names: Vec<&'static str> = (0..200).map(|i| &*format!("made-up-{i}").leak()).collect();
+    // Each request names a fresh model (a backend that ignores the name,
+    // such as llama.cpp's server, serves them all); syncs in between give
+    // every key the refills it asks for.
+    let mut admitted = 0;
+    let mut now = T0;
+    for name in names.iter().copied().map(Some).chain([None]) {
+        for _ in 0..2 {
+            if let Ok(t) = q.reserve(&who(name), &RequestBound::default(), false, now) {
+                q.settle(t, name, usage(10, 10), now);
+                admitted += 1;
+                break;
+            }
+            sync(&mut q, &mut store, now);
+            now += 1;
+        }
+    }
+    assert_eq!(
+        admitted, 5,
+        "200 made-up names and a request naming none share one budget of 5"
+    );
+    assert_eq!(q.table().len(), 1, "one lease for every unlisted model");
+    // A listed model keeps its own budget.
+    let mut listed = 0;
+    for _ in 0..10 {
+        match q.reserve(&who(Some("gpt-4o")), &RequestBound::default(), false, now) {
+            Ok(t) => {
+                q.settle(t, Some("gpt-4o"), usage(10, 10), now);
+                listed += 1;
+            }
+            Err(_) => {
+                sync(&mut q, &mut store, now);
+            }
+        }
+        now += 1;
+    }
+    assert_eq!(listed, 5);
+    assert_eq!(q.table().len(), 2);
+    sync(&mut q, &mut store, now + 61_000);
+    let other = counter(&store, "per-model", &q, b"\x01\x04acme\x06\xff", 20_261_203);
+    let own = counter(
+        &store,
+        "per-model",
+        &q,
+        b"\x01\x04acme\x04\x06gpt-4o",
+        20_261_203,
+    );
+    assert_eq!((other, own), (5, 5), "each counter is what was spent");
+}
+
+#[test]
 fn webdis_answers_drive_the_same_protocol() {
     let mut q = quota(daily(10_000));
     let mut store = ModelStore::new();

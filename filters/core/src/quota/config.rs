@@ -26,6 +26,11 @@ pub const MAX_WEIGHT: u32 = 1_000_000;
 /// Largest price, micro-units per million tokens (a million currency units
 /// per million tokens).
 pub const MAX_PRICE: u64 = 1_000_000_000_000;
+/// Most models one policy counts one by one (`policies[].models`).
+pub const MAX_POLICY_MODELS: usize = 256;
+/// Longest model name a policy lists (longer names are no model a
+/// provider serves).
+pub const MAX_MODEL_NAME: usize = 128;
 
 /// quota's configuration.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -119,6 +124,12 @@ pub struct Policy {
     /// a header listed in `trusted_headers`); empty: one key for all.
     #[serde(default)]
     pub scope: Vec<ScopeField>,
+    /// The models counted one by one when the scope has `model` (required
+    /// then, at most 256): a request naming any other model, or none,
+    /// counts under one key they all share, so a client naming a made-up
+    /// model gets no budget (and no lease) of its own.
+    #[serde(default)]
+    pub models: Vec<String>,
     /// What is counted.
     pub unit: Unit,
     /// The limit on each scope key.
@@ -387,7 +398,7 @@ pub struct StoreConfig {
     #[serde(default = "default_max_buffered_deltas")]
     pub max_buffered_deltas: u32,
     /// Leases one table holds (16–1048576): a bound on memory however many
-    /// scope keys clients mint.
+    /// scopes are active.
     #[serde(default = "default_max_leases")]
     pub max_leases: u32,
 }
@@ -563,10 +574,50 @@ impl Policy {
                 ));
             }
         }
+        self.check_models(at)?;
         check_unit(&format!("{at}.unit"), &self.unit)?;
         check_limit(&format!("{at}.limit"), &self.limit)?;
         if let Some(cap) = self.default_max_output_tokens {
             check_output_cap(&format!("{at}.default_max_output_tokens"), cap)?;
+        }
+        Ok(())
+    }
+
+    /// `models` is required with `model` in the scope and refused without
+    /// it: the request names its model, so an open set of names would let
+    /// a client mint a counter per request.
+    fn check_models(&self, at: &str) -> Result<(), ConfigError> {
+        let at = format!("{at}.models");
+        let by_model = self.scope.contains(&ScopeField::Model);
+        if by_model && self.models.is_empty() {
+            return Err(ConfigError::new(
+                at,
+                "required with \"model\" in the scope: list the models counted one by one (any other shares one key); a client names the model, so without a list each made-up name would get a budget of its own",
+            ));
+        }
+        if !by_model && !self.models.is_empty() {
+            return Err(ConfigError::new(at, "only with \"model\" in the scope"));
+        }
+        if self.models.len() > MAX_POLICY_MODELS {
+            return Err(ConfigError::new(
+                at,
+                format!("{} models; at most {MAX_POLICY_MODELS}", self.models.len()),
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        for (j, model) in self.models.iter().enumerate() {
+            if model.is_empty() || model.len() > MAX_MODEL_NAME {
+                return Err(ConfigError::new(
+                    format!("{at}[{j}]"),
+                    format!("{} must be 1 to {MAX_MODEL_NAME} bytes", quoted(model)),
+                ));
+            }
+            if !seen.insert(model) {
+                return Err(ConfigError::new(
+                    format!("{at}[{j}]"),
+                    format!("{} is listed twice", quoted(model)),
+                ));
+            }
         }
         Ok(())
     }

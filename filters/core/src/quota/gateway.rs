@@ -65,6 +65,8 @@ pub struct PolicySpec {
     /// Its name.
     pub name: String,
     scope: Vec<ScopePart>,
+    /// The models counted one by one, sorted (any other shares one key).
+    models: Box<[Box<str>]>,
     /// How usage becomes an amount.
     pub cost: CostModel,
     /// The limit.
@@ -89,6 +91,11 @@ pub struct PolicySpec {
 }
 
 impl PolicySpec {
+    /// Whether `model` is one the policy counts on its own.
+    fn counts_model(&self, model: &str) -> bool {
+        self.models.binary_search_by(|m| (**m).cmp(model)).is_ok()
+    }
+
     /// Whether it can refuse a request for its tokens: it enforces (a
     /// shadow policy limits nothing) and counts tokens.
     pub fn limits_tokens(&self) -> bool {
@@ -471,10 +478,14 @@ impl GatewayQuota {
                     ),
                 })
                 .collect();
+            let mut models: Vec<Box<str>> =
+                policy.models.iter().map(|m| m.as_str().into()).collect();
+            models.sort_unstable();
             let d = &config.defaults;
             policies.push(PolicySpec {
                 name: policy.name.clone(),
                 scope,
+                models: models.into(),
                 cost: CostModel::new(&policy.unit),
                 limit: policy.limit,
                 mode: policy.mode.unwrap_or(d.mode),
@@ -503,6 +514,7 @@ impl GatewayQuota {
             policies.push(PolicySpec {
                 name: UNVERIFIED_POLICY.into(),
                 scope: Vec::new(),
+                models: Box::default(),
                 cost: CostModel::new(&u.unit),
                 limit: u.limit,
                 mode: u.mode,
@@ -628,7 +640,12 @@ impl GatewayQuota {
                 ScopePart::Tenant => (1, who.tenant.map(str::as_bytes)),
                 ScopePart::Subject => (2, who.subject.map(str::as_bytes)),
                 ScopePart::Credential => (3, who.credential),
-                ScopePart::Model => (4, who.model.map(str::as_bytes)),
+                // A model not listed, or none, is "another model": one key
+                // for them all, so a made-up name makes no key of its own.
+                ScopePart::Model => match who.model {
+                    Some(m) if policy.counts_model(m) => (4, Some(m.as_bytes())),
+                    _ => (6, None),
+                },
                 ScopePart::Route => (5, who.route.map(str::as_bytes)),
                 ScopePart::Header(i) => (
                     // Tags past 16 name the header's place in `trusted_headers`.

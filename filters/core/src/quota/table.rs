@@ -1,7 +1,7 @@
-//! The leases one holder keeps, bounded whatever clients do: a client
-//! that mints a fresh scope key per request (a made-up model name, a new
-//! credential) fills at most `max_leases` entries (4096 by default), never
-//! more memory.
+//! The leases one holder keeps, bounded whatever keys reach it: however
+//! many scopes are active (no key part is the client's to mint: a model
+//! counts on its own only if its policy lists it), the table fills at most
+//! `max_leases` entries (4096 by default), never more memory.
 //!
 //! The table is set-associative ([`WAYS`] entries a set). A key's set is
 //! chosen by xxh3 keyed with the holder's random seed, so a client cannot
