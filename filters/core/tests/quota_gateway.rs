@@ -711,6 +711,48 @@ fn a_new_window_starts_at_zero_and_late_debt_lands_in_the_old_one() {
 }
 
 #[test]
+fn an_ended_day_keeps_only_what_was_used_even_by_a_request_that_straddles_midnight() {
+    let mut q = quota(daily(100_000));
+    let mut store = ModelStore::new();
+    let end = T0 + DAY_MS;
+    let bound = RequestBound::new(800, Some(200));
+    let _ = q.reserve(&tenant("a"), &bound, false, end - 10_000);
+    sync(&mut q, &mut store, end - 10_000);
+    let before = q.reserve(&tenant("a"), &bound, false, end - 5_000).unwrap();
+    q.settle(before, Some("m"), usage(150, 40), end - 4_000);
+    let straddling = q.reserve(&tenant("a"), &bound, false, end - 1_000).unwrap();
+    sync(&mut q, &mut store, end + 1);
+    assert_eq!(
+        counter(&store, "daily", &q, b"\x01\x01a", 20_261_203),
+        5_000,
+        "the lease as granted while a request of the day is in flight"
+    );
+    q.settle(straddling, Some("m"), usage(100, 50), end + 2_000);
+    sync(&mut q, &mut store, end + 2_001);
+    assert_eq!(
+        counter(&store, "daily", &q, b"\x01\x01a", 20_261_203),
+        190 + 150,
+        "the unspent grant back once the last request settled: what was used"
+    );
+    assert!(q.orphans().is_empty());
+    // The new day: a lease granted at once, given back when idle.
+    sync(&mut q, &mut store, end + 70_000);
+    assert_eq!(counter(&store, "daily", &q, b"\x01\x01a", 20_261_204), 0);
+    // Retired, a lease still in a day that ended sends what it owes that
+    // day, not the new one.
+    let _ = q.reserve(&tenant("b"), &bound, false, end + 80_000);
+    sync(&mut q, &mut store, end + 80_000);
+    let t = q
+        .reserve(&tenant("b"), &bound, false, end + 80_001)
+        .unwrap();
+    q.settle(t, Some("m"), usage(10, 10), end + 80_002);
+    q.retire(end + DAY_MS + 1);
+    sync(&mut q, &mut store, end + DAY_MS + 2);
+    assert_eq!(counter(&store, "daily", &q, b"\x01\x01b", 20_261_204), 20);
+    assert_eq!(counter(&store, "daily", &q, b"\x01\x01b", 20_261_205), 0);
+}
+
+#[test]
 fn a_hard_stream_is_cut_when_its_lease_cannot_cover_the_next_chunk() {
     let mut q = quota(json!({
         "store": {"cluster": "webdis", "path": "/", "lease": {"max_percent": 100}},

@@ -5,7 +5,7 @@
 use proptest::prelude::*;
 use zerolayer_core::cache::key::Provider;
 use zerolayer_core::quota::config::{Fallback, Rates, Unit, WeightTable};
-use zerolayer_core::quota::lease::{Draw, Lease, LeaseOp, LeaseParams, Shortfall};
+use zerolayer_core::quota::lease::{Draw, EndedWindow, Lease, LeaseOp, LeaseParams, Shortfall};
 use zerolayer_core::quota::reserve::{CostModel, RequestBound, TokenCounts, with_output_cap};
 use zerolayer_core::quota::table::{LeaseTable, MAX_SCOPE_PART, ScopeKey, TableFull};
 use zerolayer_core::usage::{RequestScan, Usage};
@@ -315,24 +315,79 @@ fn a_new_window_starts_empty_and_hands_back_the_old_debt() {
     let p = params();
     let mut lease = granted(100, 0, 0, &p);
     let (r, _) = lease.reserve(100, 0, &p, false, false);
-    assert_eq!(lease.roll(0, 1), 0, "same window: nothing");
+    assert_eq!(lease.roll(0, 1), None, "same window: nothing");
     lease.settle(r, 130); // 30 over
-    let (late, _) = lease.reserve(0, 1, &p, false, false);
+    assert_eq!(lease.roll(20_261_204, 2), None);
     assert_eq!(
-        lease.roll(20_261_204, 2),
-        30,
+        lease.take_ended(),
+        Some(EndedWindow {
+            window: 0,
+            reserved: 0,
+            delta: 30
+        }),
         "the old window's debt, for its counter"
     );
     assert_eq!(
         (lease.granted(), lease.available(), lease.window()),
         (0, 0, 20_261_204)
     );
-    lease.settle(late, 999);
+    assert!(lease.settled());
+}
+
+#[test]
+fn an_ended_window_gets_its_unspent_grant_back_once_its_requests_settle() {
+    let p = params();
+    let mut lease = granted(100, 0, 0, &p);
+    let (first, _) = lease.reserve(40, 0, &p, false, false);
+    lease.settle(first, 30);
+    let (straddling, _) = lease.reserve(50, 0, &p, false, false);
+    assert_eq!(lease.roll(20_261_204, 1), None);
+    assert_eq!(
+        lease.take_ended(),
+        None,
+        "a request of the old window in flight"
+    );
+    assert!(!lease.settled(), "not to be forgotten before it is sent");
+    lease.settle(straddling, 10);
     assert_eq!(
         lease.spent(),
         0,
-        "an old window's reservation settles nothing in the new one"
+        "an old window's request settles nothing in the new one"
     );
+    // Granted 100, used 30 + 10: 60 goes back to the old counter.
+    assert_eq!(
+        lease.take_ended(),
+        Some(EndedWindow {
+            window: 0,
+            reserved: 0,
+            delta: -60
+        })
+    );
+    assert_eq!(lease.take_ended(), None, "sent once");
+    // A window ended before its requests settled: when the next one ends
+    // its delta goes as it stands (the request counted whole), and the
+    // request settles nowhere.
+    let mut lease = granted(100, 0, 0, &p);
+    let (slow, _) = lease.reserve(50, 0, &p, false, false);
+    assert_eq!(lease.roll(1, 1), None);
+    assert_eq!(
+        lease.roll(2, 2),
+        Some(EndedWindow {
+            window: 0,
+            reserved: 50,
+            delta: -50
+        })
+    );
+    lease.settle(slow, 10);
+    assert_eq!(
+        lease.take_ended(),
+        Some(EndedWindow {
+            window: 1,
+            reserved: 0,
+            delta: 0
+        })
+    );
+    assert_eq!(lease.spent(), 0);
 }
 
 #[test]

@@ -15,7 +15,7 @@ use super::config::{
 };
 use super::headers::Shown;
 use super::late::LateSettlements;
-use super::lease::{Draw, LeaseOp, LeaseParams, Reservation, Shortfall};
+use super::lease::{Draw, EndedWindow, LeaseOp, LeaseParams, Reservation, Shortfall};
 use super::reserve::{CostModel, RequestBound, TokenCounts};
 use super::store::{
     Applied, CounterKeys, CounterKind, DeltaBuffer, DeltaReply, EXPIRY_SLACK_SECS, GrantReply,
@@ -684,28 +684,36 @@ impl GatewayQuota {
         Ok(slot)
     }
 
-    /// Moves a budget lease to window `label`; its old window's debt is
-    /// buffered for the old counter.
+    /// Moves a budget lease to window `label`; what the old window owes
+    /// its counter is buffered once its requests have settled.
     fn roll(&mut self, index: usize, slot: SlotRef, label: u64, now_ms: u64) {
-        let Some(policy) = self.policies.get(index) else {
-            return;
-        };
         let Some(entry) = self.table.get_mut(slot) else {
             return;
         };
-        let old = entry.lease.window();
-        if old == label {
+        if entry.lease.window() == label {
             return;
         }
-        let debt = entry.lease.roll(label, now_ms);
-        if debt == 0 {
+        let unfinished = entry.lease.roll(label, now_ms);
+        let done = entry.lease.take_ended();
+        for ended in [unfinished, done].into_iter().flatten() {
+            self.send_ended(index, slot, ended, now_ms);
+        }
+    }
+
+    /// Buffers an ended window's delta for its counter (the lease at
+    /// `slot` names it).
+    fn send_ended(&mut self, index: usize, slot: SlotRef, ended: EndedWindow, now_ms: u64) {
+        let (Some(policy), Some(entry)) = (self.policies.get(index), self.table.get(slot)) else {
+            return;
+        };
+        if ended.delta == 0 {
             return;
         }
         let keys = CounterKeys::new(
             &self.prefix,
             &policy.name,
             &entry.digest,
-            Some(old),
+            Some(ended.window),
             self.instance,
         );
         // The old window's end: one window before the current one's start
@@ -727,7 +735,7 @@ impl GatewayQuota {
             keys,
             kind,
             seq,
-            delta: i64::try_from(debt).unwrap_or(i64::MAX),
+            delta: ended.delta,
         });
     }
 
@@ -999,7 +1007,7 @@ impl GatewayQuota {
         ticket: Ticket,
         model: Option<&str>,
         settlement: Settlement,
-        _now_ms: u64,
+        now_ms: u64,
     ) {
         for held in ticket.held() {
             let index = usize::from(held.policy);
@@ -1014,6 +1022,10 @@ impl GatewayQuota {
             );
             if let Some(entry) = self.table.get_mut(held.slot) {
                 entry.lease.settle(held.reservation, actual);
+                // The last request of an ended window settles its delta.
+                if let Some(ended) = entry.lease.take_ended() {
+                    self.send_ended(index, held.slot, ended, now_ms);
+                }
             }
             if let Some(s) = self.stats.get_mut(index) {
                 s.settled += actual;
@@ -1130,17 +1142,8 @@ impl GatewayQuota {
         self.sync_calls(now_ms, true, out);
     }
 
-    fn sync_calls(&mut self, now_ms: u64, out_too: bool, out: &mut Vec<StoreCall>) {
-        for (i, script) in [Script::Grant, Script::Delta].into_iter().enumerate() {
-            if self.shas.get(script).is_none() && !self.loading[i] {
-                self.loading[i] = true;
-                out.push(StoreCall {
-                    target: CallTarget::Load(script),
-                    command: super::store::Command::script_load(script),
-                });
-            }
-        }
-        // Ended windows first, so their debt is buffered before anything else.
+    /// Moves every budget lease whose window has ended to the current one.
+    fn roll_every_lease(&mut self, now_ms: u64) {
         let rolls: Vec<(usize, SlotRef, u64)> = self
             .table
             .iter_mut()
@@ -1153,6 +1156,20 @@ impl GatewayQuota {
         for (index, slot, label) in rolls {
             self.roll(index, slot, label, now_ms);
         }
+    }
+
+    fn sync_calls(&mut self, now_ms: u64, out_too: bool, out: &mut Vec<StoreCall>) {
+        for (i, script) in [Script::Grant, Script::Delta].into_iter().enumerate() {
+            if self.shas.get(script).is_none() && !self.loading[i] {
+                self.loading[i] = true;
+                out.push(StoreCall {
+                    target: CallTarget::Load(script),
+                    command: super::store::Command::script_load(script),
+                });
+            }
+        }
+        // Ended windows first, so their deltas are buffered before anything else.
+        self.roll_every_lease(now_ms);
         let mut budget = MAX_CALLS_PER_SYNC.saturating_sub(out.len());
         let (policies, prefix, instance, shas) =
             (&self.policies, &self.prefix, self.instance, &self.shas);
@@ -1358,6 +1375,17 @@ impl GatewayQuota {
     /// equal what was spent once the buffer is sent.
     pub fn retire(&mut self, now_ms: u64) {
         self.drop_late();
+        // Each lease in the current window, and what each ended window
+        // owes sent as it stands (its requests will not settle here).
+        self.roll_every_lease(now_ms);
+        let ended: Vec<(usize, SlotRef, EndedWindow)> = self
+            .table
+            .iter_mut()
+            .filter_map(|(slot, e)| Some((usize::from(e.policy), slot, e.lease.take_ended_now()?)))
+            .collect();
+        for (index, slot, window) in ended {
+            self.send_ended(index, slot, window, now_ms);
+        }
         let mut out = Vec::new();
         for (_, entry) in self.table.iter_mut() {
             let Some(policy) = self.policies.get(usize::from(entry.policy)) else {

@@ -117,6 +117,21 @@ pub enum LeaseOp {
     },
 }
 
+/// The budget window a lease rolled out of, kept until the requests
+/// reserved in it have settled: what the holder used there is then sent to
+/// its counter in one delta (one delta, so no two race for the counter's
+/// idempotency record).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndedWindow {
+    /// The window's label.
+    pub window: u64,
+    /// Still reserved by its requests in flight.
+    pub reserved: u64,
+    /// What to add to its counter: used there (spent, and reserved until
+    /// settled) less what was granted; negative gives the unspent back.
+    pub delta: i64,
+}
+
 /// An operation sent and not yet answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct InFlight {
@@ -169,6 +184,8 @@ pub struct Lease {
     window: u64,
     degraded: Option<Degraded>,
     in_flight: Option<InFlight>,
+    /// The window rolled out of, its requests not all settled yet.
+    ended: Option<EndedWindow>,
     /// Debt charged to the store (grants' `force`) in this window.
     forced: u64,
     /// When debt was last charged, ms (a rate's credit returns a period later).
@@ -192,6 +209,7 @@ impl Lease {
             window,
             degraded: None,
             in_flight: None,
+            ended: None,
             forced: 0,
             forced_at_ms: now_ms,
         }
@@ -260,7 +278,10 @@ impl Lease {
     /// Whether nothing is held, reserved, owed or pending: the lease may be
     /// forgotten without the store's counter being wrong.
     pub fn settled(&self) -> bool {
-        self.reserved == 0 && self.available() == 0 && self.in_flight.is_none()
+        self.reserved == 0
+            && self.available() == 0
+            && self.in_flight.is_none()
+            && self.ended.is_none()
     }
 
     /// Last reservation, ms.
@@ -268,24 +289,48 @@ impl Lease {
         self.last_used_ms
     }
 
-    /// Moves the lease to budget window `window` if it is a new one: what
-    /// was held belongs to the old window's counter (which expires with it),
-    /// so the lease starts empty; reservations and operations of the old
-    /// window settle nothing here. Returns the old window's unreported
-    /// debt, for the caller to send to the old counter.
-    pub fn roll(&mut self, window: u64, now_ms: u64) -> u64 {
+    /// Moves the lease to budget window `window` if it is a new one: the
+    /// lease starts empty, and the old window becomes [`EndedWindow`],
+    /// whose counter is owed what was used there less what was granted
+    /// (the unspent grant back, or the debt). Its requests in flight settle
+    /// there ([`Lease::settle`]); an operation in flight is not sent again
+    /// (a grant it made stays counted there: over, never under). Returns
+    /// the window ended before, if its requests had not all settled (its
+    /// delta is sent as it stands, their reservations counted whole).
+    pub fn roll(&mut self, window: u64, now_ms: u64) -> Option<EndedWindow> {
         if window == self.window {
-            return 0;
+            return None;
         }
-        let debt = self.debt();
+        let ended = EndedWindow {
+            window: self.window,
+            reserved: self.reserved,
+            delta: i64::try_from(-self.available()).unwrap_or(0),
+        };
+        let unfinished = self.ended.take();
         *self = Lease {
             epoch: self.epoch.wrapping_add(1),
             // Still as recently used: an active scope is refilled at once in
             // its new window, an idle one is not.
             last_used_ms: self.last_used_ms,
+            ended: Some(ended),
             ..Lease::new(now_ms, window)
         };
-        debt
+        unfinished
+    }
+
+    /// The window rolled out of, once its requests have all settled: its
+    /// delta is due.
+    pub fn take_ended(&mut self) -> Option<EndedWindow> {
+        if self.ended.is_some_and(|e| e.reserved == 0) {
+            return self.ended.take();
+        }
+        None
+    }
+
+    /// The window rolled out of, whatever is still reserved there (the
+    /// lease is retired: its delta is sent as it stands).
+    pub fn take_ended_now(&mut self) -> Option<EndedWindow> {
+        self.ended.take()
     }
 
     /// The lease size now (see the module documentation).
@@ -444,10 +489,18 @@ impl Lease {
 
     /// Settles `reservation` at its exact cost `actual`: the unused part
     /// returns to the lease; an `actual` above it is debt (past β, the next
-    /// reservations wait for a grant). A reservation from an earlier epoch
-    /// settles nothing.
+    /// reservations wait for a grant). A reservation from the window the
+    /// lease rolled out of settles there ([`EndedWindow`]); one older still
+    /// settles nothing (counted whole).
     pub fn settle(&mut self, reservation: Reservation, actual: u64) {
         if reservation.epoch != self.epoch {
+            if let Some(e) = self.ended.as_mut()
+                && reservation.epoch == self.epoch.wrapping_sub(1)
+            {
+                e.reserved = e.reserved.saturating_sub(reservation.amount);
+                let correction = i128::from(actual) - i128::from(reservation.amount);
+                e.delta = i64::try_from(i128::from(e.delta) + correction).unwrap_or(e.delta);
+            }
             return;
         }
         self.reserved = self.reserved.saturating_sub(reservation.amount);
