@@ -1499,6 +1499,52 @@ fn quota_a_forged_token_claiming_a_tenant_spends_none_of_its_budget() -> Result<
     })
 }
 
+#[test]
+fn quota_made_up_model_names_share_one_budget() -> Result<()> {
+    let options = KongChainOptions {
+        quota: true,
+        configure: Some(|sections| {
+            sections["quota"]["policies"] = json!([{
+                "name": "per-model", "scope": ["tenant", "model"],
+                "models": ["claude-test"], "unit": "requests",
+                "limit": {"budget": {"amount": 3, "window": "day"}},
+            }]);
+        }),
+        ..KongChainOptions::default()
+    };
+    both_forms(options, |chain: &mut KongChain| {
+        let bearer = chain.verified_bearer("mint", "minter")?;
+        // Past a refill's 429 (`x-should-retry: true`), the budget's answer.
+        let mut statuses = Vec::new();
+        for n in 0..6 {
+            let id = format!("quota-made-up-{n}");
+            let body = json!({"model": format!("made-up-{n}"), "max_tokens": 16,
+                              "messages": [{"role": "user", "content": id}]});
+            let reply = wait::until(
+                &format!("{id}: past refills"),
+                Duration::from_secs(10),
+                || {
+                    let reply = chain.post(
+                        &id,
+                        "/v1/messages",
+                        &[("authorization", &bearer), ("x-request-id", &id)],
+                        &body.to_string(),
+                    )?;
+                    let refilling =
+                        reply.status == 429 && reply.header("x-should-retry") == Some("true");
+                    Ok((!refilling).then_some(reply))
+                },
+            )?;
+            statuses.push(reply.status);
+        }
+        ensure!(
+            statuses == [200, 200, 200, 429, 429, 429],
+            "6 made-up model names against one budget of 3: {statuses:?}"
+        );
+        Ok(())
+    })
+}
+
 /// quota on, every JWT checked at once with the issuer's keys: a new
 /// tenant's first request is verified, so its lease is empty and it must
 /// wait for the grant.
