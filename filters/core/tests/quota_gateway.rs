@@ -753,6 +753,39 @@ fn an_ended_day_keeps_only_what_was_used_even_by_a_request_that_straddles_midnig
 }
 
 #[test]
+fn returns_at_a_window_end_never_push_a_debt_out_of_a_full_delta_buffer() {
+    // Both orders of the two leases in the table: one rolls first.
+    for (debtor, saver) in [("a", "b"), ("b", "a")] {
+        let mut config = daily(1_000);
+        config["store"]["max_buffered_deltas"] = json!(1);
+        let mut q = quota(config);
+        let mut store = ModelStore::new();
+        let end = T0 + DAY_MS;
+        let bound = RequestBound::new(10, Some(10));
+        for who in [debtor, saver] {
+            let _ = q.reserve(&tenant(who), &bound, false, end - 10_000);
+        }
+        sync(&mut q, &mut store, end - 10_000);
+        let t = q
+            .reserve(&tenant(debtor), &bound, false, end - 5_000)
+            .unwrap();
+        q.settle(t, None, usage(60, 10), end - 1); // 20 past its lease of 50
+        let t = q
+            .reserve(&tenant(saver), &bound, false, end - 5_000)
+            .unwrap();
+        q.settle(t, None, usage(5, 5), end - 1); // 40 of its 50 unspent
+        sync(&mut q, &mut store, end);
+        sync(&mut q, &mut store, end + 1);
+        let day = |who: &str| {
+            let key = [b"\x01\x01".as_slice(), who.as_bytes()].concat();
+            counter(&store, "daily", &q, &key, 20_261_203)
+        };
+        assert_eq!(day(debtor), 70, "{debtor}'s debt reached its day");
+        assert!(day(saver) >= 10, "{saver}'s day never under what it used");
+    }
+}
+
+#[test]
 fn a_hard_stream_is_cut_when_its_lease_cannot_cover_the_next_chunk() {
     let mut q = quota(json!({
         "store": {"cluster": "webdis", "path": "/", "lease": {"max_percent": 100}},

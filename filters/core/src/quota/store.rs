@@ -825,6 +825,11 @@ impl DeltaBuffer {
         self.queue.len()
     }
 
+    /// Whether the next push drops the oldest.
+    pub fn is_full(&self) -> bool {
+        self.queue.len() >= self.capacity
+    }
+
     /// Whether none wait.
     pub fn is_empty(&self) -> bool {
         self.queue.is_empty()
