@@ -396,16 +396,20 @@ fn a_rate_counter_drains_and_grants_what_has_refilled() {
     );
 }
 
+fn pending(seq: u64, delta: i64) -> PendingDelta {
+    PendingDelta {
+        keys: keys(1),
+        kind: BUDGET,
+        seq,
+        delta,
+    }
+}
+
 #[test]
 fn the_delta_buffer_is_bounded_and_counts_what_it_drops() {
     let mut buffer = DeltaBuffer::new(3);
     for seq in 1..=5 {
-        buffer.push(PendingDelta {
-            keys: keys(1),
-            kind: BUDGET,
-            seq,
-            delta: -(seq as i64),
-        });
+        buffer.push(pending(seq, seq as i64));
     }
     assert_eq!(buffer.len(), 3);
     assert_eq!(buffer.dropped(), (2, 3), "seqs 1 and 2, amounts 1 + 2");
@@ -415,4 +419,30 @@ fn the_delta_buffer_is_bounded_and_counts_what_it_drops() {
     );
     buffer.answered(4);
     assert_eq!(buffer.pending().map(|d| d.seq).collect::<Vec<_>>(), [3, 5]);
+}
+
+#[test]
+fn a_full_delta_buffer_gives_up_returns_before_any_amount_a_counter_is_owed() {
+    let mut buffer = DeltaBuffer::new(3);
+    buffer.push(pending(1, 10));
+    buffer.push(pending(2, -20));
+    buffer.push(pending(3, 30));
+    // Full: a new return is not taken.
+    buffer.push(pending(4, -40));
+    assert_eq!(buffer.returns_not_sent(), 1);
+    // Full: a new debt takes the place of the waiting return, not of the
+    // oldest debt.
+    buffer.push(pending(5, 50));
+    assert_eq!(
+        buffer.pending().map(|d| d.seq).collect::<Vec<_>>(),
+        [1, 3, 5]
+    );
+    assert_eq!((buffer.returns_not_sent(), buffer.dropped()), (2, (0, 0)));
+    // No return left: the oldest debt goes, counted.
+    buffer.push(pending(6, 60));
+    assert_eq!(buffer.dropped(), (1, 10));
+    assert_eq!(
+        buffer.pending().map(|d| d.seq).collect::<Vec<_>>(),
+        [3, 5, 6]
+    );
 }

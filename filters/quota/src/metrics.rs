@@ -9,6 +9,8 @@
 //! `zerolayer_quota_store_errors` (answers that were errors),
 //! `zerolayer_quota_store_unreachable` (calls that found no store: no
 //! answer in time, webdis failing), `zerolayer_quota_deltas_dropped`,
+//! `zerolayer_quota_returns_not_sent` (amounts a lease gave back, not sent
+//! for a full delta buffer: their counters count them, over, never under),
 //! `zerolayer_quota_max_tokens_injected` and `_max_tokens_not_injected`
 //! (`inject_max_tokens`: bodies given the reserved cap, and those that
 //! could not be given it), `zerolayer_quota_unbounded_refused` (request
@@ -47,7 +49,7 @@ const PER_POLICY: [(&str, Read); 9] = [
 type ReadTotal = fn(&GatewayQuota) -> u64;
 
 /// Each count without a label: its metric name and how it is read.
-const TOTALS: [(&str, ReadTotal); 11] = [
+const TOTALS: [(&str, ReadTotal); 12] = [
     ("zerolayer_quota_store_errors", GatewayQuota::store_errors),
     (
         "zerolayer_quota_store_unreachable",
@@ -55,6 +57,9 @@ const TOTALS: [(&str, ReadTotal); 11] = [
     ),
     ("zerolayer_quota_deltas_dropped", |q| {
         q.orphans().dropped().0
+    }),
+    ("zerolayer_quota_returns_not_sent", |q| {
+        q.orphans().returns_not_sent()
     }),
     ("zerolayer_quota_max_tokens_injected", |q| q.caps()[0]),
     ("zerolayer_quota_max_tokens_not_injected", |q| q.caps()[1]),

@@ -393,8 +393,9 @@ pub struct StoreConfig {
     /// overshoot bound (0: a reservation never exceeds what was granted).
     #[serde(default)]
     pub max_debt: u64,
-    /// Deltas kept while the store is unreachable (at least 1); past it the
-    /// oldest are dropped and counted.
+    /// Deltas kept while the store is unreachable (at least 1); past it
+    /// returns are given up first, then the oldest are dropped (both
+    /// counted).
     #[serde(default = "default_max_buffered_deltas")]
     pub max_buffered_deltas: u32,
     /// Leases one table holds (16–1048576): a bound on memory however many

@@ -706,11 +706,7 @@ impl GatewayQuota {
         let (Some(policy), Some(entry)) = (self.policies.get(index), self.table.get(slot)) else {
             return;
         };
-        // A return must not push out a delta a counter is owed (at a
-        // window's end every active lease returns at once): with the buffer
-        // full it is not sent, and the ended window keeps it (over, never
-        // under).
-        if ended.delta == 0 || (ended.delta < 0 && self.orphans.is_full()) {
+        if ended.delta == 0 {
             return;
         }
         let keys = CounterKeys::new(

@@ -777,15 +777,18 @@ pub struct PendingDelta {
     pub delta: i64,
 }
 
-/// Deltas waiting for the store, oldest first, at most `capacity`: past it
-/// the oldest is dropped and counted (its amount is then missing from the
-/// counter until reconciliation).
+/// Deltas waiting for the store, oldest first, at most `capacity`. Past it
+/// a return (a negative delta: an amount a lease gives back) goes first:
+/// one not sent leaves its counter over, never under. With no return to
+/// give up, the oldest delta is dropped and counted (its amount is then
+/// missing from the counter until reconciliation).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeltaBuffer {
     queue: VecDeque<PendingDelta>,
     capacity: usize,
     dropped: u64,
     dropped_amount: u64,
+    returns_not_sent: u64,
 }
 
 impl DeltaBuffer {
@@ -796,16 +799,25 @@ impl DeltaBuffer {
             capacity: capacity.max(1),
             dropped: 0,
             dropped_amount: 0,
+            returns_not_sent: 0,
         }
     }
 
-    /// Adds a delta, dropping the oldest when full.
+    /// Adds a delta; when full, gives up a return (this one, else the
+    /// oldest waiting), else drops the oldest delta.
     pub fn push(&mut self, delta: PendingDelta) {
-        if self.queue.len() >= self.capacity
-            && let Some(old) = self.queue.pop_front()
-        {
-            self.dropped += 1;
-            self.dropped_amount = self.dropped_amount.saturating_add(old.delta.unsigned_abs());
+        if self.queue.len() >= self.capacity {
+            if delta.delta < 0 {
+                self.returns_not_sent += 1;
+                return;
+            }
+            if let Some(i) = self.queue.iter().position(|d| d.delta < 0) {
+                self.queue.remove(i);
+                self.returns_not_sent += 1;
+            } else if let Some(old) = self.queue.pop_front() {
+                self.dropped += 1;
+                self.dropped_amount = self.dropped_amount.saturating_add(old.delta.unsigned_abs());
+            }
         }
         self.queue.push_back(delta);
     }
@@ -825,11 +837,6 @@ impl DeltaBuffer {
         self.queue.len()
     }
 
-    /// Whether the next push drops the oldest.
-    pub fn is_full(&self) -> bool {
-        self.queue.len() >= self.capacity
-    }
-
     /// Whether none wait.
     pub fn is_empty(&self) -> bool {
         self.queue.is_empty()
@@ -838,6 +845,12 @@ impl DeltaBuffer {
     /// Deltas dropped so far, and the sum of their absolute amounts.
     pub fn dropped(&self) -> (u64, u64) {
         (self.dropped, self.dropped_amount)
+    }
+
+    /// Returns given up so far for a full buffer (their counters keep
+    /// what they would have given back).
+    pub fn returns_not_sent(&self) -> u64 {
+        self.returns_not_sent
     }
 }
 
