@@ -877,16 +877,22 @@ fn fleet_writes_land_in_redis_or_are_logged_and_cost_no_request() -> Result<()> 
     Ok(())
 }
 
+/// API keys (and unknown credentials) checked at once, on the
+/// introspection's answer, not lazily.
+fn api_keys_checked_at_once() -> KongChainOptions {
+    KongChainOptions {
+        configure: Some(|sections| sections["lazy_auth"]["unknown"] = json!("sync")),
+        ..KongChainOptions::default()
+    }
+}
+
 /// A refusal decided on a callout's answer (API key introspection, checked
 /// synchronously): the fused filter once held the body ngx_wasm_module
 /// still hands over after that answer, and the 401 never left (or the
 /// worker crashed).
 #[test]
 fn a_refusal_on_the_introspection_answer_reaches_the_client() -> Result<()> {
-    let options = KongChainOptions {
-        configure: Some(|sections| sections["lazy_auth"]["unknown"] = json!("sync")),
-        ..KongChainOptions::default()
-    };
+    let options = api_keys_checked_at_once();
     both_forms(options, |chain: &mut KongChain| {
         let send = |chain: &KongChain, id: &str, key: &str| {
             chain.post(
@@ -932,10 +938,7 @@ fn a_refusal_on_the_introspection_answer_reaches_the_client() -> Result<()> {
 /// stream reaches the backend whole.
 #[test]
 fn a_stream_checked_from_its_body_step_reaches_the_backend_whole() -> Result<()> {
-    let options = KongChainOptions {
-        configure: Some(|sections| sections["lazy_auth"]["unknown"] = json!("sync")),
-        ..KongChainOptions::default()
-    };
+    let options = api_keys_checked_at_once();
     both_forms(options, |chain: &mut KongChain| {
         let id = "sync-stream";
         let body = openai("checked first", true);

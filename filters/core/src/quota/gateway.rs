@@ -719,23 +719,29 @@ impl GatewayQuota {
         // The old window's end: one window before the current one's start
         // is not known from the label alone; its keys expire at the slack
         // past the current window's start at the latest.
-        let kind = match policy.counter_kind(policy.window(now_ms)) {
+        let span = policy.window(now_ms);
+        let kind = match policy.counter_kind(span) {
             CounterKind::Budget { limit, .. } => CounterKind::Budget {
                 limit,
-                expire_at: policy
-                    .window(now_ms)
+                expire_at: span
                     .map_or(0, |s| s.start)
                     .saturating_add(EXPIRY_SLACK_SECS),
             },
             rate => rate,
         };
+        self.buffer_delta(keys, kind, ended.delta);
+    }
+
+    /// Buffers `delta` for the counter at `keys`, with the next sequence
+    /// number.
+    fn buffer_delta(&mut self, keys: CounterKeys, kind: CounterKind, delta: i64) {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.orphans.push(PendingDelta {
             keys,
             kind,
             seq,
-            delta: ended.delta,
+            delta,
         });
     }
 
@@ -1414,14 +1420,7 @@ impl GatewayQuota {
             entry.lease = super::lease::Lease::new(now_ms, entry.lease.window());
         }
         for (keys, kind, delta) in out {
-            let seq = self.next_seq;
-            self.next_seq += 1;
-            self.orphans.push(PendingDelta {
-                keys,
-                kind,
-                seq,
-                delta,
-            });
+            self.buffer_delta(keys, kind, delta);
         }
     }
 }
