@@ -65,6 +65,8 @@ const CONNECTIONS: u32 = 16;
 /// Seconds of load before the first round (V8 tiers up, verdicts and cache
 /// entries are in place).
 const WARM_UP_SECS: u64 = 2;
+/// How long a started Envoy may take to verify the bench token and answer.
+const CHECK_PATIENCE: Duration = Duration::from_secs(10);
 const CACHE_SECRET: &str = "zerolayer-bench-cache-secret-0123456789abcdef";
 /// Not in activation's premium tenants: metering samples it at the
 /// configured 1% instead of recording every request.
@@ -265,6 +267,9 @@ struct Plan {
     /// (`ZEROLAYER_LOAD_BASELINE_WASM=<dir>`): before and after a change in
     /// one run, where run-to-run drift would hide it.
     baseline_wasm: Option<PathBuf>,
+    /// Count instructions instead of timing (`ZEROLAYER_LOAD_CALLGRIND=<n>`):
+    /// each Envoy under callgrind, `n` requests one at a time.
+    callgrind_requests: Option<u64>,
 }
 
 impl Plan {
@@ -278,6 +283,12 @@ impl Plan {
                 .ok()
                 .map(|keys| keys.split(',').map(|k| k.trim().to_string()).collect()),
             baseline_wasm: std::env::var_os("ZEROLAYER_LOAD_BASELINE_WASM").map(PathBuf::from),
+            callgrind_requests: match std::env::var("ZEROLAYER_LOAD_CALLGRIND") {
+                Err(_) => None,
+                Ok(n) => Some(n.trim().parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                    anyhow!("ZEROLAYER_LOAD_CALLGRIND={n}: not a number of requests")
+                })?),
+            },
         })
     }
 
@@ -288,6 +299,7 @@ impl Plan {
             && self.single_secs == SINGLE_SECS
             && self.only.is_none()
             && self.baseline_wasm.is_none()
+            && self.callgrind_requests.is_none()
     }
 }
 
@@ -454,9 +466,7 @@ fn main() -> Result<()> {
     }
 
     let services = Services::start()?;
-    eprintln!("starting {} Envoys (one worker each)", variants.len());
-    let mut running = Vec::new();
-    for v in &variants {
+    let envoy_config = |v: &Variant| -> Result<EnvoyConfig> {
         let config = EnvoyConfig::load(&shipped.write_variant(v)?)?.for_run(replay.listener())?;
         let mut config = services
             .point(config)?
@@ -472,13 +482,23 @@ fn main() -> Result<()> {
                 &dir.display().to_string(),
             );
         }
-        let envoy = Envoy::start(&config).with_context(|| format!("starting {}", v.label))?;
+        Ok(config)
+    };
+    if let Some(requests) = plan.callgrind_requests {
+        return count_instructions(&variants, envoy_config, &agent, &bearer, requests);
+    }
+    eprintln!("starting {} Envoys (one worker each)", variants.len());
+    let mut running = Vec::new();
+    for v in &variants {
+        let envoy =
+            Envoy::start(&envoy_config(v)?).with_context(|| format!("starting {}", v.label))?;
         let pid = envoy.pid();
         ensure!(
             !pinned || pin(pid, ENVOY_CPU),
             "could not pin Envoy {pid} to CPU {ENVOY_CPU}"
         );
-        check(&agent, &envoy, v, &bearer).with_context(|| format!("checking {}", v.label))?;
+        check(&agent, &envoy, v, &bearer, CHECK_PATIENCE)
+            .with_context(|| format!("checking {}", v.label))?;
         run_wrk(
             &wrk,
             &envoy.url(PATH),
@@ -1347,17 +1367,15 @@ fn trivial(n: usize) -> Result<Yaml> {
 
 /// Checks that `variant` answers the bench request with 200 (and a cache hit
 /// where one is expected), after letting lazy-auth verify the token once.
-fn check(agent: &ureq::Agent, envoy: &Envoy, variant: &Variant, bearer: &str) -> Result<()> {
+fn check(
+    agent: &ureq::Agent,
+    envoy: &Envoy,
+    variant: &Variant,
+    bearer: &str,
+    patience: Duration,
+) -> Result<()> {
     let send = || -> Result<(u16, String)> {
-        let mut request = agent
-            .post(envoy.url(PATH))
-            .header("content-type", "application/json")
-            .header("authorization", bearer)
-            .header("x-tenant-id", TENANT);
-        if variant.request == Request::NoStore {
-            request = request.header("cache-control", "no-store");
-        }
-        let mut reply = request.send(BODY)?;
+        let mut reply = send_bench_request(agent, envoy, variant, bearer)?;
         let mut label = reply
             .headers()
             .get("x-cache")
@@ -1388,7 +1406,7 @@ fn check(agent: &ureq::Agent, envoy: &Envoy, variant: &Variant, bearer: &str) ->
     } else {
         "no cache hit"
     };
-    wait::until(expected, Duration::from_secs(10), || {
+    wait::until(expected, patience, || {
         let (status, label) = send()?;
         if status == 503 {
             // "Retry later": lazy-auth's verification still pending while
@@ -1407,6 +1425,179 @@ fn check(agent: &ureq::Agent, envoy: &Envoy, variant: &Variant, bearer: &str) ->
         }
         .then_some(()))
     })
+}
+
+/// Sends the bench request to `envoy` as `variant` wants it (the body not
+/// read yet).
+fn send_bench_request(
+    agent: &ureq::Agent,
+    envoy: &Envoy,
+    variant: &Variant,
+    bearer: &str,
+) -> Result<ureq::http::Response<ureq::Body>> {
+    let mut request = agent
+        .post(envoy.url(PATH))
+        .header("content-type", "application/json")
+        .header("authorization", bearer)
+        .header("x-tenant-id", TENANT);
+    if variant.request == Request::NoStore {
+        request = request.header("cache-control", "no-store");
+    }
+    Ok(request.send(BODY)?)
+}
+
+/// Requests before callgrind starts counting: caches, leases and pools warm.
+const CALLGRIND_WARM_UP: u64 = 200;
+
+/// `ZEROLAYER_LOAD_CALLGRIND=<n>`: each configuration's Envoy in turn under
+/// callgrind, counting only `n` bench requests sent one at a time after a
+/// warm-up: instructions per request, every thread and the busiest one (the
+/// worker, where the request path runs). Instructions do not move between
+/// runs as CPU time on a shared VM does (by several µs per request), so two
+/// configurations differ by what their filters make Envoy do.
+fn count_instructions(
+    variants: &[Variant],
+    envoy_config: impl Fn(&Variant) -> Result<EnvoyConfig>,
+    agent: &ureq::Agent,
+    bearer: &str,
+    requests: u64,
+) -> Result<()> {
+    let callgrind_control = |args: &[&str]| -> Result<()> {
+        let output = Command::new("callgrind_control")
+            .args(args)
+            .output()
+            .context("running callgrind_control (valgrind, installed by `cargo xtask setup`)")?;
+        ensure!(
+            output.status.success() && output.stdout.ends_with(b"OK.\n"),
+            "callgrind_control {args:?}: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(())
+    };
+    let mut rows: Vec<(&Variant, Threads)> = Vec::new();
+    for v in variants {
+        let dir = paths::root().join("target/tmp/callgrind-envoy").join(v.key);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let out_file = format!("--callgrind-out-file={}/callgrind.out", dir.display());
+        let config = envoy_config(v)?.wrapped(
+            "valgrind",
+            &[
+                "--tool=callgrind",
+                // `.venv/bin/envoy` is the wheel's launcher, which execs Envoy.
+                "--trace-children=yes",
+                "--instr-atstart=no",
+                "--separate-threads=yes",
+                &out_file,
+            ],
+        );
+        eprintln!("{}: starting Envoy under callgrind", v.key);
+        let envoy = Envoy::start(&config).with_context(|| format!("starting {}", v.label))?;
+        check(agent, &envoy, v, bearer, Duration::from_secs(180))
+            .with_context(|| format!("checking {}", v.label))?;
+        let send_all = |n: u64| -> Result<()> {
+            for _ in 0..n {
+                let mut reply = send_bench_request(agent, &envoy, v, bearer)?;
+                let status = reply.status().as_u16();
+                reply.body_mut().read_to_vec()?;
+                ensure!(status == 200, "{} answered {status}", v.key);
+            }
+            Ok(())
+        };
+        send_all(CALLGRIND_WARM_UP)?;
+        let pid = envoy.pid().to_string();
+        callgrind_control(&["--instr=on", &pid])?;
+        send_all(requests)?;
+        callgrind_control(&["--dump", &pid])?;
+        let threads = wait::until("callgrind's dump", Duration::from_secs(60), || {
+            Ok(Threads::read(&dir).ok())
+        })?;
+        eprintln!(
+            "{}: {:.0} instructions per request ({:.0} on the worker)",
+            v.key,
+            threads.total as f64 / requests as f64,
+            threads.busiest as f64 / requests as f64
+        );
+        rows.push((v, threads));
+    }
+    println!(
+        "{:<16} {:>14} {:>14} {:>10}  configuration",
+        "key", "instr/request", "worker", "threads"
+    );
+    for (v, t) in &rows {
+        println!(
+            "{:<16} {:>14.0} {:>14.0} {:>10}  {}",
+            v.key,
+            t.total as f64 / requests as f64,
+            t.busiest as f64 / requests as f64,
+            t.count,
+            v.label
+        );
+    }
+    for (with_key, without_key) in [("c-fused-quota", "c-fused"), ("c-native-quota", "c-native")] {
+        let per = |key: &str| {
+            rows.iter().find(|(v, _)| v.key == key).map(|(_, t)| {
+                (
+                    t.total as f64 / requests as f64,
+                    t.busiest as f64 / requests as f64,
+                )
+            })
+        };
+        if let (Some(with), Some(without)) = (per(with_key), per(without_key)) {
+            println!(
+                "quota (8 policies) adds {:.0} instructions per request ({:.0} on the worker): {with_key} - {without_key}",
+                with.0 - without.0,
+                with.1 - without.1
+            );
+        }
+    }
+    println!(
+        "({requests} requests one at a time after {CALLGRIND_WARM_UP} not counted; callgrind's files in target/tmp/callgrind-envoy/<key>/, for callgrind_annotate)"
+    );
+    Ok(())
+}
+
+/// Instructions callgrind counted in one dump, over the process's threads.
+struct Threads {
+    total: u64,
+    busiest: u64,
+    count: usize,
+}
+
+impl Threads {
+    /// Reads the `totals:` line of each thread's file of the first dump
+    /// (`callgrind.out.1-NN`).
+    fn read(dir: &Path) -> Result<Self> {
+        let mut counts = Vec::new();
+        for entry in std::fs::read_dir(dir)? {
+            let path = entry?.path();
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned());
+            if !name.is_some_and(|n| n.starts_with("callgrind.out.1-")) {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path)?;
+            let total = text
+                .lines()
+                .find_map(|l| {
+                    l.strip_prefix("totals:")
+                        .or_else(|| l.strip_prefix("summary:"))
+                })
+                .and_then(|rest| rest.split_whitespace().next()?.parse::<u64>().ok())
+                .ok_or_else(|| anyhow!("{}: no totals line", path.display()))?;
+            counts.push(total);
+        }
+        ensure!(
+            !counts.is_empty(),
+            "callgrind dumped nothing in {}",
+            dir.display()
+        );
+        Ok(Threads {
+            total: counts.iter().sum(),
+            busiest: counts.iter().copied().max().unwrap_or(0),
+            count: counts.len(),
+        })
+    }
 }
 
 /// Envoy's downstream and upstream connection and request counters; fails

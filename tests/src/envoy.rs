@@ -26,6 +26,11 @@ pub struct EnvoyConfig {
     env: Vec<(String, String)>,
     /// Worker threads (`--concurrency`; 1 unless a test asks for more).
     workers: usize,
+    /// A program Envoy runs under (`valgrind --tool=callgrind …`), which
+    /// keeps Envoy's PID.
+    wrapper: Vec<String>,
+    /// How long Envoy may take to answer `/ready`.
+    ready_timeout: Duration,
 }
 
 impl EnvoyConfig {
@@ -44,6 +49,8 @@ impl EnvoyConfig {
             name,
             env: Vec::new(),
             workers: 1,
+            wrapper: Vec::new(),
+            ready_timeout: READY_TIMEOUT,
         })
     }
 
@@ -111,6 +118,17 @@ impl EnvoyConfig {
     /// Sets environment variable `key` for the Envoy process.
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.env.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    /// Runs Envoy under `program` (with its `args` first), e.g. callgrind
+    /// counting instructions; such an Envoy gets 10 minutes to start.
+    pub fn wrapped(mut self, program: &str, args: &[&str]) -> Self {
+        self.wrapper = std::iter::once(program)
+            .chain(args.iter().copied())
+            .map(String::from)
+            .collect();
+        self.ready_timeout = Duration::from_secs(600);
         self
     }
 
@@ -680,7 +698,16 @@ impl Envoy {
         let path = config.write(dir.path())?;
         let admin_file = dir.path().join("admin-address");
         let stdout = std::fs::File::create(dir.path().join("access.log"))?;
-        let child = Command::new(paths::envoy_binary()?)
+        let envoy = paths::envoy_binary()?;
+        let mut command = match config.wrapper.split_first() {
+            None => Command::new(&envoy),
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(&envoy);
+                command
+            }
+        };
+        let child = command
             .arg("-c")
             .arg(&path)
             .args(["--disable-hot-restart", "--concurrency"])
@@ -708,23 +735,25 @@ impl Envoy {
             dir,
             client: Client::new(),
         };
-        envoy.wait_ready(&admin_file).map_err(|err| {
-            anyhow!(
-                "Envoy did not become ready: {err:#}\n--- envoy.log (tail) ---\n{}",
-                envoy.log_tail(40)
-            )
-        })?;
+        envoy
+            .wait_ready(&admin_file, config.ready_timeout)
+            .map_err(|err| {
+                anyhow!(
+                    "Envoy did not become ready: {err:#}\n--- envoy.log (tail) ---\n{}",
+                    envoy.log_tail(40)
+                )
+            })?;
         Ok(envoy)
     }
 
-    fn wait_ready(&mut self, admin_file: &Path) -> Result<()> {
-        let deadline = Instant::now() + READY_TIMEOUT;
+    fn wait_ready(&mut self, admin_file: &Path, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait()? {
                 bail!("envoy exited with {status}");
             }
             if Instant::now() > deadline {
-                bail!("timed out after {READY_TIMEOUT:?}");
+                bail!("timed out after {timeout:?}");
             }
             if self.admin.port() == 0 {
                 if let Ok(text) = std::fs::read_to_string(admin_file)
