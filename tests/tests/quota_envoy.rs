@@ -37,6 +37,7 @@ in_every_form!(
     a_hard_stream_longer_than_its_lease_refills_as_it_goes_and_is_not_cut,
     a_cache_hit_costs_a_request_and_no_tokens,
     a_body_without_a_cap_reaches_the_backend_with_the_reserved_one,
+    with_rate_limit_headers_off_responses_carry_none_and_the_budget_still_holds,
 );
 
 /// Envoy with quota (policies `policies`) in front of `backend`, its store
@@ -939,6 +940,54 @@ fn a_made_up_model_name_gets_no_budget_of_its_own(form: Form) -> Result<()> {
             fleet.budget_total(PREFIX)
         )
     })?;
+    Ok(())
+}
+
+/// `rate_limit_headers: false` (the operator's choice, saving Envoy six
+/// header writes a response): admitted responses carry no rate-limit
+/// header of either provider's naming, and the budget refuses as before.
+fn with_rate_limit_headers_off_responses_carry_none_and_the_budget_still_holds(
+    form: Form,
+) -> Result<()> {
+    let fleet = RedisFleet::start_for_quota()?;
+    let stub = Stub::start(StubConfig::default())?;
+    let policies = json!([{"name": "two", "scope": ["tenant"], "unit": "requests",
+                           "limit": {"budget": {"amount": 2, "window": "day"}}}]);
+    let setup = Setup {
+        quota: json!({"rate_limit_headers": false}),
+        ..Setup::default()
+    };
+    let gw = gateway_with(form, stub.addr(), fleet.webdis(), policies, &setup)?;
+    let acme = bearer("alice", "acme");
+    let mut statuses = Vec::new();
+    for (i, (path, body)) in [
+        ("/v1/chat/completions", openai("one", false)),
+        ("/v1/messages", anthropic("two", false)),
+        ("/v1/chat/completions", openai("three", false)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // Past a refill's 429 (`x-should-retry: true`).
+        let mut reply = gw.post(&acme, path, &body)?;
+        for _ in 0..40 {
+            if !(reply.status == 429 && reply.header("x-should-retry") == Some("true")) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(250));
+            reply = gw.post(&acme, path, &body)?;
+        }
+        let shown: Vec<&String> = reply
+            .headers
+            .iter()
+            .map(|(name, _)| name)
+            .filter(|name| name.contains("ratelimit"))
+            .collect();
+        assert!(shown.is_empty(), "request {i}: {shown:?}");
+        statuses.push(reply.status);
+    }
+    assert_eq!(statuses, [200, 200, 429], "a budget of two requests");
+    assert_eq!(stub.requests().len(), 2, "the backend saw the refused one");
     Ok(())
 }
 

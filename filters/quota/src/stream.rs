@@ -753,6 +753,9 @@ impl<H: StreamHost> StreamStage<H> for QuotaStream {
             self.passed_by_chain = true;
             host.done_with(Callback::ResponseBody);
         }
+        if !plan.config.rate_limit_headers {
+            return Action::Continue;
+        }
         let shown = quota.shown(ticket, now);
         drop(quota);
         write_rate_limit_headers(Some(provider), &shown, now, |name, value| {

@@ -405,6 +405,41 @@ fn an_exhausted_budget_is_an_insufficient_quota_429_that_says_not_to_retry() {
 }
 
 #[test]
+fn with_rate_limit_headers_off_an_admitted_response_carries_none_and_a_refusal_still_explains() {
+    let mut config = daily(200);
+    config["rate_limit_headers"] = json!(false);
+    let mut gw = Gateway::new(&config);
+    gw.fill_lease();
+    let (mut first, action) = gw.ask(OPENAI, ACME, CHAT);
+    assert_eq!(action, Action::Continue);
+    gw.answer(
+        &mut first,
+        json!({"prompt_tokens": 7, "completion_tokens": 5}),
+    );
+    for name in [
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+        "x-ratelimit-limit-tokens",
+        "x-ratelimit-remaining-tokens",
+        "x-ratelimit-reset-tokens",
+    ] {
+        assert_eq!(gw.host.response_header_value(name), None, "{name}");
+    }
+    // Still limited and counted: a request past the budget is refused in
+    // the provider's format, and the counter holds what was used.
+    let big = r#"{"model":"m","max_tokens":250,"messages":[]}"#;
+    let (_big, action) = gw.ask(OPENAI, ACME, big);
+    assert_eq!(action, Action::Pause);
+    let sent = &gw.host.sent[0];
+    assert_eq!(sent.status, 429);
+    assert_eq!(sent.header("x-should-retry"), Some("false"));
+    gw.host.advance(Duration::from_millis(61_000));
+    gw.sync();
+    assert_eq!(gw.counter("daily"), 12);
+}
+
+#[test]
 fn anthropic_clients_get_their_own_error_format_and_headers() {
     let mut gw = Gateway::new(&daily(100_000));
     gw.answer_store();
