@@ -945,13 +945,8 @@ impl Shipped {
         self.fused_stages(FUSED_STAGES.len())
     }
 
-    /// The fused filter with a `quota` section of eight policies
-    /// ([`quota_section`]) after the shipped four.
-    fn fused_with_quota(&self) -> Result<Yaml> {
-        self.fused_with(common::quota_section())
-    }
-
-    /// The fused filter with `quota` as its `quota` section.
+    /// The fused filter with `quota` as its `quota` section (eight
+    /// policies: [`common::quota_section`]) after the shipped four.
     fn fused_with(&self, quota: Json) -> Result<Yaml> {
         let mut filter = self.fused()?;
         let value = filter
@@ -975,6 +970,13 @@ impl Shipped {
             "post_cache": self.post_cache,
             "metering": self.metering,
         })
+    }
+
+    /// [`Shipped::sections`] with `quota` as the `quota` section.
+    fn sections_with(&self, quota: Json) -> Json {
+        let mut sections = self.sections();
+        sections["quota"] = quota;
+        sections
     }
 
     /// [`Shipped::sections`] with activation's default `audit` off.
@@ -1172,7 +1174,7 @@ impl Shipped {
                 "c-fused-quota",
                 "fused filter + quota (8 policies) + observer, to the backend",
                 Chain,
-                vec![self.fused_with_quota()?],
+                vec![self.fused_with(common::quota_section())?],
             )
             .observer(self.observer(true, true))
             .request(Request::NoStore),
@@ -1233,11 +1235,7 @@ impl Shipped {
                 Chain,
                 vec![self.native_chain()?],
             )
-            .native({
-                let mut sections = self.sections();
-                sections["quota"] = common::quota_section();
-                sections
-            })
+            .native(self.sections_with(common::quota_section()))
             .request(Request::NoStore),
             Variant::new(
                 "c-native-quota-no-headers",
@@ -1245,11 +1243,7 @@ impl Shipped {
                 Chain,
                 vec![self.native_chain()?],
             )
-            .native({
-                let mut sections = self.sections();
-                sections["quota"] = quota_without_headers();
-                sections
-            })
+            .native(self.sections_with(quota_without_headers()))
             .request(Request::NoStore),
             Variant::new(
                 "c-native-no-audit",

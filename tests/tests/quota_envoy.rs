@@ -202,6 +202,27 @@ impl Gateway {
             body,
         )
     }
+
+    /// [`Gateway::post`], again while the answer is a refill's 429
+    /// (`x-should-retry: true`): the answer the budget gives, admitted or
+    /// exhausted.
+    fn post_past_refills(
+        &self,
+        bearer: &str,
+        path: &str,
+        body: &str,
+    ) -> Result<zerolayer_e2e::Reply> {
+        wait::until(
+            &format!("{path}: past refills"),
+            Duration::from_secs(10),
+            || {
+                let reply = self.post(bearer, path, body)?;
+                let refilling =
+                    reply.status == 429 && reply.header("x-should-retry") == Some("true");
+                Ok((!refilling).then_some(reply))
+            },
+        )
+    }
 }
 
 fn bearer(subject: &str, tenant: &str) -> String {
@@ -888,28 +909,21 @@ fn a_made_up_model_name_gets_no_budget_of_its_own(form: Form) -> Result<()> {
                            "limit": {"budget": {"amount": 3, "window": "day"}}}]);
     let gw = gateway(form, stub.addr(), fleet.webdis(), policies)?;
     let acme = bearer("alice", "acme");
-    // Past a refill's 429 (`x-should-retry: true`), the answer the budget
-    // gives: admitted or exhausted.
     let send = |model: &str, i: usize| -> Result<u16> {
         let body = json!({"model": model, "max_tokens": 16,
                           "messages": [{"role": "user", "content": format!("question {i}")}]});
-        for _ in 0..40 {
-            let reply = gw.post(&acme, "/v1/chat/completions", &body.to_string())?;
-            if reply.status == 429 && reply.header("x-should-retry") == Some("true") {
-                std::thread::sleep(Duration::from_millis(250));
-                continue;
-            }
-            if reply.status == 429 {
-                let error: Value = serde_json::from_str(&reply.body)?;
-                assert_eq!(
-                    error["error"]["code"], "insufficient_quota",
-                    "{}",
-                    reply.body
-                );
-            }
-            return Ok(reply.status);
+        let reply = gw
+            .post_past_refills(&acme, "/v1/chat/completions", &body.to_string())
+            .with_context(|| model.to_string())?;
+        if reply.status == 429 {
+            let error: Value = serde_json::from_str(&reply.body)?;
+            assert_eq!(
+                error["error"]["code"], "insufficient_quota",
+                "{}",
+                reply.body
+            );
         }
-        anyhow::bail!("{model}: still refilling after 10 s")
+        Ok(reply.status)
     };
     let made_up: Vec<u16> = (0..8)
         .map(|i| send(&format!("made-up-{i}"), i))
@@ -968,15 +982,7 @@ fn with_rate_limit_headers_off_responses_carry_none_and_the_budget_still_holds(
     .into_iter()
     .enumerate()
     {
-        // Past a refill's 429 (`x-should-retry: true`).
-        let mut reply = gw.post(&acme, path, &body)?;
-        for _ in 0..40 {
-            if !(reply.status == 429 && reply.header("x-should-retry") == Some("true")) {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(250));
-            reply = gw.post(&acme, path, &body)?;
-        }
+        let reply = gw.post_past_refills(&acme, path, &body)?;
         let shown: Vec<&String> = reply
             .headers
             .iter()

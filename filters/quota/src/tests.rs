@@ -61,6 +61,17 @@ impl Gateway {
 
     /// Answers every store call dispatched so far, as webdis would, to the
     /// root.
+    /// [`Gateway::new`] with the scripts loaded and acme's lease filled
+    /// (its first request, which waits for the grant and is dropped, then a
+    /// sync): the next requests are admitted without waiting.
+    fn with_lease(config: &Value) -> Gateway {
+        let mut gw = Gateway::new(config);
+        gw.answer_store();
+        let _ = gw.ask(OPENAI, ACME, CHAT);
+        gw.sync();
+        gw
+    }
+
     fn answer_store(&mut self) -> usize {
         self.answer_store_to(None)
     }
@@ -103,14 +114,6 @@ impl Gateway {
             }
             RootStage::<FakeHost>::tick(&mut self.root, &mut self.host);
         }
-    }
-
-    /// The scripts loaded and acme's lease filled: its first request (which
-    /// waits for the grant, and is dropped) and a sync.
-    fn fill_lease(&mut self) {
-        self.answer_store();
-        let _ = self.ask(OPENAI, ACME, CHAT);
-        self.sync();
     }
 
     /// A new POST to `path` by `identity` (lazy-auth's property) with
@@ -376,8 +379,7 @@ fn a_grant_that_does_not_come_in_time_is_a_429_with_retry_after() {
 
 #[test]
 fn an_exhausted_budget_is_an_insufficient_quota_429_that_says_not_to_retry() {
-    let mut gw = Gateway::new(&daily(200));
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&daily(200));
     // 200 tokens cannot hold two reservations of ~180.
     let (mut first, action) = gw.ask(OPENAI, ACME, CHAT);
     assert_eq!(action, Action::Continue);
@@ -408,8 +410,7 @@ fn an_exhausted_budget_is_an_insufficient_quota_429_that_says_not_to_retry() {
 fn with_rate_limit_headers_off_an_admitted_response_carries_none_and_a_refusal_still_explains() {
     let mut config = daily(200);
     config["rate_limit_headers"] = json!(false);
-    let mut gw = Gateway::new(&config);
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&config);
     let (mut first, action) = gw.ask(OPENAI, ACME, CHAT);
     assert_eq!(action, Action::Continue);
     gw.answer(
@@ -562,8 +563,7 @@ fn lazily_admitted(gw: &mut Gateway, key: &[u8], comes: VerdictComes) {
 
 #[test]
 fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_have() {
-    let mut gw = Gateway::new(&daily(100_000));
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&daily(100_000));
     // Verified by the time its response ended, and verified only at the
     // next tick (a response faster than the verification).
     lazily_admitted(&mut gw, b"sk-one", VerdictComes::BeforeItsLog);
@@ -586,8 +586,7 @@ fn a_lazily_admitted_request_settles_to_the_tenant_its_credential_turns_out_to_h
 
 #[test]
 fn a_lazily_admitted_request_whose_verdict_never_comes_is_handed_to_the_store_and_counted() {
-    let mut gw = Gateway::new(&daily(100_000));
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&daily(100_000));
     lazily_admitted(&mut gw, b"sk-lost", VerdictComes::Never);
     gw.sync();
     assert_eq!(gw.root.quota().unwrap().late().len(), 1, "still awaiting");
@@ -621,8 +620,7 @@ fn a_lazily_admitted_request_whose_verdict_never_comes_is_handed_to_the_store_an
 
 #[test]
 fn a_request_without_max_tokens_reserves_the_default_cap() {
-    let mut gw = Gateway::new(&daily(100_000));
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&daily(100_000));
     let body = r#"{"model":"m","messages":[]}"#;
     let (stream, action) = gw.ask(OPENAI, ACME, body);
     assert_eq!(action, Action::Continue);
@@ -639,8 +637,7 @@ fn a_body_without_a_cap_is_given_the_reserved_one_when_configured() {
     let mut config = daily(100_000);
     config["inject_max_tokens"] = json!(true);
     config["policies"][0]["default_max_output_tokens"] = json!(700);
-    let mut gw = Gateway::new(&config);
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&config);
     for (path, body, want) in [
         (
             OPENAI,
@@ -681,8 +678,7 @@ fn a_body_without_a_cap_is_given_the_reserved_one_when_configured() {
         drop(stream);
     }
     // Off (the default): nothing is added.
-    let mut gw = Gateway::new(&daily(100_000));
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&daily(100_000));
     let body = r#"{"model":"m","messages":[]}"#;
     let _ = gw.ask(OPENAI, ACME, body);
     assert_eq!(gw.host.request_body, body.as_bytes());
@@ -692,8 +688,7 @@ fn a_body_without_a_cap_is_given_the_reserved_one_when_configured() {
 fn a_body_that_went_on_in_pieces_is_counted_as_not_given_a_cap() {
     let mut config = daily(100_000);
     config["inject_max_tokens"] = json!(true);
-    let mut gw = Gateway::new(&config);
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&config);
     // A host that cannot hold the headers (ngx_wasm_module) handed the
     // body over in two pieces: the first went on.
     gw.host.platform = zerolayer_host::Platform::NgxWasm;
@@ -749,8 +744,7 @@ fn a_compressed_body_is_bounded_by_what_it_decodes_to() {
     // Large enough that a lease covers the 50 KB prompt.
     let mut config = daily(100_000_000);
     config["inject_max_tokens"] = json!(true);
-    let mut gw = Gateway::new(&config);
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&config);
     let prompt = "a".repeat(50_000);
     let plain =
         json!({"model": "m", "max_tokens": 7, "messages": [{"role": "user", "content": prompt}]})
@@ -790,12 +784,11 @@ fn a_compressed_body_is_bounded_by_what_it_decodes_to() {
     );
 
     // With only a requests policy the body's size does not matter.
-    let mut gw = Gateway::new(&json!({
+    let mut gw = Gateway::with_lease(&json!({
         "store": {"cluster": "webdis", "path": "/", "expected_gateways": 1},
         "policies": [{"name": "rpm", "scope": ["tenant"], "unit": "requests",
                       "limit": {"rate": {"amount": 100, "per": "minute"}}}]
     }));
-    gw.fill_lease();
     let (_, action) = ask_coded(&mut gw, "br", b"\x0b\x02\x80{}\x03");
     assert_eq!(action, Action::Continue);
     assert!(gw.host.sent.is_empty());
@@ -815,8 +808,7 @@ fn requests_that_are_not_llm_calls_pass_untouched() {
 
 #[test]
 fn metrics_per_policy_reach_the_host_on_tick() {
-    let mut gw = Gateway::new(&daily(100_000));
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&daily(100_000));
     let (mut stream, _) = gw.ask(OPENAI, ACME, CHAT);
     gw.answer(
         &mut stream,
@@ -841,8 +833,7 @@ fn metrics_per_policy_reach_the_host_on_tick() {
 
 #[test]
 fn a_store_that_never_answers_adds_no_wait_and_no_error_while_leases_last() {
-    let mut gw = Gateway::new(&daily(100_000));
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&daily(100_000));
     // From now on every call is dispatched and never answered.
     for _ in 0..4 {
         gw.host.advance(Duration::from_millis(500));
@@ -858,8 +849,7 @@ fn a_store_that_never_answers_adds_no_wait_and_no_error_while_leases_last() {
 
 #[test]
 fn a_stream_dropped_without_its_log_gives_its_reservation_back() {
-    let mut gw = Gateway::new(&daily(100_000));
-    gw.fill_lease();
+    let mut gw = Gateway::with_lease(&daily(100_000));
     let (stream, _) = gw.ask(OPENAI, ACME, CHAT);
     drop(stream);
     let quota = gw.root.quota().unwrap();
